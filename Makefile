@@ -1,0 +1,27 @@
+# Two commands: `make demo` and `make test`. Both create .venv when it is missing.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint format clean
+
+$(STAMP): pyproject.toml
+	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/edge0 demo
+
+test: $(STAMP)
+	$(BIN)/ruff check engine edge0_tui tests
+	$(BIN)/python -m pytest -q
+
+lint: $(STAMP)
+	$(BIN)/ruff format engine edge0_tui tests
+	$(BIN)/ruff check --fix engine edge0_tui tests
+
+clean:
+	rm -rf $(VENV) .pytest_cache

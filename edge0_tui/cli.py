@@ -1,0 +1,163 @@
+"""The `edge0` command: argument parsing and printing only; the work is in `engine`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from engine.config import MODES, EngineConfig, GenerationConfig, format_bytes, parse_size
+from engine.errors import Edge0Error
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except Edge0Error as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="edge0",
+        description="Run Mixture-of-Experts models whose experts stream from disk.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    gen = commands.add_parser("generate", help="generate text from a prompt, with per-step metrics")
+    gen.add_argument("model", type=Path, help="local mlx-lm checkpoint directory")
+    gen.add_argument("--prompt", required=True, help="raw text, encoded as is (see --chat)")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temp", type=float, default=0.0, help="0 is greedy")
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--mode", choices=MODES, default="on-demand")
+    gen.add_argument(
+        "--expert-cache", type=_size, default="1G", help="routed-expert budget, e.g. 400K, 512M, 2G"
+    )
+    gen.add_argument("--eviction", choices=("lfu-aging", "lru"), default="lfu-aging")
+    gen.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+
+    synth = commands.add_parser("synth", help="write a random-weight 4-bit checkpoint")
+    synth.add_argument("out", type=Path)
+    synth.add_argument("--family", default="qwen3_moe")
+    synth.add_argument("--preset", default="tiny")
+    synth.add_argument("--seed", type=int, default=0)
+
+    commands.add_parser("demo", help="generate on a synthetic model with live metrics")
+    return parser
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from engine.generation import Engine
+
+    config = EngineConfig(
+        mode=args.mode, expert_cache_bytes=args.expert_cache, eviction=args.eviction
+    )
+    gen = GenerationConfig(
+        max_tokens=args.max_tokens,
+        temperature=args.temp,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+    )
+    with Engine(args.model, config) as engine:
+        prompt = engine.encode(args.prompt, chat=args.chat)
+        printed = 0
+
+        def stream(token: int, step) -> None:
+            nonlocal printed
+            if args.json:
+                return
+            text = engine.tokenizer.decode(result_tokens + [token])
+            sys.stdout.write(text[printed:])
+            sys.stdout.flush()
+            printed = len(text)
+            result_tokens.append(token)
+
+        result_tokens: list[int] = []
+        result = engine.generate(prompt, gen, on_token=stream)
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "mode": args.mode,
+                    "prompt_tokens": result.prompt_tokens,
+                    "tokens": result.tokens,
+                    "text": result.text,
+                    "stopped_by": result.stopped_by,
+                    "steps": [s.as_dict() for s in result.steps],
+                    "summary": result.summary,
+                }
+            )
+        )
+    else:
+        print()
+        print(summary_line(result.summary), file=sys.stderr)
+    return 0
+
+
+def summary_line(s: dict) -> str:
+    return (
+        f"[{s['prompt_tokens']} prompt tokens, TTFT {s['ttft_ms']:.0f} ms, "
+        f"prefill {s['prefill_tok_per_s']:.1f} tok/s | decode {s['decode_tok_per_s']:.2f} tok/s, "
+        f"blocked {s['median_blocked_ms']:.1f} ms/step, {s['median_loads']:.0f} loads/step, "
+        f"{s['median_mib_read']:.1f} MiB/step, cold {s['median_cold_fraction']:.0%} | "
+        f"peak MLX {format_bytes(s['peak_mlx_bytes'])}, RSS {format_bytes(s['peak_rss_bytes'])}]"
+    )
+
+
+def cmd_synth(args: argparse.Namespace) -> int:
+    from engine.synth import write_synthetic_checkpoint
+
+    try:
+        out = write_synthetic_checkpoint(args.out, args.family, args.preset, seed=args.seed)
+    except ValueError as e:
+        raise Edge0Error(str(e)) from None
+    print(f"wrote {args.preset} {args.family} checkpoint to {out}")
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """Until the bundled demo model and the chat app land: stream a reply from a synthetic model."""
+    from platformdirs import user_cache_dir
+
+    from engine.synth import write_synthetic_checkpoint
+
+    model = Path(user_cache_dir("edge0")) / "synthetic-qwen3_moe-small"
+    if not (model / "config.json").exists():
+        print(f"writing a synthetic model to {model} ...", file=sys.stderr)
+        write_synthetic_checkpoint(model, "qwen3_moe", "small")
+    demo_args = build_parser().parse_args(
+        [
+            "generate",
+            str(model),
+            "--prompt",
+            "Tell me about the memory wall.",
+            "--chat",
+            "--expert-cache",
+            "8M",
+            "--max-tokens",
+            "48",
+        ]
+    )
+    return cmd_generate(demo_args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    handlers = {"generate": cmd_generate, "synth": cmd_synth, "demo": cmd_demo}
+    try:
+        return handlers[args.command](args)
+    except Edge0Error as e:
+        print(f"edge0: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,235 @@
+"""Where every tensor of a checkpoint lies on disk, and every routed expert's byte ranges.
+
+A safetensors file is an 8-byte little-endian header length, a JSON header mapping tensor names to
+dtype, shape and data offsets, then the raw data. Routed-expert tensors are stacked `[E, ...]` with E
+outermost, so each expert's slice of each tensor is one contiguous byte range. With the usual
+gate/up/down x weight/scales/biases layout that is 9 ranges per expert, scattered over the file
+(safetensors sorts keys, so `biases`, `scales` and `weight` of one projection lie far apart).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import Edge0Error
+
+# Bytes per element of every safetensors dtype MLX can hold.
+DTYPE_SIZES = {
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "U16": 2,
+    "I16": 2,
+    "F16": 2,
+    "BF16": 2,
+    "U32": 4,
+    "I32": 4,
+    "F32": 4,
+    "U64": 8,
+    "I64": 8,
+    "F64": 8,
+}
+# A header bigger than this is not a real checkpoint header (the largest real ones are a few MB).
+MAX_HEADER_BYTES = 100 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor in one shard: absolute byte offset and length in the file."""
+
+    name: str
+    file: Path
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class ExpertTensor:
+    """A stacked `[E, ...]` routed-expert tensor, e.g. `gate_proj.weight` of one layer."""
+
+    projection: str  # gate_proj, up_proj, down_proj
+    part: str  # weight, scales, biases, bias
+    entry: TensorEntry
+
+    @property
+    def expert_nbytes(self) -> int:
+        return self.entry.nbytes // self.entry.shape[0]
+
+    @property
+    def expert_shape(self) -> tuple[int, ...]:
+        return self.entry.shape[1:]
+
+    def expert_range(self, expert: int) -> tuple[int, int]:
+        """(absolute offset, length) of one expert's slice."""
+        return self.entry.offset + expert * self.expert_nbytes, self.expert_nbytes
+
+
+@dataclass(frozen=True)
+class LayerExperts:
+    """All routed-expert tensors of one MoE layer."""
+
+    layer: int
+    module_path: str  # e.g. model.layers.3.mlp.switch_mlp
+    num_experts: int
+    tensors: tuple[ExpertTensor, ...]
+
+    @property
+    def expert_nbytes(self) -> int:
+        """Bytes on disk of one expert (all its ranges)."""
+        return sum(t.expert_nbytes for t in self.tensors)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.entry.nbytes for t in self.tensors)
+
+
+def read_safetensors_header(path: Path) -> dict[str, TensorEntry]:
+    """Parse and validate one shard's header; raise Edge0Error naming the file on any defect."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise Edge0Error(f"{path}: not a safetensors file (shorter than 8 bytes)")
+            (header_len,) = struct.unpack("<Q", head)
+            if header_len > min(MAX_HEADER_BYTES, size - 8):
+                raise Edge0Error(
+                    f"{path}: corrupt safetensors header (declares {header_len} header bytes in a "
+                    f"{size}-byte file); the file is truncated or not safetensors"
+                )
+            raw = f.read(header_len)
+    except OSError as e:
+        raise Edge0Error(f"{path}: cannot read ({e.strerror or e})") from None
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise Edge0Error(f"{path}: corrupt safetensors header (invalid JSON: {e})") from None
+    if not isinstance(header, dict):
+        raise Edge0Error(f"{path}: corrupt safetensors header (not a JSON object)")
+
+    data_start = 8 + header_len
+    entries = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        entries[name] = _parse_entry(path, name, info, data_start, size)
+    _check_no_overlap(path, entries)
+    return entries
+
+
+def _parse_entry(path: Path, name: str, info: object, data_start: int, size: int) -> TensorEntry:
+    try:
+        dtype = info["dtype"]
+        shape = tuple(int(d) for d in info["shape"])
+        begin, end = (int(o) for o in info["data_offsets"])
+    except (TypeError, KeyError, ValueError):
+        raise Edge0Error(f"{path}: corrupt header entry for tensor {name!r}") from None
+    if dtype not in DTYPE_SIZES:
+        raise Edge0Error(f"{path}: tensor {name!r} has unsupported dtype {dtype!r}")
+    if any(d < 0 for d in shape) or not 0 <= begin <= end:
+        raise Edge0Error(f"{path}: tensor {name!r} has a negative shape or offsets")
+    nbytes = math.prod(shape) * DTYPE_SIZES[dtype]
+    if end - begin != nbytes:
+        raise Edge0Error(
+            f"{path}: tensor {name!r} is {end - begin} bytes on disk but shape {list(shape)} "
+            f"{dtype} needs {nbytes}"
+        )
+    if data_start + end > size:
+        raise Edge0Error(
+            f"{path}: tensor {name!r} ends at byte {data_start + end} but the file has {size} bytes "
+            "(truncated download?)"
+        )
+    return TensorEntry(name, path, dtype, shape, data_start + begin, nbytes)
+
+
+def _check_no_overlap(path: Path, entries: dict[str, TensorEntry]) -> None:
+    ordered = sorted(entries.values(), key=lambda e: e.offset)
+    for a, b in zip(ordered, ordered[1:]):
+        if a.offset + a.nbytes > b.offset:
+            raise Edge0Error(f"{path}: tensors {a.name!r} and {b.name!r} overlap in the file")
+
+
+def checkpoint_shards(model_dir: Path) -> list[Path]:
+    """The shard files of a checkpoint: from the index when there is one, else model*.safetensors."""
+    index_file = model_dir / "model.safetensors.index.json"
+    if index_file.exists():
+        try:
+            weight_map = json.loads(index_file.read_text())["weight_map"]
+            names = sorted(set(weight_map.values()))
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
+            raise Edge0Error(f"{index_file}: corrupt index (no weight_map)") from None
+        missing = [n for n in names if not (model_dir / n).exists()]
+        if missing:
+            raise Edge0Error(f"{model_dir / missing[0]}: shard listed in the index is missing")
+        return [model_dir / n for n in names]
+    shards = sorted(model_dir.glob("model*.safetensors"))
+    if not shards:
+        raise Edge0Error(f"{model_dir}: no model*.safetensors files")
+    return shards
+
+
+class CheckpointIndex:
+    """Every tensor of a checkpoint directory, and the routed-expert layout of each MoE layer."""
+
+    def __init__(self, model_dir: str | Path) -> None:
+        self.model_dir = Path(model_dir)
+        self.shards = checkpoint_shards(self.model_dir)
+        self.tensors: dict[str, TensorEntry] = {}
+        for shard in self.shards:
+            for name, entry in read_safetensors_header(shard).items():
+                if name in self.tensors:
+                    raise Edge0Error(
+                        f"{shard}: tensor {name!r} also appears in {self.tensors[name].file}"
+                    )
+                self.tensors[name] = entry
+        self.layers: dict[int, LayerExperts] = {}
+
+    def add_moe_layer(
+        self, layer: int, module_path: str, num_experts: int, expected: dict[str, tuple[int, ...]]
+    ) -> LayerExperts:
+        """Register one MoE layer's expert tensors.
+
+        `expected` maps `projection.part` (e.g. `gate_proj.scales`) to the stacked shape the model's
+        config implies; each must be present in the checkpoint with that shape.
+        """
+        tensors = []
+        for key, shape in expected.items():
+            name = f"{module_path}.{key}"
+            entry = self.tensors.get(name)
+            if entry is None:
+                per_expert = f"{module_path.rsplit('.', 1)[0]}.experts.0."
+                if any(t.startswith(per_expert) for t in self.tensors):
+                    raise Edge0Error(
+                        f"{self.model_dir}: layer {layer} stores experts one tensor per expert; "
+                        "convert it to stacked mlx-lm format first (python -m mlx_lm convert)"
+                    )
+                raise Edge0Error(f"{self.model_dir}: routed-expert tensor {name!r} is missing")
+            if entry.shape != tuple(shape) or entry.shape[0] != num_experts:
+                raise Edge0Error(
+                    f"{entry.file}: tensor {name!r} has shape {list(entry.shape)} but config.json "
+                    f"implies {list(shape)} ({num_experts} experts)"
+                )
+            projection, part = key.rsplit(".", 1)
+            tensors.append(ExpertTensor(projection, part, entry))
+        layer_experts = LayerExperts(layer, module_path, num_experts, tuple(tensors))
+        self.layers[layer] = layer_experts
+        return layer_experts
+
+    @property
+    def expert_nbytes(self) -> int:
+        """Bytes of all routed-expert tensors registered so far."""
+        return sum(le.nbytes for le in self.layers.values())
+
+    def expert_file_ranges(self) -> list[tuple[Path, int, int]]:
+        """(file, offset, length) of every registered expert tensor, for page-cache sampling."""
+        return [
+            (t.entry.file, t.entry.offset, t.entry.nbytes)
+            for le in self.layers.values()
+            for t in le.tensors
+        ]

@@ -1,0 +1,102 @@
+"""Configuration dataclasses passed down through the engine, and size parsing.
+
+Every knob is a field here; nothing deep inside the engine reads environment variables.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from .errors import Edge0Error
+
+MODES = ("resident", "on-demand")
+EVICTION_POLICIES = ("lfu-aging", "lru")
+
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1024,
+    "kb": 1000,
+    "kib": 1024,
+    "m": 1024**2,
+    "mb": 1000**2,
+    "mib": 1024**2,
+    "g": 1024**3,
+    "gb": 1000**3,
+    "gib": 1024**3,
+    "t": 1024**4,
+    "tb": 1000**4,
+    "tib": 1024**4,
+}
+
+
+def parse_size(text: str | int) -> int:
+    """Parse `400K`, `512M`, `2G`, `1.5GiB` or a plain byte count into bytes.
+
+    Single letters are binary (as in `ls -h` and `free`); `KB/MB/GB` are decimal, `KiB/MiB/GiB` binary.
+    """
+    if isinstance(text, int):
+        return text
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(text))
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _SIZE_UNITS:
+        raise Edge0Error(
+            f"cannot read size {text!r}: use a number with K, M, G (e.g. 400K, 512M, 1.5GiB)"
+        )
+    return int(float(match.group(1)) * _SIZE_UNITS[unit])
+
+
+def format_bytes(n: float) -> str:
+    """Human-readable binary size, e.g. `1.50 GiB`."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} TiB"
+
+
+@dataclass
+class EngineConfig:
+    """How the engine runs a checkpoint."""
+
+    mode: str = "on-demand"
+    # Byte budget for routed experts resident in MLX memory, across all layers.
+    expert_cache_bytes: int = 1024**3
+    eviction: str = "lfu-aging"
+    # Threads doing pread for expert loads. Reads are I/O, so more threads than cores helps on SSDs.
+    reader_threads: int = 4
+    # Prompt tokens per prefill forward.
+    prefill_chunk: int = 512
+    # A prefill chunk whose routing touches more than this fraction of a layer's experts reads the
+    # layer's expert tensors whole (a few large reads) instead of expert by expert.
+    whole_layer_fraction: float = 0.5
+    # Compute dtype for floating weights and activations: None picks float32 on CPU (4-bit matmuls with
+    # bf16/fp16 activations are 8-40x slower there) and keeps the checkpoint's dtype on Metal/CUDA.
+    dtype: str | None = None
+    # Page-cache residency of the expert tensors is sampled so that it costs at most this share of
+    # step time.
+    page_cache_sample_share: float = 0.02
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise Edge0Error(f"unknown mode {self.mode!r}: choose one of {', '.join(MODES)}")
+        if self.eviction not in EVICTION_POLICIES:
+            raise Edge0Error(
+                f"unknown eviction policy {self.eviction!r}: choose one of {', '.join(EVICTION_POLICIES)}"
+            )
+        if not 0.0 < self.whole_layer_fraction <= 1.0:
+            raise Edge0Error("whole_layer_fraction must be in (0, 1]")
+        if self.prefill_chunk < 1 or self.reader_threads < 1:
+            raise Edge0Error("prefill_chunk and reader_threads must be at least 1")
+
+
+@dataclass
+class GenerationConfig:
+    """How one reply is sampled."""
+
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None

@@ -1,0 +1,126 @@
+"""Reading routed experts from the checkpoint with pread, on a pool of reader threads.
+
+Reads go straight into NumPy buffers with `os.preadv` (cold mmap page faults measured 3-4x slower
+than pread on the reference Linux box). Just before each read, `mincore` over the exact byte ranges
+says how much of it was already in the page cache, so every read reports its cold bytes.
+
+Thread rule: reader threads only fill NumPy buffers. Turning them into MLX arrays happens on the
+engine's thread (`to_mlx`), because MLX streams are thread-local on Metal.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from .checkpoint_index import CheckpointIndex, ExpertTensor, LayerExperts
+from .page_cache import FileResidency
+
+# NumPy has no bfloat16: BF16 data is read as uint16 and reinterpreted by MLX.
+_NUMPY_DTYPES = {
+    "BOOL": np.bool_,
+    "U8": np.uint8,
+    "I8": np.int8,
+    "U16": np.uint16,
+    "I16": np.int16,
+    "F16": np.float16,
+    "BF16": np.uint16,
+    "U32": np.uint32,
+    "I32": np.int32,
+    "F32": np.float32,
+    "U64": np.uint64,
+    "I64": np.int64,
+    "F64": np.float64,
+}
+
+
+@dataclass
+class ReadResult:
+    """The bytes of one expert (or one whole layer) as typed NumPy arrays, with accounting."""
+
+    layer: int
+    expert: int | None  # None: the whole layer, every expert stacked
+    arrays: dict[str, np.ndarray]  # "gate_proj.weight" -> array
+    dtypes: dict[str, str]  # safetensors dtype of each array
+    nbytes: int
+    cold_bytes: int
+    wall_ms: float
+
+
+class ExpertReader:
+    """Reads experts or whole layers of a checkpoint on `threads` reader threads."""
+
+    def __init__(self, index: CheckpointIndex, threads: int = 4) -> None:
+        self.index = index
+        self._fds = {shard: os.open(shard, os.O_RDONLY) for shard in index.shards}
+        self._residency = {shard: FileResidency(shard) for shard in index.shards}
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="edge0-read")
+
+    def submit_expert(self, layer: int, expert: int) -> Future[ReadResult]:
+        layer_experts = self.index.layers[layer]
+        if not 0 <= expert < layer_experts.num_experts:
+            raise IndexError(f"layer {layer} has no expert {expert}")
+        return self._pool.submit(self._read, layer_experts, expert)
+
+    def submit_layer(self, layer: int) -> Future[ReadResult]:
+        return self._pool.submit(self._read, self.index.layers[layer], None)
+
+    def _read(self, layer_experts: LayerExperts, expert: int | None) -> ReadResult:
+        start = time.perf_counter()
+        arrays, dtypes = {}, {}
+        nbytes = cold = 0
+        for tensor in layer_experts.tensors:
+            offset, length, shape = _range_of(tensor, expert)
+            file = tensor.entry.file
+            cold += length - self._residency[file].resident_bytes(offset, length)
+            buffer = np.empty(length, dtype=np.uint8)
+            self._pread_into(self._fds[file], buffer, offset, file)
+            key = f"{tensor.projection}.{tensor.part}"
+            arrays[key] = buffer.view(_NUMPY_DTYPES[tensor.entry.dtype]).reshape(shape)
+            dtypes[key] = tensor.entry.dtype
+            nbytes += length
+        wall_ms = (time.perf_counter() - start) * 1e3
+        return ReadResult(layer_experts.layer, expert, arrays, dtypes, nbytes, cold, wall_ms)
+
+    def _pread_into(self, fd: int, buffer: np.ndarray, offset: int, file: Path) -> None:
+        view = memoryview(buffer)
+        done = 0
+        while done < len(view):
+            n = os.preadv(fd, [view[done:]], offset + done)
+            if n == 0:
+                raise OSError(f"{file}: unexpected end of file at byte {offset + done}")
+            done += n
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        for fd in self._fds.values():
+            os.close(fd)
+        for residency in self._residency.values():
+            residency.close()
+        self._fds.clear()
+
+
+def _range_of(tensor: ExpertTensor, expert: int | None) -> tuple[int, int, tuple[int, ...]]:
+    if expert is None:
+        return tensor.entry.offset, tensor.entry.nbytes, tensor.entry.shape
+    offset, length = tensor.expert_range(expert)
+    return offset, length, tensor.expert_shape
+
+
+def to_mlx(result: ReadResult, float_dtype: mx.Dtype | None) -> dict[str, mx.array]:
+    """MLX arrays for a read (engine thread only). Floating tensors are cast to `float_dtype`."""
+    out = {}
+    for key, array in result.arrays.items():
+        value = mx.array(array)
+        if result.dtypes[key] == "BF16":
+            value = value.view(mx.bfloat16)
+        if float_dtype is not None and mx.issubdtype(value.dtype, mx.floating):
+            value = value.astype(float_dtype)
+        out[key] = value
+    return out

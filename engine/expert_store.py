@@ -1,0 +1,139 @@
+"""The expert store: routed experts on demand from the checkpoint, through the bounded pool.
+
+`fetch` returns the experts a layer routes to, reading the missing ones in parallel (the forward
+waits, and that wait is blocked-on-load time). `whole_layer` serves prefill chunks that touch most of
+a layer: it reads the layer's stacked tensors whole, and starts reading the next MoE layer while this
+one computes. Whole-layer buffers live outside the pool's budget and are released after their layer.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future
+
+import mlx.core as mx
+
+from .checkpoint_index import DTYPE_SIZES, CheckpointIndex
+from .config import EngineConfig
+from .errors import Edge0Error
+from .expert_pool import ExpertKey, ExpertPool, ResidentExpert
+from .expert_reads import ExpertReader, ReadResult, to_mlx
+from .metrics import LoadCounters
+
+
+class ExpertStore:
+    def __init__(self, index: CheckpointIndex, config: EngineConfig, float_dtype: mx.Dtype | None):
+        self.index = index
+        self.float_dtype = float_dtype
+        self.whole_layer_fraction = config.whole_layer_fraction
+        self.reader = ExpertReader(index, config.reader_threads)
+        self.pool = ExpertPool(config.expert_cache_bytes, config.eviction)
+        self.counters = LoadCounters()
+        self._moe_layers = sorted(index.layers)
+        self._pending_layers: dict[int, Future[ReadResult]] = {}
+        self._held_layer_bytes = 0
+
+    def resident_expert_nbytes(self, layer: int) -> int:
+        """MLX bytes one expert of `layer` takes once resident (floating parts in compute dtype)."""
+        total = 0
+        for tensor in self.index.layers[layer].tensors:
+            nbytes = tensor.expert_nbytes
+            if self.float_dtype is not None and tensor.entry.dtype in ("BF16", "F16", "F32"):
+                nbytes = nbytes // DTYPE_SIZES[tensor.entry.dtype] * self.float_dtype.size
+            total += nbytes
+        return total
+
+    def check_budget(self, top_k: int) -> None:
+        """Refuse a budget that cannot hold one layer's routed set."""
+        need = max(self.resident_expert_nbytes(layer) for layer in self._moe_layers) * top_k
+        if self.pool.budget_bytes < need:
+            raise Edge0Error(
+                f"expert cache of {self.pool.budget_bytes} bytes cannot hold the {top_k} experts one "
+                f"layer routes to; the minimum is {need} bytes ({need / 2**20:.1f} MiB)"
+            )
+
+    # -- steps -----------------------------------------------------------------------------------
+
+    def begin_step(self) -> None:
+        self.counters = LoadCounters()
+        self.pool.step += 1
+
+    def end_step(self) -> LoadCounters:
+        for future in self._pending_layers.values():
+            self._account(future.result())  # a read already issued still cost its bytes
+        self._pending_layers.clear()
+        self._held_layer_bytes = 0
+        return self.counters
+
+    def reset(self) -> None:
+        """Forget per-request state; resident experts stay (they are still the checkpoint's)."""
+        self.end_step()
+
+    # -- per-expert path ---------------------------------------------------------------------------
+
+    def fetch(self, layer: int, experts: list[int]) -> list[ResidentExpert]:
+        """The resident experts for `experts` of `layer`, reading those that are missing."""
+        keys = [(layer, e) for e in experts]
+        found: dict[ExpertKey, ResidentExpert] = {}
+        missing = []
+        for key in keys:
+            resident = self.pool.get(key)
+            if resident is None:
+                missing.append(key)
+            else:
+                found[key] = resident
+        self.counters.hits += len(found)
+        if missing:
+            start = time.perf_counter()
+            futures = [self.reader.submit_expert(*key) for key in missing]
+            for key, future in zip(missing, futures):
+                result = future.result()
+                arrays = to_mlx(result, self.float_dtype)
+                mx.eval(arrays)
+                expert = ResidentExpert(arrays, sum(a.nbytes for a in arrays.values()))
+                self.pool.put(key, expert, protected=keys)
+                found[key] = expert
+                self._account(result)
+                self.counters.loads += 1
+            self.counters.blocked_ms += (time.perf_counter() - start) * 1e3
+        return [found[key] for key in keys]
+
+    # -- whole-layer path (prefill) ----------------------------------------------------------------
+
+    def wants_whole_layer(self, layer: int, distinct_experts: int) -> bool:
+        """Read the layer whole if its read is already under way or the chunk touches enough of it."""
+        if layer in self._pending_layers:
+            return True
+        return distinct_experts > self.whole_layer_fraction * self.index.layers[layer].num_experts
+
+    def whole_layer(self, layer: int) -> dict[str, mx.array]:
+        """The layer's stacked expert tensors; starts reading the next MoE layer before returning."""
+        start = time.perf_counter()
+        future = self._pending_layers.pop(layer, None) or self.reader.submit_layer(layer)
+        result = future.result()
+        arrays = to_mlx(result, self.float_dtype)
+        mx.eval(arrays)
+        self._account(result)
+        self.counters.whole_layer_reads += 1
+        self.counters.whole_layer_bytes += result.nbytes
+        self.counters.blocked_ms += (time.perf_counter() - start) * 1e3
+
+        # The previous layer's buffers are released once its output is computed; at most this
+        # layer's arrays and the next layer's read are held.
+        held = sum(a.nbytes for a in arrays.values())
+        following = [n for n in self._moe_layers if n > layer]
+        if following:
+            self._pending_layers[following[0]] = self.reader.submit_layer(following[0])
+            held += self.index.layers[following[0]].nbytes
+        self.counters.transient_peak_bytes = max(self.counters.transient_peak_bytes, held)
+        return arrays
+
+    def _account(self, result: ReadResult) -> None:
+        self.counters.bytes_read += result.nbytes
+        self.counters.cold_bytes += result.cold_bytes
+        self.counters.read_ms += result.wall_ms
+
+    def close(self) -> None:
+        self._pending_layers.clear()
+        self.reader.close()
+        self.pool.clear()

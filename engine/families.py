@@ -1,0 +1,77 @@
+"""The model families edge0 runs, and how to find their routed experts.
+
+Every supported family is an mlx-lm architecture whose MoE blocks hold their routed experts in a
+`SwitchGLU` at `<block>.switch_mlp`; the block's gate, top-k, score weighting and shared expert stay
+the family's own code.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import mlx.nn as nn
+from mlx_lm.models.switch_layers import SwitchGLU
+
+from .errors import Edge0Error
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    router: str  # "softmax-topk" (Qwen) or "sigmoid-group" (Ling / DeepSeek style)
+    description: str
+
+
+FAMILIES = {
+    f.name: f
+    for f in (
+        Family("qwen3_moe", "softmax-topk", "Qwen3-MoE (e.g. Qwen3-30B-A3B)"),
+        Family(
+            "qwen3_next", "softmax-topk", "Qwen3-Next: Gated DeltaNet + attention, shared expert"
+        ),
+        Family(
+            "qwen3_5_moe", "softmax-topk", "Qwen3.5/3.6-MoE: hybrid linear attention, shared expert"
+        ),
+        Family(
+            "bailing_moe", "sigmoid-group", "Ling / Bailing-MoE: sigmoid group router with bias"
+        ),
+    )
+}
+
+
+def family_of(config: dict, where: str) -> Family:
+    model_type = config.get("model_type")
+    family = FAMILIES.get(model_type)
+    if family is None:
+        raise Edge0Error(
+            f"{where}: model_type {model_type!r} is not supported; edge0 runs "
+            + ", ".join(FAMILIES)
+        )
+    return family
+
+
+@dataclass(frozen=True)
+class MoESite:
+    """Where one layer's routed experts live in the loaded model."""
+
+    layer: int
+    path: str  # e.g. model.layers.3.mlp.switch_mlp
+    parent: nn.Module  # the MoE block
+    attribute: str  # "switch_mlp"
+    switch: SwitchGLU
+
+
+def find_moe_sites(model: nn.Module) -> list[MoESite]:
+    """Every routed-expert `SwitchGLU` in the model, by layer."""
+    modules = dict(model.named_modules())
+    sites = []
+    for path, module in modules.items():
+        if not isinstance(module, SwitchGLU):
+            continue
+        match = re.search(r"layers\.(\d+)\.", path)
+        parent_path, attribute = path.rsplit(".", 1)
+        if match is None or parent_path not in modules:
+            continue
+        sites.append(MoESite(int(match.group(1)), path, modules[parent_path], attribute, module))
+    return sorted(sites, key=lambda s: s.layer)

@@ -1,0 +1,120 @@
+"""Load a checkpoint with mlx-lm's own architecture classes, with or without its routed experts.
+
+`resident` mode is stock mlx-lm: every weight in memory (the oracle and the baseline).
+`on-demand` mode loads the same model lazily, swaps every `switch_mlp` for a `StreamingSwitchGLU`
+before anything is evaluated, then evaluates the rest: the stacked expert tensors are never read.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+from mlx_lm.utils import load_model as mlx_lm_load_model
+from mlx_lm.utils import load_tokenizer
+
+from .checkpoint_index import CheckpointIndex
+from .config import EngineConfig
+from .errors import Edge0Error
+from .expert_store import ExpertStore
+from .families import Family, MoESite, family_of, find_moe_sites
+from .streaming_moe import StreamingSwitchGLU, projection_specs
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
+
+@dataclass
+class LoadedModel:
+    model: nn.Module
+    tokenizer: TokenizerWrapper
+    config: dict
+    family: Family
+    index: CheckpointIndex
+    sites: list[MoESite]  # the MoE layers (their original SwitchGLU in resident mode)
+    store: ExpertStore | None  # None in resident mode
+    float_dtype: mx.Dtype | None
+    top_k: int
+
+
+def compute_dtype(config: EngineConfig) -> mx.Dtype | None:
+    """float32 on CPU (bf16/fp16 activations make 4-bit matmuls 8-40x slower there), else as saved."""
+    if config.dtype is not None:
+        return getattr(mx, config.dtype)
+    return mx.float32 if mx.default_device().type == mx.DeviceType.cpu else None
+
+
+def read_config(model_dir: Path) -> dict:
+    if not model_dir.is_dir():
+        raise Edge0Error(f"{model_dir}: no such model directory")
+    path = model_dir / "config.json"
+    if not path.exists():
+        raise Edge0Error(f"{path}: missing (not an mlx-lm checkpoint directory?)")
+    try:
+        config = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise Edge0Error(f"{path}: invalid JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise Edge0Error(f"{path}: expected a JSON object")
+    return config
+
+
+def routed_top_k(config: dict) -> int:
+    text_config = config.get("text_config", config)
+    return int(text_config.get("num_experts_per_tok", config.get("num_experts_per_tok", 0)))
+
+
+def load(model_dir: str | Path, config: EngineConfig) -> LoadedModel:
+    model_dir = Path(model_dir)
+    model_config = read_config(model_dir)
+    family = family_of(model_config, str(model_dir / "config.json"))
+    if not any((model_dir / name).exists() for name in TOKENIZER_FILES):
+        raise Edge0Error(
+            f"{model_dir}: no tokenizer (expected one of {', '.join(TOKENIZER_FILES)})"
+        )
+    index = CheckpointIndex(model_dir)  # validates every shard header before mlx-lm reads a byte
+
+    try:
+        model, model_config = mlx_lm_load_model(model_dir, lazy=True, strict=True)
+    except (ValueError, KeyError, TypeError) as e:
+        raise Edge0Error(f"{model_dir}: checkpoint does not match config.json ({e})") from None
+    try:
+        tokenizer = load_tokenizer(model_dir, eos_token_ids=model_config.get("eos_token_id"))
+    except Exception as e:  # tokenizers raise many types for a broken file
+        raise Edge0Error(f"{model_dir}: cannot load the tokenizer ({e})") from None
+
+    sites = find_moe_sites(model)
+    if not sites:
+        raise Edge0Error(f"{model_dir}: no routed-expert layers found in this {family.name} model")
+    float_dtype = compute_dtype(config)
+    top_k = routed_top_k(model_config)
+
+    for site in sites:
+        shapes = {name: tuple(a.shape) for name, a in tree_flatten(site.switch.parameters())}
+        index.add_moe_layer(site.layer, site.path, shapes["gate_proj.weight"][0], shapes)
+
+    store = None
+    if config.mode == "on-demand":
+        store = ExpertStore(index, config, float_dtype)
+        store.check_budget(top_k)
+        for site in sites:
+            specs = projection_specs(site.switch, f"{model_dir} layer {site.layer}")
+            streaming = StreamingSwitchGLU(
+                store,
+                site.layer,
+                index.layers[site.layer].num_experts,
+                specs,
+                site.switch.activation,
+            )
+            setattr(site.parent, site.attribute, streaming)
+
+    if float_dtype is not None:
+        model.set_dtype(float_dtype)
+    mx.eval(model.parameters())
+    return LoadedModel(
+        model, tokenizer, model_config, family, index, sites, store, float_dtype, top_k
+    )

@@ -1,0 +1,191 @@
+"""Per-step metrics: where the time and the memory went.
+
+One `StepMetrics` per forward pass. The expert store fills a `LoadCounters` during the step; the
+generation loop adds wall time and a `MemorySnapshot`. Everything here is cheap enough to leave on:
+page-cache residency of the checkpoint's expert tensors is the only costly probe (one mincore per
+expert tensor), so it is re-sampled only as often as keeps it under a set share of step time.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import mlx.core as mx
+
+from .page_cache import FileResidency
+
+MIB = 1024 * 1024
+
+
+@dataclass
+class LoadCounters:
+    """What the expert store did during one step."""
+
+    loads: int = 0  # experts read from the checkpoint
+    hits: int = 0  # routed experts found resident
+    bytes_read: int = 0
+    cold_bytes: int = 0  # of bytes_read, those not in the page cache before the read
+    read_ms: float = 0.0  # sum of per-read wall times (reads overlap on the reader threads)
+    blocked_ms: float = 0.0  # time the forward waited for expert bytes
+    whole_layer_reads: int = 0
+    whole_layer_bytes: int = 0  # bytes read as whole layers (prefill), outside the cache budget
+    transient_peak_bytes: int = 0  # most whole-layer buffer bytes held at once
+
+
+@dataclass
+class MemorySnapshot:
+    mlx_active_bytes: int
+    mlx_cache_bytes: int
+    mlx_peak_bytes: int
+    rss_bytes: int
+    page_cache_expert_bytes: int  # the checkpoint's expert tensors resident in the OS page cache
+
+
+@dataclass
+class StepMetrics:
+    phase: str  # "prefill" (everything up to the first token) or "decode"
+    tokens: int  # input tokens in this forward
+    wall_ms: float
+    blocked_ms: float
+    loads: int
+    hits: int
+    mib_read: float
+    mib_per_load: float
+    cold_fraction: float  # cold bytes / bytes read (0 when nothing was read)
+    ms_per_load: float
+    whole_layer_reads: int
+    whole_layer_mib: float
+    transient_peak_mib: float
+    expert_pool_mib: float
+    mlx_active_bytes: int
+    mlx_cache_bytes: int
+    mlx_peak_bytes: int
+    rss_bytes: int
+    page_cache_expert_bytes: int
+    extra: dict = field(default_factory=dict)
+
+    @classmethod
+    def build(
+        cls,
+        phase: str,
+        tokens: int,
+        wall_ms: float,
+        counters: LoadCounters,
+        memory: MemorySnapshot,
+        expert_pool_bytes: int = 0,
+    ) -> StepMetrics:
+        loads = counters.loads
+        per_expert_bytes = counters.bytes_read - counters.whole_layer_bytes
+        return cls(
+            phase=phase,
+            tokens=tokens,
+            wall_ms=wall_ms,
+            blocked_ms=counters.blocked_ms,
+            loads=loads,
+            hits=counters.hits,
+            mib_read=counters.bytes_read / MIB,
+            mib_per_load=per_expert_bytes / MIB / loads if loads else 0.0,
+            cold_fraction=counters.cold_bytes / counters.bytes_read if counters.bytes_read else 0.0,
+            ms_per_load=counters.read_ms / loads if loads else 0.0,
+            whole_layer_reads=counters.whole_layer_reads,
+            whole_layer_mib=counters.whole_layer_bytes / MIB,
+            transient_peak_mib=counters.transient_peak_bytes / MIB,
+            expert_pool_mib=expert_pool_bytes / MIB,
+            **asdict(memory),
+        )
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def process_rss_bytes() -> int:
+    """Resident set size now (Linux), or the peak where only that is known (macOS)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return peak if sys.platform == "darwin" else peak * 1024
+
+
+class MemorySampler:
+    """Reads MLX and process memory every step; page-cache residency of expert tensors when due."""
+
+    def __init__(self, expert_ranges: list[tuple[Path, int, int]], max_share: float = 0.02) -> None:
+        self._ranges = expert_ranges
+        self._residency = {path: FileResidency(path) for path in {r[0] for r in expert_ranges}}
+        self._max_share = max_share
+        self._last_value = 0
+        self._last_cost_s = 0.0
+        self._last_at = -float("inf")
+
+    def snapshot(self) -> MemorySnapshot:
+        return MemorySnapshot(
+            mlx_active_bytes=mx.get_active_memory(),
+            mlx_cache_bytes=mx.get_cache_memory(),
+            mlx_peak_bytes=mx.get_peak_memory(),
+            rss_bytes=process_rss_bytes(),
+            page_cache_expert_bytes=self._page_cache_bytes(),
+        )
+
+    def _page_cache_bytes(self) -> int:
+        now = time.perf_counter()
+        # Re-sample only once the time since the last sample is cost/share: the probe then takes at
+        # most `max_share` of wall time, whatever the checkpoint size.
+        if now - self._last_at < self._last_cost_s / self._max_share:
+            return self._last_value
+        self._last_value = self.page_cache_bytes_now()
+        self._last_at = time.perf_counter()
+        self._last_cost_s = self._last_at - now
+        return self._last_value
+
+    def page_cache_bytes_now(self) -> int:
+        return sum(self._residency[p].resident_bytes(off, n) for p, off, n in self._ranges)
+
+    def close(self) -> None:
+        for residency in self._residency.values():
+            residency.close()
+
+
+def summarize(steps: list[StepMetrics], prompt_tokens: int) -> dict:
+    """Medians of the decode-step metrics, prefill figures apart, and peaks over the whole run."""
+    prefill = [s for s in steps if s.phase == "prefill"]
+    decode = [s for s in steps if s.phase == "decode"]
+    ttft_ms = sum(s.wall_ms for s in prefill)
+    decode_ms = sum(s.wall_ms for s in decode)
+    summary = {
+        "prompt_tokens": prompt_tokens,
+        "generated_tokens": len(decode) + (1 if prefill else 0),
+        "ttft_ms": ttft_ms,
+        "prefill_tok_per_s": prompt_tokens / (ttft_ms / 1e3) if ttft_ms else 0.0,
+        "decode_tok_per_s": len(decode) / (decode_ms / 1e3) if decode_ms else 0.0,
+        "prefill_mib_read": sum(s.mib_read for s in prefill),
+        "prefill_blocked_ms": sum(s.blocked_ms for s in prefill),
+        "peak_mlx_bytes": max((s.mlx_peak_bytes for s in steps), default=0),
+        "peak_rss_bytes": max((s.rss_bytes for s in steps), default=0),
+        "peak_transient_mib": max((s.transient_peak_mib for s in steps), default=0.0),
+    }
+    for name in (
+        "wall_ms",
+        "blocked_ms",
+        "loads",
+        "hits",
+        "mib_read",
+        "mib_per_load",
+        "cold_fraction",
+        "ms_per_load",
+        "expert_pool_mib",
+        "mlx_active_bytes",
+        "mlx_cache_bytes",
+        "page_cache_expert_bytes",
+        "rss_bytes",
+    ):
+        values = [getattr(s, name) for s in decode]
+        summary[f"median_{name}"] = statistics.median(values) if values else 0.0
+    return summary

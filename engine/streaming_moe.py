@@ -1,0 +1,176 @@
+"""The streaming replacement for mlx-lm's `SwitchGLU`: routed experts come from the expert store.
+
+The family's own MoE block still routes (its gate, its top-k, its score weighting, its shared
+expert); only `block.switch_mlp` is swapped for `StreamingSwitchGLU`, which is called the same way,
+`switch_mlp(x, indices)`, and returns the same `[..., k, hidden]` per-expert outputs.
+
+How the experts are computed is decided here, in one place:
+- decode (one token): each routed expert is its own 4-bit matmul on its own resident arrays. On the
+  MLX CPU backend one expert's `quantized_matmul` costs the same as inside `gather_qmm` (measured:
+  2.19 vs 2.12 ms for 8 experts at hidden 512, 25.1 vs 25.0 ms at hidden 2048) and is bit-identical,
+  and it needs no slot tensors, so a miss allocates only its own expert.
+- prefill (many tokens): the same `gather_qmm` math as mlx-lm over a bank: the layer's whole stacked
+  tensors when the chunk touches most experts, or a transient compact stack of the routed ones.
+On Metal, where per-kernel launch cost dominates, a slot bank with one `gather_qmm` per projection
+would be the better decode path; it would go in `expert_outputs` below.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx_lm.models.switch_layers import (
+    QuantizedSwitchLinear,
+    SwitchGLU,
+    _gather_sort,
+    _scatter_unsort,
+)
+
+from .errors import Edge0Error
+from .expert_store import ExpertStore
+
+PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class ProjectionSpec:
+    name: str
+    group_size: int
+    bits: int
+    mode: str
+    has_biases: bool  # quantization biases (affine mode)
+    has_bias: bool  # additive output bias
+
+    def parts(self) -> tuple[str, ...]:
+        return ("weight", "scales") + ("biases",) * self.has_biases + ("bias",) * self.has_bias
+
+
+def projection_specs(switch: SwitchGLU, where: str) -> tuple[ProjectionSpec, ...]:
+    specs = []
+    for name in PROJECTIONS:
+        proj = getattr(switch, name)
+        if not isinstance(proj, QuantizedSwitchLinear):
+            raise Edge0Error(
+                f"{where}: routed experts must be quantized to stream them (e.g. 4-bit with "
+                "`python -m mlx_lm convert -q`)"
+            )
+        if proj.global_scale is not None:
+            raise Edge0Error(f"{where}: experts with a global scale (nvfp4) are not supported yet")
+        specs.append(
+            ProjectionSpec(
+                name,
+                proj.group_size,
+                proj.bits,
+                proj.mode,
+                has_biases=proj.get("biases") is not None,
+                has_bias="bias" in proj,
+            )
+        )
+    return tuple(specs)
+
+
+class StreamingSwitchGLU(nn.Module):
+    """Drop-in for `SwitchGLU` whose expert weights are read on demand."""
+
+    def __init__(
+        self,
+        store: ExpertStore,
+        layer: int,
+        num_experts: int,
+        specs: tuple[ProjectionSpec, ...],
+        activation: nn.Module,
+    ) -> None:
+        super().__init__()
+        # Plain attributes (not arrays/modules): none of this is a model parameter.
+        self._store = store
+        self._layer = layer
+        self._num_experts = num_experts
+        self._specs = {s.name: s for s in specs}
+        self.activation = activation
+
+    def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
+        # The routing must be on the host to know what to read: this is the per-layer sync point.
+        mx.eval(indices)
+        routed = np.array(indices)
+        distinct = np.unique(routed)
+        tokens = routed.size // routed.shape[-1]
+        store = self._store
+        if tokens > 1 and store.wants_whole_layer(self._layer, len(distinct)):
+            return self._gather_glu(x, indices, store.whole_layer(self._layer))
+        resident = store.fetch(self._layer, distinct.tolist())
+        if tokens == 1:
+            by_expert = dict(zip(distinct.tolist(), resident))
+            outputs = [
+                self._expert_glu(x, by_expert[e].arrays) for e in routed.reshape(-1).tolist()
+            ]
+            return mx.stack(outputs, axis=-2)
+        # A short prefill chunk: stack just the routed experts (transient) and remap the indices.
+        bank = {key: mx.stack([r.arrays[key] for r in resident]) for key in resident[0].arrays}
+        slot_of = np.zeros(self._num_experts, dtype=np.uint32)
+        slot_of[distinct] = np.arange(len(distinct), dtype=np.uint32)
+        return self._gather_glu(x, mx.array(slot_of[routed]), bank)
+
+    # -- one expert, one token ---------------------------------------------------------------------
+
+    def _expert_glu(self, x: mx.array, arrays: dict[str, mx.array]) -> mx.array:
+        x_up = self._expert_project(x, arrays, self._specs["up_proj"])
+        x_gate = self._expert_project(x, arrays, self._specs["gate_proj"])
+        return self._expert_project(self.activation(x_up, x_gate), arrays, self._specs["down_proj"])
+
+    @staticmethod
+    def _expert_project(x: mx.array, arrays: dict[str, mx.array], spec: ProjectionSpec) -> mx.array:
+        p = spec.name
+        y = mx.quantized_matmul(
+            x,
+            arrays[f"{p}.weight"],
+            arrays[f"{p}.scales"],
+            arrays.get(f"{p}.biases"),
+            transpose=True,
+            group_size=spec.group_size,
+            bits=spec.bits,
+            mode=spec.mode,
+        )
+        if spec.has_bias:
+            y = y + arrays[f"{p}.bias"]
+        return y
+
+    # -- a bank of stacked experts, many tokens (mirrors mlx-lm's SwitchGLU exactly) ---------------
+
+    def _gather_glu(self, x: mx.array, indices: mx.array, bank: dict[str, mx.array]) -> mx.array:
+        x = mx.expand_dims(x, (-2, -3))
+        do_sort = indices.size >= 64
+        idx, inv_order = indices, None
+        if do_sort:
+            x, idx, inv_order = _gather_sort(x, indices)
+        x_up = self._gather_project(x, idx, bank, self._specs["up_proj"], do_sort)
+        x_gate = self._gather_project(x, idx, bank, self._specs["gate_proj"], do_sort)
+        x = self._gather_project(
+            self.activation(x_up, x_gate), idx, bank, self._specs["down_proj"], do_sort
+        )
+        if do_sort:
+            x = _scatter_unsort(x, inv_order, indices.shape)
+        return x.squeeze(-2)
+
+    @staticmethod
+    def _gather_project(
+        x: mx.array, idx: mx.array, bank: dict[str, mx.array], spec: ProjectionSpec, do_sort: bool
+    ) -> mx.array:
+        p = spec.name
+        y = mx.gather_qmm(
+            x,
+            bank[f"{p}.weight"],
+            bank[f"{p}.scales"],
+            bank.get(f"{p}.biases"),
+            rhs_indices=idx,
+            transpose=True,
+            group_size=spec.group_size,
+            bits=spec.bits,
+            mode=spec.mode,
+            sorted_indices=do_sort,
+        )
+        if spec.has_bias:
+            y = y + mx.expand_dims(bank[f"{p}.bias"][idx], -2)
+        return y
