@@ -58,7 +58,11 @@ class ExpertReader:
 
     def __init__(self, index: CheckpointIndex, threads: int = 4) -> None:
         self.index = index
-        self._fds = {shard: os.open(shard, os.O_RDONLY) for shard in index.shards}
+        # Two descriptors per shard, so the kernel's readahead serves each access pattern: none for
+        # scattered expert reads (readahead would pull neighbouring experts in and hide cold reads),
+        # aggressive for whole-layer reads.
+        self._expert_fds = {shard: _open(shard, "POSIX_FADV_RANDOM") for shard in index.shards}
+        self._layer_fds = {shard: _open(shard, "POSIX_FADV_SEQUENTIAL") for shard in index.shards}
         self._residency = {shard: FileResidency(shard) for shard in index.shards}
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="edge0-read")
 
@@ -80,7 +84,8 @@ class ExpertReader:
             file = tensor.entry.file
             cold += length - self._residency[file].resident_bytes(offset, length)
             buffer = np.empty(length, dtype=np.uint8)
-            self._pread_into(self._fds[file], buffer, offset, file)
+            fds = self._layer_fds if expert is None else self._expert_fds
+            self._pread_into(fds[file], buffer, offset, file)
             key = f"{tensor.projection}.{tensor.part}"
             arrays[key] = buffer.view(_NUMPY_DTYPES[tensor.entry.dtype]).reshape(shape)
             dtypes[key] = tensor.entry.dtype
@@ -99,11 +104,19 @@ class ExpertReader:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
-        for fd in self._fds.values():
+        for fd in [*self._expert_fds.values(), *self._layer_fds.values()]:
             os.close(fd)
         for residency in self._residency.values():
             residency.close()
-        self._fds.clear()
+        self._expert_fds.clear()
+        self._layer_fds.clear()
+
+
+def _open(path: Path, advice: str) -> int:
+    fd = os.open(path, os.O_RDONLY)
+    if hasattr(os, "posix_fadvise"):  # Linux; macOS has no fadvise
+        os.posix_fadvise(fd, 0, 0, getattr(os, advice))
+    return fd
 
 
 def _range_of(tensor: ExpertTensor, expert: int | None) -> tuple[int, int, tuple[int, ...]]:

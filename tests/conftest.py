@@ -1,0 +1,29 @@
+"""Shared fixtures: small synthetic checkpoints in mlx-lm format, built once per test session."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from engine.synth import FAMILIES, write_synthetic_checkpoint
+
+
+@pytest.fixture(scope="session")
+def checkpoint_dir(tmp_path_factory):
+    """`checkpoint_dir(family, preset)` -> path of a synthetic checkpoint, written on first use."""
+    root = tmp_path_factory.mktemp("checkpoints")
+    built: dict[tuple[str, str], Path] = {}
+
+    def get(family: str = "qwen3_moe", preset: str = "tiny") -> Path:
+        key = (family, preset)
+        if key not in built:
+            built[key] = write_synthetic_checkpoint(root / f"{family}-{preset}", family, preset)
+        return built[key]
+
+    return get
+
+
+@pytest.fixture(params=FAMILIES)
+def family(request) -> str:
+    return request.param

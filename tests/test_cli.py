@@ -1,0 +1,83 @@
+"""The `edge0 generate` contract other tools depend on, and errors without tracebacks."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from edge0_tui.cli import main
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "edge0_tui.cli", *args]
+    return subprocess.run(command, capture_output=True, text=True)
+
+
+def test_generate_json_contract(checkpoint_dir):
+    model = checkpoint_dir("qwen3_moe")
+    out = _run("generate", str(model), "--prompt", "def main():", "--max-tokens", "6", "--json")
+    assert out.returncode == 0, out.stderr
+    payload = json.loads(out.stdout)  # stdout is exactly one JSON object
+    assert {"mode", "prompt_tokens", "tokens", "text", "steps", "summary"} <= set(payload)
+    assert payload["mode"] == "on-demand"
+    assert 1 <= len(payload["tokens"]) <= 6
+    step = payload["steps"][-1]
+    for key in (
+        "wall_ms",
+        "blocked_ms",
+        "loads",
+        "hits",
+        "mib_read",
+        "mib_per_load",
+        "cold_fraction",
+        "ms_per_load",
+        "mlx_active_bytes",
+        "mlx_cache_bytes",
+        "mlx_peak_bytes",
+        "page_cache_expert_bytes",
+        "rss_bytes",
+    ):
+        assert key in step
+    summary = payload["summary"]
+    assert summary["peak_mlx_bytes"] > 0
+    assert summary["prefill_tok_per_s"] > 0 and summary["ttft_ms"] > 0
+
+
+def test_generate_is_seeded_and_resident_agrees(checkpoint_dir, capsys):
+    model = str(checkpoint_dir("qwen3_moe"))
+    common = ["generate", model, "--prompt", "x = 1", "--max-tokens", "8", "--json"]
+    sampled = ["--temp", "0.9", "--top-p", "0.9", "--seed", "7"]
+    outputs = []
+    for extra in (sampled, sampled, ["--mode", "resident", *sampled]):
+        assert main(common + extra) == 0
+        outputs.append(json.loads(capsys.readouterr().out)["tokens"])
+    assert outputs[0] == outputs[1] == outputs[2]
+
+
+def test_chat_template_applied(checkpoint_dir, capsys):
+    model = str(checkpoint_dir("qwen3_moe"))
+    assert main(["generate", model, "--prompt", "hi", "--chat", "--max-tokens", "2", "--json"]) == 0
+    with_chat = json.loads(capsys.readouterr().out)["prompt_tokens"]
+    assert main(["generate", model, "--prompt", "hi", "--max-tokens", "2", "--json"]) == 0
+    raw = json.loads(capsys.readouterr().out)["prompt_tokens"]
+    assert len(with_chat) > len(raw)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["generate", "/nonexistent/model", "--prompt", "x"], "no such model directory"),
+        (["generate", "{model}", "--prompt", "x", "--expert-cache", "1K"], "minimum is"),
+        (["generate", "{model}", "--prompt", "x", "--expert-cache", "lots"], "cannot read size"),
+        (["synth", "{tmp}/out", "--family", "llama"], "llama"),
+    ],
+)
+def test_errors_are_one_line(checkpoint_dir, tmp_path, args, message):
+    args = [a.format(model=checkpoint_dir("qwen3_moe"), tmp=tmp_path) for a in args]
+    out = _run(*args)
+    assert out.returncode == 2
+    assert message in out.stderr
+    assert "Traceback" not in out.stderr

@@ -1,0 +1,36 @@
+"""Cold accounting is real: evicted expert bytes read as cold, page-cached ones as warm."""
+
+from __future__ import annotations
+
+from engine.config import EngineConfig, GenerationConfig
+from engine.generation import Engine
+from engine.page_cache import FileResidency, evict_file
+
+
+def _first_forward(model_dir, evict: bool):
+    engine = Engine(model_dir, EngineConfig(mode="on-demand", expert_cache_bytes=1 << 30))
+    try:
+        if evict:
+            # Loading read the resident weights (with readahead): evict after, right before use.
+            for shard in engine.loaded.index.shards:
+                evict_file(shard)
+            assert engine.memory.page_cache_bytes_now() == 0
+        # A one-token prompt: the first forward routes one token and reads expert by expert.
+        result = engine.generate([42], GenerationConfig(max_tokens=1))
+        return result.steps[0], engine.loaded.index
+    finally:
+        engine.close()
+
+
+def test_cold_then_warm(checkpoint_dir):
+    model_dir = checkpoint_dir("qwen3_moe", "small")
+    cold_step, index = _first_forward(model_dir, evict=True)
+    assert cold_step.loads > 0 and cold_step.mib_read > 0
+    assert cold_step.cold_fraction > 0.9, cold_step
+
+    # The bytes just read are now in the page cache, as mincore over the same ranges shows.
+    assert sum(FileResidency(s).resident_bytes(0, s.stat().st_size) for s in index.shards) > 0
+
+    warm_step, _ = _first_forward(model_dir, evict=False)
+    assert warm_step.loads == cold_step.loads
+    assert warm_step.cold_fraction < 0.1, warm_step

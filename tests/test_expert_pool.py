@@ -1,0 +1,69 @@
+"""The expert pool keeps its byte budget, never evicts what the current layer needs, and evicts by
+its policy."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+from engine.expert_pool import ExpertPool, LFUAgingPolicy, ResidentExpert
+
+
+def _expert(nbytes: int = 100) -> ResidentExpert:
+    return ResidentExpert({"w": mx.zeros((nbytes,), dtype=mx.uint8)}, nbytes)
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu-aging"])
+def test_budget_holds_and_protected_survive(policy):
+    pool = ExpertPool(budget_bytes=300, policy=policy)
+    for e in range(3):
+        pool.put((0, e), _expert())
+    assert pool.resident_bytes == 300
+    protected = [(0, 0), (0, 1), (0, 2)]
+    pool.put((1, 0), _expert(), protected=protected)
+    # Everything else is protected: the pool runs over budget rather than drop a routed expert.
+    assert all(k in pool for k in protected) and (1, 0) in pool
+    assert pool.resident_bytes == 400
+    pool.put((1, 1), _expert(), protected=[(1, 1)])
+    assert pool.resident_bytes <= 300 + 100
+    assert (1, 1) in pool
+
+
+def test_lru_evicts_least_recent():
+    pool = ExpertPool(budget_bytes=300, policy="lru")
+    for e in range(3):
+        pool.put((0, e), _expert())
+    pool.get((0, 0))  # 0 is now the most recent; 1 the least
+    pool.put((0, 3), _expert())
+    assert (0, 1) not in pool and (0, 0) in pool and pool.evictions == 1
+
+
+def test_lfu_aging_keeps_frequent_then_forgets_them():
+    pool = ExpertPool(budget_bytes=300, policy="lfu-aging")
+    pool.put((0, 0), _expert())
+    for _ in range(5):
+        pool.step += 1
+        pool.get((0, 0))  # hot expert
+    pool.step += 1
+    pool.put((0, 1), _expert())
+    pool.put((0, 2), _expert())
+    pool.step += 1
+    pool.put((0, 3), _expert())  # a one-off burst evicts a one-off expert, not the hot one
+    assert (0, 0) in pool
+    assert len(pool) == 3
+    # Many steps later its score has decayed below fresh experts': the stale one-offs go first
+    # (their scores were lower still), then the formerly hot expert.
+    pool.step += 200
+    pool.put((0, 4), _expert())
+    pool.put((0, 5), _expert())
+    assert (0, 0) in pool
+    pool.put((0, 6), _expert())
+    assert (0, 0) not in pool
+
+
+def test_lfu_heap_stays_bounded():
+    policy = LFUAgingPolicy(half_life=4)
+    for step in range(2000):
+        policy.touch((0, step % 7), step)
+    assert len(policy._heap) <= 4 * 7 + 64
+    assert policy.victim(protected=()) is not None

@@ -1,0 +1,35 @@
+"""Streaming keeps MLX memory small: on-demand with a 10% expert cache against resident mlx-lm."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from engine.config import EngineConfig
+from engine.generation import Engine
+
+
+def _peak_mlx_bytes(model_dir, *args: str) -> int:
+    # Each arm in its own process: MLX's peak counter and allocator cache are per process.
+    command = [sys.executable, "-m", "edge0_tui.cli", "generate", str(model_dir)]
+    command += ["--prompt", "The memory wall", "--max-tokens", "16", "--json", *args]
+    out = subprocess.run(command, capture_output=True, text=True, check=True)
+    return json.loads(out.stdout)["summary"]["peak_mlx_bytes"]
+
+
+def test_on_demand_peak_is_a_fraction_of_resident(checkpoint_dir):
+    model_dir = checkpoint_dir("qwen3_moe", "small")
+    engine = Engine(model_dir, EngineConfig(mode="resident"))
+    expert_bytes = engine.loaded.index.expert_nbytes
+    engine.close()
+
+    resident = _peak_mlx_bytes(model_dir, "--mode", "resident")
+    budget = expert_bytes // 10
+    streaming = _peak_mlx_bytes(model_dir, "--mode", "on-demand", "--expert-cache", str(budget))
+    print(
+        f"\nexpert bytes {expert_bytes / 2**20:.1f} MiB; peak MLX: resident "
+        f"{resident / 2**20:.1f} MiB, on-demand with a {budget / 2**20:.1f} MiB cache "
+        f"{streaming / 2**20:.1f} MiB ({streaming / resident:.0%})"
+    )
+    assert streaming < 0.35 * resident

@@ -1,0 +1,84 @@
+"""Streaming with the true router gives the same greedy tokens as stock mlx-lm, for every family.
+
+Resident mode is mlx-lm's own model with every weight in memory: the oracle. On-demand mode must
+match it token for token, whichever path the experts take (per-expert decode, compact prefill stack,
+whole-layer prefill) and however often the pool evicts.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.config import EngineConfig, GenerationConfig
+from engine.generation import Engine
+
+GREEDY_32 = GenerationConfig(max_tokens=32, temperature=0.0)
+# Three tokens: a two-token prefill chunk routes to at most 2 * top_k = 8 of 16 experts, below the
+# whole-layer threshold (half the experts), so prefill takes the per-expert path.
+SHORT_PROMPT = [11, 400, 97]
+# Sixty tokens in chunks of 16: every chunk touches most experts, so prefill reads whole layers.
+LONG_PROMPT = [(i * 37 + 5) % 1000 + 3 for i in range(60)]
+
+
+def _generate(model_dir, prompt, **config) -> tuple[list[int], list]:
+    engine = Engine(model_dir, EngineConfig(prefill_chunk=16, **config))
+    try:
+        result = engine.generate(prompt, GREEDY_32)
+        # EOS may stop early; parity still compares every token generated.
+        return result.tokens, result.steps
+    finally:
+        engine.close()
+
+
+@pytest.fixture(scope="module")
+def resident_tokens(checkpoint_dir):
+    cache = {}
+
+    def get(family: str, prompt_name: str) -> list[int]:
+        if (family, prompt_name) not in cache:
+            prompt = SHORT_PROMPT if prompt_name == "short" else LONG_PROMPT
+            tokens, _ = _generate(checkpoint_dir(family), prompt, mode="resident")
+            cache[family, prompt_name] = tokens
+        return cache[family, prompt_name]
+
+    return get
+
+
+def _one_layer_budget(model_dir) -> int:
+    """A budget of one expert more than one layer's routed set: experts are evicted every step."""
+    engine = Engine(model_dir, EngineConfig(mode="on-demand"))
+    try:
+        store = engine.store
+        layer = max(store.index.layers)
+        return (engine.loaded.top_k + 1) * store.resident_expert_nbytes(layer)
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("prompt_name", ["short", "long"])
+@pytest.mark.parametrize("cache", ["everything", "one-layer"])
+def test_on_demand_matches_resident(checkpoint_dir, resident_tokens, family, prompt_name, cache):
+    model_dir = checkpoint_dir(family)
+    budget = 1 << 30 if cache == "everything" else _one_layer_budget(model_dir)
+    prompt = SHORT_PROMPT if prompt_name == "short" else LONG_PROMPT
+    tokens, steps = _generate(model_dir, prompt, mode="on-demand", expert_cache_bytes=budget)
+
+    assert len(tokens) >= 8
+    assert tokens == resident_tokens(family, prompt_name)
+
+    prefill = [s for s in steps if s.phase == "prefill"]
+    decode = [s for s in steps if s.phase == "decode"]
+    whole_layer_reads = sum(s.whole_layer_reads for s in prefill)
+    if prompt_name == "long":
+        assert whole_layer_reads > 0, "long prompts must read whole layers"
+        assert max(s.transient_peak_mib for s in prefill) > 0
+    else:
+        assert whole_layer_reads == 0, "short prompts must take the per-expert path"
+    assert all(s.whole_layer_reads == 0 for s in decode)
+    if cache == "one-layer":
+        # Little more than one layer fits, so nearly every routed expert is read again each step.
+        assert all(s.loads > 0 for s in decode)
+        assert all(s.expert_pool_mib * 2**20 <= budget for s in decode)
+    else:
+        # Everything fits: after the first pass over the prompt, decode reads only new experts.
+        assert sum(s.hits for s in decode) > sum(s.loads for s in decode)
