@@ -10,6 +10,7 @@ engine's thread (`to_mlx`), because MLX streams are thread-local on Metal.
 
 from __future__ import annotations
 
+import errno
 import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -97,9 +98,14 @@ class ExpertReader:
         view = memoryview(buffer)
         done = 0
         while done < len(view):
-            n = os.preadv(fd, [view[done:]], offset + done)
+            try:
+                n = os.preadv(fd, [view[done:]], offset + done)
+            except OSError as e:
+                raise OSError(e.errno, e.strerror, str(file)) from None
             if n == 0:
-                raise OSError(f"{file}: unexpected end of file at byte {offset + done}")
+                raise OSError(
+                    errno.EIO, f"unexpected end of file at byte {offset + done}", str(file)
+                )
             done += n
 
     def close(self) -> None:

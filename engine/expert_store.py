@@ -31,7 +31,9 @@ class ExpertStore:
         self.counters = LoadCounters()
         self._moe_layers = sorted(index.layers)
         self._pending_layers: dict[int, Future[ReadResult]] = {}
-        self._held_layer_bytes = 0
+        # When a list, every fetch appends (step, layer, experts): the routing trace that the eviction
+        # benchmark replays.
+        self.trace: list[tuple[int, int, list[int]]] | None = None
 
     def resident_expert_nbytes(self, layer: int) -> int:
         """MLX bytes one expert of `layer` takes once resident (floating parts in compute dtype)."""
@@ -59,10 +61,10 @@ class ExpertStore:
         self.pool.step += 1
 
     def end_step(self) -> LoadCounters:
-        for future in self._pending_layers.values():
-            self._account(future.result())  # a read already issued still cost its bytes
-        self._pending_layers.clear()
-        self._held_layer_bytes = 0
+        pending, self._pending_layers = self._pending_layers, {}
+        for future in pending.values():
+            if future.exception() is None:
+                self._account(future.result())  # a read already issued still cost its bytes
         return self.counters
 
     def reset(self) -> None:
@@ -73,6 +75,8 @@ class ExpertStore:
 
     def fetch(self, layer: int, experts: list[int]) -> list[ResidentExpert]:
         """The resident experts for `experts` of `layer`, reading those that are missing."""
+        if self.trace is not None:
+            self.trace.append((self.pool.step, layer, list(experts)))
         keys = [(layer, e) for e in experts]
         found: dict[ExpertKey, ResidentExpert] = {}
         missing = []
@@ -87,7 +91,7 @@ class ExpertStore:
             start = time.perf_counter()
             futures = [self.reader.submit_expert(*key) for key in missing]
             for key, future in zip(missing, futures):
-                result = future.result()
+                result = _result_or_error(future, f"layer {layer} expert {key[1]}")
                 arrays = to_mlx(result, self.float_dtype)
                 mx.eval(arrays)
                 expert = ResidentExpert(arrays, sum(a.nbytes for a in arrays.values()))
@@ -110,7 +114,7 @@ class ExpertStore:
         """The layer's stacked expert tensors; starts reading the next MoE layer before returning."""
         start = time.perf_counter()
         future = self._pending_layers.pop(layer, None) or self.reader.submit_layer(layer)
-        result = future.result()
+        result = _result_or_error(future, f"layer {layer} (whole)")
         arrays = to_mlx(result, self.float_dtype)
         mx.eval(arrays)
         self._account(result)
@@ -137,3 +141,12 @@ class ExpertStore:
         self._pending_layers.clear()
         self.reader.close()
         self.pool.clear()
+
+
+def _result_or_error(future: Future[ReadResult], what: str) -> ReadResult:
+    """The read's result; a failed read becomes an Edge0Error naming the file and the expert."""
+    try:
+        return future.result()
+    except OSError as e:
+        where = e.filename or "checkpoint"
+        raise Edge0Error(f"{where}: read error while loading {what} ({e.strerror or e})") from None

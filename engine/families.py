@@ -40,6 +40,15 @@ FAMILIES = {
 }
 
 
+def set_top_k(block: nn.Module, k: int) -> None:
+    """Make a family's MoE block route to `k` experts with its own (true) router."""
+    if hasattr(block, "gate") and hasattr(block.gate, "top_k"):  # bailing_moe: BailingMoeGate
+        block.gate.top_k = k
+        block.num_experts_per_tok = k
+    else:  # the Qwen families keep k on the block
+        block.top_k = k
+
+
 def family_of(config: dict, where: str) -> Family:
     model_type = config.get("model_type")
     family = FAMILIES.get(model_type)

@@ -7,6 +7,7 @@ that token is the `prefill` phase (its sum is time-to-first-token); every later 
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -18,10 +19,21 @@ from mlx_lm.sample_utils import make_sampler
 
 from .config import EngineConfig, GenerationConfig
 from .errors import Edge0Error
+from .families import set_top_k
 from .loader import LoadedModel, load
 from .metrics import LoadCounters, MemorySampler, StepMetrics, summarize
 
 TokenCallback = Callable[[int, StepMetrics], None]
+
+
+@dataclass(frozen=True)
+class KProfile:
+    """A routing width the engine can switch to."""
+
+    k: int
+    # True when trained adapters recover quality at this K; False when the true router is simply
+    # narrowed or widened (quality is not recovered).
+    recovered: bool
 
 
 @dataclass
@@ -47,6 +59,9 @@ class Engine:
         self.memory = MemorySampler(
             self.loaded.index.expert_file_ranges(), self.config.page_cache_sample_share
         )
+        self.k = self.loaded.top_k
+        self._requested_k: int | None = None
+        self._lock = threading.Lock()
         self.context_limit = int(
             self.loaded.config.get("max_position_embeddings")
             or self.loaded.config.get("text_config", {}).get("max_position_embeddings")
@@ -60,9 +75,59 @@ class Engine:
     def encode(self, text: str, chat: bool = False) -> list[int]:
         """Token ids of `text`: raw (as is), or wrapped in the tokenizer's chat template."""
         if chat:
-            messages = [{"role": "user", "content": text}]
-            return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+            return self.encode_chat([{"role": "user", "content": text}])
         return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        """Token ids of a conversation (`role`/`content` dicts), ready for the assistant's turn."""
+        return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+
+    def info(self) -> dict:
+        """What a status line or `edge0 info` shows about this engine."""
+        index = self.loaded.index
+        layer_experts = next(iter(index.layers.values()))
+        return {
+            "model": self.model_dir.name,
+            "family": self.loaded.family.name,
+            "mode": self.mode,
+            "k": self.k,
+            "native_k": self.loaded.top_k,
+            "moe_layers": len(index.layers),
+            "experts": layer_experts.num_experts,
+            "expert_bytes": index.expert_nbytes,
+            "expert_cache_bytes": self.config.expert_cache_bytes,
+            "dtype": str(self.loaded.float_dtype or "as saved"),
+        }
+
+    # -- routing width -----------------------------------------------------------------------------
+
+    def profiles(self) -> list[KProfile]:
+        """The K values this engine can route with. Without adapter files, the true router is
+        narrowed or widened, and quality at K other than the native one is not recovered."""
+        experts = next(iter(self.loaded.index.layers.values())).num_experts
+        ks = sorted({k for k in (2, 4, 8) if k <= experts} | {self.loaded.top_k})
+        return [KProfile(k, recovered=(k == self.loaded.top_k)) for k in ks]
+
+    def request_k(self, k: int) -> KProfile:
+        """Ask for routing width `k`; safe from any thread, applied before the next step."""
+        profile = next((p for p in self.profiles() if p.k == k), None)
+        if profile is None:
+            choices = ", ".join(str(p.k) for p in self.profiles())
+            raise Edge0Error(f"K={k} is not available for this model (choose {choices})")
+        if self.store is not None:
+            self.store.check_budget(k)
+        with self._lock:
+            self._requested_k = k
+        return profile
+
+    def _apply_requested_k(self) -> None:
+        with self._lock:
+            k, self._requested_k = self._requested_k, None
+        if k is None or k == self.k:
+            return
+        for site in self.loaded.sites:
+            set_top_k(site.parent, k)
+        self.k = k
 
     def generate(
         self,
@@ -86,6 +151,16 @@ class Engine:
         cache = make_prompt_cache(self.model)
         if self.store is not None:
             self.store.reset()
+        try:
+            return self._generate(prompt_tokens, gen, sampler, cache, on_token, should_stop)
+        finally:
+            # Whatever happened (a read error, a cancel), no per-request state outlives the request.
+            if self.store is not None:
+                self.store.reset()
+
+    def _generate(
+        self, prompt_tokens, gen, sampler, cache, on_token, should_stop
+    ) -> GenerationResult:
         eos = set(self.tokenizer.eos_token_ids)
         steps: list[StepMetrics] = []
         result = GenerationResult(list(prompt_tokens), [], "", steps)
@@ -122,6 +197,7 @@ class Engine:
         steps: list[StepMetrics],
         logits_wanted=True,
     ) -> mx.array | None:
+        self._apply_requested_k()
         start = time.perf_counter()
         if self.store is not None:
             self.store.begin_step()

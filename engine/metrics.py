@@ -122,8 +122,9 @@ class MemorySampler:
         self._residency = {path: FileResidency(path) for path in {r[0] for r in expert_ranges}}
         self._max_share = max_share
         self._last_value = 0
-        self._last_cost_s = 0.0
+        self.last_probe_seconds = 0.0
         self._last_at = -float("inf")
+        self.probe_seconds = 0.0  # total time spent in page-cache probes
 
     def snapshot(self) -> MemorySnapshot:
         return MemorySnapshot(
@@ -138,11 +139,12 @@ class MemorySampler:
         now = time.perf_counter()
         # Re-sample only once the time since the last sample is cost/share: the probe then takes at
         # most `max_share` of wall time, whatever the checkpoint size.
-        if now - self._last_at < self._last_cost_s / self._max_share:
+        if now - self._last_at < self.last_probe_seconds / self._max_share:
             return self._last_value
         self._last_value = self.page_cache_bytes_now()
         self._last_at = time.perf_counter()
-        self._last_cost_s = self._last_at - now
+        self.last_probe_seconds = self._last_at - now
+        self.probe_seconds += self.last_probe_seconds
         return self._last_value
 
     def page_cache_bytes_now(self) -> int:

@@ -33,3 +33,21 @@ def test_on_demand_peak_is_a_fraction_of_resident(checkpoint_dir):
         f"{streaming / 2**20:.1f} MiB ({streaming / resident:.0%})"
     )
     assert streaming < 0.35 * resident
+
+
+def test_page_cache_probe_stays_under_its_share(checkpoint_dir):
+    from engine.config import GenerationConfig
+
+    engine = Engine(
+        checkpoint_dir("qwen3_moe", "small"), EngineConfig(page_cache_sample_share=0.02)
+    )
+    try:
+        result = engine.generate([5, 6, 7], GenerationConfig(max_tokens=40))
+        wall_s = sum(s.wall_ms for s in result.steps) / 1e3
+        assert engine.memory.probe_seconds > 0
+        # The first probe is unconditional; after it, probes take at most 2% of the time.
+        one_probe = engine.memory.last_probe_seconds
+        assert engine.memory.probe_seconds <= 0.02 * wall_s + 2 * one_probe
+        assert max(s.page_cache_expert_bytes for s in result.steps) > 0
+    finally:
+        engine.close()
