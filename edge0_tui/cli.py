@@ -39,7 +39,31 @@ def build_parser() -> argparse.ArgumentParser:
         "--expert-cache", type=_size, default="1G", help="routed-expert budget, e.g. 400K, 512M, 2G"
     )
     gen.add_argument("--eviction", choices=("lfu-aging", "lru"), default="lfu-aging")
+    gen.add_argument("--k", type=int, default=None, help="routing width (default: the model's)")
+    gen.add_argument("--no-lora", action="store_true", help="prerouter mode without the LoRA")
+    gen.add_argument(
+        "--shadow-router",
+        action="store_true",
+        help="also run the true routers to report the prediction's recall@K (costs compute)",
+    )
     gen.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+
+    info = commands.add_parser("info", help="family, layers, experts, expert bytes, K profiles")
+    info.add_argument("model", type=Path)
+    info.add_argument("--json", action="store_true")
+
+    train = commands.add_parser("train", help="training phases")
+    phases = train.add_subparsers(dest="phase", required=True)
+    heads = phases.add_parser("heads", help="phase 1: distill prerouter heads for width K")
+    heads.add_argument("model", type=Path)
+    heads.add_argument("--k", type=int, required=True)
+    heads.add_argument("--text", type=Path, required=True, help="UTF-8 text to run the model over")
+    heads.add_argument(
+        "--out", type=Path, default=None, help="default MODEL/prerouter_k{K}.safetensors"
+    )
+    heads.add_argument("--start-layer", type=int, default=None)
+    heads.add_argument("--steps", type=int, default=400)
+    heads.add_argument("--max-tokens", type=int, default=60_000)
 
     synth = commands.add_parser("synth", help="write a random-weight 4-bit checkpoint")
     synth.add_argument("out", type=Path)
@@ -55,7 +79,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from engine.generation import Engine
 
     config = EngineConfig(
-        mode=args.mode, expert_cache_bytes=args.expert_cache, eviction=args.eviction
+        mode=args.mode,
+        expert_cache_bytes=args.expert_cache,
+        eviction=args.eviction,
+        k=args.k,
+        lora=not args.no_lora,
+        shadow_router=args.shadow_router,
     )
     gen = GenerationConfig(
         max_tokens=args.max_tokens,
@@ -65,6 +94,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         seed=args.seed,
     )
     with Engine(args.model, config) as engine:
+        if note := engine.quality_note():
+            print(f"edge0: note: {note}", file=sys.stderr)
         prompt = engine.encode(args.prompt, chat=args.chat)
         printed = 0
 
@@ -72,19 +103,23 @@ def cmd_generate(args: argparse.Namespace) -> int:
             nonlocal printed
             if args.json:
                 return
-            text = engine.tokenizer.decode(result_tokens + [token])
-            sys.stdout.write(text[printed:])
-            sys.stdout.flush()
-            printed = len(text)
             result_tokens.append(token)
+            text = engine.tokenizer.decode(result_tokens)
+            # A token may end inside a multi-byte character: hold it back until it completes.
+            stable = len(text.rstrip("\ufffd"))
+            sys.stdout.write(text[printed:stable])
+            sys.stdout.flush()
+            printed = stable
 
         result_tokens: list[int] = []
         result = engine.generate(prompt, gen, on_token=stream)
+        engine_k = engine.k
     if args.json:
         print(
             json.dumps(
                 {
                     "mode": args.mode,
+                    "k": engine_k,
                     "prompt_tokens": result.prompt_tokens,
                     "tokens": result.tokens,
                     "text": result.text,
@@ -95,19 +130,68 @@ def cmd_generate(args: argparse.Namespace) -> int:
             )
         )
     else:
-        print()
+        print(result.text[printed:])
         print(summary_line(result.summary), file=sys.stderr)
     return 0
 
 
 def summary_line(s: dict) -> str:
+    prerouter = ""
+    if s.get("median_predicted"):
+        prerouter = (
+            f" | prerouter: {s['median_predicted']:.0f} layers predicted, "
+            f"{s['median_prefetch_issued']:.0f} reads ahead/step "
+            f"({s['median_prefetch_in_time']:.0f} in time, {s['median_prefetch_late']:.0f} late), "
+            f"dropped {s['dropped']}"
+        )
+        if "shadow_recall" in s:
+            prerouter += f", recall {s['shadow_recall']:.2f}"
     return (
         f"[{s['prompt_tokens']} prompt tokens, TTFT {s['ttft_ms']:.0f} ms, "
         f"prefill {s['prefill_tok_per_s']:.1f} tok/s | decode {s['decode_tok_per_s']:.2f} tok/s, "
         f"blocked {s['median_blocked_ms']:.1f} ms/step, {s['median_loads']:.0f} loads/step, "
         f"{s['median_mib_read']:.1f} MiB/step, cold {s['median_cold_fraction']:.0%} | "
-        f"peak MLX {format_bytes(s['peak_mlx_bytes'])}, RSS {format_bytes(s['peak_rss_bytes'])}]"
+        f"peak MLX {format_bytes(s['peak_mlx_bytes'])}, RSS {format_bytes(s['peak_rss_bytes'])}"
+        f"{prerouter}]"
     )
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    from engine.generation import Engine
+
+    with Engine(args.model, EngineConfig(mode="on-demand")) as engine:
+        info = engine.info()
+    if args.json:
+        print(json.dumps(info))
+        return 0
+    print(f"{info['model']}: {info['family']}, {info['layers']} layers ({info['moe_layers']} MoE)")
+    print(
+        f"  {info['experts']} routed experts per layer, native K={info['native_k']}, hidden {info['hidden']}"
+    )
+    print(
+        f"  routed-expert bytes {format_bytes(info['expert_bytes'])}, fingerprint {info['fingerprint']}"
+    )
+    for p in info["profiles"]:
+        parts = [name for name in ("prerouter", "lora") if p[name]]
+        quality = "recovered" if p["recovered"] else "quality not recovered"
+        print(f"  K={p['k']}: {' + '.join(parts) or 'true router'} ({quality})")
+    return 0
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from engine.train_heads import TrainHeadsConfig, train_heads
+
+    try:
+        text = args.text.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise Edge0Error(f"{args.text}: cannot read text ({e})") from None
+    config = TrainHeadsConfig(
+        k=args.k, start_layer=args.start_layer, steps=args.steps, max_tokens=args.max_tokens
+    )
+    train_heads(
+        args.model, text, config, out=args.out, progress=lambda line: print(line, flush=True)
+    )
+    return 0
 
 
 def cmd_synth(args: argparse.Namespace) -> int:
@@ -149,7 +233,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    handlers = {"generate": cmd_generate, "synth": cmd_synth, "demo": cmd_demo}
+    handlers = {
+        "generate": cmd_generate,
+        "info": cmd_info,
+        "train": cmd_train,
+        "synth": cmd_synth,
+        "demo": cmd_demo,
+    }
     try:
         return handlers[args.command](args)
     except Edge0Error as e:

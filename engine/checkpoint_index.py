@@ -9,6 +9,7 @@ gate/up/down x weight/scales/biases layout that is 9 ranges per expert, scattere
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import struct
@@ -91,6 +92,12 @@ class LayerExperts:
 
 def read_safetensors_header(path: Path) -> dict[str, TensorEntry]:
     """Parse and validate one shard's header; raise Edge0Error naming the file on any defect."""
+    return read_safetensors(path)[0]
+
+
+def read_safetensors(path: Path) -> tuple[dict[str, TensorEntry], dict]:
+    """Tensor entries and the `__metadata__` dict of a safetensors file, validated."""
+    path = Path(path)
     try:
         size = path.stat().st_size
         with open(path, "rb") as f:
@@ -113,14 +120,15 @@ def read_safetensors_header(path: Path) -> dict[str, TensorEntry]:
     if not isinstance(header, dict):
         raise Edge0Error(f"{path}: corrupt safetensors header (not a JSON object)")
 
+    metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict):
+        raise Edge0Error(f"{path}: corrupt safetensors header (__metadata__ is not an object)")
     data_start = 8 + header_len
-    entries = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        entries[name] = _parse_entry(path, name, info, data_start, size)
+    entries = {
+        name: _parse_entry(path, name, info, data_start, size) for name, info in header.items()
+    }
     _check_no_overlap(path, entries)
-    return entries
+    return entries, metadata
 
 
 def _parse_entry(path: Path, name: str, info: object, data_start: int, size: int) -> TensorEntry:
@@ -233,3 +241,16 @@ class CheckpointIndex:
             for le in self.layers.values()
             for t in le.tensors
         ]
+
+
+def base_fingerprint(index: CheckpointIndex) -> str:
+    """A short hash naming the base model: its config.json and its routed-expert tensor entries.
+
+    Adapters record it, so a file trained for another model (or another quantization) is refused.
+    """
+    config = json.loads((index.model_dir / "config.json").read_text())
+    digest = hashlib.sha256(json.dumps(config, sort_keys=True).encode())
+    for name in sorted(t.entry.name for le in index.layers.values() for t in le.tensors):
+        entry = index.tensors[name]
+        digest.update(f"{name}|{entry.dtype}|{list(entry.shape)}\n".encode())
+    return digest.hexdigest()[:16]

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from .errors import Edge0Error
 
-MODES = ("resident", "on-demand")
+MODES = ("resident", "on-demand", "prerouter")
 EVICTION_POLICIES = ("lfu-aging", "lru")
 
 _SIZE_UNITS = {
@@ -74,6 +74,12 @@ class EngineConfig:
     # Compute dtype for floating weights and activations: None picks float32 on CPU (4-bit matmuls with
     # bf16/fp16 activations are 8-40x slower there) and keeps the checkpoint's dtype on Metal/CUDA.
     dtype: str | None = None
+    # Routing width; None: the model's native K (or, in prerouter mode, the profile closest to it).
+    k: int | None = None
+    # Apply the profile's recovery LoRA in prerouter mode.
+    lora: bool = True
+    # Also run the true router on consumer layers to measure the prediction's recall@K (costs compute).
+    shadow_router: bool = False
     # Page-cache residency of the expert tensors is sampled so that it costs at most this share of
     # step time.
     page_cache_sample_share: float = 0.02

@@ -114,6 +114,8 @@ class ExpertPool:
         self.resident_bytes = 0
         self.evictions = 0
         self.step = 0
+        # Experts a coming step is known to route to (predictions): never evicted until unpinned.
+        self.pinned: set[ExpertKey] = set()
 
     def __contains__(self, key: ExpertKey) -> bool:
         return key in self._experts
@@ -137,6 +139,8 @@ class ExpertPool:
         """
         if key in self._experts:
             self._drop(key)
+        if self.pinned:
+            protected = self.pinned.union(protected)
         while self.resident_bytes + expert.nbytes > self.budget_bytes:
             victim = self.policy.victim(protected)
             if victim is None:

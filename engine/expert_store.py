@@ -31,6 +31,9 @@ class ExpertStore:
         self.counters = LoadCounters()
         self._moe_layers = sorted(index.layers)
         self._pending_layers: dict[int, Future[ReadResult]] = {}
+        # Reads issued ahead for the next step's predicted experts.
+        self._staged: dict[ExpertKey, Future[ReadResult]] = {}
+        self._issued_for_next_step = 0
         # When a list, every fetch appends (step, layer, experts): the routing trace that the eviction
         # benchmark replays.
         self.trace: list[tuple[int, int, list[int]]] | None = None
@@ -57,7 +60,8 @@ class ExpertStore:
     # -- steps -----------------------------------------------------------------------------------
 
     def begin_step(self) -> None:
-        self.counters = LoadCounters()
+        self.counters = LoadCounters(prefetch_issued=self._issued_for_next_step)
+        self._issued_for_next_step = 0
         self.pool.step += 1
 
     def end_step(self) -> LoadCounters:
@@ -65,11 +69,26 @@ class ExpertStore:
         for future in pending.values():
             if future.exception() is None:
                 self._account(future.result())  # a read already issued still cost its bytes
+        self.pool.pinned.clear()
         return self.counters
 
     def reset(self) -> None:
         """Forget per-request state; resident experts stay (they are still the checkpoint's)."""
         self.end_step()
+        self._staged.clear()  # reads in flight finish on their own; their bytes are not used
+        self._issued_for_next_step = 0
+
+    # -- reads ahead (prerouter) -------------------------------------------------------------------
+
+    def stage(self, layer: int, experts: list[int]) -> None:
+        """The next step routes `layer` to `experts`: pin the resident ones, start reading the rest."""
+        for expert in experts:
+            key = (layer, expert)
+            if key in self.pool:
+                self.pool.pinned.add(key)
+            elif key not in self._staged:
+                self._staged[key] = self.reader.submit_expert(layer, expert)
+                self._issued_for_next_step += 1
 
     # -- per-expert path ---------------------------------------------------------------------------
 
@@ -89,7 +108,7 @@ class ExpertStore:
         self.counters.hits += len(found)
         if missing:
             start = time.perf_counter()
-            futures = [self.reader.submit_expert(*key) for key in missing]
+            futures = [self._staged_or_submit(key) for key in missing]
             for key, future in zip(missing, futures):
                 result = _result_or_error(future, f"layer {layer} expert {key[1]}")
                 arrays = to_mlx(result, self.float_dtype)
@@ -101,6 +120,16 @@ class ExpertStore:
                 self.counters.loads += 1
             self.counters.blocked_ms += (time.perf_counter() - start) * 1e3
         return [found[key] for key in keys]
+
+    def _staged_or_submit(self, key: ExpertKey) -> Future[ReadResult]:
+        future = self._staged.pop(key, None)
+        if future is None:
+            return self.reader.submit_expert(*key)
+        if future.done():
+            self.counters.prefetch_in_time += 1
+        else:
+            self.counters.prefetch_late += 1
+        return future
 
     # -- whole-layer path (prefill) ----------------------------------------------------------------
 

@@ -69,6 +69,8 @@ class MoESite:
     parent: nn.Module  # the MoE block
     attribute: str  # "switch_mlp"
     switch: SwitchGLU
+    decoder_layer: nn.Module  # the block's parent
+    block_attribute: str  # "mlp"
 
 
 def find_moe_sites(model: nn.Module) -> list[MoESite]:
@@ -80,7 +82,18 @@ def find_moe_sites(model: nn.Module) -> list[MoESite]:
             continue
         match = re.search(r"layers\.(\d+)\.", path)
         parent_path, attribute = path.rsplit(".", 1)
-        if match is None or parent_path not in modules:
+        layer_path, block_attribute = parent_path.rsplit(".", 1)
+        if match is None or parent_path not in modules or layer_path not in modules:
             continue
-        sites.append(MoESite(int(match.group(1)), path, modules[parent_path], attribute, module))
+        sites.append(
+            MoESite(
+                int(match.group(1)),
+                path,
+                modules[parent_path],
+                attribute,
+                module,
+                modules[layer_path],
+                block_attribute,
+            )
+        )
     return sorted(sites, key=lambda s: s.layer)

@@ -3,6 +3,13 @@
 Prefill runs the prompt except its last token in chunks, evaluating only the cache (no logits), as
 mlx-lm does; the forward on the last prompt token yields the first generated token. Everything up to
 that token is the `prefill` phase (its sum is time-to-first-token); every later forward is `decode`.
+
+In prerouter mode each forward that leads to a one-token forward ends with the head flush: all heads
+predict the next step's routing at once, and every consumer layer's predicted experts are issued to
+the reader threads right away, so the reads run while the next forward computes.
+
+K and mode can be changed from any thread with `request_k` / `request_mode`; the change applies
+before the next step (between steps of a reply, or before the next reply). Base and pool are kept.
 """
 
 from __future__ import annotations
@@ -17,11 +24,15 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 
+from .checkpoint_index import base_fingerprint
 from .config import EngineConfig, GenerationConfig
 from .errors import Edge0Error
 from .families import set_top_k
 from .loader import LoadedModel, load
+from .lora import AppliedLoRA, load_lora
 from .metrics import LoadCounters, MemorySampler, StepMetrics, summarize
+from .prerouter import PrerouterHeads, keep_owners, load_prerouter
+from .profiles import AdapterFiles, discover_profiles
 
 TokenCallback = Callable[[int, StepMetrics], None]
 
@@ -31,9 +42,11 @@ class KProfile:
     """A routing width the engine can switch to."""
 
     k: int
-    # True when trained adapters recover quality at this K; False when the true router is simply
-    # narrowed or widened (quality is not recovered).
+    # True when quality at this K is the model's own (native K on the true router) or recovered by
+    # trained adapters; False when the true router is merely narrowed or widened.
     recovered: bool
+    prerouter: bool = False  # has prerouter heads (prerouter mode possible)
+    lora: bool = False  # has a recovery LoRA
 
 
 @dataclass
@@ -56,21 +69,150 @@ class Engine:
         self.model = self.loaded.model
         self.tokenizer = self.loaded.tokenizer
         self.store = self.loaded.store
+        self.routing = self.loaded.routing
+        self.fingerprint = base_fingerprint(self.loaded.index)
+        self.adapters: dict[int, AdapterFiles] = discover_profiles(self.model_dir)
         self.memory = MemorySampler(
             self.loaded.index.expert_file_ranges(), self.config.page_cache_sample_share
         )
-        self.k = self.loaded.top_k
-        self._requested_k: int | None = None
-        self._lock = threading.Lock()
         self.context_limit = int(
             self.loaded.config.get("max_position_embeddings")
             or self.loaded.config.get("text_config", {}).get("max_position_embeddings")
             or 1 << 31
         )
+        self.mode = self.config.mode
+        self.k = self.loaded.top_k
+        self.lora: AppliedLoRA | None = None
+        self._lock = threading.Lock()
+        self._requested: dict[str, object] = {}
+        if self.routing is not None:
+            self.routing.shadow_router = self.config.shadow_router
+        k = self.config.k if self.config.k is not None else self._default_k(self.mode)
+        self._apply_profile(self._check_k(k, self.mode), self.mode)
 
-    @property
-    def mode(self) -> str:
-        return self.config.mode
+    # -- profiles and modes ------------------------------------------------------------------------
+
+    def profiles(self) -> list[KProfile]:
+        """The K values this engine can route with. Without adapter files, the true router is
+        narrowed or widened, and quality at K other than the native one is not recovered."""
+        native = self.loaded.top_k
+        ks = {k for k in (2, 4, 8) if k <= self.loaded.num_experts} | {native} | set(self.adapters)
+        out = []
+        for k in sorted(ks):
+            files = self.adapters.get(k)
+            has_heads = files is not None and files.prerouter is not None
+            has_lora = files is not None and files.lora is not None
+            out.append(KProfile(k, k == native or (has_heads and has_lora), has_heads, has_lora))
+        return out
+
+    def modes(self) -> list[str]:
+        if self.mode == "resident":
+            return ["resident"]
+        has_heads = any(p.prerouter for p in self.profiles())
+        return ["on-demand", "prerouter"] if has_heads else ["on-demand"]
+
+    def _default_k(self, mode: str) -> int:
+        native = self.loaded.top_k
+        if mode != "prerouter":
+            return native
+        with_heads = [p.k for p in self.profiles() if p.prerouter]
+        if not with_heads:
+            raise Edge0Error(
+                f"{self.model_dir}: prerouter mode needs prerouter_k<K>.safetensors files; "
+                "train them with `edge0 train heads`"
+            )
+        return min(with_heads, key=lambda k: (abs(k - native), k))
+
+    def _check_k(self, k: int, mode: str) -> int:
+        profile = next((p for p in self.profiles() if p.k == k), None)
+        if profile is None:
+            choices = ", ".join(str(p.k) for p in self.profiles())
+            raise Edge0Error(f"K={k} is not available for this model (choose {choices})")
+        if mode == "prerouter" and not profile.prerouter:
+            with_heads = ", ".join(str(p.k) for p in self.profiles() if p.prerouter) or "none"
+            raise Edge0Error(f"no prerouter heads for K={k} (heads exist for K: {with_heads})")
+        if self.store is not None:
+            self.store.check_budget(k)
+        return k
+
+    def quality_note(self) -> str | None:
+        """A warning to show when the current K runs without adapters that recover its quality."""
+        profile = next(p for p in self.profiles() if p.k == self.k)
+        if profile.recovered:
+            return None
+        return (
+            f"K={self.k} narrows or widens the true router (native K={self.loaded.top_k}) without "
+            "trained adapters: quality is not recovered"
+        )
+
+    def request_k(self, k: int) -> KProfile:
+        """Ask for routing width `k`; safe from any thread, applied before the next step."""
+        mode = self._requested.get("mode", self.mode)
+        self._check_k(k, mode)
+        with self._lock:
+            self._requested["k"] = k
+        return next(p for p in self.profiles() if p.k == k)
+
+    def request_mode(self, mode: str) -> None:
+        """Switch between on-demand and prerouter; safe from any thread, applied before the next step."""
+        if mode not in self.modes():
+            raise Edge0Error(
+                f"mode {mode!r} is not available here (choose {', '.join(self.modes())})"
+            )
+        k = self._requested.get("k", self.k)
+        if mode == "prerouter" and not any(p.k == k and p.prerouter for p in self.profiles()):
+            k = self._default_k(mode)
+        self._check_k(k, mode)
+        with self._lock:
+            self._requested.update(mode=mode, k=k)
+
+    def _apply_requests(self) -> None:
+        with self._lock:
+            requested, self._requested = self._requested, {}
+        k = requested.get("k", self.k)
+        mode = requested.get("mode", self.mode)
+        if (k, mode) != (self.k, self.mode):
+            self._apply_profile(k, mode)
+
+    def _apply_profile(self, k: int, mode: str) -> None:
+        """Route with width k in `mode`: swap heads and LoRA files, never the base or the pool."""
+        if self.lora is not None:
+            self.lora.remove()
+            self.lora = None
+        if self.routing is None:  # resident: stock mlx-lm blocks
+            for site in self.loaded.sites:
+                set_top_k(site.parent, k)
+        else:
+            self.routing.k = k
+            heads = self._load_heads(k) if mode == "prerouter" else None
+            self.routing.set_heads(heads)
+            files = self.adapters.get(k)
+            if mode == "prerouter" and self.config.lora and files is not None and files.lora:
+                adapter = load_lora(files.lora, self.fingerprint)
+                self.lora = AppliedLoRA(self.model, adapter, self.loaded.float_dtype)
+        self.k, self.mode = k, mode
+
+    def _load_heads(self, k: int) -> PrerouterHeads:
+        loaded = self.loaded
+        heads = load_prerouter(
+            self.adapters[k].prerouter,
+            loaded.num_layers,
+            loaded.hidden,
+            loaded.num_experts,
+            self.fingerprint,
+            k=k,
+        )
+        # Only heads whose next layer is a streamed MoE layer predict anything.
+        owners = [o for o in heads.owners if o + 1 in loaded.blocks]
+        if not owners:
+            raise Edge0Error(f"{heads.path}: none of its owner layers precedes a MoE layer")
+        heads = keep_owners(heads, owners)
+        if loaded.float_dtype is not None:
+            heads = heads.astype(loaded.float_dtype)
+        mx.eval(heads.fc1, heads.fc2, heads.linear_init)
+        return heads
+
+    # -- text ----------------------------------------------------------------------------------------
 
     def encode(self, text: str, chat: bool = False) -> list[int]:
         """Token ids of `text`: raw (as is), or wrapped in the tokenizer's chat template."""
@@ -85,49 +227,24 @@ class Engine:
     def info(self) -> dict:
         """What a status line or `edge0 info` shows about this engine."""
         index = self.loaded.index
-        layer_experts = next(iter(index.layers.values()))
         return {
             "model": self.model_dir.name,
             "family": self.loaded.family.name,
             "mode": self.mode,
             "k": self.k,
             "native_k": self.loaded.top_k,
+            "layers": self.loaded.num_layers,
             "moe_layers": len(index.layers),
-            "experts": layer_experts.num_experts,
+            "experts": self.loaded.num_experts,
+            "hidden": self.loaded.hidden,
             "expert_bytes": index.expert_nbytes,
             "expert_cache_bytes": self.config.expert_cache_bytes,
             "dtype": str(self.loaded.float_dtype or "as saved"),
+            "fingerprint": self.fingerprint,
+            "profiles": [p.__dict__ for p in self.profiles()],
         }
 
-    # -- routing width -----------------------------------------------------------------------------
-
-    def profiles(self) -> list[KProfile]:
-        """The K values this engine can route with. Without adapter files, the true router is
-        narrowed or widened, and quality at K other than the native one is not recovered."""
-        experts = next(iter(self.loaded.index.layers.values())).num_experts
-        ks = sorted({k for k in (2, 4, 8) if k <= experts} | {self.loaded.top_k})
-        return [KProfile(k, recovered=(k == self.loaded.top_k)) for k in ks]
-
-    def request_k(self, k: int) -> KProfile:
-        """Ask for routing width `k`; safe from any thread, applied before the next step."""
-        profile = next((p for p in self.profiles() if p.k == k), None)
-        if profile is None:
-            choices = ", ".join(str(p.k) for p in self.profiles())
-            raise Edge0Error(f"K={k} is not available for this model (choose {choices})")
-        if self.store is not None:
-            self.store.check_budget(k)
-        with self._lock:
-            self._requested_k = k
-        return profile
-
-    def _apply_requested_k(self) -> None:
-        with self._lock:
-            k, self._requested_k = self._requested_k, None
-        if k is None or k == self.k:
-            return
-        for site in self.loaded.sites:
-            set_top_k(site.parent, k)
-        self.k = k
+    # -- generation ----------------------------------------------------------------------------------
 
     def generate(
         self,
@@ -149,14 +266,18 @@ class Engine:
             mx.random.seed(gen.seed)
         sampler = make_sampler(gen.temperature, top_p=gen.top_p, top_k=gen.top_k)
         cache = make_prompt_cache(self.model)
-        if self.store is not None:
-            self.store.reset()
+        self._reset_request_state()
         try:
             return self._generate(prompt_tokens, gen, sampler, cache, on_token, should_stop)
         finally:
             # Whatever happened (a read error, a cancel), no per-request state outlives the request.
-            if self.store is not None:
-                self.store.reset()
+            self._reset_request_state()
+
+    def _reset_request_state(self) -> None:
+        if self.store is not None:
+            self.store.reset()
+        if self.routing is not None:
+            self.routing.reset()
 
     def _generate(
         self, prompt_tokens, gen, sampler, cache, on_token, should_stop
@@ -166,9 +287,10 @@ class Engine:
         result = GenerationResult(list(prompt_tokens), [], "", steps)
 
         chunk = self.config.prefill_chunk
-        for start in range(0, len(prompt_tokens) - 1, chunk):
-            piece = prompt_tokens[start : min(start + chunk, len(prompt_tokens) - 1)]
-            self._forward(piece, cache, "prefill", steps, logits_wanted=False)
+        body = prompt_tokens[:-1]
+        for start in range(0, len(body), chunk):
+            last_chunk = start + chunk >= len(body)
+            self._forward(body[start : start + chunk], cache, "prefill", steps, flush=last_chunk)
         logits = self._forward(prompt_tokens[-1:], cache, "prefill", steps)
         while True:
             token = self._sample(logits, sampler)
@@ -195,25 +317,39 @@ class Engine:
         cache: list,
         phase: str,
         steps: list[StepMetrics],
-        logits_wanted=True,
+        flush: bool = True,
     ) -> mx.array | None:
-        self._apply_requested_k()
+        """One forward pass. Returns the last position's logits for a one-token forward; a prefill
+        chunk evaluates only the cache. `flush` runs the prerouter heads for the next step."""
+        self._apply_requests()
         start = time.perf_counter()
+        routing_counters = self.routing.begin_step() if self.routing is not None else None
         if self.store is not None:
             self.store.begin_step()
         out = self.model(mx.array(tokens)[None], cache=cache)
-        if logits_wanted:
+        if len(tokens) == 1:
             out = out[:, -1, :]
             mx.eval(out)
         else:
             mx.eval([c.state for c in cache])
             out = None
         counters = self.store.end_step() if self.store is not None else LoadCounters()
+        if flush and self.routing is not None and self.routing.heads is not None:
+            for layer, experts in self.routing.flush().items():
+                self.store.stage(layer, experts.tolist())
         wall_ms = (time.perf_counter() - start) * 1e3
         pool_bytes = self.store.pool.resident_bytes if self.store is not None else 0
         steps.append(
             StepMetrics.build(
-                phase, len(tokens), wall_ms, counters, self.memory.snapshot(), pool_bytes
+                phase,
+                len(tokens),
+                wall_ms,
+                counters,
+                self.memory.snapshot(),
+                pool_bytes,
+                routing_counters,
+                self.mode,
+                self.k,
             )
         )
         return out

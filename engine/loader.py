@@ -17,12 +17,15 @@ from mlx.utils import tree_flatten
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import load_model as mlx_lm_load_model
 from mlx_lm.utils import load_tokenizer
+from transformers.utils import logging as hf_logging
 
 from .checkpoint_index import CheckpointIndex
 from .config import EngineConfig
 from .errors import Edge0Error
 from .expert_store import ExpertStore
 from .families import Family, MoESite, family_of, find_moe_sites
+from .moe_block import RoutedMoE, ops_for
+from .routing_state import RoutingState
 from .streaming_moe import StreamingSwitchGLU, projection_specs
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
@@ -39,6 +42,11 @@ class LoadedModel:
     store: ExpertStore | None  # None in resident mode
     float_dtype: mx.Dtype | None
     top_k: int
+    num_layers: int
+    hidden: int
+    num_experts: int
+    routing: RoutingState | None  # None in resident mode (stock mlx-lm blocks route themselves)
+    blocks: dict[int, RoutedMoE]  # layer -> the engine-routed MoE block (empty in resident mode)
 
 
 def compute_dtype(config: EngineConfig) -> mx.Dtype | None:
@@ -83,7 +91,7 @@ def load(model_dir: str | Path, config: EngineConfig) -> LoadedModel:
     except (ValueError, KeyError, TypeError) as e:
         raise Edge0Error(f"{model_dir}: checkpoint does not match config.json ({e})") from None
     try:
-        tokenizer = load_tokenizer(model_dir, eos_token_ids=model_config.get("eos_token_id"))
+        tokenizer = _quiet_load_tokenizer(model_dir, model_config.get("eos_token_id"))
     except Exception as e:  # tokenizers raise many types for a broken file
         raise Edge0Error(f"{model_dir}: cannot load the tokenizer ({e})") from None
 
@@ -97,24 +105,59 @@ def load(model_dir: str | Path, config: EngineConfig) -> LoadedModel:
         shapes = {name: tuple(a.shape) for name, a in tree_flatten(site.switch.parameters())}
         index.add_moe_layer(site.layer, site.path, shapes["gate_proj.weight"][0], shapes)
 
-    store = None
-    if config.mode == "on-demand":
+    num_experts = index.layers[sites[0].layer].num_experts
+    store, routing, blocks = None, None, {}
+    if config.mode != "resident":
         store = ExpertStore(index, config, float_dtype)
         store.check_budget(top_k)
+        routing = RoutingState(top_k, num_experts, blocks, float_dtype)
+        ops = ops_for(family.router)
         for site in sites:
             specs = projection_specs(site.switch, f"{model_dir} layer {site.layer}")
             streaming = StreamingSwitchGLU(
-                store,
-                site.layer,
-                index.layers[site.layer].num_experts,
-                specs,
-                site.switch.activation,
+                store, site.layer, num_experts, specs, site.switch.activation
             )
             setattr(site.parent, site.attribute, streaming)
+            block = RoutedMoE(site.parent, site.layer, ops, routing)
+            setattr(site.decoder_layer, site.block_attribute, block)
+            blocks[site.layer] = block
+    hidden = _hidden_size(index.layers[sites[0].layer])
 
     if float_dtype is not None:
         model.set_dtype(float_dtype)
     mx.eval(model.parameters())
     return LoadedModel(
-        model, tokenizer, model_config, family, index, sites, store, float_dtype, top_k
+        model,
+        tokenizer,
+        model_config,
+        family,
+        index,
+        sites,
+        store,
+        float_dtype,
+        top_k,
+        len(model.layers),
+        hidden,
+        num_experts,
+        routing,
+        blocks,
     )
+
+
+def _quiet_load_tokenizer(model_dir: Path, eos_token_ids) -> TokenizerWrapper:
+    """mlx-lm's tokenizer loader, without transformers' warning about model types it has no class
+    for (e.g. bailing_moe): the tokenizer itself loads fine."""
+    previous = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        return load_tokenizer(model_dir, eos_token_ids=eos_token_ids)
+    finally:
+        hf_logging.set_verbosity(previous)
+
+
+def _hidden_size(layer_experts) -> int:
+    """Width of the residual stream: the output rows of a routed expert's down projection."""
+    down = next(
+        t for t in layer_experts.tensors if t.projection == "down_proj" and t.part == "weight"
+    )
+    return down.entry.shape[1]

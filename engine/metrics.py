@@ -13,7 +13,7 @@ import resource
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import mlx.core as mx
@@ -36,6 +36,9 @@ class LoadCounters:
     whole_layer_reads: int = 0
     whole_layer_bytes: int = 0  # bytes read as whole layers (prefill), outside the cache budget
     transient_peak_bytes: int = 0  # most whole-layer buffer bytes held at once
+    prefetch_issued: int = 0  # expert reads issued ahead for this step (prerouter)
+    prefetch_in_time: int = 0  # of those, already read when the layer needed them
+    prefetch_late: int = 0  # of those, still being read when the layer needed them (blocked)
 
 
 @dataclass
@@ -68,7 +71,14 @@ class StepMetrics:
     mlx_peak_bytes: int
     rss_bytes: int
     page_cache_expert_bytes: int
-    extra: dict = field(default_factory=dict)
+    mode: str = ""
+    k: int = 0
+    predicted: int = 0  # layers routed by the prerouter's prediction
+    prefetch_issued: int = 0
+    prefetch_in_time: int = 0
+    prefetch_late: int = 0
+    dropped: int = 0  # routed experts missing from the staged set: 0 by construction
+    shadow_recall: float | None = None  # recall@K of predictions against the true routers
 
     @classmethod
     def build(
@@ -79,9 +89,17 @@ class StepMetrics:
         counters: LoadCounters,
         memory: MemorySnapshot,
         expert_pool_bytes: int = 0,
+        routing=None,
+        mode: str = "",
+        k: int = 0,
     ) -> StepMetrics:
         loads = counters.loads
         per_expert_bytes = counters.bytes_read - counters.whole_layer_bytes
+        routed = {}
+        if routing is not None:
+            routed = {"predicted": routing.predicted, "dropped": routing.dropped}
+            if routing.shadow_total:
+                routed["shadow_recall"] = routing.shadow_hits / routing.shadow_total
         return cls(
             phase=phase,
             tokens=tokens,
@@ -98,6 +116,12 @@ class StepMetrics:
             transient_peak_mib=counters.transient_peak_bytes / MIB,
             expert_pool_mib=expert_pool_bytes / MIB,
             **asdict(memory),
+            mode=mode,
+            k=k,
+            prefetch_issued=counters.prefetch_issued,
+            prefetch_in_time=counters.prefetch_in_time,
+            prefetch_late=counters.prefetch_late,
+            **routed,
         )
 
     def as_dict(self) -> dict:
@@ -172,7 +196,11 @@ def summarize(steps: list[StepMetrics], prompt_tokens: int) -> dict:
         "peak_mlx_bytes": max((s.mlx_peak_bytes for s in steps), default=0),
         "peak_rss_bytes": max((s.rss_bytes for s in steps), default=0),
         "peak_transient_mib": max((s.transient_peak_mib for s in steps), default=0.0),
+        "dropped": sum(s.dropped for s in steps),
     }
+    recalls = [s.shadow_recall for s in decode if s.shadow_recall is not None]
+    if recalls:
+        summary["shadow_recall"] = statistics.mean(recalls)
     for name in (
         "wall_ms",
         "blocked_ms",
@@ -187,6 +215,10 @@ def summarize(steps: list[StepMetrics], prompt_tokens: int) -> dict:
         "mlx_cache_bytes",
         "page_cache_expert_bytes",
         "rss_bytes",
+        "predicted",
+        "prefetch_issued",
+        "prefetch_in_time",
+        "prefetch_late",
     ):
         values = [getattr(s, name) for s in decode]
         summary[f"median_{name}"] = statistics.median(values) if values else 0.0

@@ -90,11 +90,17 @@ class StreamingSwitchGLU(nn.Module):
         self._num_experts = num_experts
         self._specs = {s.name: s for s in specs}
         self.activation = activation
+        self.last_routed: np.ndarray | None = None
 
-    def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
-        # The routing must be on the host to know what to read: this is the per-layer sync point.
-        mx.eval(indices)
-        routed = np.array(indices)
+    def __call__(
+        self, x: mx.array, indices: mx.array, routed: np.ndarray | None = None
+    ) -> mx.array:
+        """`indices` as the family passes them; `routed` is the same routing already on the host
+        (a prediction), which spares the per-layer sync that reading `indices` back costs."""
+        if routed is None:
+            mx.eval(indices)
+            routed = np.array(indices)
+        self.last_routed = routed
         distinct = np.unique(routed)
         tokens = routed.size // routed.shape[-1]
         store = self._store

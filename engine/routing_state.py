@@ -1,0 +1,123 @@
+"""Per-request routing state shared by every `RoutedMoE` block.
+
+It holds the routing width K, the predictions this step's consumer layers route by, and what the
+owner layers executed (their MoE input at the last position, their routed experts at the last two
+positions) for the head flush that makes the next step's predictions.
+
+Decode step 1 (the forward on the last prompt token) already routes by predictions when the prompt
+has at least two tokens: the flush after the last prefill chunk predicts from the last prefill
+position, exactly as at any decode step. A one-token prompt routes step 1 with the true routers.
+Every request starts from `reset()`: nothing of the previous request steers the next.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+from .prerouter import PrerouterHeads, onehot
+from .routing import route
+
+
+@dataclass
+class RoutingCounters:
+    predicted: int = 0  # consumer layers routed by a prediction this step
+    dropped: int = 0  # routed experts that were not in the staged set (must stay 0)
+    shadow_hits: int = 0  # with the shadow router: predicted experts the true router also chose
+    shadow_total: int = 0
+
+
+class RoutingState:
+    def __init__(self, k: int, experts: int, blocks: dict, float_dtype: mx.Dtype | None) -> None:
+        self.k = k
+        self.experts = experts
+        self.blocks = blocks  # layer -> RoutedMoE
+        self.float_dtype = float_dtype
+        self.heads: PrerouterHeads | None = None
+        self.shadow_router = False
+        self.counters = RoutingCounters()
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget all prediction state (a new request, or new heads / K)."""
+        self._predictions: dict[int, tuple[np.ndarray, mx.array]] = {}
+        self._staged: dict[int, frozenset[int]] = {}
+        self._owner_x: dict[int, mx.array] = {}
+        self._owner_now: dict[int, np.ndarray] = {}
+        self._owner_before: dict[int, np.ndarray | None] = {}
+
+    def set_heads(self, heads: PrerouterHeads | None) -> None:
+        """Heads whose every owner's next layer is a MoE layer here (see `keep_owners`)."""
+        self.heads = heads
+        self._owners = set(heads.owners) if heads is not None else set()
+        self.reset()
+
+    def begin_step(self) -> RoutingCounters:
+        self.counters = RoutingCounters()
+        return self.counters
+
+    # -- called by the blocks during the forward ---------------------------------------------------
+
+    def prediction_for(self, layer: int) -> tuple[np.ndarray, mx.array] | None:
+        return self._predictions.get(layer)
+
+    def executed(self, layer: int, x: mx.array, routed: np.ndarray) -> None:
+        if layer not in self._owners:
+            return
+        per_token = routed.reshape(-1, routed.shape[-1])
+        before = per_token[-2] if len(per_token) >= 2 else self._owner_now.get(layer)
+        self._owner_before[layer] = before
+        self._owner_now[layer] = per_token[-1]
+        self._owner_x[layer] = x.reshape(-1, x.shape[-1])[-1]
+
+    def consumed(self, block, x: mx.array, routed: np.ndarray) -> None:
+        self.counters.predicted += 1
+        staged = self._staged.get(block.layer, frozenset())
+        self.counters.dropped += len(set(routed.reshape(-1).tolist()) - staged)
+        if self.shadow_router:
+            logits = block.gate_logits(x)
+            true, _ = route(logits, block.routing_spec, self.k, block.expert_bias())
+            true_set = set(np.array(true).reshape(-1).tolist())
+            self.counters.shadow_hits += len(true_set & set(routed.reshape(-1).tolist()))
+            self.counters.shadow_total += len(true_set)
+
+    # -- the head flush, once per step --------------------------------------------------------------
+
+    def flush(self) -> dict[int, np.ndarray]:
+        """Run every head at once; the predictions route the next step. Returns consumer -> experts."""
+        self._predictions, self._staged = {}, {}
+        heads = self.heads
+        if heads is None or any(o not in self._owner_x for o in heads.owners):
+            return {}
+        owners = heads.owners
+        features = mx.stack(
+            [
+                mx.concatenate(
+                    [
+                        self._owner_x[o].astype(heads.fc1.dtype),
+                        mx.array(onehot(self._owner_now[o], self.experts), dtype=heads.fc1.dtype),
+                        mx.array(
+                            onehot(self._owner_before[o], self.experts), dtype=heads.fc1.dtype
+                        ),
+                    ]
+                )
+                for o in owners
+            ]
+        )
+        logits = heads(features)
+        consumers = [self.blocks[o + 1] for o in owners]
+        biases = [c.expert_bias() for c in consumers]
+        bias = mx.stack(biases) if all(b is not None for b in biases) else None
+        if self.float_dtype is not None:
+            logits = logits.astype(self.float_dtype)
+        inds, weights = route(logits, consumers[0].routing_spec, self.k, bias)
+        mx.eval(inds, weights)
+        host = np.array(inds)
+        predicted = {}
+        for i, consumer in enumerate(consumers):
+            self._predictions[consumer.layer] = (host[i], weights[i])
+            self._staged[consumer.layer] = frozenset(host[i].tolist())
+            predicted[consumer.layer] = host[i]
+        return predicted
