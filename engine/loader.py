@@ -91,7 +91,7 @@ def load(model_dir: str | Path, config: EngineConfig) -> LoadedModel:
     except (ValueError, KeyError, TypeError) as e:
         raise Edge0Error(f"{model_dir}: checkpoint does not match config.json ({e})") from None
     try:
-        tokenizer = _quiet_load_tokenizer(model_dir, model_config.get("eos_token_id"))
+        tokenizer = quiet_load_tokenizer(model_dir, model_config.get("eos_token_id"))
     except Exception as e:  # tokenizers raise many types for a broken file
         raise Edge0Error(f"{model_dir}: cannot load the tokenizer ({e})") from None
 
@@ -144,13 +144,16 @@ def load(model_dir: str | Path, config: EngineConfig) -> LoadedModel:
     )
 
 
-def _quiet_load_tokenizer(model_dir: Path, eos_token_ids) -> TokenizerWrapper:
+def quiet_load_tokenizer(model_dir: Path, eos_token_ids) -> TokenizerWrapper:
     """mlx-lm's tokenizer loader, without transformers' warning about model types it has no class
     for (e.g. bailing_moe): the tokenizer itself loads fine."""
     previous = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
     try:
-        return load_tokenizer(model_dir, eos_token_ids=eos_token_ids)
+        tokenizer = load_tokenizer(model_dir, eos_token_ids=eos_token_ids)
+        # Our loops feed the model in chunks; the tokenizer's length warning does not apply.
+        tokenizer._tokenizer.model_max_length = 1 << 62
+        return tokenizer
     finally:
         hf_logging.set_verbosity(previous)
 

@@ -25,12 +25,11 @@ import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
-from mlx_lm.utils import load_tokenizer
 
 from .checkpoint_index import base_fingerprint
 from .config import EngineConfig
 from .errors import Edge0Error
-from .loader import load
+from .loader import load, quiet_load_tokenizer
 from .moe_block import ops_for
 from .prerouter import PrerouterHeads, save_prerouter
 from .routing import RoutingSpec, route
@@ -181,8 +180,9 @@ def train_heads(
     started = time.perf_counter()
 
     # -- 1. collect -------------------------------------------------------------------------------
-    tokenizer = load_tokenizer(model_dir)
-    tokens = tokenizer.encode(text)[: config.max_tokens]
+    tokenizer = quiet_load_tokenizer(model_dir, None)
+    # A token is rarely longer than 16 characters: encode only what can be used.
+    tokens = tokenizer.encode(text[: 16 * config.max_tokens])[: config.max_tokens]
     loaded, traces = collect(model_dir, tokens, config)
     moe_layers = sorted(traces)
     start = config.start_layer if config.start_layer is not None else moe_layers[1]

@@ -1,0 +1,54 @@
+"""Helpers that write prerouter and LoRA files with random weights for a model, as tests need them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+
+from engine.config import EngineConfig
+from engine.generation import Engine
+from engine.lora import linear_dims, save_lora
+from engine.prerouter import PrerouterHeads, save_prerouter
+
+LORA_TARGETS = (
+    "self_attn.q_proj",
+    "self_attn.o_proj",
+    "attention.query_key_value",
+    "attention.dense",
+)
+
+
+def write_random_profile(model_dir: Path, k: int, seed: int = 0, lora_scale: float = 0.05) -> None:
+    """prerouter_k{k} and lora_k{k} files with random weights for the model in `model_dir`."""
+    engine = Engine(model_dir, EngineConfig(mode="on-demand"))
+    try:
+        loaded = engine.loaded
+        mx.random.seed(seed)
+        owners = [n for n in sorted(loaded.blocks) if n + 1 in loaded.blocks]
+        width = loaded.hidden + 2 * loaded.num_experts
+        n, e, inner = len(owners), loaded.num_experts, 32
+        heads = PrerouterHeads(
+            None,
+            k,
+            owners,
+            loaded.hidden,
+            e,
+            mx.random.normal((n, inner, width)) * 0.3,
+            mx.random.normal((n, e, inner)) * 0.3,
+            mx.random.normal((n, e, width)) * 0.3,
+        )
+        save_prerouter(
+            model_dir / f"prerouter_k{k}.safetensors", heads, owners[0] + 1, engine.fingerprint
+        )
+        weights = {}
+        for path, module in engine.model.named_modules():
+            if path.endswith(LORA_TARGETS):
+                d_in, d_out = linear_dims(module)
+                a = mx.random.normal((4, d_in)) * lora_scale
+                b = mx.random.normal((d_out, 4)) * lora_scale
+                weights[path] = (a, b)
+        assert weights, "no LoRA targets found"
+        save_lora(model_dir / f"lora_k{k}.safetensors", weights, 4, 8.0, k, engine.fingerprint)
+    finally:
+        engine.close()

@@ -1,0 +1,342 @@
+"""The prerouter: head maths, prediction as routing, nothing dropped, reset, LoRA, K switching."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import time
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from adapters import write_random_profile
+
+from engine.config import EngineConfig, GenerationConfig
+from engine.errors import Edge0Error
+from engine.generation import Engine
+from engine.lora import LoRALinear
+from engine.prerouter import PrerouterHeads, load_prerouter
+from engine.routing import route
+
+GREEDY = GenerationConfig(max_tokens=24, temperature=0.0)
+
+
+@pytest.fixture
+def profiled(checkpoint_dir, tmp_path):
+    """`profiled(family, ks)`: a copy of the tiny checkpoint with random adapters for each K."""
+
+    def make(family: str = "qwen3_moe", ks=(4,)):
+        model_dir = tmp_path / f"{family}-profiled"
+        if not model_dir.exists():
+            shutil.copytree(checkpoint_dir(family), model_dir)
+            for i, k in enumerate(ks):
+                write_random_profile(model_dir, k, seed=i)
+        return model_dir
+
+    return make
+
+
+def test_head_maths_matches_numpy():
+    rng = np.random.default_rng(0)
+    n, inner, e, h = 3, 8, 6, 10
+    width = h + 2 * e
+    fc1, fc2, lin = (
+        rng.normal(size=s).astype(np.float32)
+        for s in [(n, inner, width), (n, e, inner), (n, e, width)]
+    )
+    z = rng.normal(size=(n, width)).astype(np.float32)
+    heads = PrerouterHeads(None, 2, [0, 1, 2], h, e, mx.array(fc1), mx.array(fc2), mx.array(lin))
+    ours = np.array(heads(mx.array(z)))
+    erf = np.vectorize(math.erf)
+    for i in range(n):
+        hidden = fc1[i] @ z[i]
+        gelu = 0.5 * hidden * (1 + erf(hidden / math.sqrt(2)))
+        expected = lin[i] @ z[i] + fc2[i] @ gelu
+        np.testing.assert_allclose(ours[i], expected, rtol=1e-5, atol=1e-5)
+
+
+def _run_recording(engine: Engine, prompt, steps: int, inject=None):
+    """Generate, recording each flush's predictions and each step's executed consumer routing."""
+    predictions, executed = [], []
+    flush = engine.routing.flush
+
+    def recording_flush():
+        out = flush()
+        predictions.append({layer: sorted(v.tolist()) for layer, v in out.items()})
+        return out
+
+    engine.routing.flush = recording_flush
+    if inject is not None:
+        engine.routing.heads = inject(engine.routing.heads)
+
+    def on_token(token, step):
+        executed.append(
+            {
+                layer: sorted(block.switch_mlp.last_routed.reshape(-1).tolist())
+                for layer, block in engine.loaded.blocks.items()
+            }
+        )
+
+    result = engine.generate(prompt, GenerationConfig(max_tokens=steps), on_token=on_token)
+    return result, predictions, executed
+
+
+def test_prediction_is_the_routing_and_nothing_is_dropped(profiled, family):
+    model_dir = profiled(family)
+    engine = Engine(model_dir, EngineConfig(mode="prerouter", expert_cache_bytes=60_000))
+    try:
+        result, predictions, executed = _run_recording(engine, [5, 9, 13, 17], steps=64)
+        consumers = sorted({layer for p in predictions for layer in p})
+        assert consumers, "no consumer layers"
+        assert len(result.tokens) >= 32
+        # Flush i predicted the forward that produced token i+1 (flush 0 ran after prefill).
+        for flushed, used in zip(predictions, executed):
+            for layer in consumers:
+                assert flushed[layer] == used[layer]
+        for step in result.steps[-len(result.tokens) :]:
+            assert step.predicted == len(consumers)
+            assert step.dropped == 0
+        assert result.summary["dropped"] == 0
+        decode = [s for s in result.steps if s.phase == "decode"]
+        assert sum(s.prefetch_issued for s in decode) > 0
+        assert sum(s.prefetch_in_time + s.prefetch_late for s in decode) == sum(
+            s.prefetch_issued for s in decode
+        )
+    finally:
+        engine.close()
+
+
+def test_injected_logits_route_exactly(profiled):
+    engine = Engine(profiled("qwen3_moe"), EngineConfig(mode="prerouter"))
+    e = engine.loaded.num_experts
+    calls = []
+
+    class Injected:
+        """Heads replaced by a fixed schedule of logits: step s favours experts s, s+1, ..."""
+
+        def __init__(self, heads):
+            self.__dict__.update(heads.__dict__)
+
+        def __call__(self, z):
+            s = len(calls)
+            calls.append(s)
+            logits = np.full((len(self.owners), e), -5.0, dtype=np.float32)
+            for i in range(len(self.owners)):
+                for j in range(6):
+                    logits[i, (s + 3 * i + j) % e] = 5.0 - j
+            return mx.array(logits)
+
+    try:
+        result, predictions, executed = _run_recording(engine, [1, 2, 3], steps=16, inject=Injected)
+        spec = next(iter(engine.loaded.blocks.values())).routing_spec
+        owners = engine.routing.heads.owners
+        for s, (flushed, used) in enumerate(zip(predictions, executed)):
+            for i, owner in enumerate(owners):
+                logits = np.full((e,), -5.0, dtype=np.float32)
+                for j in range(6):
+                    logits[(s + 3 * i + j) % e] = 5.0 - j
+                inds, _ = route(mx.array(logits), spec, engine.k)
+                want = sorted(np.array(inds).tolist())
+                assert flushed[owner + 1] == want
+                assert used[owner + 1] == want
+    finally:
+        engine.close()
+
+
+def test_first_step_and_reset(profiled):
+    model_dir = profiled("qwen3_moe")
+    engine = Engine(model_dir, EngineConfig(mode="prerouter"))
+    try:
+        consumers = len(engine.routing.heads.owners)
+        one = engine.generate([7], GREEDY)
+        # A one-token prompt: step 1 routes with the true routers; predictions start after it.
+        assert one.steps[0].predicted == 0 and one.steps[1].predicted == consumers
+        # A longer prompt: step 1 already routes by predictions made at the last prefill position.
+        first = engine.generate([3, 4, 5, 6], GREEDY)
+        first_token_step = [s for s in first.steps if s.phase == "prefill"][-1]
+        assert first_token_step.tokens == 1 and first_token_step.predicted == consumers
+        second = engine.generate([8, 9, 10, 11], GREEDY)
+    finally:
+        engine.close()
+    fresh = Engine(model_dir, EngineConfig(mode="prerouter"))
+    try:
+        # Request 2 in a used engine equals request 2 in a fresh one: nothing carried over.
+        assert fresh.generate([8, 9, 10, 11], GREEDY).tokens == second.tokens
+    finally:
+        fresh.close()
+
+
+def test_lora_zero_b_changes_nothing_and_random_matches_dense(profiled):
+    model_dir = profiled("qwen3_moe")
+    plain = Engine(model_dir, EngineConfig(mode="prerouter", lora=False))
+    try:
+        baseline = plain.generate([3, 4, 5], GREEDY).tokens
+    finally:
+        plain.close()
+
+    engine = Engine(model_dir, EngineConfig(mode="prerouter"))
+    try:
+        wrapped = [m for _, m in engine.model.named_modules() if isinstance(m, LoRALinear)]
+        assert wrapped, "the profile's LoRA was not applied"
+        # A random delta against a dense float64 reference.
+        layer = wrapped[0]
+        x = mx.random.normal((1, 3, layer.lora_a.shape[1]))
+        expected = np.array(layer.base(x)).astype(np.float64) + layer.scale * (
+            np.array(x).astype(np.float64) @ np.array(layer.lora_a).T.astype(np.float64)
+        ) @ np.array(layer.lora_b).T.astype(np.float64)
+        np.testing.assert_allclose(np.array(layer(x)), expected, rtol=1e-4, atol=1e-5)
+        with_lora = engine.generate([3, 4, 5], GREEDY).tokens
+        for module in wrapped:
+            module.lora_b = mx.zeros_like(module.lora_b)
+        zero_b = engine.generate([3, 4, 5], GREEDY).tokens
+    finally:
+        engine.close()
+    assert zero_b == baseline
+    assert with_lora != baseline  # the random delta does change the model
+
+
+def test_k_switch_mid_conversation_equals_fresh_engine(profiled):
+    model_dir = profiled("qwen3_moe", ks=(2, 4))
+    history = [{"role": "user", "content": "hello there"}]
+    engine = Engine(model_dir, EngineConfig(mode="prerouter", k=2))
+    try:
+        reply = engine.generate(engine.encode_chat(history), GREEDY)
+        history += [
+            {"role": "assistant", "content": reply.text},
+            {"role": "user", "content": "and then?"},
+        ]
+        start = time.perf_counter()
+        engine.request_k(4)
+        engine._apply_requests()  # what the next step does first
+        swap_s = time.perf_counter() - start
+        assert engine.k == 4 and engine.lora.adapter.k == 4
+        second = engine.generate(engine.encode_chat(history), GREEDY)
+        assert {s.k for s in second.steps} == {4}
+    finally:
+        engine.close()
+    print(f"\nK=2 -> K=4 swap took {swap_s * 1e3:.1f} ms")
+    assert swap_s < 1.0
+    fresh = Engine(model_dir, EngineConfig(mode="prerouter", k=4))
+    try:
+        assert fresh.generate(fresh.encode_chat(history), GREEDY).tokens == second.tokens
+    finally:
+        fresh.close()
+
+
+def test_k_request_between_steps_from_another_thread(profiled):
+    import threading
+
+    engine = Engine(profiled("qwen3_moe", ks=(2, 4)), EngineConfig(mode="prerouter", k=4))
+    try:
+        switched = threading.Event()
+
+        def on_token(token, step):
+            if step.phase == "decode" and not switched.is_set():
+                threading.Thread(target=engine.request_k, args=(2,)).start()
+                switched.set()
+
+        result = engine.generate([1, 2, 3], GenerationConfig(max_tokens=20), on_token=on_token)
+        ks = [s.k for s in result.steps]
+        assert ks[0] == 4 and ks[-1] == 2
+        assert ks == sorted(ks, reverse=True)  # 4 until the request, 2 after
+        assert result.summary["dropped"] == 0
+    finally:
+        engine.close()
+
+
+def test_mode_switch_and_on_demand_uses_no_predictions(profiled):
+    engine = Engine(profiled("qwen3_moe"), EngineConfig(mode="on-demand"))
+    try:
+        assert engine.modes() == ["on-demand", "prerouter"]
+        result = engine.generate([1, 2, 3], GREEDY)
+        assert all(s.predicted == 0 and s.prefetch_issued == 0 for s in result.steps)
+        engine.request_mode("prerouter")
+        result = engine.generate([1, 2, 3], GREEDY)
+        assert engine.mode == "prerouter" and max(s.predicted for s in result.steps) > 0
+    finally:
+        engine.close()
+
+
+def test_shadow_router_reports_recall(profiled):
+    engine = Engine(profiled("qwen3_moe"), EngineConfig(mode="prerouter", shadow_router=True))
+    try:
+        summary = engine.generate([1, 2, 3], GREEDY).summary
+        assert 0.0 <= summary["shadow_recall"] <= 1.0
+    finally:
+        engine.close()
+
+
+# -- files from elsewhere ---------------------------------------------------------------------------
+
+
+def test_reference_format_nested_metadata_and_keys(profiled, tmp_path):
+    model_dir = profiled("qwen3_moe")
+    engine = Engine(model_dir, EngineConfig(mode="on-demand"))
+    loaded = engine.loaded
+    engine.close()
+    ours = mx.load(str(model_dir / "prerouter_k4.safetensors"))
+    nested = {
+        k.replace(".fc", ".mlp.prerouter.fc").replace(
+            ".linear_init", ".mlp.prerouter.linear_init"
+        ): v
+        for k, v in ours.items()
+    }
+    owners = sorted({int(k.split(".")[1]) for k in ours})
+    path = tmp_path / "prerouter_edge0_tiny.safetensors"
+    meta = {"__metadata__": json.dumps({"source": "x.npz", "K": 4, "owners": owners})}
+    mx.save_safetensors(str(path), nested, metadata=meta)
+    heads = load_prerouter(path, loaded.num_layers, loaded.hidden, loaded.num_experts, "any")
+    assert heads.owners == owners and heads.k == 4
+
+
+def _loaded(model_dir):
+    engine = Engine(model_dir, EngineConfig(mode="on-demand"))
+    engine.close()
+    return engine
+
+
+def test_adapter_for_another_model_is_refused(profiled, checkpoint_dir, tmp_path):
+    model_dir = profiled("qwen3_moe")
+    other = tmp_path / "other"
+    shutil.copytree(checkpoint_dir("qwen3_moe"), other)
+    config = json.loads((other / "config.json").read_text())
+    config["rms_norm_eps"] = 1e-5  # any change to config.json is another base
+    (other / "config.json").write_text(json.dumps(config))
+    shutil.copy(model_dir / "prerouter_k4.safetensors", other)
+    with pytest.raises(Edge0Error, match="another base model"):
+        Engine(other, EngineConfig(mode="prerouter"))
+
+
+def test_bad_prerouter_files_are_explained(profiled, tmp_path):
+    model_dir = profiled("qwen3_moe")
+    loaded = _loaded(model_dir).loaded
+    tensors = mx.load(str(model_dir / "prerouter_k4.safetensors"))
+    args = (loaded.num_layers, loaded.hidden, loaded.num_experts, "any")
+
+    outside = {k.replace("layers.0.", "layers.9."): v for k, v in tensors.items()}
+    mx.save_safetensors(str(tmp_path / "a.safetensors"), outside)
+    with pytest.raises(Edge0Error, match="outside"):
+        load_prerouter(tmp_path / "a.safetensors", *args)
+
+    mx.save_safetensors(str(tmp_path / "b.safetensors"), tensors, metadata={"K": "8"})
+    with pytest.raises(Edge0Error, match="K=8"):
+        load_prerouter(tmp_path / "b.safetensors", *args, k=4)
+
+    narrow = {k: (v[:, :-3] if "fc1" in k or "linear_init" in k else v) for k, v in tensors.items()}
+    mx.save_safetensors(str(tmp_path / "c.safetensors"), narrow)
+    with pytest.raises(Edge0Error, match="does not fit"):
+        load_prerouter(tmp_path / "c.safetensors", *args)
+
+
+def test_missing_lora_target_is_named(profiled):
+    model_dir = profiled("qwen3_moe")
+    tensors = mx.load(str(model_dir / "lora_k4.safetensors"))
+    module = next(iter(tensors)).rsplit(".", 1)[0]
+    for part in ("lora_A", "lora_B"):
+        renamed = f"{module}.{part}".replace("self_attn", "cross_attn")
+        tensors[renamed] = tensors.pop(f"{module}.{part}")
+    mx.save_safetensors(str(model_dir / "lora_k4.safetensors"), tensors)
+    with pytest.raises(Edge0Error, match="does not exist in this model"):
+        Engine(model_dir, EngineConfig(mode="prerouter"))
+    assert Engine(model_dir, EngineConfig(mode="prerouter", lora=False)).lora is None
