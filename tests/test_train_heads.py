@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import shutil
-
 import pydoc_data.topics
+import shutil
 
 from edge0_tui.cli import main
 from engine.config import EngineConfig, GenerationConfig
