@@ -1,0 +1,453 @@
+"""Synthetic MoE checkpoints: random weights, real formats, no downloads.
+
+`write_synthetic_checkpoint(out_dir, family, preset, seed)` writes a directory that
+stock `mlx_lm.utils.load` opens offline and generates from:
+
+- ``config.json``: the family's mlx-lm config, with the ``quantization`` block that
+  ``mlx_lm.utils.quantize_model`` produced (4-bit affine, group 64; routers 8-bit).
+- ``model.safetensors`` or ``model-0000i-of-0000n.safetensors`` shards (<= 2 GiB each)
+  and ``model.safetensors.index.json`` (``weight_map`` + ``metadata.total_size``).
+  Experts are stacked per layer: ``...layers.N.mlp.switch_mlp.{gate,up,down}_proj.
+  {weight,scales,biases}`` with leading dimension E.
+- ``tokenizer.json`` + ``tokenizer_config.json``: a byte-level BPE trained on the
+  stdlib's ``pydoc_data.topics`` text, with ChatML special tokens and chat template.
+
+The model is built with mlx-lm's own classes, so every tensor name and shape is the
+one mlx-lm expects. Construction is lazy in MLX: nothing is computed until a shard is
+written, and shards are evaluated one module at a time, so the multi-gigabyte "wall"
+preset never holds the whole model in memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import re
+from pathlib import Path
+from pydoc_data.topics import topics
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_map_with_path
+from mlx_lm.utils import _get_classes, quantize_model, save_config
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+FAMILIES: tuple[str, ...] = ("qwen3_moe", "qwen3_next", "qwen3_5_moe", "bailing_moe")
+PRESETS: tuple[str, ...] = ("tiny", "small", "wall")
+
+# Shapes shared by every family. `lin_*` are the Gated DeltaNet (linear attention)
+# dims of the hybrid families; `dense` is the FFN width of bailing's dense layer 0.
+# hidden and moe_int are multiples of 64 so every projection quantizes at group 64.
+SHAPES: dict[str, dict[str, int]] = {
+    "tiny": {
+        "hidden": 64,
+        "layers": 4,
+        "experts": 16,
+        "top_k": 4,
+        "moe_int": 64,
+        "dense": 128,
+        "heads": 2,
+        "kv_heads": 1,
+        "head_dim": 32,
+        "vocab": 1024,
+        "full_attention_interval": 2,
+        "lin_k_heads": 2,
+        "lin_v_heads": 4,
+        "lin_k_dim": 32,
+        "lin_v_dim": 32,
+    },
+    "small": {
+        "hidden": 512,
+        "layers": 8,
+        "experts": 32,
+        "top_k": 8,
+        "moe_int": 256,
+        "dense": 1024,
+        "heads": 8,
+        "kv_heads": 2,
+        "head_dim": 64,
+        "vocab": 4096,
+        "full_attention_interval": 4,
+        "lin_k_heads": 4,
+        "lin_v_heads": 8,
+        "lin_k_dim": 64,
+        "lin_v_dim": 64,
+    },
+    "wall": {
+        "hidden": 2048,
+        "layers": 16,
+        "experts": 128,
+        "top_k": 8,
+        "moe_int": 768,
+        "dense": 4096,
+        "heads": 32,
+        "kv_heads": 4,
+        "head_dim": 128,
+        "vocab": 8192,
+        "full_attention_interval": 4,
+        "lin_k_heads": 16,
+        "lin_v_heads": 32,
+        "lin_k_dim": 128,
+        "lin_v_dim": 128,
+    },
+}
+
+SPECIAL_TOKENS: tuple[str, ...] = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+EOS_TOKEN = "<|im_end|>"
+PAD_TOKEN = "<|endoftext|>"
+# BPE trainers put special tokens first, in order, so their ids are fixed.
+EOS_TOKEN_ID = SPECIAL_TOKENS.index(EOS_TOKEN)
+
+QWEN_SPLIT_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+    r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+CHATML_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+MAX_SHARD_BYTES = 2 << 30
+# Written last into every synthetic checkpoint: marks a directory this module may overwrite.
+MARKER_FILE = "edge0_synthetic.json"  # per file, header included
+# Bounds on safetensors header sizes: a fixed part (length, metadata) and, per
+# tensor, its JSON entry apart from the name (dtype, shape, data offsets).
+SAFETENSORS_HEADER_BYTES = 1024
+SAFETENSORS_ENTRY_BYTES = 128
+GROUP_SIZE = 64
+BITS = 4
+
+# Router weights are multiplied by this before quantization. mlx-lm's default Linear
+# init gives logits with std ~0.6: softmax weights over the top-k come out nearly
+# flat (which experts win is unchanged: top-k is scale-free). Logits with std ~2.3
+# give peaked weights like a trained router, and spread bailing's sigmoid scores
+# well beyond the expert bias, which then shifts only the close calls.
+ROUTER_SCALE = 4.0
+# Element std of the token embeddings (mlx-lm's init gives 1/sqrt(hidden)). Each
+# random layer adds ~0.3-0.6 std of mostly token-independent signal to the residual
+# stream; with tiny embeddings that common part drowns the token identity, so deep
+# layers route every token to the same experts and greedy decoding repeats one token.
+EMBED_STD = 0.5
+# std of bailing's expert-bias: large enough to shift close calls, small next to the
+# sigmoid score spread so the token, not the bias, decides the experts.
+EXPERT_BIAS_STD = 0.05
+
+
+def _qwen3_moe_config(s: dict[str, int]) -> dict:
+    return {
+        "model_type": "qwen3_moe",
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "hidden_size": s["hidden"],
+        "num_hidden_layers": s["layers"],
+        "intermediate_size": s["dense"],
+        "num_attention_heads": s["heads"],
+        "num_key_value_heads": s["kv_heads"],
+        "head_dim": s["head_dim"],
+        "num_experts": s["experts"],
+        "num_experts_per_tok": s["top_k"],
+        "moe_intermediate_size": s["moe_int"],
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "norm_topk_prob": True,
+        "rms_norm_eps": 1e-6,
+        "vocab_size": s["vocab"],
+        "rope_theta": 1000000.0,
+        "max_position_embeddings": 32768,
+        "tie_word_embeddings": False,
+    }
+
+
+def _linear_attention_fields(s: dict[str, int]) -> dict:
+    """Gated DeltaNet fields shared by qwen3_next and qwen3_5."""
+    return {
+        "full_attention_interval": s["full_attention_interval"],
+        "linear_num_key_heads": s["lin_k_heads"],
+        "linear_num_value_heads": s["lin_v_heads"],
+        "linear_key_head_dim": s["lin_k_dim"],
+        "linear_value_head_dim": s["lin_v_dim"],
+        "linear_conv_kernel_dim": 4,
+        "shared_expert_intermediate_size": s["moe_int"],
+    }
+
+
+def _qwen3_next_config(s: dict[str, int]) -> dict:
+    config = _qwen3_moe_config(s)
+    config.update(_linear_attention_fields(s))
+    config.update(
+        model_type="qwen3_next",
+        architectures=["Qwen3NextForCausalLM"],
+        partial_rotary_factor=0.25,
+        attention_bias=False,
+    )
+    return config
+
+
+def _qwen3_5_moe_config(s: dict[str, int]) -> dict:
+    text = _qwen3_moe_config(s)
+    text.update(_linear_attention_fields(s))
+    text.update(
+        model_type="qwen3_5_moe_text",
+        attention_bias=False,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 10000000.0,
+            "partial_rotary_factor": 0.25,
+        },
+    )
+    for key in ("architectures", "rope_theta", "mlp_only_layers"):
+        text.pop(key)
+    return {
+        "model_type": "qwen3_5_moe",
+        "architectures": ["Qwen3_5MoeForConditionalGeneration"],
+        "text_config": text,
+        "tie_word_embeddings": False,
+    }
+
+
+def _bailing_moe_config(s: dict[str, int]) -> dict:
+    # bailing derives head_dim = hidden / heads, so it has no head_dim field.
+    return {
+        "model_type": "bailing_moe",
+        "architectures": ["BailingMoeV2ForCausalLM"],
+        "hidden_size": s["hidden"],
+        "num_hidden_layers": s["layers"],
+        "intermediate_size": s["dense"],
+        "num_attention_heads": s["heads"],
+        "num_key_value_heads": s["kv_heads"],
+        "num_experts": s["experts"],
+        "num_experts_per_tok": s["top_k"],
+        "moe_intermediate_size": s["moe_int"],
+        "num_shared_experts": 1,
+        "moe_shared_expert_intermediate_size": s["moe_int"],
+        "first_k_dense_replace": 1,
+        "score_function": "sigmoid",
+        "moe_router_enable_expert_bias": True,
+        "n_group": 4,
+        "topk_group": 2,
+        "routed_scaling_factor": 2.5,
+        "norm_topk_prob": True,
+        "use_qk_norm": True,
+        "partial_rotary_factor": 0.5,
+        "rms_norm_eps": 1e-6,
+        "vocab_size": s["vocab"],
+        "rope_theta": 600000.0,
+        "max_position_embeddings": 32768,
+        "tie_word_embeddings": False,
+    }
+
+
+_FAMILY_CONFIGS = {
+    "qwen3_moe": _qwen3_moe_config,
+    "qwen3_next": _qwen3_next_config,
+    "qwen3_5_moe": _qwen3_5_moe_config,
+    "bailing_moe": _bailing_moe_config,
+}
+
+
+def _model_config(family: str, preset: str = "tiny") -> dict:
+    """The unquantized config.json dict of `family` at `preset`."""
+    if family not in _FAMILY_CONFIGS:
+        raise ValueError(f"unknown family {family!r}; valid families: {', '.join(FAMILIES)}")
+    if preset not in SHAPES:
+        raise ValueError(f"unknown preset {preset!r}; valid presets: {', '.join(PRESETS)}")
+    config = _FAMILY_CONFIGS[family](SHAPES[preset])
+    config["eos_token_id"] = EOS_TOKEN_ID
+    if "text_config" in config:
+        config["text_config"]["eos_token_id"] = EOS_TOKEN_ID
+    return config
+
+
+def write_synthetic_checkpoint(
+    out_dir: str | Path, family: str, preset: str = "tiny", seed: int = 0
+) -> Path:
+    """Write config.json, model*.safetensors (+ model.safetensors.index.json), tokenizer files into out_dir; return out_dir."""
+    config = _model_config(family, preset)
+    out_dir = Path(out_dir)
+    marker = out_dir / MARKER_FILE
+    # Never overwrite what is not ours: the writer deletes stale model*.safetensors.
+    if out_dir.exists() and any(out_dir.iterdir()) and not marker.exists():
+        raise ValueError(
+            f"{out_dir} exists and is not a synthetic checkpoint; choose an empty directory"
+        )
+    _write_checkpoint(out_dir, config, seed, MAX_SHARD_BYTES)
+    build_tokenizer(out_dir, SHAPES[preset]["vocab"])
+    marker.write_text(json.dumps({"family": family, "preset": preset, "seed": seed}) + "\n")
+    return out_dir
+
+
+def _write_checkpoint(out_dir: Path, config: dict, seed: int, max_shard_bytes: int) -> None:
+    """Build the model for `config` and write its weights and config.json."""
+    model, quantized_config = _build_model(config, seed)
+    weights = dict(tree_flatten(model.parameters()))
+    # Drop the model so that `weights` holds the only reference to each tensor and a
+    # shard's memory is freed as soon as it is on disk.
+    del model
+    out_dir.mkdir(parents=True, exist_ok=True)
+    _write_weights(out_dir, weights, max_shard_bytes)
+    save_config(quantized_config, out_dir / "config.json")
+
+
+def _build_model(config: dict, seed: int = 0) -> tuple[nn.Module, dict]:
+    """The quantized random model of `config` (lazy), and its config with quantization."""
+    model_class, args_class = _get_classes(config)
+    mx.random.seed(seed)
+    model = model_class(args_class.from_dict(config))
+    _shape_init(model)
+    _cast(model, mx.bfloat16)
+    # quantize_model prints a bits-per-weight line; keep test and benchmark output clean.
+    with contextlib.redirect_stdout(io.StringIO()):
+        model, quantized_config = quantize_model(model, config, group_size=GROUP_SIZE, bits=BITS)
+    model.eval()
+    return model, quantized_config
+
+
+def _shape_init(model: nn.Module) -> None:
+    """Scale embeddings and router weights, give bailing's expert bias random values."""
+    for path, module in model.named_modules():
+        if isinstance(module, nn.Embedding):
+            scale = EMBED_STD * module.weight.shape[-1] ** 0.5
+            module.weight = module.weight * scale
+        # Qwen routers are `mlp.gate` (a Linear); bailing's is `mlp.gate.gate_proj`
+        # inside a gate module that also holds `expert_bias`.
+        if path.endswith("mlp.gate") and isinstance(module, nn.Linear):
+            module.weight = module.weight * ROUTER_SCALE
+        elif path.endswith("mlp.gate") and "gate_proj" in module:
+            module.gate_proj.weight = module.gate_proj.weight * ROUTER_SCALE
+            if module.get("expert_bias") is not None:
+                shape = module.expert_bias.shape
+                module.expert_bias = EXPERT_BIAS_STD * mx.random.normal(shape)
+
+
+def _cast(model: nn.Module, dtype: mx.Dtype) -> None:
+    """Cast float parameters to `dtype`, skipping those the model keeps in float32.
+
+    Mirrors mlx_lm.convert: some models (bailing's expert_bias, qwen3.5's A_log)
+    expose a `cast_predicate` for parameters that must stay float32.
+    """
+    castable = getattr(model, "cast_predicate", lambda _: True)
+
+    def cast(path: str, value: mx.array) -> mx.array:
+        if castable(path) and mx.issubdtype(value.dtype, mx.floating):
+            return value.astype(dtype)
+        return value
+
+    model.update(tree_map_with_path(cast, model.parameters()))
+
+
+def _natural_key(name: str) -> list:
+    """Sort key that orders layers.2 before layers.10."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
+
+
+def _plan_shards(weights: dict[str, mx.array], max_shard_bytes: int) -> list[list[str]]:
+    """Group tensor names into shard files of at most `max_shard_bytes` each.
+
+    Tensors of one module (weight, scales, biases) stay together: they come out of
+    one quantize op, so evaluating one computes all of them. Only a module larger
+    than the limit makes a bigger file (one of its own). `nbytes` is known from shape
+    and dtype without evaluating the lazy arrays.
+    """
+    modules: dict[str, list[str]] = {}
+    for name in sorted(weights, key=_natural_key):
+        modules.setdefault(name.rsplit(".", 1)[0], []).append(name)
+    shards: list[list[str]] = []
+    size = 0
+    for names in modules.values():
+        # Data plus an upper bound on the names' JSON header entries in the file.
+        nbytes = sum(weights[n].nbytes + len(n) + SAFETENSORS_ENTRY_BYTES for n in names)
+        if not shards or size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = SAFETENSORS_HEADER_BYTES
+        shards[-1].extend(names)
+        size += nbytes
+    return shards
+
+
+def _write_weights(out_dir: Path, weights: dict[str, mx.array], max_shard_bytes: int) -> None:
+    """Evaluate and write `weights` shard by shard, plus model.safetensors.index.json.
+
+    Arrays are popped from `weights` as they are written, so at most one shard (and
+    one module's intermediates) is in memory when the caller holds no other reference.
+    """
+    # mlx-lm loads every model*.safetensors in the folder: stale shards of an earlier
+    # write with another shard count would be loaded too.
+    for old in out_dir.glob("model*.safetensors"):
+        old.unlink()
+    shards = _plan_shards(weights, max_shard_bytes)
+    total_size = sum(v.nbytes for v in weights.values())
+    weight_map: dict[str, str] = {}
+    for i, names in enumerate(shards):
+        if len(shards) == 1:
+            file_name = "model.safetensors"
+        else:
+            file_name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        shard: dict[str, mx.array] = {}
+        for name in names:
+            shard[name] = weights.pop(name)
+            # Evaluate one tensor at a time so only one expert stack's float32 init
+            # is live at once (the wall preset's are ~800 MB each).
+            mx.eval(shard[name])
+        mx.save_safetensors(str(out_dir / file_name), shard, metadata={"format": "mlx"})
+        weight_map.update(dict.fromkeys(names, file_name))
+        del shard
+    index = {
+        "metadata": {"total_size": total_size},
+        "weight_map": dict(sorted(weight_map.items())),
+    }
+    (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=4) + "\n")
+
+
+# Trained tokenizers (tokenizer.json text) by vocab size; training is deterministic,
+# so one training per process serves every checkpoint.
+_TOKENIZER_JSON: dict[int, str] = {}
+
+
+def _tokenizer_json(vocab_size: int) -> str:
+    if vocab_size not in _TOKENIZER_JSON:
+        # Qwen's pipeline (NFC, regex split, byte level). transformers rebuilds it from
+        # the vocab for some model types (qwen3_5_moe -> Qwen3_5Tokenizer) instead of
+        # reading tokenizer.json, so any other pre-tokenizer would encode differently.
+        tokenizer = Tokenizer(models.BPE())
+        tokenizer.normalizer = normalizers.NFC()
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(QWEN_SPLIT_REGEX), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+        tokenizer.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size,
+            special_tokens=list(SPECIAL_TOKENS),
+            # All 256 bytes, so any text encodes even if the corpus lacks a byte.
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        )
+        tokenizer.train_from_iterator([topics[k] for k in sorted(topics)], trainer)
+        if tokenizer.token_to_id(EOS_TOKEN) != EOS_TOKEN_ID:
+            raise RuntimeError("tokenizer trainer did not put special tokens first")
+        _TOKENIZER_JSON[vocab_size] = tokenizer.to_str()
+    return _TOKENIZER_JSON[vocab_size]
+
+
+def build_tokenizer(out_dir: Path, vocab_size: int = 1024) -> None:
+    """Write tokenizer.json and tokenizer_config.json (ChatML) into out_dir."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "tokenizer.json").write_text(_tokenizer_json(vocab_size))
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": None,
+        "eos_token": EOS_TOKEN,
+        "pad_token": PAD_TOKEN,
+        "unk_token": None,
+        "add_bos_token": False,
+        "add_prefix_space": False,
+        "model_max_length": 32768,
+        "clean_up_tokenization_spaces": False,
+        "chat_template": CHATML_TEMPLATE,
+    }
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
