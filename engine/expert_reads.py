@@ -57,8 +57,14 @@ class ReadResult:
 class ExpertReader:
     """Reads experts or whole layers of a checkpoint on `threads` reader threads."""
 
-    def __init__(self, index: CheckpointIndex, threads: int = 4) -> None:
+    def __init__(
+        self, index: CheckpointIndex, threads: int = 4, widen_to_float32: bool = False
+    ) -> None:
         self.index = index
+        # On CPU the engine computes in float32: widening bf16/fp16 here, in NumPy on the reader
+        # threads, keeps the engine thread from running MLX ops (which would wait behind the
+        # forward pass it has queued) just to convert experts.
+        self.widen_to_float32 = widen_to_float32
         # Two descriptors per shard, so the kernel's readahead serves each access pattern: none for
         # scattered expert reads (readahead would pull neighbouring experts in and hide cold reads),
         # aggressive for whole-layer reads.
@@ -88,8 +94,12 @@ class ExpertReader:
             fds = self._layer_fds if expert is None else self._expert_fds
             self._pread_into(fds[file], buffer, offset, file)
             key = f"{tensor.projection}.{tensor.part}"
-            arrays[key] = buffer.view(_NUMPY_DTYPES[tensor.entry.dtype]).reshape(shape)
-            dtypes[key] = tensor.entry.dtype
+            array = buffer.view(_NUMPY_DTYPES[tensor.entry.dtype]).reshape(shape)
+            dtype = tensor.entry.dtype
+            if self.widen_to_float32 and dtype in ("BF16", "F16"):
+                array, dtype = _to_float32(array, dtype), "F32"
+            arrays[key] = array
+            dtypes[key] = dtype
             nbytes += length
         wall_ms = (time.perf_counter() - start) * 1e3
         return ReadResult(layer_experts.layer, expert, arrays, dtypes, nbytes, cold, wall_ms)
@@ -132,14 +142,25 @@ def _range_of(tensor: ExpertTensor, expert: int | None) -> tuple[int, int, tuple
     return offset, length, tensor.expert_shape
 
 
+def _to_float32(array: np.ndarray, dtype: str) -> np.ndarray:
+    if dtype == "BF16":  # bfloat16 is the top half of a float32
+        return (array.astype(np.uint32) << 16).view(np.float32)
+    return array.astype(np.float32)
+
+
 def to_mlx(result: ReadResult, float_dtype: mx.Dtype | None) -> dict[str, mx.array]:
-    """MLX arrays for a read (engine thread only). Floating tensors are cast to `float_dtype`."""
+    """MLX arrays for a read (engine thread only). Floating tensors are cast to `float_dtype`;
+    arrays built from host memory are ready at once, so nothing here waits on the stream."""
     out = {}
     for key, array in result.arrays.items():
         value = mx.array(array)
         if result.dtypes[key] == "BF16":
             value = value.view(mx.bfloat16)
-        if float_dtype is not None and mx.issubdtype(value.dtype, mx.floating):
+        if (
+            float_dtype is not None
+            and mx.issubdtype(value.dtype, mx.floating)
+            and value.dtype != float_dtype
+        ):
             value = value.astype(float_dtype)
         out[key] = value
     return out

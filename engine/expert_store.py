@@ -26,7 +26,9 @@ class ExpertStore:
         self.index = index
         self.float_dtype = float_dtype
         self.whole_layer_fraction = config.whole_layer_fraction
-        self.reader = ExpertReader(index, config.reader_threads)
+        self.reader = ExpertReader(
+            index, config.reader_threads, widen_to_float32=float_dtype == mx.float32
+        )
         self.pool = ExpertPool(config.expert_cache_bytes, config.eviction)
         self.counters = LoadCounters()
         self._moe_layers = sorted(index.layers)
@@ -112,7 +114,6 @@ class ExpertStore:
             for key, future in zip(missing, futures):
                 result = _result_or_error(future, f"layer {layer} expert {key[1]}")
                 arrays = to_mlx(result, self.float_dtype)
-                mx.eval(arrays)
                 expert = ResidentExpert(arrays, sum(a.nbytes for a in arrays.values()))
                 self.pool.put(key, expert, protected=keys)
                 found[key] = expert
@@ -145,7 +146,6 @@ class ExpertStore:
         future = self._pending_layers.pop(layer, None) or self.reader.submit_layer(layer)
         result = _result_or_error(future, f"layer {layer} (whole)")
         arrays = to_mlx(result, self.float_dtype)
-        mx.eval(arrays)
         self._account(result)
         self.counters.whole_layer_reads += 1
         self.counters.whole_layer_bytes += result.nbytes
