@@ -252,8 +252,15 @@ class Engine:
         gen: GenerationConfig | None = None,
         on_token: TokenCallback | None = None,
         should_stop: Callable[[], bool] | None = None,
+        forced_tokens: list[int] | None = None,
     ) -> GenerationResult:
+        """Generate a reply to `prompt_tokens`. With `forced_tokens`, feed those instead of sampling
+        (teacher forcing): every benchmark arm then does exactly the same work."""
         gen = gen or GenerationConfig()
+        if forced_tokens is not None:
+            gen = GenerationConfig(
+                len(forced_tokens), gen.temperature, gen.top_p, gen.top_k, gen.seed
+            )
         if not prompt_tokens:
             raise Edge0Error("the prompt is empty")
         if len(prompt_tokens) + gen.max_tokens > self.context_limit:
@@ -268,7 +275,9 @@ class Engine:
         cache = make_prompt_cache(self.model)
         self._reset_request_state()
         try:
-            return self._generate(prompt_tokens, gen, sampler, cache, on_token, should_stop)
+            return self._generate(
+                prompt_tokens, gen, sampler, cache, on_token, should_stop, forced_tokens
+            )
         finally:
             # Whatever happened (a read error, a cancel), no per-request state outlives the request.
             self._reset_request_state()
@@ -280,9 +289,9 @@ class Engine:
             self.routing.reset()
 
     def _generate(
-        self, prompt_tokens, gen, sampler, cache, on_token, should_stop
+        self, prompt_tokens, gen, sampler, cache, on_token, should_stop, forced
     ) -> GenerationResult:
-        eos = set(self.tokenizer.eos_token_ids)
+        eos = set(self.tokenizer.eos_token_ids) if forced is None else set()
         steps: list[StepMetrics] = []
         result = GenerationResult(list(prompt_tokens), [], "", steps)
 
@@ -293,7 +302,7 @@ class Engine:
             self._forward(body[start : start + chunk], cache, "prefill", steps, flush=last_chunk)
         logits = self._forward(prompt_tokens[-1:], cache, "prefill", steps)
         while True:
-            token = self._sample(logits, sampler)
+            token = self._sample(logits, sampler) if forced is None else forced[len(result.tokens)]
             result.tokens.append(token)
             if on_token is not None:
                 on_token(token, steps[-1])

@@ -1,0 +1,345 @@
+"""`edge0 bench`: the paper's same-session A/B, on any machine.
+
+Single runs swing by tens of percent on shared machines, so every claim is a ratio from rotated
+same-session runs:
+- each arm (a mode: resident, on-demand, prerouter) runs in its own process, so MLX's allocator,
+  peak counters and the pool start fresh;
+- the order of the arms rotates every round;
+- one token sequence is sampled once, then every arm replays it teacher-forced: same work;
+- all arms get the same expert-cache budget;
+- `--ram-limit` puts each arm's process in a memory cgroup (anonymous memory and page cache
+  together): the machine on which the checkpoint does not fit;
+- `--cold` evicts the checkpoint's pages before each arm and proves it with mincore.
+Figures are medians over rounds, with min-max.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from .checkpoint_index import checkpoint_shards
+from .config import format_bytes
+from .errors import Edge0Error
+from .memory_limit import MemoryCgroup
+from .page_cache import FileResidency, evict_file
+
+DEFAULT_PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+ARMS = ("resident", "on-demand", "prerouter")
+# (label, summary key, format) of the figures reported per arm.
+FIGURES = (
+    ("decode tok/s", "decode_tok_per_s", "{:.2f}"),
+    ("ms/step", "median_wall_ms", "{:.1f}"),
+    ("blocked ms/step", "median_blocked_ms", "{:.1f}"),
+    ("loads/step", "median_loads", "{:.1f}"),
+    ("MiB/step", "median_mib_read", "{:.1f}"),
+    ("MiB/load", "median_mib_per_load", "{:.2f}"),
+    ("cold fraction", "median_cold_fraction", "{:.2f}"),
+    ("ms/load", "median_ms_per_load", "{:.2f}"),
+    ("peak MLX MiB", "peak_mlx_mib", "{:.0f}"),
+    ("peak RSS MiB", "peak_rss_mib", "{:.0f}"),
+    ("page-cache share", "page_cache_share", "{:.2f}"),
+)
+
+
+@dataclass
+class BenchConfig:
+    model: Path
+    arms: list[str]
+    k: int | None = None
+    rounds: int = 3
+    tokens: int = 64
+    prompt: str = DEFAULT_PROMPT
+    expert_cache_bytes: int = 1 << 30
+    ram_limit_bytes: int | None = None
+    cold: bool = False
+    seed: int = 0
+    temperature: float = 0.7
+
+
+@dataclass
+class ArmRun:
+    arm: str
+    round: int
+    ok: bool
+    summary: dict = field(default_factory=dict)
+    step_ms: list[float] = field(default_factory=list)
+    error: str = ""
+    cgroup_peak_bytes: int = 0
+    evicted_check: float | None = None  # share of the checkpoint resident after eviction (--cold)
+
+
+# -- one arm, in its own process --------------------------------------------------------------------
+
+
+def run_arm(spec: dict) -> dict:
+    """Run one arm (in the child process) and return its figures as plain data."""
+    from .config import EngineConfig, GenerationConfig
+    from .generation import Engine
+
+    config = EngineConfig(
+        mode=spec["mode"], expert_cache_bytes=spec["expert_cache_bytes"], k=spec["k"]
+    )
+    with Engine(spec["model"], config) as engine:
+        if spec.get("sample"):
+            prompt = engine.encode(spec["prompt"], chat=True)
+            gen = GenerationConfig(spec["tokens"], spec["temperature"], 0.95, 0, spec["seed"])
+            result = engine.generate(prompt, gen)
+            return {"prompt_tokens": prompt, "tokens": result.tokens}
+        result = engine.generate(spec["prompt_tokens"], forced_tokens=spec["forced_tokens"])
+        summary = dict(result.summary)
+        summary["peak_mlx_mib"] = summary["peak_mlx_bytes"] / 2**20
+        summary["peak_rss_mib"] = summary["peak_rss_bytes"] / 2**20
+        expert_bytes = engine.loaded.index.expert_nbytes
+        summary["page_cache_share"] = summary["median_page_cache_expert_bytes"] / expert_bytes
+        summary["k"] = engine.k
+        decode = [s.wall_ms for s in result.steps if s.phase == "decode"]
+        return {"summary": summary, "step_ms": decode}
+
+
+def _spawn(spec: dict, cgroup: MemoryCgroup | None, timeout_s: float) -> tuple[int, str, str]:
+    command = [sys.executable, "-m", "engine.bench", json.dumps(spec)]
+    process = subprocess.run(
+        command,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        preexec_fn=cgroup.join if cgroup is not None else None,
+    )
+    return process.returncode, process.stdout, process.stderr
+
+
+# -- the orchestrator -------------------------------------------------------------------------------
+
+
+def _rotation(arms: list[str], round_index: int) -> list[str]:
+    shift = round_index % len(arms)
+    return arms[shift:] + arms[:shift]
+
+
+def _evict_and_check(shards: list[Path]) -> float:
+    """Evict every shard's pages; return the resident share left (mincore), which must be ~0."""
+    total = resident = 0
+    for shard in shards:
+        evict_file(shard)
+        residency = FileResidency(shard)
+        resident += residency.resident_bytes(0, residency.size)
+        total += residency.size
+        residency.close()
+    return resident / total if total else 0.0
+
+
+def _warm(shards: list[Path]) -> None:
+    for shard in shards:
+        with open(shard, "rb") as f:
+            while f.read(16 << 20):
+                pass
+
+
+def run_bench(config: BenchConfig, progress=print, timeout_s: float = 3600) -> dict:
+    unknown = [a for a in config.arms if a not in ARMS]
+    if unknown or not config.arms:
+        raise Edge0Error(f"unknown arm(s) {unknown}: choose from {', '.join(ARMS)}")
+    shards = checkpoint_shards(Path(config.model))
+    base = {
+        "model": str(config.model),
+        "k": config.k,
+        "expert_cache_bytes": config.expert_cache_bytes,
+        "seed": config.seed,
+        "temperature": config.temperature,
+    }
+    if config.ram_limit_bytes is not None:  # fail before any work if the limit cannot be made
+        MemoryCgroup.create(config.ram_limit_bytes, "edge0-bench-probe").remove()
+
+    progress(f"sampling {config.tokens} tokens once (on-demand, T={config.temperature}) ...")
+    sample_spec = dict(
+        base, mode="on-demand", sample=True, prompt=config.prompt, tokens=config.tokens
+    )
+    code, out, err = _spawn(sample_spec, None, timeout_s)
+    if code != 0:
+        raise Edge0Error(f"sampling the token sequence failed: {_last_line(err)}")
+    sampled = json.loads(out)
+    if not config.cold:
+        _warm(shards)
+
+    runs: list[ArmRun] = []
+    for r in range(config.rounds):
+        for arm in _rotation(list(config.arms), r):
+            run = ArmRun(arm, r, ok=False)
+            if config.cold:
+                run.evicted_check = _evict_and_check(shards)
+            cgroup = None
+            if config.ram_limit_bytes is not None:
+                cgroup = MemoryCgroup.create(config.ram_limit_bytes, f"edge0-bench-{arm}-{r}")
+            spec = dict(
+                base,
+                mode=arm,
+                prompt_tokens=sampled["prompt_tokens"],
+                forced_tokens=sampled["tokens"],
+            )
+            started = time.perf_counter()
+            try:
+                code, out, err = _spawn(spec, cgroup, timeout_s)
+            except subprocess.TimeoutExpired:
+                code, out, err = -1, "", f"timed out after {timeout_s:.0f} s"
+            finally:
+                if cgroup is not None:
+                    run.cgroup_peak_bytes = cgroup.peak_bytes()
+                    cgroup.remove()
+            if code == 0:
+                payload = json.loads(out)
+                run.ok, run.summary, run.step_ms = True, payload["summary"], payload["step_ms"]
+                note = f"{run.summary['decode_tok_per_s']:.2f} tok/s"
+            else:
+                killed = code in (-9, 137)
+                run.error = "killed (out of memory under the limit)" if killed else _last_line(err)
+                note = f"FAILED: {run.error}"
+            progress(
+                f"[round {r + 1}/{config.rounds}] {arm:10s} {note}  ({time.perf_counter() - started:.0f} s)"
+            )
+            runs.append(run)
+    return build_report(config, sampled, runs)
+
+
+def _last_line(text: str) -> str:
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    return lines[-1] if lines else "no output"
+
+
+# -- the report -------------------------------------------------------------------------------------
+
+
+def build_report(config: BenchConfig, sampled: dict, runs: list[ArmRun]) -> dict:
+    arms = {}
+    for arm in config.arms:
+        ok = [r for r in runs if r.arm == arm and r.ok]
+        failed = [r for r in runs if r.arm == arm and not r.ok]
+        figures = {}
+        for _, key, _ in FIGURES:
+            values = [r.summary[key] for r in ok if key in r.summary]
+            if values:
+                figures[key] = {
+                    "median": statistics.median(values),
+                    "min": min(values),
+                    "max": max(values),
+                }
+        arms[arm] = {
+            "rounds_ok": len(ok),
+            "rounds_failed": len(failed),
+            "errors": sorted({r.error for r in failed}),
+            "memory_needed_bytes": max((r.cgroup_peak_bytes for r in failed), default=0),
+            "figures": figures,
+            "step_ms_median": _per_step_median([r.step_ms for r in ok]),
+        }
+    for arm, data in arms.items():
+        data["ratios"] = {}
+        for reference in ("on-demand", "resident"):
+            ref = arms.get(reference, {}).get("figures", {})
+            mine = data["figures"]
+            if arm == reference or not ref or not mine:
+                continue
+            data["ratios"][f"tok_s_vs_{reference}"] = _ratio(mine, ref, "decode_tok_per_s")
+            data["ratios"][f"blocked_vs_{reference}"] = _ratio(mine, ref, "median_blocked_ms")
+            data["ratios"][f"peak_mlx_vs_{reference}"] = _ratio(mine, ref, "peak_mlx_mib")
+    return {
+        "config": {**asdict(config), "model": str(config.model)},
+        "prompt_tokens": len(sampled["prompt_tokens"]),
+        "tokens": len(sampled["tokens"]),
+        "arms": arms,
+        "runs": [asdict(r) for r in runs],
+    }
+
+
+def _ratio(mine: dict, ref: dict, key: str) -> float | None:
+    if key not in mine or key not in ref or not ref[key]["median"]:
+        return None
+    return mine[key]["median"] / ref[key]["median"]
+
+
+def _per_step_median(series: list[list[float]]) -> list[float]:
+    if not series:
+        return []
+    length = min(len(s) for s in series)
+    return [statistics.median(s[i] for s in series) for i in range(length)]
+
+
+def markdown(report: dict) -> str:
+    cfg = report["config"]
+    limit = format_bytes(cfg["ram_limit_bytes"]) if cfg["ram_limit_bytes"] else "none"
+    lines = [
+        f"Model `{cfg['model']}`, K={cfg['k'] or 'native'}, expert cache "
+        f"{format_bytes(cfg['expert_cache_bytes'])}, RAM limit {limit}, "
+        f"{'cold' if cfg['cold'] else 'warm'} page cache, {cfg['rounds']} rounds (order rotated), "
+        f"{report['prompt_tokens']} prompt + {report['tokens']} replayed tokens. Median [min-max].",
+        "",
+        "**Throughput** (cf. the paper's Table 3)",
+        "",
+        "| arm | decode tok/s | vs on-demand | vs resident | ms/step | blocked ms/step | vs on-demand |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for arm, data in report["arms"].items():
+        f, ratios = data["figures"], data["ratios"]
+        if not f:
+            needed = data["memory_needed_bytes"]
+            reason = "; ".join(data["errors"]) or "failed"
+            lines.append(f"| {arm} | failed: {reason} (peak {format_bytes(needed)}) | | | | | |")
+            continue
+        lines.append(
+            f"| {arm} | {_cell(f, 'decode_tok_per_s', '{:.2f}')} | {_x(ratios.get('tok_s_vs_on-demand'))} "
+            f"| {_x(ratios.get('tok_s_vs_resident'))} | {_cell(f, 'median_wall_ms', '{:.1f}')} "
+            f"| {_cell(f, 'median_blocked_ms', '{:.1f}')} | {_x(ratios.get('blocked_vs_on-demand'))} |"
+        )
+    lines += [
+        "",
+        "**Loads and memory** (cf. the paper's Table 4)",
+        "",
+        "| arm | loads/step | MiB/step | MiB/load | cold fraction | ms/load | peak MLX MiB | peak RSS MiB | page-cache share |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for arm, data in report["arms"].items():
+        f = data["figures"]
+        if not f:
+            continue
+        cells = [_cell(f, key, fmt) for _, key, fmt in FIGURES[3:]]
+        lines.append(f"| {arm} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _cell(figures: dict, key: str, fmt: str) -> str:
+    if key not in figures:
+        return "-"
+    v = figures[key]
+    return f"{fmt.format(v['median'])} [{fmt.format(v['min'])}-{fmt.format(v['max'])}]"
+
+
+def _x(ratio: float | None) -> str:
+    return "-" if ratio is None else f"{ratio:.2f}x"
+
+
+def terminal_plot(report: dict, width: int = 60) -> str:
+    """ms/step of each arm over the decode steps (median over rounds), one row of bars per arm."""
+    blocks = " ▁▂▃▄▅▆▇█"
+    series = {a: d["step_ms_median"] for a, d in report["arms"].items() if d["step_ms_median"]}
+    if not series:
+        return "(no successful arm to plot)"
+    top = max(max(s) for s in series.values())
+    lines = [f"ms/step per decode step (full bar = {top:.0f} ms)"]
+    for arm, values in series.items():
+        step = max(1, len(values) // width)
+        cols = [statistics.mean(values[i : i + step]) for i in range(0, len(values), step)][:width]
+        bar = "".join(blocks[min(8, int(round(v / top * 8)))] for v in cols)
+        lines.append(f"{arm:>10s} |{bar}| median {statistics.median(values):.0f} ms")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":  # the child process of one arm
+    try:
+        print(json.dumps(run_arm(json.loads(sys.argv[1]))))
+    except Edge0Error as e:
+        print(f"edge0: error: {e}", file=sys.stderr)
+        sys.exit(2)
