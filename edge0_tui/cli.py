@@ -23,7 +23,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="edge0",
         description="Run Mixture-of-Experts models whose experts stream from disk.",
     )
-    commands = parser.add_subparsers(dest="command", required=True)
+    # No command runs `chat`.
+    commands = parser.add_subparsers(dest="command", required=False)
 
     gen = commands.add_parser("generate", help="generate text from a prompt, with per-step metrics")
     gen.add_argument("model", type=Path, help="local mlx-lm checkpoint directory")
@@ -47,6 +48,23 @@ def build_parser() -> argparse.ArgumentParser:
         help="also run the true routers to report the prediction's recall@K (costs compute)",
     )
     gen.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+
+    bench = commands.add_parser("bench", help="same-session rotated A/B of modes on this machine")
+    bench.add_argument("model", type=Path)
+    bench.add_argument("--arms", default="resident,on-demand,prerouter")
+    bench.add_argument("--k", type=int, default=None)
+    bench.add_argument("--rounds", type=int, default=3)
+    bench.add_argument("--tokens", type=int, default=64)
+    bench.add_argument("--prompt-file", type=Path, default=None)
+    bench.add_argument("--expert-cache", type=_size, default="1G")
+    bench.add_argument("--ram-limit", type=_size, default=None)
+    warmth = bench.add_mutually_exclusive_group()
+    warmth.add_argument("--cold", action="store_true", help="evict the checkpoint before each arm")
+    warmth.add_argument(
+        "--warm", action="store_true", help="read the checkpoint once first (default)"
+    )
+    bench.add_argument("--json", type=Path, default=None, dest="json_out")
+    bench.add_argument("--markdown", type=Path, default=None)
 
     info = commands.add_parser("info", help="family, layers, experts, expert bytes, K profiles")
     info.add_argument("model", type=Path)
@@ -72,6 +90,24 @@ def build_parser() -> argparse.ArgumentParser:
     synth.add_argument("--seed", type=int, default=0)
 
     commands.add_parser("demo", help="generate on a synthetic model with live metrics")
+
+    chat = commands.add_parser("chat", help="chat in the terminal app (the default command)")
+    chat.add_argument(
+        "model",
+        nargs="?",
+        default="demo",
+        help="checkpoint directory, Hugging Face repo id, or demo (the default)",
+    )
+    chat.add_argument(
+        "--expert-cache",
+        type=_size,
+        default=None,
+        help="routed-expert budget, e.g. 512M, 2G (default 1G; 8M for demo, to show the wall)",
+    )
+    chat.add_argument("--mode", choices=MODES, default="on-demand")
+    chat.add_argument(
+        "--data-dir", type=Path, default=None, help="where chats are saved (default: user data dir)"
+    )
     return parser
 
 
@@ -156,6 +192,37 @@ def summary_line(s: dict) -> str:
     )
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from engine.bench import DEFAULT_PROMPT, BenchConfig, markdown, run_bench, terminal_plot
+
+    prompt = DEFAULT_PROMPT
+    if args.prompt_file is not None:
+        try:
+            prompt = args.prompt_file.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise Edge0Error(f"{args.prompt_file}: cannot read the prompt ({e})") from None
+    config = BenchConfig(
+        model=args.model,
+        arms=[a.strip() for a in args.arms.split(",") if a.strip()],
+        k=args.k,
+        rounds=args.rounds,
+        tokens=args.tokens,
+        prompt=prompt,
+        expert_cache_bytes=args.expert_cache,
+        ram_limit_bytes=args.ram_limit,
+        cold=args.cold,
+    )
+    report = run_bench(config, progress=lambda line: print(line, file=sys.stderr, flush=True))
+    table = markdown(report)
+    print(table)
+    print(terminal_plot(report))
+    if args.json_out:
+        args.json_out.write_text(json.dumps(report, indent=1))
+    if args.markdown:
+        args.markdown.write_text(table)
+    return 0
+
+
 def cmd_info(args: argparse.Namespace) -> int:
     from engine.generation import Engine
 
@@ -231,11 +298,28 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return cmd_generate(demo_args)
 
 
+def cmd_chat(args: argparse.Namespace) -> int:
+    # Imported here so that the other commands never import Textual.
+    from edge0_tui.app import Edge0App
+
+    default_cache = "8M" if args.model == "demo" else "1G"
+    config = EngineConfig(
+        mode=args.mode, expert_cache_bytes=args.expert_cache or parse_size(default_cache)
+    )
+    Edge0App(model=args.model, engine_config=config, data_dir=args.data_dir).run()
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        args = parser.parse_args(["chat"])
     handlers = {
+        "chat": cmd_chat,
         "generate": cmd_generate,
         "info": cmd_info,
+        "bench": cmd_bench,
         "train": cmd_train,
         "synth": cmd_synth,
         "demo": cmd_demo,
