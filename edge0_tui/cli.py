@@ -82,12 +82,22 @@ def build_parser() -> argparse.ArgumentParser:
     heads.add_argument("--start-layer", type=int, default=None)
     heads.add_argument("--steps", type=int, default=400)
     heads.add_argument("--max-tokens", type=int, default=60_000)
+    base = phases.add_parser("base", help="phase 0: train the demo teacher (resumable)")
+    base.add_argument("out", type=Path, help="training directory: state, loss.csv, teacher/, base/")
+    base.add_argument("--steps", type=int, default=None, help="total steps (default 540)")
+    base.add_argument("--resume", action="store_true", help="require a saved state in OUT")
+    base.add_argument("--seed", type=int, default=0)
 
     synth = commands.add_parser("synth", help="write a random-weight 4-bit checkpoint")
     synth.add_argument("out", type=Path)
     synth.add_argument("--family", default="qwen3_moe")
     synth.add_argument("--preset", default="tiny")
     synth.add_argument("--seed", type=int, default=0)
+    synth.add_argument(
+        "--heads",
+        default=None,
+        help="comma-separated K values to train quick prerouter heads for (default: 4 for wall)",
+    )
 
     commands.add_parser("demo", help="generate on a synthetic model with live metrics")
 
@@ -246,6 +256,8 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    if args.phase == "base":
+        return cmd_train_base(args)
     from engine.train_heads import TrainHeadsConfig, train_heads
 
     try:
@@ -261,6 +273,17 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_train_base(args: argparse.Namespace) -> int:
+    from engine.train_base import TrainBaseConfig, preload_openblas, train_base
+
+    preload_openblas()  # re-executes this command with OpenBLAS when it is installed
+    config = TrainBaseConfig(seed=args.seed)
+    if args.steps is not None:
+        config.steps = args.steps
+    train_base(args.out, config, resume=args.resume, progress=lambda line: print(line, flush=True))
+    return 0
+
+
 def cmd_synth(args: argparse.Namespace) -> int:
     from engine.synth import write_synthetic_checkpoint
 
@@ -269,7 +292,22 @@ def cmd_synth(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise Edge0Error(str(e)) from None
     print(f"wrote {args.preset} {args.family} checkpoint to {out}")
+    heads = args.heads if args.heads is not None else ("4" if args.preset == "wall" else "")
+    for k in [int(k) for k in heads.split(",") if k.strip()]:
+        _quick_heads(out, k)
     return 0
+
+
+def _quick_heads(model: Path, k: int) -> None:
+    """Heads trained briefly on Python's own docs: realistic prediction sets for benchmarks
+    (varied, token-dependent), not quality."""
+    import pydoc_data.topics
+
+    from engine.train_heads import TrainHeadsConfig, train_heads
+
+    text = "\n\n".join(pydoc_data.topics.topics.values())
+    config = TrainHeadsConfig(k=k, max_tokens=768, window=64, steps=150)
+    train_heads(model, text, config, progress=lambda line: print(line, flush=True))
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
