@@ -80,6 +80,10 @@ class EngineConfig:
     lora: bool = True
     # Also run the true router on consumer layers to measure the prediction's recall@K (costs compute).
     shadow_router: bool = False
+    # Repair NaN / overflow in every decoder layer's output (streaming modes; resident stays stock).
+    hidden_guard: bool = True
+    # Clip hidden states to +-this; None clips only overflow (the dtype's largest finite value).
+    hidden_clip: float | None = None
     # Page-cache residency of the expert tensors is sampled so that it costs at most this share of
     # step time.
     page_cache_sample_share: float = 0.02

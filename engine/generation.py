@@ -31,6 +31,7 @@ from .families import set_top_k
 from .loader import LoadedModel, load
 from .lora import AppliedLoRA, load_lora
 from .metrics import LoadCounters, MemorySampler, StepMetrics, summarize
+from .numerics import HiddenGuard, guard_layers
 from .prerouter import PrerouterHeads, keep_owners, load_prerouter
 from .profiles import AdapterFiles, discover_profiles
 
@@ -87,6 +88,10 @@ class Engine:
         self._requested: dict[str, object] = {}
         if self.routing is not None:
             self.routing.shadow_router = self.config.shadow_router
+        self.guard = None
+        if self.config.hidden_guard and self.mode != "resident":
+            self.guard = HiddenGuard(self.config.hidden_clip)
+            guard_layers(self.model.layers, self.guard)
         k = self.config.k if self.config.k is not None else self._default_k(self.mode)
         self._apply_profile(self._check_k(k, self.mode), self.mode)
 
@@ -336,12 +341,14 @@ class Engine:
         if self.store is not None:
             self.store.begin_step()
         out = self.model(mx.array(tokens)[None], cache=cache)
+        guard_counts = self.guard.pending() if self.guard is not None else []
         if len(tokens) == 1:
             out = out[:, -1, :]
-            mx.eval(out)
+            mx.eval(out, guard_counts)
         else:
-            mx.eval([c.state for c in cache])
+            mx.eval([c.state for c in cache], guard_counts)
             out = None
+        repaired = self.guard.take_count() if self.guard is not None else 0
         counters = self.store.end_step() if self.store is not None else LoadCounters()
         if flush and self.routing is not None and self.routing.heads is not None:
             for layer, experts in self.routing.flush().items():
@@ -359,6 +366,7 @@ class Engine:
                 routing_counters,
                 self.mode,
                 self.k,
+                repaired,
             )
         )
         return out

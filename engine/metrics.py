@@ -79,6 +79,7 @@ class StepMetrics:
     prefetch_late: int = 0
     dropped: int = 0  # routed experts missing from the staged set: 0 by construction
     shadow_recall: float | None = None  # recall@K of predictions against the true routers
+    nonfinite_repaired: int = 0  # hidden values the numerical guard zeroed or clipped
 
     @classmethod
     def build(
@@ -92,6 +93,7 @@ class StepMetrics:
         routing=None,
         mode: str = "",
         k: int = 0,
+        nonfinite_repaired: int = 0,
     ) -> StepMetrics:
         loads = counters.loads
         per_expert_bytes = counters.bytes_read - counters.whole_layer_bytes
@@ -121,6 +123,7 @@ class StepMetrics:
             prefetch_issued=counters.prefetch_issued,
             prefetch_in_time=counters.prefetch_in_time,
             prefetch_late=counters.prefetch_late,
+            nonfinite_repaired=nonfinite_repaired,
             **routed,
         )
 
@@ -197,6 +200,7 @@ def summarize(steps: list[StepMetrics], prompt_tokens: int) -> dict:
         "peak_rss_bytes": max((s.rss_bytes for s in steps), default=0),
         "peak_transient_mib": max((s.transient_peak_mib for s in steps), default=0.0),
         "dropped": sum(s.dropped for s in steps),
+        "nonfinite_repaired": sum(s.nonfinite_repaired for s in steps),
     }
     recalls = [s.shadow_recall for s in decode if s.shadow_recall is not None]
     if recalls:
