@@ -350,9 +350,12 @@ class Engine:
             out = None
         repaired = self.guard.take_count() if self.guard is not None else 0
         counters = self.store.end_step() if self.store is not None else LoadCounters()
+        flush_ms = 0.0
         if flush and self.routing is not None and self.routing.heads is not None:
+            flush_start = time.perf_counter()
             for layer, experts in self.routing.flush().items():
                 self.store.stage(layer, experts.tolist())
+            flush_ms = (time.perf_counter() - flush_start) * 1e3
         wall_ms = (time.perf_counter() - start) * 1e3
         pool_bytes = self.store.pool.resident_bytes if self.store is not None else 0
         steps.append(
@@ -367,6 +370,7 @@ class Engine:
                 self.mode,
                 self.k,
                 repaired,
+                flush_ms,
             )
         )
         return out

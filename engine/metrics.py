@@ -80,6 +80,7 @@ class StepMetrics:
     dropped: int = 0  # routed experts missing from the staged set: 0 by construction
     shadow_recall: float | None = None  # recall@K of predictions against the true routers
     nonfinite_repaired: int = 0  # hidden values the numerical guard zeroed or clipped
+    flush_ms: float = 0.0  # the prerouter head flush and issuing its reads
 
     @classmethod
     def build(
@@ -94,6 +95,7 @@ class StepMetrics:
         mode: str = "",
         k: int = 0,
         nonfinite_repaired: int = 0,
+        flush_ms: float = 0.0,
     ) -> StepMetrics:
         loads = counters.loads
         per_expert_bytes = counters.bytes_read - counters.whole_layer_bytes
@@ -124,6 +126,7 @@ class StepMetrics:
             prefetch_in_time=counters.prefetch_in_time,
             prefetch_late=counters.prefetch_late,
             nonfinite_repaired=nonfinite_repaired,
+            flush_ms=flush_ms,
             **routed,
         )
 
@@ -223,6 +226,7 @@ def summarize(steps: list[StepMetrics], prompt_tokens: int) -> dict:
         "prefetch_issued",
         "prefetch_in_time",
         "prefetch_late",
+        "flush_ms",
     ):
         values = [getattr(s, name) for s in decode]
         summary[f"median_{name}"] = statistics.median(values) if values else 0.0
