@@ -67,9 +67,17 @@ class Engine:
         self.config = config or EngineConfig()
         self.model_dir = Path(model_dir)
         self.loaded: LoadedModel = load(self.model_dir, self.config)
+        self.store = self.loaded.store
+        self.memory = None
+        try:
+            self._setup()
+        except BaseException:
+            self.close()  # no reader thread or file outlives a failed start
+            raise
+
+    def _setup(self) -> None:
         self.model = self.loaded.model
         self.tokenizer = self.loaded.tokenizer
-        self.store = self.loaded.store
         self.routing = self.loaded.routing
         self.fingerprint = base_fingerprint(self.loaded.index)
         self.adapters: dict[int, AdapterFiles] = discover_profiles(self.model_dir)
@@ -152,7 +160,8 @@ class Engine:
 
     def request_k(self, k: int) -> KProfile:
         """Ask for routing width `k`; safe from any thread, applied before the next step."""
-        mode = self._requested.get("mode", self.mode)
+        with self._lock:
+            mode = self._requested.get("mode", self.mode)
         self._check_k(k, mode)
         with self._lock:
             self._requested["k"] = k
@@ -164,7 +173,8 @@ class Engine:
             raise Edge0Error(
                 f"mode {mode!r} is not available here (choose {', '.join(self.modes())})"
             )
-        k = self._requested.get("k", self.k)
+        with self._lock:
+            k = self._requested.get("k", self.k)
         if mode == "prerouter" and not any(p.k == k and p.prerouter for p in self.profiles()):
             k = self._default_k(mode)
         self._check_k(k, mode)
@@ -383,7 +393,8 @@ class Engine:
     def close(self) -> None:
         if self.store is not None:
             self.store.close()
-        self.memory.close()
+        if self.memory is not None:
+            self.memory.close()
 
     def __enter__(self) -> Engine:
         return self
