@@ -84,9 +84,48 @@ def build_parser() -> argparse.ArgumentParser:
     heads.add_argument("--max-tokens", type=int, default=60_000)
     base = phases.add_parser("base", help="phase 0: train the demo teacher (resumable)")
     base.add_argument("out", type=Path, help="training directory: state, loss.csv, teacher/, base/")
-    base.add_argument("--steps", type=int, default=None, help="total steps (default 540)")
+    base.add_argument("--steps", type=int, default=None, help="total steps (default 720)")
     base.add_argument("--resume", action="store_true", help="require a saved state in OUT")
     base.add_argument("--seed", type=int, default=0)
+
+    lora = phases.add_parser("lora", help="phase 2: SFT of the recovery LoRA on teacher text")
+    distill = phases.add_parser("distill", help="phase 3: on-policy distillation (reverse KL)")
+    for phase, steps, out_dir in ((lora, 300, "lora"), (distill, 200, "distill")):
+        phase.add_argument("model", type=Path)
+        phase.add_argument("--k", type=int, required=True)
+        phase.add_argument(
+            "--teacher", type=Path, required=True, help="the unquantized float model (mlx-lm)"
+        )
+        phase.add_argument(
+            "--text", type=Path, required=True, help="UTF-8 text to draw prompts from"
+        )
+        phase.add_argument("--steps", type=int, default=steps)
+        phase.add_argument(
+            "--out", type=Path, default=None, help="default MODEL/lora_k{K}.safetensors"
+        )
+        phase.add_argument(
+            "--out-dir",
+            type=Path,
+            default=None,
+            help=f"checkpoints (default MODEL/train/{out_dir}_k{{K}}); a rerun resumes there",
+        )
+    lora.add_argument(
+        "--generate", type=int, default=512, help="teacher continuations (cached in the out dir)"
+    )
+
+    evaluate = commands.add_parser(
+        "eval", help="held-out perplexity, recall@K, distinct-4, LoRA merge retention"
+    )
+    evaluate.add_argument("model", type=Path)
+    evaluate.add_argument("--text", type=Path, required=True, help="held-out UTF-8 text")
+    evaluate.add_argument("--k", type=int, default=None)
+    evaluate.add_argument(
+        "--mode", choices=MODES, default=None, help="default: prerouter when heads exist"
+    )
+    evaluate.add_argument("--no-lora", action="store_true")
+    evaluate.add_argument("--max-tokens", type=int, default=16_384)
+    evaluate.add_argument("--samples", type=int, default=8, help="continuations for distinct-4")
+    evaluate.add_argument("--json", action="store_true", help="print one JSON object on stdout")
 
     synth = commands.add_parser("synth", help="write a random-weight 4-bit checkpoint")
     synth.add_argument("out", type=Path)
@@ -258,6 +297,8 @@ def cmd_info(args: argparse.Namespace) -> int:
 def cmd_train(args: argparse.Namespace) -> int:
     if args.phase == "base":
         return cmd_train_base(args)
+    if args.phase in ("lora", "distill"):
+        return cmd_train_lora_or_distill(args)
     from engine.train_heads import TrainHeadsConfig, train_heads
 
     try:
@@ -281,6 +322,53 @@ def cmd_train_base(args: argparse.Namespace) -> int:
     if args.steps is not None:
         config.steps = args.steps
     train_base(args.out, config, resume=args.resume, progress=lambda line: print(line, flush=True))
+    return 0
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise Edge0Error(f"{path}: cannot read text ({e})") from None
+
+
+def cmd_train_lora_or_distill(args: argparse.Namespace) -> int:
+    if args.phase == "lora":
+        from engine.train_lora import TrainLoRAConfig as Config
+        from engine.train_lora import train_lora as train
+
+        config = Config(k=args.k, rows=args.generate, steps=args.steps)
+    else:
+        from engine.train_distill import TrainDistillConfig as Config
+        from engine.train_distill import train_distill as train
+
+        config = Config(k=args.k, steps=args.steps)
+    train(
+        args.model,
+        args.teacher,
+        _read_text(args.text),
+        config,
+        out=args.out,
+        out_dir=args.out_dir,
+        log=lambda line: print(line, flush=True),
+        bar=sys.stderr.isatty(),
+    )
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from engine.evaluate import EvalConfig, evaluate, format_report
+
+    config = EvalConfig(
+        k=args.k,
+        mode=args.mode,
+        lora=not args.no_lora,
+        max_tokens=args.max_tokens,
+        samples=args.samples,
+    )
+    log = None if args.json else (lambda line: print(line, file=sys.stderr, flush=True))
+    report = evaluate(args.model, _read_text(args.text), config, log=log)
+    print(json.dumps(report) if args.json else format_report(report))
     return 0
 
 
@@ -360,6 +448,7 @@ def main(argv: list[str] | None = None) -> int:
         "bench": cmd_bench,
         "train": cmd_train,
         "synth": cmd_synth,
+        "eval": cmd_eval,
         "demo": cmd_demo,
     }
     try:

@@ -12,13 +12,14 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import Edge0Error
 
-# Bytes per element of every safetensors dtype MLX can hold.
+# Bytes per element of every safetensors dtype MLX loads (it has no F64).
 DTYPE_SIZES = {
     "BOOL": 1,
     "U8": 1,
@@ -32,10 +33,14 @@ DTYPE_SIZES = {
     "F32": 4,
     "U64": 8,
     "I64": 8,
-    "F64": 8,
 }
-# A header bigger than this is not a real checkpoint header (the largest real ones are a few MB).
-MAX_HEADER_BYTES = 100 * 1024 * 1024
+# MLX (like the Rust safetensors crate) refuses headers of this many bytes or more; the largest real
+# ones are a few MB.
+MAX_HEADER_BYTES = 100_000_000
+# MLX shapes are int32.
+MAX_DIM = 2**31 - 1
+# A routed expert stored as its own tensor (the Hugging Face layout), e.g. `mlp.experts.7.up_proj`.
+PER_EXPERT_NAME = re.compile(r"\.experts\.\d+\.")
 
 
 @dataclass(frozen=True)
@@ -95,8 +100,11 @@ def read_safetensors_header(path: Path) -> dict[str, TensorEntry]:
     return read_safetensors(path)[0]
 
 
-def read_safetensors(path: Path) -> tuple[dict[str, TensorEntry], dict]:
-    """Tensor entries and the `__metadata__` dict of a safetensors file, validated."""
+def read_safetensors(path: Path) -> tuple[dict[str, TensorEntry], dict[str, str]]:
+    """Tensor entries and the `__metadata__` dict of a safetensors file, validated.
+
+    Whatever this accepts, `mx.load` loads: the checks are at least as strict as MLX's reader.
+    """
     path = Path(path)
     try:
         size = path.stat().st_size
@@ -105,7 +113,7 @@ def read_safetensors(path: Path) -> tuple[dict[str, TensorEntry], dict]:
             if len(head) < 8:
                 raise Edge0Error(f"{path}: not a safetensors file (shorter than 8 bytes)")
             (header_len,) = struct.unpack("<Q", head)
-            if header_len > min(MAX_HEADER_BYTES, size - 8):
+            if header_len >= MAX_HEADER_BYTES or header_len > size - 8:
                 raise Edge0Error(
                     f"{path}: corrupt safetensors header (declares {header_len} header bytes in a "
                     f"{size}-byte file); the file is truncated or not safetensors"
@@ -114,15 +122,19 @@ def read_safetensors(path: Path) -> tuple[dict[str, TensorEntry], dict]:
     except OSError as e:
         raise Edge0Error(f"{path}: cannot read ({e.strerror or e})") from None
     try:
-        header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        header = parse_json(raw, check_surrogates=True)
+    except ValueError as e:
         raise Edge0Error(f"{path}: corrupt safetensors header (invalid JSON: {e})") from None
     if not isinstance(header, dict):
         raise Edge0Error(f"{path}: corrupt safetensors header (not a JSON object)")
 
-    metadata = header.pop("__metadata__", None) or {}
-    if not isinstance(metadata, dict):
-        raise Edge0Error(f"{path}: corrupt safetensors header (__metadata__ is not an object)")
+    metadata = header.pop("__metadata__", None)
+    if metadata is None:
+        metadata = {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise Edge0Error(
+            f"{path}: corrupt safetensors header (__metadata__ is not an object of strings)"
+        )
     data_start = 8 + header_len
     entries = {
         name: _parse_entry(path, name, info, data_start, size) for name, info in header.items()
@@ -131,17 +143,46 @@ def read_safetensors(path: Path) -> tuple[dict[str, TensorEntry], dict]:
     return entries, metadata
 
 
-def _parse_entry(path: Path, name: str, info: object, data_start: int, size: int) -> TensorEntry:
+def parse_json(raw: bytes | str, check_surrogates: bool = False) -> object:
+    """Strict JSON: UTF-8, no NaN or Infinity; any defect is a ValueError saying what is wrong.
+
+    With `check_surrogates`, strings holding an unpaired UTF-16 surrogate (`"\\ud800"`, which Python
+    reads but C++ readers such as MLX's refuse) are refused too.
+    """
     try:
-        dtype = info["dtype"]
-        shape = tuple(int(d) for d in info["shape"])
-        begin, end = (int(o) for o in info["data_offsets"])
-    except (TypeError, KeyError, ValueError):
-        raise Edge0Error(f"{path}: corrupt header entry for tensor {name!r}") from None
-    if dtype not in DTYPE_SIZES:
-        raise Edge0Error(f"{path}: tensor {name!r} has unsupported dtype {dtype!r}")
-    if any(d < 0 for d in shape) or not 0 <= begin <= end:
-        raise Edge0Error(f"{path}: tensor {name!r} has a negative shape or offsets")
+        text = raw.decode("utf-8") if isinstance(raw, bytes) else raw
+        value = json.loads(text, parse_constant=_refuse_constant)
+        if check_surrogates and "\\u" in text:
+            json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("a string holds an unpaired UTF-16 surrogate") from None
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+    return value
+
+
+def _refuse_constant(name: str) -> object:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _parse_entry(path: Path, name: str, info: object, data_start: int, size: int) -> TensorEntry:
+    if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= info.keys():
+        raise Edge0Error(f"{path}: corrupt header entry for tensor {name!r}")
+    dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+    if not isinstance(dtype, str) or dtype not in DTYPE_SIZES:
+        raise Edge0Error(f"{path}: tensor {name!r} has unsupported dtype {brief(dtype)}")
+    if not _is_int_list(shape) or not all(0 <= d <= MAX_DIM for d in shape):
+        raise Edge0Error(
+            f"{path}: tensor {name!r} has an invalid shape {brief(shape)} (a list of dimensions "
+            f"0..{MAX_DIM})"
+        )
+    if not _is_int_list(offsets) or len(offsets) != 2 or not 0 <= offsets[0] <= offsets[1]:
+        raise Edge0Error(
+            f"{path}: tensor {name!r} has invalid data_offsets {brief(offsets)} (expected "
+            "[begin, end] with 0 <= begin <= end)"
+        )
+    begin, end = offsets
+    shape = tuple(shape)
     nbytes = math.prod(shape) * DTYPE_SIZES[dtype]
     if end - begin != nbytes:
         raise Edge0Error(
@@ -156,8 +197,19 @@ def _parse_entry(path: Path, name: str, info: object, data_start: int, size: int
     return TensorEntry(name, path, dtype, shape, data_start + begin, nbytes)
 
 
+def _is_int_list(value: object) -> bool:
+    return isinstance(value, list) and all(type(v) is int for v in value)
+
+
+def brief(value: object, limit: int = 60) -> str:
+    """A JSON value for an error message: its repr, on one line, cut to `limit` characters."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def _check_no_overlap(path: Path, entries: dict[str, TensorEntry]) -> None:
-    ordered = sorted(entries.values(), key=lambda e: e.offset)
+    # Empty tensors hold no bytes, so they overlap nothing (wherever their offset points).
+    ordered = sorted((e for e in entries.values() if e.nbytes), key=lambda e: e.offset)
     for a, b in zip(ordered, ordered[1:]):
         if a.offset + a.nbytes > b.offset:
             raise Edge0Error(f"{path}: tensors {a.name!r} and {b.name!r} overlap in the file")
@@ -168,10 +220,21 @@ def checkpoint_shards(model_dir: Path) -> list[Path]:
     index_file = model_dir / "model.safetensors.index.json"
     if index_file.exists():
         try:
-            weight_map = json.loads(index_file.read_text())["weight_map"]
-            names = sorted(set(weight_map.values()))
-        except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
-            raise Edge0Error(f"{index_file}: corrupt index (no weight_map)") from None
+            index = parse_json(index_file.read_bytes())
+        except OSError as e:
+            raise Edge0Error(f"{index_file}: cannot read ({e.strerror or e})") from None
+        except ValueError as e:
+            raise Edge0Error(f"{index_file}: invalid JSON ({e})") from None
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict):
+            raise Edge0Error(f"{index_file}: corrupt index (no weight_map)")
+        for name in weight_map.values():
+            if not isinstance(name, str) or name in ("", ".", "..") or Path(name).name != name:
+                raise Edge0Error(
+                    f"{index_file}: corrupt index (weight_map names {brief(name)}, not a shard "
+                    "file in this directory)"
+                )
+        names = sorted(set(weight_map.values()))
         missing = [n for n in names if not (model_dir / n).exists()]
         if missing:
             raise Edge0Error(f"{model_dir / missing[0]}: shard listed in the index is missing")
@@ -198,6 +261,17 @@ class CheckpointIndex:
                 self.tensors[name] = entry
         self.layers: dict[int, LayerExperts] = {}
 
+    def check_stacked_experts(self) -> None:
+        """Refuse routed experts stored one tensor per expert (the Hugging Face layout): edge0 reads
+        each expert's slice of the stacked `[E, ...]` tensors of the mlx-lm layout."""
+        for name, entry in self.tensors.items():
+            if PER_EXPERT_NAME.search(name):
+                raise Edge0Error(
+                    f"{entry.file}: tensor {name!r} holds one routed expert; edge0 needs the "
+                    "experts of a layer stacked (mlx-lm layout): convert the checkpoint with "
+                    "`python -m mlx_lm convert --hf-path <this dir> --mlx-path <new dir>`"
+                )
+
     def add_moe_layer(
         self, layer: int, module_path: str, num_experts: int, expected: dict[str, tuple[int, ...]]
     ) -> LayerExperts:
@@ -211,12 +285,7 @@ class CheckpointIndex:
             name = f"{module_path}.{key}"
             entry = self.tensors.get(name)
             if entry is None:
-                per_expert = f"{module_path.rsplit('.', 1)[0]}.experts.0."
-                if any(t.startswith(per_expert) for t in self.tensors):
-                    raise Edge0Error(
-                        f"{self.model_dir}: layer {layer} stores experts one tensor per expert; "
-                        "convert it to stacked mlx-lm format first (python -m mlx_lm convert)"
-                    )
+                self.check_stacked_experts()
                 raise Edge0Error(f"{self.model_dir}: routed-expert tensor {name!r} is missing")
             if entry.shape != tuple(shape) or entry.shape[0] != num_experts:
                 raise Edge0Error(

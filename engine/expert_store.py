@@ -14,7 +14,7 @@ from concurrent.futures import Future
 import mlx.core as mx
 
 from .checkpoint_index import DTYPE_SIZES, CheckpointIndex
-from .config import EngineConfig
+from .config import EngineConfig, format_bytes
 from .errors import Edge0Error
 from .expert_pool import ExpertKey, ExpertPool, ResidentExpert
 from .expert_reads import ExpertReader, ReadResult, to_mlx
@@ -55,8 +55,9 @@ class ExpertStore:
         need = max(self.resident_expert_nbytes(layer) for layer in self._moe_layers) * top_k
         if self.pool.budget_bytes < need:
             raise Edge0Error(
-                f"expert cache of {self.pool.budget_bytes} bytes cannot hold the {top_k} experts one "
-                f"layer routes to; the minimum is {need} bytes ({need / 2**20:.1f} MiB)"
+                f"{self.index.model_dir}: an expert cache of {format_bytes(self.pool.budget_bytes)} "
+                f"cannot hold the {top_k} experts one layer routes to; the minimum is "
+                f"{format_bytes(need)} ({need} bytes)"
             )
 
     # -- steps -----------------------------------------------------------------------------------

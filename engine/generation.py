@@ -32,7 +32,7 @@ from .loader import LoadedModel, load
 from .lora import AppliedLoRA, load_lora
 from .metrics import LoadCounters, MemorySampler, StepMetrics, summarize
 from .numerics import HiddenGuard, guard_layers
-from .prerouter import PrerouterHeads, keep_owners, load_prerouter
+from .prerouter import PrerouterHeads, load_profile_heads
 from .profiles import AdapterFiles, discover_profiles
 
 TokenCallback = Callable[[int, StepMetrics], None]
@@ -109,7 +109,8 @@ class Engine:
         """The K values this engine can route with. Without adapter files, the true router is
         narrowed or widened, and quality at K other than the native one is not recovered."""
         native = self.loaded.top_k
-        ks = {k for k in (2, 4, 8) if k <= self.loaded.num_experts} | {native} | set(self.adapters)
+        usable = self.loaded.num_experts
+        ks = {k for k in (2, 4, 8, *self.adapters) if 1 <= k <= usable} | {native}
         out = []
         for k in sorted(ks):
             files = self.adapters.get(k)
@@ -209,23 +210,16 @@ class Engine:
 
     def _load_heads(self, k: int) -> PrerouterHeads:
         loaded = self.loaded
-        heads = load_prerouter(
+        return load_profile_heads(
             self.adapters[k].prerouter,
             loaded.num_layers,
             loaded.hidden,
             loaded.num_experts,
             self.fingerprint,
-            k=k,
+            k,
+            set(loaded.blocks),
+            loaded.float_dtype or mx.float32,
         )
-        # Only heads whose next layer is a streamed MoE layer predict anything.
-        owners = [o for o in heads.owners if o + 1 in loaded.blocks]
-        if not owners:
-            raise Edge0Error(f"{heads.path}: none of its owner layers precedes a MoE layer")
-        heads = keep_owners(heads, owners)
-        if loaded.float_dtype is not None:
-            heads = heads.astype(loaded.float_dtype)
-        mx.eval(heads.fc1, heads.fc2, heads.linear_init)
-        return heads
 
     # -- text ----------------------------------------------------------------------------------------
 
@@ -281,7 +275,8 @@ class Engine:
         if len(prompt_tokens) + gen.max_tokens > self.context_limit:
             raise Edge0Error(
                 f"prompt of {len(prompt_tokens)} tokens plus {gen.max_tokens} new tokens exceeds "
-                f"the model's context of {self.context_limit}"
+                f"the model's context of {self.context_limit} (max_position_embeddings in "
+                f"{self.model_dir / 'config.json'})"
             )
         mx.reset_peak_memory()
         if gen.seed is not None:

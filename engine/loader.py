@@ -19,7 +19,7 @@ from mlx_lm.utils import load_model as mlx_lm_load_model
 from mlx_lm.utils import load_tokenizer
 from transformers.utils import logging as hf_logging
 
-from .checkpoint_index import CheckpointIndex
+from .checkpoint_index import CheckpointIndex, read_safetensors_header
 from .config import EngineConfig
 from .errors import Edge0Error
 from .expert_store import ExpertStore
@@ -63,17 +63,38 @@ def read_config(model_dir: Path) -> dict:
     if not path.exists():
         raise Edge0Error(f"{path}: missing (not an mlx-lm checkpoint directory?)")
     try:
-        config = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise Edge0Error(f"{path}: cannot read ({e.strerror or e})") from None
+    except RecursionError:
+        raise Edge0Error(f"{path}: invalid JSON (nested too deeply)") from None
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, too many digits
         raise Edge0Error(f"{path}: invalid JSON ({e})") from None
     if not isinstance(config, dict):
         raise Edge0Error(f"{path}: expected a JSON object")
+    if not isinstance(config.get("text_config", {}), dict):
+        raise Edge0Error(f"{path}: text_config is not a JSON object")
+    context = config.get("max_position_embeddings") or config.get("text_config", {}).get(
+        "max_position_embeddings"
+    )
+    if context is not None and _positive_int(context) is None:
+        raise Edge0Error(f"{path}: max_position_embeddings={context!r} is not a positive integer")
     return config
+
+
+def _positive_int(value: object) -> int | None:
+    """`int(value)` as the engine reads config numbers, or None when that fails or is below 1."""
+    try:
+        number = int(value)
+    except (TypeError, ValueError, OverflowError):
+        return None
+    return number if number >= 1 else None
 
 
 def routed_top_k(config: dict) -> int:
     text_config = config.get("text_config", config)
-    return int(text_config.get("num_experts_per_tok", config.get("num_experts_per_tok", 0)))
+    value = text_config.get("num_experts_per_tok", config.get("num_experts_per_tok", 0))
+    return _positive_int(value) or 0
 
 
 def load(model_dir: str | Path, config: EngineConfig) -> LoadedModel:
@@ -85,15 +106,23 @@ def load(model_dir: str | Path, config: EngineConfig) -> LoadedModel:
             f"{model_dir}: no tokenizer (expected one of {', '.join(TOKENIZER_FILES)})"
         )
     index = CheckpointIndex(model_dir)  # validates every shard header before mlx-lm reads a byte
+    # mlx-lm loads every model*.safetensors, also those the index does not list.
+    for shard in sorted(model_dir.glob("model*.safetensors")):
+        if shard not in index.shards:
+            read_safetensors_header(shard)
+    index.check_stacked_experts()
 
     try:
         model, model_config = mlx_lm_load_model(model_dir, lazy=True, strict=True)
     except (ValueError, KeyError, TypeError) as e:
-        raise Edge0Error(f"{model_dir}: checkpoint does not match config.json ({e})") from None
+        raise Edge0Error(
+            f"{model_dir}: checkpoint does not match config.json ({_one_line(e)})"
+        ) from None
+    _check_dtypes(model, index, model_dir)
     try:
         tokenizer = quiet_load_tokenizer(model_dir, model_config.get("eos_token_id"))
     except Exception as e:  # tokenizers raise many types for a broken file
-        raise Edge0Error(f"{model_dir}: cannot load the tokenizer ({e})") from None
+        raise Edge0Error(f"{model_dir}: cannot load the tokenizer ({_one_line(e)})") from None
 
     sites = find_moe_sites(model)
     if not sites:
@@ -106,10 +135,14 @@ def load(model_dir: str | Path, config: EngineConfig) -> LoadedModel:
         index.add_moe_layer(site.layer, site.path, shapes["gate_proj.weight"][0], shapes)
 
     num_experts = index.layers[sites[0].layer].num_experts
+    if not 1 <= top_k <= num_experts:
+        raise Edge0Error(
+            f"{model_dir / 'config.json'}: num_experts_per_tok must be between 1 and the "
+            f"{num_experts} routed experts of a layer"
+        )
     store, routing, blocks = None, None, {}
     if config.mode != "resident":
-        store = ExpertStore(index, config, float_dtype)
-        store.check_budget(top_k)
+        store = ExpertStore(index, config, float_dtype)  # the Engine checks the budget for its K
         routing = RoutingState(top_k, num_experts, blocks, float_dtype)
         ops = ops_for(family.router)
         for site in sites:
@@ -142,6 +175,35 @@ def load(model_dir: str | Path, config: EngineConfig) -> LoadedModel:
         routing,
         blocks,
     )
+
+
+def _one_line(error: Exception, limit: int = 400) -> str:
+    """A library's error message on one line, cut to `limit` characters (lists of names get long)."""
+    text = " ".join(str(error).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _check_dtypes(model: nn.Module, index: CheckpointIndex, model_dir: Path) -> None:
+    """Refuse tensors whose dtype the layer cannot compute with (mlx-lm checks only shapes):
+    a quantized layer's packed weight is uint32, every other parameter is floating point."""
+    modules = dict(model.named_modules())
+    for name, array in tree_flatten(model.parameters()):
+        owner_path, _, attribute = name.rpartition(".")
+        owner = modules.get(owner_path)
+        quantized = hasattr(owner, "bits") and hasattr(owner, "group_size")
+        if quantized and attribute == "weight":
+            if array.dtype == mx.uint32:
+                continue
+            need = "U32 (packed quantized weights, as config.json quantizes this layer)"
+        elif quantized and attribute == "scales" and getattr(owner, "mode", "affine") != "affine":
+            continue  # microscaling modes keep integer scales
+        elif mx.issubdtype(array.dtype, mx.floating):
+            continue
+        else:
+            need = "a floating-point dtype"
+        entry = index.tensors.get(name)
+        where, dtype = (model_dir, array.dtype) if entry is None else (entry.file, entry.dtype)
+        raise Edge0Error(f"{where}: tensor {name!r} is {dtype} but must be {need}")
 
 
 def quiet_load_tokenizer(model_dir: Path, eos_token_ids) -> TokenizerWrapper:

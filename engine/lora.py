@@ -13,6 +13,7 @@ metadata `r` and `alpha` (flat, or inside the reference's nested `__metadata__` 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,7 +22,7 @@ import mlx.nn as nn
 
 from .checkpoint_index import read_safetensors
 from .errors import Edge0Error
-from .prerouter import flat_metadata, metadata_int
+from .prerouter import check_adapter_metadata, flat_metadata, floating, load_arrays, metadata_int
 
 # The reference's published adapters use r=16, alpha=32; a file that records no alpha is read so.
 DEFAULT_ALPHA_PER_RANK = 2.0
@@ -68,13 +69,7 @@ class LoRAAdapter:
 def load_lora(path: Path, fingerprint: str) -> LoRAAdapter:
     entries, raw_meta = read_safetensors(path)
     meta = flat_metadata(raw_meta)
-    if meta.get("kind", "lora") != "lora":
-        raise Edge0Error(f"{path}: not a LoRA file (kind={meta.get('kind')!r})")
-    if meta.get("base_fingerprint") not in (None, fingerprint):
-        raise Edge0Error(
-            f"{path}: trained for another base model (fingerprint {meta['base_fingerprint']}, "
-            f"this model is {fingerprint})"
-        )
+    check_adapter_metadata(meta, "lora", fingerprint, path)
     modules: dict[str, dict[str, str]] = {}
     for name in entries:
         module, _, part = name.rpartition(".")
@@ -85,25 +80,34 @@ def load_lora(path: Path, fingerprint: str) -> LoRAAdapter:
         modules.setdefault(module, {})[part] = name
     if not modules:
         raise Edge0Error(f"{path}: no LoRA tensors")
-    tensors = mx.load(str(path))
+    tensors = load_arrays(path)
     weights = {}
     ranks = set()
     for module, parts in modules.items():
         if set(parts) != {"lora_A", "lora_B"}:
             raise Edge0Error(f"{path}: {module} needs both lora_A and lora_B")
         a, b = tensors[parts["lora_A"]], tensors[parts["lora_B"]]
-        if a.ndim != 2 or b.ndim != 2 or a.shape[0] != b.shape[1]:
-            raise Edge0Error(f"{path}: {module} has lora_A {list(a.shape)}, lora_B {list(b.shape)}")
+        if a.ndim != 2 or b.ndim != 2 or a.shape[0] != b.shape[1] or a.shape[0] == 0:
+            raise Edge0Error(
+                f"{path}: {module} has lora_A {list(a.shape)}, lora_B {list(b.shape)} "
+                "(expected [r, in] and [out, r], r >= 1)"
+            )
+        if not (floating(a) and floating(b)):
+            dtypes = f"{entries[parts['lora_A']].dtype}/{entries[parts['lora_B']].dtype}"
+            raise Edge0Error(f"{path}: {module} is {dtypes}, not floating point")
         ranks.add(a.shape[0])
         weights[module] = (a, b)
     if len(ranks) != 1:
         raise Edge0Error(f"{path}: modules disagree on the rank ({sorted(ranks)})")
     r = ranks.pop()
-    if metadata_int(meta, "r", path) not in (None, r):
-        raise Edge0Error(f"{path}: metadata r={meta['r']} but the tensors have rank {r}")
+    meta_r = metadata_int(meta, "r", path)
+    if meta_r not in (None, r):
+        raise Edge0Error(f"{path}: metadata r={meta_r} but the tensors have rank {r}")
     try:
         alpha = float(meta.get("alpha", DEFAULT_ALPHA_PER_RANK * r))
-    except (TypeError, ValueError):
+        if not math.isfinite(alpha):
+            raise ValueError(alpha)
+    except (TypeError, ValueError, OverflowError):
         raise Edge0Error(f"{path}: metadata alpha={meta.get('alpha')!r} is not a number") from None
     return LoRAAdapter(path, r, alpha, metadata_int(meta, "K", path), weights)
 
@@ -113,7 +117,11 @@ def _resolve(model: nn.Module, module_path: str) -> tuple[nn.Module, str, nn.Mod
     parent: object = model
     parts = module_path.split(".")
     for part in parts[:-1]:
-        parent = parent[int(part)] if isinstance(parent, list) else getattr(parent, part, None)
+        if isinstance(parent, list):
+            index = int(part) if part.isascii() and part.isdigit() else len(parent)
+            parent = parent[index] if index < len(parent) else None
+        else:
+            parent = getattr(parent, part, None)
         if parent is None:
             raise KeyError(module_path)
     module = getattr(parent, parts[-1], None)
@@ -144,7 +152,8 @@ class AppliedLoRA:
                 dims = linear_dims(base)
             except TypeError:
                 raise Edge0Error(
-                    f"{adapter.path}: target {module_path!r} is a {type(base).__name__}, not a linear layer"
+                    f"{adapter.path}: target {module_path!r} is not a linear layer "
+                    f"({type(base).__name__})"
                 ) from None
             if (a.shape[1], b.shape[0]) != dims:
                 raise Edge0Error(

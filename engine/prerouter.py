@@ -27,7 +27,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from .checkpoint_index import read_safetensors
+from .checkpoint_index import brief, parse_json, read_safetensors
 from .errors import Edge0Error
 
 HEAD_PARTS = ("fc1", "fc2", "linear_init")
@@ -39,8 +39,8 @@ def flat_metadata(raw: dict) -> dict:
     nested = meta.pop("__metadata__", None)
     if isinstance(nested, str):
         try:
-            inner = json.loads(nested)
-        except json.JSONDecodeError:
+            inner = parse_json(nested)
+        except ValueError:
             inner = None
         if isinstance(inner, dict):
             meta = {**{k: v for k, v in inner.items()}, **meta}
@@ -53,8 +53,8 @@ def metadata_int(meta: dict, key: str, path: Path) -> int | None:
         return None
     try:
         return int(value)
-    except (TypeError, ValueError):
-        raise Edge0Error(f"{path}: metadata {key}={value!r} is not an integer") from None
+    except (TypeError, ValueError, OverflowError):
+        raise Edge0Error(f"{path}: metadata {key}={brief(value)} is not an integer") from None
 
 
 def metadata_list(meta: dict, key: str, path: Path) -> list[int] | None:
@@ -62,10 +62,47 @@ def metadata_list(meta: dict, key: str, path: Path) -> list[int] | None:
     if value is None:
         return None
     try:
-        items = json.loads(value) if isinstance(value, str) else value
+        items = parse_json(value) if isinstance(value, str) else value
+        if not isinstance(items, list):
+            raise TypeError(key)
         return [int(v) for v in items]
-    except (TypeError, ValueError, json.JSONDecodeError):
-        raise Edge0Error(f"{path}: metadata {key}={value!r} is not a list of layers") from None
+    except (TypeError, ValueError, OverflowError):
+        raise Edge0Error(f"{path}: metadata {key}={brief(value)} is not a list of layers") from None
+
+
+def check_adapter_metadata(meta: dict, kind: str, fingerprint: str, path: Path) -> None:
+    """Refuse an adapter file of another kind, or one trained for another base model."""
+    if meta.get("kind", kind) != kind:
+        raise Edge0Error(f"{path}: not a {kind} file (kind={brief(meta.get('kind'))})")
+    if meta.get("base_fingerprint") not in (None, fingerprint):
+        raise Edge0Error(
+            f"{path}: trained for another base model (fingerprint "
+            f"{brief(meta['base_fingerprint'])}, this model is {fingerprint!r})"
+        )
+
+
+def load_arrays(path: Path) -> dict[str, mx.array]:
+    """`mx.load` of a file `read_safetensors` accepted, any failure an Edge0Error naming the file."""
+    try:
+        return mx.load(str(path))
+    except (RuntimeError, ValueError, OSError) as e:
+        raise Edge0Error(f"{path}: cannot load ({e})") from None
+
+
+def floating(array: mx.array) -> bool:
+    return mx.issubdtype(array.dtype, mx.floating)
+
+
+def gelu_erf(x: mx.array) -> mx.array:
+    """The exact (erf) GELU the heads are trained and served with."""
+    return 0.5 * x * (1.0 + mx.erf(x / math.sqrt(2.0)))
+
+
+def head_forward(fc1: mx.array, fc2: mx.array, linear_init: mx.array, z: mx.array) -> mx.array:
+    """`u = linear_init(z) + fc2(gelu_erf(fc1(z)))`: weights `[..., out, in]` (one head, or `n`
+    stacked heads with `z` of shape `[n, M, in]`), features `[..., in]` -> logits `[..., E]`."""
+    hidden = gelu_erf(z @ fc1.swapaxes(-1, -2))
+    return z @ linear_init.swapaxes(-1, -2) + hidden @ fc2.swapaxes(-1, -2)
 
 
 @dataclass
@@ -83,11 +120,7 @@ class PrerouterHeads:
 
     def __call__(self, z: mx.array) -> mx.array:
         """Logits `[n, E]` for features `[n, H+2E]`, one row per owner."""
-        z = z[:, None, :]
-        h = z @ self.fc1.swapaxes(1, 2)
-        h = 0.5 * h * (1.0 + mx.erf(h / math.sqrt(2.0)))  # exact (erf) GELU, as trained
-        u = z @ self.linear_init.swapaxes(1, 2) + h @ self.fc2.swapaxes(1, 2)
-        return u[:, 0, :]
+        return head_forward(self.fc1, self.fc2, self.linear_init, z[:, None, :])[:, 0, :]
 
     def astype(self, dtype: mx.Dtype) -> PrerouterHeads:
         self.fc1, self.fc2, self.linear_init = (
@@ -102,58 +135,96 @@ def load_prerouter(
     """Read and validate a prerouter file against the model it is meant for."""
     entries, raw_meta = read_safetensors(path)
     meta = flat_metadata(raw_meta)
-    if meta.get("kind", "prerouter") != "prerouter":
-        raise Edge0Error(f"{path}: not a prerouter file (kind={meta.get('kind')!r})")
-    if meta.get("base_fingerprint") not in (None, fingerprint):
-        raise Edge0Error(
-            f"{path}: trained for another base model (fingerprint {meta['base_fingerprint']}, "
-            f"this model is {fingerprint})"
-        )
+    check_adapter_metadata(meta, "prerouter", fingerprint, path)
     file_k = metadata_int(meta, "K", path)
     if k is not None and file_k is not None and file_k != k:
         raise Edge0Error(f"{path}: metadata says K={file_k} but it was loaded as K={k}")
+    for value in (file_k, k):
+        if value is not None and not 1 <= value <= experts:
+            raise Edge0Error(f"{path}: K={value} is not between 1 and the {experts} experts")
 
     parts: dict[int, dict[str, str]] = {}
     for name in entries:
         pieces = name.split(".")
         if len(pieces) >= 4 and pieces[0] == "layers" and pieces[-1] == "weight":
-            if pieces[-2] in HEAD_PARTS and pieces[1].isdigit():
-                parts.setdefault(int(pieces[1]), {})[pieces[-2]] = name
+            if pieces[-2] in HEAD_PARTS and pieces[1].isascii() and pieces[1].isdigit():
+                head = parts.setdefault(int(pieces[1]), {})
+                if pieces[-2] in head:
+                    raise Edge0Error(
+                        f"{path}: two {pieces[-2]} tensors for layer {int(pieces[1])} "
+                        f"({head[pieces[-2]]!r} and {name!r})"
+                    )
+                head[pieces[-2]] = name
     if not parts:
         raise Edge0Error(f"{path}: no prerouter heads (expected layers.N.fc1.weight ...)")
     owners = sorted(parts)
     listed = metadata_list(meta, "owners", path)
     if listed is not None and sorted(listed) != owners:
-        raise Edge0Error(f"{path}: metadata owners {listed} do not match the heads {owners}")
+        raise Edge0Error(
+            f"{path}: metadata owners {brief(listed)} do not match the heads {brief(owners)}"
+        )
     bad = [n for n in owners if not 0 <= n < num_layers - 1]
     if bad:
         raise Edge0Error(
-            f"{path}: owner layers {bad} are outside 0..{num_layers - 2} (the model has "
+            f"{path}: owner layers {brief(bad)} are outside 0..{num_layers - 2} (the model has "
             f"{num_layers} layers; the last layer owns no head)"
         )
 
     width = hidden + 2 * experts
-    tensors = mx.load(str(path))
+    tensors = load_arrays(path)
     stacks: dict[str, list[mx.array]] = {p: [] for p in HEAD_PARTS}
+    inner = None
     for owner in owners:
         missing = [p for p in HEAD_PARTS if p not in parts[owner]]
         if missing:
             raise Edge0Error(f"{path}: head of layer {owner} lacks {', '.join(missing)}")
-        for part in HEAD_PARTS:
-            stacks[part].append(tensors[parts[owner][part]])
+        if inner is None:  # the heads' inner width is the file's own: the first fc1 sets it
+            first = tensors[parts[owner]["fc1"]].shape
+            inner = first[0] if len(first) == 2 else "inner"
+        for part, want in (
+            ("fc1", (inner, width)),
+            ("fc2", (experts, inner)),
+            ("linear_init", (experts, width)),
+        ):
+            name = parts[owner][part]
+            array = tensors[name]
+            if tuple(array.shape) != want:
+                raise Edge0Error(
+                    f"{path}: {part} of layer {owner} of shape {list(array.shape)} does not fit "
+                    f"this model (expected {list(want)}: hidden {hidden} + 2 x {experts} experts)"
+                )
+            if not floating(array):
+                raise Edge0Error(
+                    f"{path}: {part} of layer {owner} is {entries[name].dtype}, not floating point"
+                )
+            stacks[part].append(array)
     fc1, fc2, linear_init = (mx.stack(stacks[p]) for p in HEAD_PARTS)
-    inner = fc1.shape[1]
-    for name, array, want in (
-        ("fc1", fc1, (inner, width)),
-        ("fc2", fc2, (experts, inner)),
-        ("linear_init", linear_init, (experts, width)),
-    ):
-        if tuple(array.shape[1:]) != want:
-            raise Edge0Error(
-                f"{path}: {name} of shape {list(array.shape[1:])} does not fit this model "
-                f"(expected {list(want)}: hidden {hidden} + 2 x {experts} experts)"
-            )
     return PrerouterHeads(path, file_k or k or 0, owners, hidden, experts, fc1, fc2, linear_init)
+
+
+def load_profile_heads(
+    path: Path,
+    num_layers: int,
+    hidden: int,
+    experts: int,
+    fingerprint: str,
+    k: int,
+    moe_layers: set[int],
+    dtype: mx.Dtype,
+) -> PrerouterHeads:
+    """A profile's heads, as the engine and the student path both use them: every owner must be a
+    MoE layer (its routed experts are the one-hot features); only owners whose next layer is a MoE
+    layer are kept (they have a consumer); weights in the compute dtype."""
+    heads = load_prerouter(path, num_layers, hidden, experts, fingerprint, k=k)
+    not_moe = [o for o in heads.owners if o not in moe_layers]
+    if not_moe:
+        raise Edge0Error(f"{path}: owner layers {not_moe} are not MoE layers of this model")
+    owners = [o for o in heads.owners if o + 1 in moe_layers]
+    if not owners:
+        raise Edge0Error(f"{path}: none of its owner layers precedes a MoE layer")
+    heads = keep_owners(heads, owners).astype(dtype)
+    mx.eval(heads.fc1, heads.fc2, heads.linear_init)
+    return heads
 
 
 def keep_owners(heads: PrerouterHeads, owners: list[int]) -> PrerouterHeads:

@@ -34,6 +34,8 @@ def discover_profiles(model_dir: Path) -> dict[int, AdapterFiles]:
         k = int(match.group(1)) if match else meta_k
         if k is None:
             raise Edge0Error(f"{prerouter}: no K in the file name (prerouter_k4...) or metadata")
+        if k < 1:
+            raise Edge0Error(f"{prerouter}: K={k} is not a routing width (at least 1)")
         if meta_k is not None and meta_k != k:
             raise Edge0Error(
                 f"{prerouter}: the file name says K={k} but its metadata says K={meta_k}"
@@ -48,5 +50,7 @@ def discover_profiles(model_dir: Path) -> dict[int, AdapterFiles]:
         match = re.fullmatch(r"lora_k(\d+)\.safetensors", lora.name)
         if match and int(match.group(1)) not in profiles:
             k = int(match.group(1))
+            if k < 1:
+                raise Edge0Error(f"{lora}: K={k} is not a routing width (at least 1)")
             profiles[k] = AdapterFiles(k, None, lora)
     return profiles

@@ -30,7 +30,7 @@ from pydoc_data.topics import topics
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map_with_path
-from mlx_lm.utils import _get_classes, quantize_model, save_config
+from mlx_lm.utils import _get_classes, quantize_model, save_config, save_model
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
 FAMILIES: tuple[str, ...] = ("qwen3_moe", "qwen3_next", "qwen3_5_moe", "bailing_moe")
@@ -457,3 +457,25 @@ def build_tokenizer(out_dir: Path, vocab_size: int = 1024) -> None:
         "chat_template": CHATML_TEMPLATE,
     }
     (out_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
+
+
+def write_synthetic_teacher(
+    out_dir: str | Path, family: str, preset: str = "tiny", seed: int = 0
+) -> Path:
+    """The float (bf16) model that `synth.write_synthetic_checkpoint(.., family, preset, seed)`
+    quantized: the same seeded construction without the quantization, so the 4-bit checkpoint is
+    exactly its 4-bit quantization (a real quantization gap for the LoRA to pay back).
+    """
+    config = _model_config(family, preset)
+    model_class, args_class = _get_classes(config)
+    mx.random.seed(seed)
+    model = model_class(args_class.from_dict(config))
+    _shape_init(model)
+    _cast(model, mx.bfloat16)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with contextlib.redirect_stdout(io.StringIO()):
+        save_model(out_dir, model)
+    save_config(config, out_dir / "config.json")
+    build_tokenizer(out_dir, SHAPES[preset]["vocab"])
+    return out_dir

@@ -31,7 +31,7 @@ from .config import EngineConfig
 from .errors import Edge0Error
 from .loader import load, quiet_load_tokenizer
 from .moe_block import ops_for
-from .prerouter import PrerouterHeads, save_prerouter
+from .prerouter import PrerouterHeads, head_forward, save_prerouter
 from .routing import RoutingSpec, route
 
 
@@ -213,9 +213,7 @@ def train_heads(
     params = {"fc1": heads.fc1, "fc2": heads.fc2, "linear_init": heads.linear_init}
 
     def forward(p, zb):
-        h = zb @ p["fc1"].swapaxes(1, 2)
-        h = 0.5 * h * (1.0 + mx.erf(h / math.sqrt(2.0)))
-        return zb @ p["linear_init"].swapaxes(1, 2) + h @ p["fc2"].swapaxes(1, 2)
+        return head_forward(p["fc1"], p["fc2"], p["linear_init"], zb)
 
     def loss_fn(p, zb, yb):
         pred = forward(p, zb)

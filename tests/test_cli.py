@@ -81,3 +81,16 @@ def test_errors_are_one_line(checkpoint_dir, tmp_path, args, message):
     assert out.returncode == 2
     assert message in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_failed_start_leaves_no_thread(checkpoint_dir):
+    import threading
+
+    from engine.config import EngineConfig
+    from engine.errors import Edge0Error
+    from engine.generation import Engine
+
+    before = threading.active_count()
+    with pytest.raises(Edge0Error, match="minimum"):
+        Engine(checkpoint_dir("qwen3_moe"), EngineConfig(expert_cache_bytes=1000))
+    assert threading.active_count() == before

@@ -340,3 +340,16 @@ def test_missing_lora_target_is_named(profiled):
     with pytest.raises(Edge0Error, match="does not exist in this model"):
         Engine(model_dir, EngineConfig(mode="prerouter"))
     assert Engine(model_dir, EngineConfig(mode="prerouter", lora=False)).lora is None
+
+
+def test_owner_that_is_not_a_moe_layer_is_refused(profiled):
+    # bailing_moe's layer 0 is dense: a head owned by it has no routed experts to one-hot, and
+    # flushing would wait for it forever (no predictions at all). It is refused by name.
+    model_dir = profiled("bailing_moe")
+    tensors = mx.load(str(model_dir / "prerouter_k4.safetensors"))
+    first = min(int(k.split(".")[1]) for k in tensors)
+    for part in ("fc1", "fc2", "linear_init"):
+        tensors[f"layers.0.{part}.weight"] = tensors[f"layers.{first}.{part}.weight"]
+    mx.save_safetensors(str(model_dir / "prerouter_k4.safetensors"), tensors)
+    with pytest.raises(Edge0Error, match=r"owner layers \[0\] are not MoE layers"):
+        Engine(model_dir, EngineConfig(mode="prerouter"))

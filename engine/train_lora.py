@@ -1,0 +1,198 @@
+"""Phase 2: SFT of the recovery LoRA on the student path, on teacher-written text.
+
+    edge0 train lora MODEL --k K --teacher DIR --text FILE [--generate N] [--steps N] [--out-dir DIR]
+
+1. Data: prompts are windows of the corpus text; the teacher (the unquantized float model) writes a
+   continuation of each. The rows are cached in the out dir (`teacher_rows.npz`) and reused, also by
+   a run that asks for more rows (it generates only the missing ones).
+2. Train: cross-entropy on the continuation tokens through the student path (`student.py`): the
+   dequantized 4-bit base, frozen, routing every layer after the first consumer by the K-profile's
+   heads, exactly as decode does (the prompt is routed by the gate, as the engine prefills it). Only
+   the LoRA (r=16, alpha=32; B starts at zero, so step 0 is the base) is trained, with AdamW. This
+   is what makes routing by prediction usable: without it, heads-only models collapse into repetition.
+3. Every `checkpoint_every` steps the LoRA and the optimizer state go to the out dir; a rerun with
+   the same settings resumes there (each step's batch is a function of the seed and the step, so a
+   resumed run trains on the same batches as one that never stopped).
+4. Write `MODEL/lora_k{K}.safetensors` for the engine, stamped with the base's fingerprint.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from .errors import Edge0Error
+from .student import (
+    Log,
+    LoRAInit,
+    Student,
+    TrainingRun,
+    continuation_mask,
+    corpus_tokens,
+    draw_prompts,
+    load_student,
+    load_teacher,
+    masked_mean,
+    sample,
+    training_progress,
+)
+
+
+@dataclass
+class TrainLoRAConfig:
+    k: int
+    # data: teacher continuations of prompts drawn from the corpus
+    rows: int = 512  # continuations the teacher writes (`--generate`)
+    prompt_tokens: int = 32
+    gen_tokens: int = 96
+    temperature: float = 1.0
+    top_p: float = 0.95
+    gen_batch: int = 16  # continuations sampled together
+    max_corpus_tokens: int = 200_000
+    holdout_rows: int = 16  # kept out of training for the held-out loss
+    # adapter
+    r: int = 16
+    alpha: float = 32.0
+    # optimization
+    steps: int = 300
+    batch: int = 8  # rows per step
+    lr: float = 2e-4
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    log_every: int = 10
+    checkpoint_every: int = 50
+    seed: int = 0
+
+
+def train_lora(
+    model_dir: str | Path,
+    teacher_dir: str | Path,
+    text: str,
+    config: TrainLoRAConfig,
+    out: Path | None = None,
+    out_dir: Path | None = None,
+    log: Log = print,
+    bar: bool = False,
+) -> tuple[Path, list[dict]]:
+    """Train the LoRA for K=config.k; write it; return (path, log of {step, loss[, heldout]})."""
+    model_dir = Path(model_dir)
+    out_dir = Path(out_dir or model_dir / "train" / f"lora_k{config.k}")
+    if config.prompt_tokens < 2 or config.holdout_rows >= config.rows:
+        raise Edge0Error("need prompts of at least 2 tokens and more rows than held-out rows")
+    lora = LoRAInit(config.r, config.alpha, config.seed)
+    student = load_student(model_dir, config.k, heads=True, lora=lora)
+
+    # -- 1. data -----------------------------------------------------------------------------------
+    corpus = corpus_tokens(student.tokenizer, text, config.max_corpus_tokens)
+    prompts, continuations = teacher_rows(student, teacher_dir, corpus, config, out_dir, log, bar)
+    p = config.prompt_tokens
+    tokens = np.concatenate([prompts, continuations], axis=1)
+    inputs, targets = mx.array(tokens[:, :-1]), mx.array(tokens[:, 1:])
+    # Position j predicts token j+1: the continuation's tokens are the targets of positions >= p-1.
+    weights = np.zeros(targets.shape, dtype=np.float32)
+    weights[:, p - 1 :] = continuation_mask(continuations, student.tokenizer.eos_token_ids)
+    weights = mx.array(weights)
+    held = config.holdout_rows
+    train_rows = np.arange(held, len(tokens))
+    gate_prefix = p - 1  # the engine prefills prompt[:-1] with the gate
+
+    # -- 2. train ----------------------------------------------------------------------------------
+    def loss_fn(x, y, w):
+        return masked_mean(nn.losses.cross_entropy(student(x, gate_prefix), y), w)
+
+    def heldout_loss() -> float:
+        return loss_fn(inputs[:held], targets[:held], weights[:held]).item()
+
+    run = TrainingRun(out_dir, student, config, loss_fn, heldout_loss, log)
+    with training_progress(bar) as progress:
+        task = progress.add_task("SFT", total=config.steps, completed=run.done, status="")
+        for step in range(run.done + 1, config.steps + 1):
+            # The batch is a function of the seed and the step: a resumed run sees the same data.
+            rng = np.random.default_rng([config.seed, step])
+            size = min(config.batch, len(train_rows))
+            rows = mx.array(rng.choice(train_rows, size=size, replace=False))
+            loss = run.step(step, inputs[rows], targets[rows], weights[rows])
+            progress.update(task, advance=1, status=f"loss {loss:.4f}")
+
+    # -- 3. save -----------------------------------------------------------------------------------
+    out = Path(out or model_dir / f"lora_k{config.k}.safetensors")
+    student.save_lora(out)
+    log(f"wrote {out}")
+    return out, run.history
+
+
+def teacher_rows(
+    student: Student,
+    teacher_dir: str | Path,
+    corpus: np.ndarray,
+    config: TrainLoRAConfig,
+    out_dir: Path,
+    log: Log = print,
+    bar: bool = False,
+) -> tuple[np.ndarray, np.ndarray]:
+    """`config.rows` (prompt [P], teacher continuation [C]) pairs, from the out dir's cache when it
+    was written with these settings; the missing ones are generated and added to it."""
+    settings = {
+        "teacher": _teacher_digest(Path(teacher_dir)),
+        "corpus": hashlib.sha256(corpus.tobytes()).hexdigest()[:16],
+        **{
+            k: getattr(config, k)
+            for k in ("prompt_tokens", "gen_tokens", "temperature", "top_p", "gen_batch", "seed")
+        },
+    }
+    path = out_dir / "teacher_rows.npz"
+    prompts = np.zeros((0, config.prompt_tokens), dtype=np.int32)
+    continuations = np.zeros((0, config.gen_tokens), dtype=np.int32)
+    if path.exists():
+        cached = np.load(path)
+        if json.loads(str(cached["settings"])) == settings:
+            prompts, continuations = cached["prompts"], cached["continuations"]
+        else:
+            log(f"{path}: written with other settings; generating again")
+    if len(prompts) >= config.rows:
+        return prompts[: config.rows], continuations[: config.rows]
+
+    teacher = load_teacher(teacher_dir, student)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with training_progress(bar) as progress:
+        task = progress.add_task(
+            "teacher rows", total=config.rows, completed=len(prompts), status=""
+        )
+        while len(prompts) < config.rows:
+            # Batch b is a function of the seed and b: a resumed generation writes the same rows.
+            b = len(prompts) // config.gen_batch
+            rng = np.random.default_rng([config.seed, 1, b])
+            batch = draw_prompts(corpus, config.gen_batch, config.prompt_tokens, rng)
+            seed = int(rng.integers(0, 2**31))
+            cont = sample(teacher, batch, config.gen_tokens, config.temperature, config.top_p, seed)
+            prompts = np.concatenate([prompts, batch.astype(np.int32)])
+            continuations = np.concatenate([continuations, cont.astype(np.int32)])
+            tmp = out_dir / "teacher_rows.tmp.npz"
+            np.savez(
+                tmp, prompts=prompts, continuations=continuations, settings=json.dumps(settings)
+            )
+            os.replace(tmp, path)
+            progress.update(task, completed=len(prompts))
+    log(
+        f"{config.rows} teacher rows of {config.gen_tokens} tokens ({len(prompts)} cached in {path})"
+    )
+    return prompts[: config.rows], continuations[: config.rows]
+
+
+def _teacher_digest(teacher_dir: Path) -> str:
+    """Names a teacher checkpoint: its config and its weight files' names and sizes."""
+    if not (teacher_dir / "config.json").exists():
+        raise Edge0Error(
+            f"{teacher_dir}: no config.json (the teacher must be an mlx-lm checkpoint)"
+        )
+    digest = hashlib.sha256((teacher_dir / "config.json").read_bytes())
+    for shard in sorted(teacher_dir.glob("*.safetensors")):
+        digest.update(f"{shard.name}|{shard.stat().st_size}\n".encode())
+    return digest.hexdigest()[:16]

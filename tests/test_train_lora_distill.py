@@ -1,0 +1,313 @@
+"""Phases 2 and 3 on tiny synthetic models: the student path is the served model, SFT and on-policy
+distillation lower their losses, and training resumes where it stopped."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import pydoc_data.topics
+import shutil
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from adapters import write_random_profile
+from mlx.utils import tree_flatten
+from mlx_lm.utils import quantize_model
+
+from edge0_tui.cli import main
+from engine.config import EngineConfig, GenerationConfig
+from engine.errors import Edge0Error
+from engine.generation import Engine
+from engine.student import LoRAInit, load_student, load_teacher, lora_kind
+from engine.synth import write_synthetic_teacher
+from engine.train_distill import TrainDistillConfig, topk_reverse_kl, train_distill
+from engine.train_lora import TrainLoRAConfig, train_lora
+
+TEXT = "\n\n".join(pydoc_data.topics.topics.values())[:40_000]
+KINDS = {
+    "qwen3_moe": {"attention"},
+    "qwen3_next": {"attention", "linear attention", "shared expert"},
+    "qwen3_5_moe": {"attention", "linear attention", "shared expert"},
+    "bailing_moe": {"attention", "shared expert"},
+}
+
+
+@pytest.fixture(scope="module")
+def profiled(checkpoint_dir, tmp_path_factory):
+    """`profiled(family)`: a copy of the tiny checkpoint with random K=2 heads and LoRA files."""
+    root = tmp_path_factory.mktemp("profiled")
+
+    def make(family: str):
+        model_dir = root / family
+        if not model_dir.exists():
+            shutil.copytree(checkpoint_dir(family), model_dir)
+            write_random_profile(model_dir, 2)
+        return model_dir
+
+    return make
+
+
+# -- the student path ----------------------------------------------------------------------------
+
+
+def test_student_with_the_true_router_is_the_resident_model(checkpoint_dir, family):
+    model_dir = checkpoint_dir(family)
+    student = load_student(model_dir, heads=False, lora=LoRAInit())  # B = 0: the base
+    tokens = mx.array(np.random.default_rng(0).integers(0, 1000, size=(2, 48)))
+    engine = Engine(model_dir, EngineConfig(mode="resident"))
+    try:
+        served = np.array(engine.model(tokens))
+    finally:
+        engine.close()
+    ours = np.array(student(tokens))
+    diff = np.abs(ours - served).max()
+    print(
+        f"\n{family}: max |student - resident| = {diff:.3g} (logits up to {np.abs(served).max():.2f})"
+    )
+    # On the MLX CPU backend a 4-bit matmul dequantizes to float32 and runs the same GEMM: the
+    # dequantized float32 experts give bit-identical logits (measured 0.0 for all four families).
+    # A GPU backend in bf16 accumulates differently; 1e-4 of the logit scale is float32's margin.
+    assert diff <= 1e-4 * max(1.0, np.abs(served).max())
+
+    # Only the LoRA trains, and only on attention / linear-attention / shared-expert projections.
+    trainable = [name for name, _ in tree_flatten(student.model.trainable_parameters())]
+    assert trainable and all(n.endswith((".lora_a", ".lora_b")) for n in trainable)
+    assert {lora_kind(p) for p in student.lora_modules()} == KINDS[family]
+    assert not any("switch_mlp" in p or p.endswith("mlp.gate") for p in student.lora_modules())
+
+
+def _decode_recording(engine: Engine, prompt: list[int]):
+    """Greedy tokens, and per decoded position the routing of every MoE layer and the logits."""
+    routed, logits = [], []
+    sample = engine._sample
+
+    def recording_sample(step_logits, sampler):
+        logits.append(np.array(step_logits[0]))
+        return sample(step_logits, sampler)
+
+    def on_token(token, step):
+        blocks = engine.loaded.blocks.items()
+        routed.append({n: b.switch_mlp.last_routed.reshape(-1) for n, b in blocks})
+
+    engine._sample = recording_sample
+    try:
+        result = engine.generate(prompt, GenerationConfig(max_tokens=16), on_token=on_token)
+    finally:
+        engine._sample = sample
+    return result.tokens, routed, np.stack(logits)
+
+
+def test_student_routes_as_the_engine_decodes(profiled, family):
+    """Prerouter mode: for the same tokens, the student routes every MoE layer at every decoded
+    position exactly as the engine executed it, and its logits are the engine's."""
+    model_dir = profiled(family)
+    student = load_student(model_dir, k=2, lora=model_dir / "lora_k2.safetensors")
+    assert student.consumers
+    engine = Engine(model_dir, EngineConfig(mode="prerouter", k=2))
+    try:
+        for prompt in ([7], [5, 9, 13, 17]):  # a one-token prompt, and one that prefills
+            tokens, routed, logits = _decode_recording(engine, prompt)
+            # Decoded position i (the forward that produced token i) is sequence position P-1+i;
+            # the engine prefilled the positions before it with the gate.
+            first = len(prompt) - 1
+            record = {}
+            ours = student(mx.array([prompt + tokens[:-1]]), max(first, 1), record=record)
+            for i, step in enumerate(routed):
+                for layer, experts in step.items():
+                    executed = np.array(record[layer][0][0, first + i])
+                    assert sorted(executed.tolist()) == sorted(experts.tolist()), (
+                        f"layer {layer}, decoded position {i}, prompt {prompt}"
+                    )
+            np.testing.assert_allclose(np.array(ours[0, first:]), logits, atol=1e-4, rtol=1e-4)
+    finally:
+        engine.close()
+
+
+def test_student_batches_rows_with_their_own_gate_prefix(profiled):
+    student = load_student(profiled("bailing_moe"), k=2, lora=LoRAInit())
+    tokens = mx.array(np.random.default_rng(1).integers(0, 1000, size=(2, 12)))
+    both = student(tokens, mx.array([1, 5]))
+    for row, prefix in enumerate((1, 5)):
+        alone = student(tokens[row : row + 1], prefix)
+        np.testing.assert_allclose(np.array(both[row]), np.array(alone[0]), atol=1e-5)
+    with pytest.raises(Edge0Error, match="at least 1"):
+        student(tokens, 0)
+
+
+# -- phase 3's loss -------------------------------------------------------------------------------
+
+
+def test_topk_reverse_kl_with_a_tail_bucket():
+    rng = np.random.default_rng(0)
+    student, teacher = rng.normal(size=(2, 3, 10)), rng.normal(size=(2, 3, 10)) * 2
+    kl = np.array(topk_reverse_kl(mx.array(student), mx.array(teacher), 4))
+
+    def log_softmax(x):
+        return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+    ls, lt = log_softmax(student), log_softmax(teacher)
+    top = np.argsort(-lt, axis=-1)[..., :4]
+    for i in np.ndindex(2, 3):
+        rest = np.setdiff1d(np.arange(10), top[i])
+        ps = np.append(np.exp(ls[i][top[i]]), np.exp(ls[i][rest]).sum())  # 4 tokens + the bucket
+        pt = np.append(np.exp(lt[i][top[i]]), np.exp(lt[i][rest]).sum())
+        assert kl[i] == pytest.approx((ps * np.log(ps / pt)).sum(), rel=1e-4)
+    assert np.all(kl >= 0)
+    same = topk_reverse_kl(mx.array(teacher), mx.array(teacher), 4)
+    assert np.abs(np.array(same)).max() < 1e-6
+    # With k = V - 1 the bucket is one token: the full reverse KL.
+    full = (np.exp(ls) * (ls - lt)).sum(-1)
+    np.testing.assert_allclose(
+        np.array(topk_reverse_kl(mx.array(student), mx.array(teacher), 9)), full, rtol=1e-4
+    )
+
+
+# -- phases 2 and 3 on a tiny model --------------------------------------------------------------
+
+
+def test_synthetic_teacher_is_what_the_checkpoint_quantized(checkpoint_dir, tmp_path):
+    teacher_dir = write_synthetic_teacher(tmp_path / "teacher", "qwen3_moe", "tiny")
+    student = load_student(checkpoint_dir("qwen3_moe"), heads=False)
+    teacher = load_teacher(teacher_dir, student)
+    config = dict(student.loaded.config)
+    with contextlib.redirect_stdout(io.StringIO()):
+        quantized, _ = quantize_model(teacher, config, group_size=64, bits=4)
+    ours = dict(tree_flatten(quantized.parameters()))
+    checkpoint = mx.load(str(checkpoint_dir("qwen3_moe") / "model.safetensors"))
+    for name in (
+        "model.layers.1.self_attn.q_proj.weight",
+        "model.layers.2.mlp.switch_mlp.up_proj.weight",
+    ):
+        assert mx.array_equal(ours[name], checkpoint[name])
+
+
+@pytest.fixture(scope="module")
+def phase2(profiled, tmp_path_factory):
+    """Phase 2 on the tiny qwen3_moe model (random K=2 heads) with its float teacher."""
+    root = tmp_path_factory.mktemp("phase2")
+    model_dir = profiled("qwen3_moe")
+    teacher = write_synthetic_teacher(root / "teacher", "qwen3_moe", "tiny")
+    config = TrainLoRAConfig(
+        k=2,
+        rows=28,
+        prompt_tokens=8,
+        gen_tokens=24,
+        gen_batch=14,
+        holdout_rows=4,
+        max_corpus_tokens=4000,
+        r=8,
+        steps=12,
+        batch=4,
+        lr=1e-3,
+        checkpoint_every=6,
+        log_every=3,
+    )
+    lines = []
+    out, history = train_lora(
+        model_dir, teacher, TEXT, config, out_dir=root / "run", log=lines.append
+    )
+    print("\n" + "\n".join(lines))
+    return model_dir, teacher, config, out, history, root
+
+
+def test_sft_lowers_its_loss_and_serves(phase2):
+    model_dir, _, _, out, history, _ = phase2
+    losses = [e["loss"] for e in history if "loss" in e]
+    assert np.mean(losses[-4:]) < np.mean(losses[:4]), losses
+    assert out == model_dir / "lora_k2.safetensors"
+    engine = Engine(model_dir, EngineConfig(mode="prerouter", k=2))
+    try:
+        assert engine.lora is not None and engine.lora.adapter.r == 8
+        assert any(mx.abs(b).max().item() > 0 for _, b in engine.lora.adapter.weights.values())
+        summary = engine.generate([3, 4, 5], GenerationConfig(max_tokens=8)).summary
+        assert summary["dropped"] == 0
+    finally:
+        engine.close()
+
+
+def test_sft_resumes_where_it_stopped(phase2):
+    """Half the steps, then a rerun to the end: the same LoRA as one uninterrupted run."""
+    model_dir, teacher, config, out, _, root = phase2
+    config_half = TrainLoRAConfig(**{**config.__dict__, "steps": 6})
+    (root / "resumed").mkdir()
+    shutil.copy(
+        root / "run" / "teacher_rows.npz", root / "resumed"
+    )  # the same rows, not sampled again
+    halfway = root / "halfway.safetensors"
+    train_lora(
+        model_dir,
+        teacher,
+        TEXT,
+        config_half,
+        out=halfway,
+        out_dir=root / "resumed",
+        log=lambda _: None,
+    )
+    lines = []
+    resumed, _ = train_lora(
+        model_dir,
+        teacher,
+        TEXT,
+        config,
+        out=root / "resumed.safetensors",
+        out_dir=root / "resumed",
+        log=lines.append,
+    )
+    assert any("resuming" in line for line in lines)
+    straight, again = mx.load(str(out)), mx.load(str(resumed))
+    assert straight.keys() == again.keys()
+    assert all(mx.array_equal(straight[n], again[n]) for n in straight)
+
+
+def test_distill_lowers_the_heldout_reverse_kl(phase2):
+    model_dir, teacher, _, _, _, root = phase2
+    config = TrainDistillConfig(
+        k=2,
+        steps=8,
+        prompts_per_step=3,
+        prompt_tokens=8,
+        gen_tokens=12,
+        heldout_prompts=3,
+        kl_top_k=16,
+        max_corpus_tokens=4000,
+        lr=1e-3,
+        checkpoint_every=4,
+        log_every=2,
+    )
+    lines = []
+    out, history = train_distill(
+        model_dir,
+        teacher,
+        TEXT,
+        config,
+        out=root / "distilled.safetensors",
+        out_dir=root / "distill",
+        log=lines.append,
+    )
+    print("\n" + "\n".join(lines))
+    heldout = [e["heldout"] for e in history if "heldout" in e]
+    assert len(heldout) == 3 and heldout[-1] < heldout[0], heldout
+    assert all(e["loss"] >= 0 for e in history if "loss" in e)
+    assert out.exists()
+
+
+def test_cli_wires_the_training_phases(monkeypatch, tmp_path):
+    import engine.train_distill
+    import engine.train_lora
+
+    calls = []
+    monkeypatch.setattr(engine.train_lora, "train_lora", lambda *a, **kw: calls.append((a, kw)))
+    monkeypatch.setattr(
+        engine.train_distill, "train_distill", lambda *a, **kw: calls.append((a, kw))
+    )
+    text = tmp_path / "text.txt"
+    text.write_text("some text")
+    common = ["--k", "4", "--teacher", "T", "--text", str(text), "--steps", "7"]
+    assert main(["train", "lora", "M", *common, "--generate", "64"]) == 0
+    assert main(["train", "distill", "M", *common, "--out-dir", "D"]) == 0
+    (lora_args, _), (distill_args, distill_kw) = calls
+    assert lora_args[3].k == 4 and lora_args[3].rows == 64 and lora_args[3].steps == 7
+    assert str(lora_args[1]) == "T" and lora_args[2] == "some text"
+    assert distill_args[3].steps == 7 and str(distill_kw["out_dir"]) == "D"
+    assert main(["train", "lora", "M", *common[:4], "--text", str(tmp_path / "missing")]) == 2
