@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/edge0 demo
+	$(BIN)/edge0 chat demo
 
 test: $(STAMP)
 	$(BIN)/ruff check engine edge0_tui tests

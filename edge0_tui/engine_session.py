@@ -1,0 +1,234 @@
+"""The engine and the one thread it runs on.
+
+Thread rule: every MLX call (writing the synthetic demo model, loading, generating, closing) happens
+on the thread that runs `EngineSession.serve`, a Textual thread worker started by the chat screen.
+MLX streams are thread-local on Metal, so the engine must never be touched from two threads.
+
+The UI thread talks to that thread only through this object:
+- `submit` queues a reply; `stop_reply` and `shutdown` set events that the engine checks after
+  every token (through `should_stop`), so a reply stops within one decode step;
+- `request_k` / `request_mode` call the engine's thread-safe request methods, which take effect
+  before the engine's next step, so they work in the middle of a reply;
+- `metrics` is a frozen snapshot the engine thread replaces after every token, and the UI reads.
+The engine thread answers with the messages in `edge0_tui.messages`, posted, never awaited.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+from textual.message import Message
+
+from engine.config import EngineConfig, GenerationConfig
+from engine.errors import Edge0Error
+from engine.generation import Engine, KProfile
+from engine.metrics import StepMetrics
+
+from .live_metrics import HISTORY_STEPS, LiveMetrics
+from .messages import (
+    EngineFailed,
+    EngineReady,
+    ModelProgress,
+    ReplyFailed,
+    ReplyFinished,
+    ReplyText,
+)
+from .model_source import resolve_model
+
+# Reply text reaches the UI at most this often: fast enough to read as live, slow enough that a
+# few hundred tokens a second do not flood the UI's message queue.
+TEXT_BATCH_S = 0.03
+
+Post = Callable[[Message], object]
+
+
+@dataclass(frozen=True)
+class ReplyRequest:
+    messages: list[dict]  # the whole conversation, `role`/`content` dicts
+    generation: GenerationConfig
+
+
+class SessionClosed(Exception):
+    """Raised inside a long preparation step (a download) to abandon it when the app quits."""
+
+
+class EngineSession:
+    def __init__(
+        self,
+        model: str,
+        engine_config: EngineConfig,
+        cache_dir: Path,
+        offline: bool = False,
+    ) -> None:
+        self.model = model
+        self.engine_config = engine_config
+        self.cache_dir = Path(cache_dir)
+        self.offline = offline
+        # Set by the engine thread once loaded. The UI thread may call only its thread-safe
+        # methods (request_k, request_mode) and read plain attributes.
+        self.engine: Engine | None = None
+        self.metrics = LiveMetrics()
+        # Set once the engine thread has closed the engine and is about to return.
+        self.closed = threading.Event()
+        self._requests: queue.Queue[ReplyRequest | None] = queue.Queue()
+        self._stop_reply = threading.Event()
+        self._quit = threading.Event()
+        self._worker_cancelled: Callable[[], bool] = lambda: False
+
+    # -- called on the UI thread -------------------------------------------------------------------
+
+    def submit(self, request: ReplyRequest) -> None:
+        # Cleared here, not on the engine thread: a stop pressed before the engine picks the
+        # request up must not be lost.
+        self._stop_reply.clear()
+        self._requests.put(request)
+
+    def stop_reply(self) -> None:
+        self._stop_reply.set()
+
+    def request_k(self, k: int) -> KProfile:
+        """Switch routing width; applied before the engine's next step. Raises Edge0Error."""
+        if self.engine is None:
+            raise Edge0Error("the model is not loaded")
+        return self.engine.request_k(k)
+
+    def request_mode(self, mode: str) -> None:
+        """Switch expert-loading mode; applied before the engine's next step. Raises Edge0Error."""
+        if self.engine is None:
+            raise Edge0Error("the model is not loaded")
+        self.engine.request_mode(mode)
+
+    def shutdown(self) -> None:
+        """Make the engine thread stop its reply, close the engine and return. Does not wait."""
+        self._quit.set()
+        self._stop_reply.set()
+        self._requests.put(None)
+
+    # -- the engine thread -------------------------------------------------------------------------
+
+    def serve(self, post: Post, worker_cancelled: Callable[[], bool]) -> None:
+        """Load the model, then write replies as they are submitted, until shutdown.
+
+        Runs on the engine thread for the whole session. `worker_cancelled` is the Textual
+        worker's own flag, set when the app exits by any path, not only through `shutdown`.
+        """
+        self._worker_cancelled = worker_cancelled
+        engine: Engine | None = None
+        try:
+            engine = self._open(post)
+            while not self._quitting():
+                try:
+                    request = self._requests.get(timeout=0.1)
+                except queue.Empty:
+                    continue
+                if request is None:
+                    break
+                self._reply(engine, request, post)  # reports its own Edge0Errors
+        except Edge0Error as e:  # the model could not be prepared or loaded
+            post(EngineFailed(str(e)))
+        except SessionClosed:
+            pass
+        finally:
+            self.engine = None
+            if engine is not None:
+                engine.close()
+            # MLX's per-thread streams must be destroyed by the thread that made them, before it
+            # ends: left to process exit, they abort it ("terminate called without an active
+            # exception") about half the time on Linux (MLX 0.32).
+            mx.clear_streams()
+            self.closed.set()
+
+    def _quitting(self) -> bool:
+        return self._quit.is_set() or self._worker_cancelled()
+
+    def _should_stop(self) -> bool:
+        return self._stop_reply.is_set() or self._quitting()
+
+    def _open(self, post: Post) -> Engine:
+        def on_progress(what: str, done: float, total: float | None) -> None:
+            if self._quitting():
+                raise SessionClosed
+            post(ModelProgress(what, done, total))
+
+        source = resolve_model(self.model, self.cache_dir, on_progress, offline=self.offline)
+        post(ModelProgress(f"loading {source.name}", 0, None))
+        engine = Engine(source.path, self.engine_config)
+        self.engine = engine
+        self.metrics = LiveMetrics(k=engine.k, mode=engine.mode)
+        notices = [n for n in (source.notice, engine.quality_note()) if n]
+        post(EngineReady(source.name, engine.info(), engine.profiles(), engine.modes(), notices))
+        return engine
+
+    def _reply(self, engine: Engine, request: ReplyRequest, post: Post) -> None:
+        reply = _ReplyStream(engine, self, post)
+        try:
+            prompt = engine.encode_chat(request.messages)
+            reply.prompt_tokens = len(prompt)
+            result = engine.generate(
+                prompt, request.generation, on_token=reply.on_token, should_stop=self._should_stop
+            )
+        except Edge0Error as e:
+            post(ReplyFailed(str(e), reply.text_so_far()))
+            return
+        post(ReplyFinished(result.text, result.stopped_by, result.summary))
+
+
+class _ReplyStream:
+    """One reply on the engine thread: batches its text to the UI and publishes the metrics."""
+
+    def __init__(self, engine: Engine, session: EngineSession, post: Post) -> None:
+        self._engine = engine
+        self._session = session
+        self._post = post
+        self._tokens: list[int] = []
+        self._shown = ""  # text already posted
+        self._last_post = time.perf_counter()
+        self._last_token_at: float | None = None
+        previous = session.metrics
+        self._steps: deque[StepMetrics] = deque(previous.recent_steps, maxlen=HISTORY_STEPS)
+        self._token_ms: deque[float] = deque(previous.recent_token_ms, maxlen=HISTORY_STEPS)
+        self.prompt_tokens = 0
+
+    def on_token(self, token: int, step: StepMetrics) -> None:
+        now = time.perf_counter()
+        self._tokens.append(token)
+        if step.phase == "decode" and self._last_token_at is not None:
+            self._steps.append(step)
+            self._token_ms.append((now - self._last_token_at) * 1e3)
+        self._last_token_at = now
+        self._publish_metrics(step)
+        if now - self._last_post >= TEXT_BATCH_S:
+            self._last_post = now
+            self._post_new_text()
+
+    def _publish_metrics(self, step: StepMetrics) -> None:
+        previous = self._session.metrics
+        self._session.metrics = LiveMetrics(
+            k=step.k,
+            mode=step.mode,
+            context_tokens=self.prompt_tokens + len(self._tokens),
+            peak_memory_bytes=max(previous.peak_memory_bytes, step.mlx_peak_bytes),
+            last_step=step,
+            recent_steps=tuple(self._steps),
+            recent_token_ms=tuple(self._token_ms),
+        )
+
+    def _post_new_text(self) -> None:
+        text = self.text_so_far()
+        if len(text) > len(self._shown):
+            # Decoding the whole reply (not token by token) keeps multi-token characters whole.
+            # Should a tokenizer ever rewrite earlier text, the final full update repairs it.
+            self._post(ReplyText(text[len(self._shown) :]))
+            self._shown = text
+
+    def text_so_far(self) -> str:
+        # A character split across tokens decodes to U+FFFD until its last byte arrives: hold
+        # trailing ones back rather than show a replacement character that then changes.
+        return self._engine.tokenizer.decode(self._tokens).rstrip("\ufffd")

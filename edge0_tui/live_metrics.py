@@ -1,0 +1,74 @@
+"""The metrics snapshot the engine thread publishes and the panels read.
+
+The engine thread builds a new, frozen `LiveMetrics` after every token and swaps it into
+`EngineSession.metrics` (a plain attribute assignment, atomic in Python). The UI reads that attribute
+from one timer a few times a second, so the decode speed never sets the UI's refresh rate and neither
+side ever waits for the other. The figures the panels show are properties computed from the recent
+steps here, so they can be tested without a UI.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+
+from engine.metrics import StepMetrics
+
+# Steps kept for the sparklines, and the most recent of those averaged into the headline figures
+# (long enough to smooth single slow steps, short enough to show a K switch within a second).
+HISTORY_STEPS = 60
+FIGURE_STEPS = 16
+
+
+@dataclass(frozen=True)
+class LiveMetrics:
+    k: int = 0
+    mode: str = ""
+    # Prompt plus reply tokens of the latest request: what the KV cache holds.
+    context_tokens: int = 0
+    # The most MLX memory the engine has held at once since it loaded.
+    peak_memory_bytes: int = 0
+    # The latest forward (prefill or decode): the memory figures come from here.
+    last_step: StepMetrics | None = None
+    # Decode steps only, newest last, at most HISTORY_STEPS, across replies.
+    recent_steps: tuple[StepMetrics, ...] = ()
+    # Wall time between consecutive decode tokens as the app saw them (forward, sampling and
+    # streaming included), matching `recent_steps`.
+    recent_token_ms: tuple[float, ...] = ()
+
+    @property
+    def tok_per_s_history(self) -> list[float]:
+        return [1e3 / ms for ms in self.recent_token_ms if ms > 0]
+
+    @property
+    def tok_per_s(self) -> float:
+        window = self.recent_token_ms[-FIGURE_STEPS:]
+        return len(window) * 1e3 / sum(window) if window and sum(window) > 0 else 0.0
+
+    @property
+    def blocked_ms_history(self) -> list[float]:
+        return [s.blocked_ms for s in self.recent_steps]
+
+    @property
+    def blocked_ms(self) -> float:
+        return self._mean("blocked_ms")
+
+    @property
+    def loads_per_step(self) -> float:
+        return self._mean("loads")
+
+    @property
+    def mib_per_step(self) -> float:
+        return self._mean("mib_read")
+
+    @property
+    def cold_fraction(self) -> float:
+        """Cold bytes over bytes read in the recent steps (weighted by bytes, unlike a mean of
+        per-step fractions, so steps that read little do not swing it)."""
+        window = self.recent_steps[-FIGURE_STEPS:]
+        read = sum(s.mib_read for s in window)
+        return sum(s.mib_read * s.cold_fraction for s in window) / read if read else 0.0
+
+    def _mean(self, name: str) -> float:
+        window = self.recent_steps[-FIGURE_STEPS:]
+        return statistics.fmean(getattr(s, name) for s in window) if window else 0.0

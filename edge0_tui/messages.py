@@ -1,0 +1,63 @@
+"""Messages the engine thread posts to the chat screen.
+
+`post_message` is the one thread-safe way into the UI: it queues the message on the app's event loop
+and returns at once, so decoding never waits for the UI. The handlers run on the UI thread.
+They are for the chat screen alone, so none bubbles up to the app (`bubble=False`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from textual.message import Message
+
+from engine.generation import KProfile
+
+
+@dataclass
+class ModelProgress(Message, bubble=False):
+    """Preparing the model: downloading it, or writing the synthetic demo model."""
+
+    what: str
+    done: float
+    total: float | None  # None: no known end (indeterminate)
+
+
+@dataclass
+class EngineReady(Message, bubble=False):
+    model_name: str
+    info: dict
+    profiles: list[KProfile]
+    modes: list[str]
+    # What the user should know before chatting: the demo model is a random-weight stand-in, the
+    # K in use does not recover quality, ...
+    notices: list[str] = field(default_factory=list)
+
+
+@dataclass
+class EngineFailed(Message, bubble=False):
+    """The model could not be prepared or loaded; `error` is the engine's one-line message."""
+
+    error: str
+
+
+@dataclass
+class ReplyText(Message, bubble=False):
+    """New text at the end of the reply being written (tokens batched, ~30 ms at a time)."""
+
+    text: str
+
+
+@dataclass
+class ReplyFinished(Message, bubble=False):
+    text: str  # the whole reply, decoded once more from all its tokens
+    stopped_by: str  # "eos", "max_tokens" or "cancelled"
+    summary: dict = field(default_factory=dict)
+
+
+@dataclass
+class ReplyFailed(Message, bubble=False):
+    """The engine raised an `Edge0Error` mid-reply; `text` is what was written before it."""
+
+    error: str
+    text: str

@@ -1,0 +1,141 @@
+"""Turning the MODEL argument of `edge0 chat` into a checkpoint directory.
+
+MODEL is one of:
+- `demo`: the bundled model. It does not exist yet; until it lands, a random-weight synthetic
+  checkpoint is written once into the cache directory and stands in for it (replies are noise).
+- a local directory holding an mlx-lm checkpoint;
+- a Hugging Face repo id (`owner/name`), downloaded into the Hugging Face cache. Offline, a copy
+  already in the cache is used; without one the error says so.
+
+Writing the synthetic checkpoint runs MLX, so `resolve_model` must run on the engine's thread.
+"""
+
+from __future__ import annotations
+
+import io
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine.errors import Edge0Error
+
+DEMO = "demo"
+DEMO_FAMILY, DEMO_PRESET = "qwen3_moe", "small"
+DEMO_NOTICE = (
+    "demo: a random-weight stand-in until the bundled model lands. "
+    "Replies are noise; the speed and memory panels are real."
+)
+# What edge0 needs from a Hub repo: the files mlx-lm's own loader downloads, and the K profiles'
+# prerouter and LoRA adapters.
+HUB_FILES = [
+    "*.json",
+    "model*.safetensors",
+    "prerouter_*.safetensors",
+    "lora_*.safetensors",
+    "*.py",
+    "tokenizer.model",
+    "*.tiktoken",
+    "*.txt",
+    "*.jinja",
+]
+_REPO_ID = re.compile(r"[\w.-]+/[\w.-]+")
+
+# (what is happening, units done, units in total or None when unknown)
+ProgressCallback = Callable[[str, float, "float | None"], None]
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    path: Path
+    name: str  # what the status line calls the model
+    notice: str | None = None  # shown once the model is loaded
+
+
+def resolve_model(
+    spec: str, cache_dir: Path, on_progress: ProgressCallback, offline: bool = False
+) -> ModelSource:
+    """The checkpoint directory MODEL names, writing or downloading it first when needed."""
+    if spec == DEMO:
+        return ModelSource(demo_checkpoint(cache_dir, on_progress), DEMO, DEMO_NOTICE)
+    local = Path(spec).expanduser()
+    if local.exists() or not _REPO_ID.fullmatch(spec):
+        return ModelSource(local, local.name)  # the engine says what is wrong with a bad path
+    return ModelSource(download_from_hub(spec, on_progress, offline=offline), spec)
+
+
+def demo_checkpoint(cache_dir: Path, on_progress: ProgressCallback) -> Path:
+    path = cache_dir / f"synthetic-{DEMO_FAMILY}-{DEMO_PRESET}"
+    if not (path / "config.json").exists():
+        from engine.synth import write_synthetic_checkpoint
+
+        on_progress("writing the synthetic demo model (once)", 0, None)
+        write_synthetic_checkpoint(path, DEMO_FAMILY, DEMO_PRESET)
+    return path
+
+
+def download_from_hub(
+    repo_id: str,
+    on_progress: ProgressCallback,
+    cache_dir: Path | None = None,
+    offline: bool = False,
+) -> Path:
+    """The repo's snapshot in the Hugging Face cache, downloading what is missing.
+
+    Offline (or when the Hub cannot be reached), a complete cached copy is used as is.
+    """
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError, RepositoryNotFoundError
+
+    def cached_copy(reason: str) -> Path:
+        try:
+            return Path(
+                snapshot_download(
+                    repo_id, cache_dir=cache_dir, allow_patterns=HUB_FILES, local_files_only=True
+                )
+            )
+        except LocalEntryNotFoundError:
+            raise Edge0Error(f"{repo_id}: {reason}, and no complete copy is cached") from None
+
+    if offline:
+        return cached_copy("offline")
+    on_progress(f"looking up {repo_id} on the Hugging Face Hub", 0, None)
+    try:
+        folder = snapshot_download(
+            repo_id,
+            cache_dir=cache_dir,
+            allow_patterns=HUB_FILES,
+            tqdm_class=_reporting_progress_bar(on_progress),
+        )
+    except RepositoryNotFoundError:
+        raise Edge0Error(
+            f"{repo_id}: no such model on the Hugging Face Hub (or it is private: `hf auth login`)"
+        ) from None
+    except LocalEntryNotFoundError:
+        # snapshot_download already fell back to the cache: the Hub is unreachable and no copy is.
+        raise Edge0Error(
+            f"{repo_id}: cannot reach the Hugging Face Hub, and no complete copy is cached"
+        ) from None
+    except OSError as e:  # the connection dropped mid-download, a disk filled up, ...
+        return cached_copy(f"download failed ({e.strerror or e})")
+    return Path(folder)
+
+
+def _reporting_progress_bar(on_progress: ProgressCallback) -> type:
+    """A tqdm class for `snapshot_download` that reports to `on_progress` instead of printing."""
+    from tqdm import tqdm
+
+    class ReportingProgressBar(tqdm):
+        def __init__(self, *args, **kwargs) -> None:
+            # A plain tqdm (not huggingface_hub's subclass, which turns itself off without a
+            # terminal) that writes nowhere: the app owns the terminal.
+            kwargs["file"] = io.StringIO()
+            kwargs.pop("name", None)
+            super().__init__(*args, **kwargs)
+
+        def display(self, msg: str | None = None, pos: int | None = None) -> bool:
+            # tqdm calls this at most every `mininterval` (0.1 s): a natural rate limit.
+            on_progress(self.desc or "downloading", self.n, self.total or None)
+            return True
+
+    return ReportingProgressBar

@@ -1,0 +1,20 @@
+"""Shown while the model is prepared: downloaded from the Hub, or the demo model written."""
+
+from __future__ import annotations
+
+from textual.app import ComposeResult
+from textual.containers import Vertical
+from textual.screen import ModalScreen
+from textual.widgets import Label, ProgressBar
+
+
+class ModelLoadingScreen(ModalScreen[None]):
+    def compose(self) -> ComposeResult:
+        with Vertical(id="dialog"):
+            yield Label("Preparing the model", classes="dialog-title")
+            yield Label("", id="what")
+            yield ProgressBar(total=None, show_eta=False, id="progress")
+
+    def report(self, what: str, done: float, total: float | None) -> None:
+        self.query_one("#what", Label).update(what)
+        self.query_one("#progress", ProgressBar).update(total=total, progress=done)

@@ -1,0 +1,76 @@
+"""Write assets/screenshot.svg: the chat app, headless, after two real replies on the demo model.
+
+    python -m edge0_tui.screenshot [--out assets/screenshot.svg]
+
+The first reply runs at the model's native K, the second after switching to K=2, so the sparklines
+show the change. Chats go to a temporary directory; the demo model to the usual cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import tempfile
+import time
+from pathlib import Path
+
+from engine.config import EngineConfig, GenerationConfig, parse_size
+
+from .app import Edge0App
+from .model_source import DEMO_NOTICE
+from .widgets.prompt import PromptInput
+
+QUESTIONS = (
+    "Why does a 35B MoE stall when its experts do not fit in RAM?",
+    "And with two experts per token?",
+)
+
+
+async def capture(out: Path, data_dir: Path) -> None:
+    app = Edge0App(
+        model="demo",
+        engine_config=EngineConfig(expert_cache_bytes=parse_size("8M")),
+        data_dir=data_dir,
+        settings=GenerationConfig(max_tokens=80, temperature=0.7, top_p=0.9, seed=0),
+    )
+    async with app.run_test(size=(132, 42), notifications=True) as pilot:
+        chat = app.chat_screen
+        await _until(pilot, lambda: chat.ready, 300)
+        for n, question in enumerate(QUESTIONS):
+            if n == 1:
+                chat.choose_k(2)
+            chat.query_one(PromptInput).text = question
+            await pilot.press("enter")
+            answered = 2 * (n + 1)  # messages once this reply is in
+            await _until(pilot, lambda a=answered: chat.reply is None and len(chat.messages) == a)
+        await pilot.pause(0.5)  # one more panel tick after the last token
+        chat.panel_timer.pause()
+        # Keep only the demo notice on screen, so the toasts hide no panel.
+        app.clear_notifications()
+        chat.notify(DEMO_NOTICE, severity="warning", timeout=60)
+        chat.query_one(PromptInput).cursor_blink = False
+        await pilot.pause()
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(app.export_screenshot(title="edge0 chat"))
+        await pilot.press("ctrl+q")
+
+
+async def _until(pilot, condition, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError("the app did not get there in time")
+        await pilot.pause(0.05)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("assets/screenshot.svg"))
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as data_dir:
+        asyncio.run(capture(args.out, Path(data_dir)))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,89 @@
+"""The conversation: user turns as plain text, assistant replies as Markdown streamed in."""
+
+from __future__ import annotations
+
+from textual.app import ComposeResult
+from textual.containers import Vertical, VerticalScroll
+from textual.widgets import Label, Markdown, Static
+from textual.widgets.markdown import MarkdownStream
+
+from ..chat_store import ChatMessage
+
+# What the line under a reply says about how it ended; nothing for a normal end.
+ENDINGS = {
+    "eos": "",
+    "max_tokens": "stopped: reached the max tokens setting",
+    "cancelled": "stopped by you",
+    "error": "stopped by an error",
+}
+
+
+class UserTurn(Static):
+    """What the user wrote, shown as typed (no Markdown, no markup)."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__(text, markup=False)
+
+
+class AssistantTurn(Vertical):
+    """One reply: Markdown that text streams into, and a line saying how the reply ended."""
+
+    def __init__(self, text: str = "", stopped_by: str | None = None) -> None:
+        super().__init__()
+        self.text = text  # kept here: never read back from the Markdown widget
+        self._stopped_by = stopped_by
+        self._stream: MarkdownStream | None = None
+
+    def compose(self) -> ComposeResult:
+        # Links in model output must not open a browser on a stray click.
+        yield Markdown(self.text, open_links=False)
+        yield Label(ENDINGS.get(self._stopped_by or "", ""), classes="ending")
+
+    def on_mount(self) -> None:
+        self.set_class(self._stopped_by is None and not self.text, "-writing")
+
+    async def append(self, text: str) -> None:
+        """Add streamed text at the end. Markdown.get_stream merges writes that arrive faster than
+        the widget renders, and re-parses only the last block."""
+        self.text += text
+        if self._stream is None:
+            self._stream = Markdown.get_stream(self.query_one(Markdown))
+        await self._stream.write(text)
+
+    async def finish(self, text: str, stopped_by: str) -> None:
+        """End the reply with its full text (one clean parse; a stream can leave partial-block
+        state behind) and say how it ended."""
+        if self._stream is not None:
+            await self._stream.stop()
+            self._stream = None
+        self.text = text
+        await self.query_one(Markdown).update(text)
+        self.query_one(".ending", Label).update(ENDINGS.get(stopped_by, stopped_by))
+        self.remove_class("-writing")
+
+
+class Conversation(VerticalScroll):
+    """The turns of one chat, kept scrolled to the newest unless the user scrolls up."""
+
+    def on_mount(self) -> None:
+        self.anchor()
+
+    async def add_user_turn(self, text: str) -> None:
+        await self.mount(UserTurn(text))
+
+    async def add_reply(self) -> AssistantTurn:
+        reply = AssistantTurn()
+        await self.mount(reply)
+        return reply
+
+    async def show(self, messages: list[ChatMessage]) -> None:
+        """Replace the turns with those of a saved chat."""
+        await self.remove_children()
+        turns = [
+            UserTurn(m.content) if m.role == "user" else AssistantTurn(m.content, m.stopped_by)
+            for m in messages
+            if m.role in ("user", "assistant")
+        ]
+        if turns:
+            await self.mount_all(turns)
+        self.anchor()

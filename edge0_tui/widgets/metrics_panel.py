@@ -1,0 +1,63 @@
+"""The live panels: decode speed, time blocked on expert loads, cold pages, loads, memory.
+
+The panel only displays: the chat screen's timer calls `show` a few times a second with the latest
+snapshot. Sparklines scale to their data's own min..max (no zero baseline), so the range is printed
+next to each, or a flat trace would look like noise.
+"""
+
+from __future__ import annotations
+
+from textual.app import ComposeResult
+from textual.containers import VerticalScroll
+from textual.widgets import Digits, Label, ProgressBar, Sparkline
+
+from ..live_metrics import LiveMetrics
+from .memory_bar import MemoryBar, MemoryBreakdown
+
+# Above this share of a token's time spent waiting for expert bytes, the blocked figure turns to a
+# warning colour: the step is then more I/O than compute.
+BLOCKED_WARN_SHARE = 0.5
+
+
+class MetricsPanel(VerticalScroll):
+    def compose(self) -> ComposeResult:
+        yield Label("decode tok/s", classes="panel-title")
+        yield Digits("0.0", id="tok-per-s")
+        yield Sparkline([], id="tok-per-s-history")
+        yield Label("", id="tok-per-s-range", classes="panel-note")
+        yield Label("blocked on expert loads", classes="panel-title")
+        yield Label("", id="blocked-ms", classes="panel-value")
+        yield Sparkline([], id="blocked-ms-history")
+        yield Label("", id="blocked-ms-range", classes="panel-note")
+        yield Label("cold pages (of bytes read)", classes="panel-title")
+        yield ProgressBar(total=1.0, show_eta=False, id="cold-fraction")
+        yield Label("", id="loads", classes="panel-value")
+        yield Label("memory", classes="panel-title")
+        yield MemoryBar(id="memory")
+
+    def show(self, metrics: LiveMetrics, memory: MemoryBreakdown) -> None:
+        speed = metrics.tok_per_s_history
+        self.query_one("#tok-per-s", Digits).update(f"{metrics.tok_per_s:.1f}")
+        self.query_one("#tok-per-s-history", Sparkline).data = speed
+        self.query_one("#tok-per-s-range", Label).update(_range(speed, "tok/s"))
+
+        blocked = metrics.blocked_ms_history
+        token_ms = 1e3 / metrics.tok_per_s if metrics.tok_per_s else 0.0
+        share = metrics.blocked_ms / token_ms if token_ms else 0.0
+        blocked_label = self.query_one("#blocked-ms", Label)
+        blocked_label.update(
+            f"{metrics.blocked_ms:.1f} ms/step" + (f", {share:.0%} of each token" if share else "")
+        )
+        blocked_label.set_class(share > BLOCKED_WARN_SHARE, "-warn")
+        self.query_one("#blocked-ms-history", Sparkline).data = blocked
+        self.query_one("#blocked-ms-range", Label).update(_range(blocked, "ms"))
+
+        self.query_one("#cold-fraction", ProgressBar).update(progress=metrics.cold_fraction)
+        self.query_one("#loads", Label).update(
+            f"{metrics.loads_per_step:.1f} loads/step   {metrics.mib_per_step:.2f} MiB/step"
+        )
+        self.query_one("#memory", MemoryBar).show(memory)
+
+
+def _range(values: list[float], unit: str) -> str:
+    return f"min {min(values):.1f}  max {max(values):.1f} {unit}" if values else ""

@@ -1,0 +1,102 @@
+"""The K selector (routing width: experts per token) and the expert-loading mode switch.
+
+The selector offers only what the engine reports (its K profiles and modes). Picking one posts
+`KChosen` / `ModeChosen`; the screen asks the engine for it. The buttons show what was asked for:
+the screen moves them only for a choice made elsewhere (the command palette) or one the engine
+refused (`select`), never from its refresh timer, which could otherwise undo a click still on its
+way through the message queue. `show_pending` marks a switch the engine has not applied yet.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from textual.app import ComposeResult
+from textual.containers import Vertical
+from textual.message import Message
+from textual.widgets import Label, RadioButton, RadioSet
+
+from engine.generation import KProfile
+
+
+class RoutingSelector(Vertical):
+    @dataclass
+    class KChosen(Message):
+        k: int
+
+    @dataclass
+    class ModeChosen(Message):
+        mode: str
+
+    def __init__(self, *, id: str | None = None) -> None:
+        super().__init__(id=id)
+        self.profiles: list[KProfile] = []
+        self.modes: list[str] = []
+        # What the radio buttons show as chosen. Pressing a button from code posts the same
+        # Changed message a click does; comparing with these tells the two apart.
+        self._shown_k: int | None = None
+        self._shown_mode: str | None = None
+
+    def compose(self) -> ComposeResult:
+        # A RadioSet learns which button is pressed when it mounts, so new choices mean new sets.
+        yield Label("routing width K", classes="panel-title")
+        yield RadioSet(
+            *(
+                RadioButton(
+                    f"{p.k}{'' if p.recovered else '*'}", p.k == self._shown_k, id=f"k-{p.k}"
+                )
+                for p in self.profiles
+            ),
+            id="k-choice",
+            compact=True,
+        )
+        unrecovered = not all(p.recovered for p in self.profiles)
+        yield Label(
+            "* quality not recovered at this K" if unrecovered else "", classes="panel-note"
+        )
+        yield Label("expert loading", classes="panel-title")
+        yield RadioSet(
+            *(RadioButton(m, m == self._shown_mode, id=f"mode-{m}") for m in self.modes),
+            id="mode-choice",
+            compact=True,
+        )
+        yield Label("", id="switch-note", classes="panel-note")
+
+    async def set_choices(self, profiles: list[KProfile], modes: list[str], k: int, mode: str):
+        """Offer the engine's K profiles and modes, `k` and `mode` chosen."""
+        self.profiles, self.modes = profiles, modes
+        self._shown_k, self._shown_mode = k, mode
+        await self.recompose()
+
+    def select(self, k: int | None = None, mode: str | None = None) -> None:
+        """Show `k` and/or `mode` as chosen."""
+        # Record what is shown before pressing a button, so the Changed it posts is not taken
+        # for the user's choice (see on_radio_set_changed).
+        if k is not None and k != self._shown_k:
+            self._shown_k = k
+            self.query_one(f"#k-{k}", RadioButton).value = True
+        if mode is not None and mode != self._shown_mode:
+            self._shown_mode = mode
+            self.query_one(f"#mode-{mode}", RadioButton).value = True
+
+    def show_pending(self, k: int, pending_k: int | None, pending_mode: str | None) -> None:
+        """Mark a switch the engine will apply at its next step as loading."""
+        self.query_one("#k-choice").set_class(pending_k is not None, "-pending")
+        self.query_one("#mode-choice").set_class(pending_mode is not None, "-pending")
+        note = self.query_one("#switch-note", Label)
+        if pending_k is not None:
+            note.update(f"switching K {k} → {pending_k} at the next step…")
+        elif pending_mode is not None:
+            note.update(f"switching to {pending_mode} at the next step…")
+        else:
+            note.update("")
+
+    def on_radio_set_changed(self, event: RadioSet.Changed) -> None:
+        event.stop()
+        chosen = (event.pressed.id or "").split("-", 1)[1]
+        if event.radio_set.id == "k-choice" and int(chosen) != self._shown_k:
+            self._shown_k = int(chosen)
+            self.post_message(self.KChosen(int(chosen)))
+        elif event.radio_set.id == "mode-choice" and chosen != self._shown_mode:
+            self._shown_mode = chosen
+            self.post_message(self.ModeChosen(chosen))

@@ -1,0 +1,44 @@
+"""The status line: model, K, mode, context tokens, peak memory, and what the engine is doing."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from textual.widgets import Static
+
+from engine.config import format_bytes
+
+
+@dataclass(frozen=True)
+class Status:
+    model: str
+    state: str  # "loading model…", "ready", "writing…", "no model"
+    k: int | None = None
+    pending_k: int | None = None
+    mode: str | None = None
+    pending_mode: str | None = None
+    context_tokens: int | None = 0  # None: not known yet
+    peak_memory_bytes: int = 0
+
+    def line(self) -> str:
+        parts = [self.model or "no model"]
+        if self.k is not None:
+            parts.append(f"K {self.k}" + (f" → {self.pending_k}" if self.pending_k else ""))
+        if self.mode:
+            parts.append(self.mode + (f" → {self.pending_mode}" if self.pending_mode else ""))
+        context = "–" if self.context_tokens is None else self.context_tokens
+        parts.append(f"context {context} tokens")
+        parts.append(f"peak MLX {format_bytes(self.peak_memory_bytes)}")
+        parts.append(self.state)
+        return "  │  ".join(parts)
+
+
+class StatusLine(Static):
+    def __init__(self, *, id: str | None = None) -> None:
+        super().__init__("", markup=False, id=id)
+        self.status: Status | None = None
+
+    def show(self, status: Status) -> None:
+        if status != self.status:
+            self.status = status
+            self.update(status.line())

@@ -1,0 +1,509 @@
+"""The chat app driven through Textual's Pilot, on a real tiny engine (hundreds of tok/s on CPU).
+
+Every test runs the real app: the engine loads in its thread worker, replies stream through
+messages, and the panels are read back from the widgets. Waits poll a condition with a deadline
+(`wait_until`) rather than sleeping a fixed time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import shutil
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from adapters import write_random_profile
+from textual.pilot import Pilot
+from textual.widgets import Digits, Markdown, OptionList, RadioButton
+
+from edge0_tui.app import Edge0App
+from edge0_tui.chat_store import ChatMessage, ChatStore
+from edge0_tui.live_metrics import LiveMetrics
+from edge0_tui.messages import ReplyText
+from edge0_tui.screens.settings import SettingsScreen
+from edge0_tui.system_memory import SystemMemory
+from edge0_tui.widgets.conversation import AssistantTurn, UserTurn
+from edge0_tui.widgets.memory_bar import MemoryBar
+from edge0_tui.widgets.prompt import PromptInput
+from edge0_tui.widgets.routing_selector import RoutingSelector
+from edge0_tui.widgets.status_line import StatusLine
+from engine.config import EngineConfig, GenerationConfig
+from engine.metrics import StepMetrics
+
+SIZE = (120, 40)
+# Small enough that every decode step loads experts, so loads and blocked time are never zero.
+EXPERT_CACHE_BYTES = 200_000
+SHORT = GenerationConfig(max_tokens=24, temperature=0.0)
+# Long enough (tens of seconds) that a test acts while the reply is still being written.
+LONG = GenerationConfig(max_tokens=5000, temperature=0.0)
+SNAPSHOT = Path(__file__).parent / "snapshots" / "tui_main_screen.svg"
+
+
+def make_app(model_dir: Path, data_dir: Path, settings: GenerationConfig = SHORT) -> Edge0App:
+    return Edge0App(
+        model=str(model_dir),
+        engine_config=EngineConfig(expert_cache_bytes=EXPERT_CACHE_BYTES),
+        data_dir=data_dir,
+        cache_dir=data_dir / "cache",
+        settings=settings,
+    )
+
+
+async def wait_until(pilot: Pilot, condition, what: str, timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            screen = pilot.app.chat_screen
+            raise AssertionError(
+                f"timed out after {timeout:.0f} s waiting for {what} (status: "
+                f"{status_text(pilot.app)!r}, writing: {screen.reply is not None})"
+            )
+        await pilot.pause(0.02)
+
+
+async def ready(app: Edge0App, pilot: Pilot) -> None:
+    await wait_until(pilot, lambda: app.chat_screen.ready, "the model to load")
+    await pilot.pause()
+
+
+async def send(app: Edge0App, pilot: Pilot, text: str) -> None:
+    prompt = app.chat_screen.query_one(PromptInput)
+    prompt.focus()
+    prompt.text = text
+    await pilot.press("enter")
+    # The prompt is cleared once the reply has started (a short one may already have ended).
+    await wait_until(pilot, lambda: prompt.text == "", "the message to be sent")
+
+
+async def reply_done(app: Edge0App, pilot: Pilot) -> ChatMessage:
+    await wait_until(pilot, lambda: app.chat_screen.reply is None, "the reply to end")
+    await pilot.pause()
+    return app.chat_screen.messages[-1]
+
+
+async def reply_streaming(app: Edge0App, pilot: Pilot) -> None:
+    def streamed() -> bool:
+        reply = app.chat_screen.reply
+        return reply is not None and bool(reply.query_one(Markdown).source)
+
+    await wait_until(pilot, streamed, "reply text to stream in")
+
+
+def record_notifications(app: Edge0App) -> list[tuple[str, str]]:
+    """(message, severity) of every notification, still shown as usual. Widgets' notify calls
+    the app's, so this catches them all."""
+    notices: list[tuple[str, str]] = []
+    notify = app.notify
+
+    def record(message, *args, severity="information", **kwargs):
+        notices.append((str(message), severity))
+        return notify(message, *args, severity=severity, **kwargs)
+
+    app.notify = record
+    return notices
+
+
+def status_text(app: Edge0App) -> str:
+    return app.chat_screen.query_one(StatusLine).status.line()
+
+
+@pytest.fixture
+def model(checkpoint_dir) -> Path:
+    return checkpoint_dir("qwen3_moe", "tiny")
+
+
+async def test_reply_streams_and_panels_show_speed_and_memory(model, tmp_path):
+    batches: list[str] = []
+
+    def record(message) -> None:
+        if isinstance(message, ReplyText):
+            batches.append(message.text)
+
+    app = make_app(model, tmp_path, replace(SHORT, max_tokens=64))
+    async with app.run_test(size=SIZE, message_hook=record) as pilot:
+        await ready(app, pilot)
+        await pilot.press("h", "i", "ctrl+j", "y", "o")  # typed as a user would; ctrl+j: newline
+        assert app.chat_screen.query_one(PromptInput).text == "hi\nyo"
+        await pilot.press("enter")
+        assert app.chat_screen.query_one(PromptInput).text == ""  # accepted, so cleared
+        reply = await reply_done(app, pilot)
+
+        assert reply.role == "assistant" and reply.stopped_by == "max_tokens"
+        assert len(batches) >= 2, "the reply arrived in one piece, not streamed"
+        assert reply.content.startswith("".join(batches)[:10])
+        turn = app.chat_screen.query(AssistantTurn).last()
+        assert turn.query_one(Markdown).source == reply.content
+        assert [t.content for t in app.chat_screen.query(UserTurn)] == ["hi\nyo"]
+
+        # The panels show the figures at the timer's next tick after the reply.
+        def context_shown() -> int:
+            found = re.search(r"context (\d+) tokens", status_text(app))
+            return int(found.group(1)) if found else 0
+
+        await wait_until(pilot, lambda: context_shown() > 64, "the reply's context on the status")
+        assert "K 4" in status_text(app) and "on-demand" in status_text(app)
+        assert float(app.chat_screen.query_one("#tok-per-s", Digits).value) > 0
+        metrics = app.session.metrics
+        assert metrics.loads_per_step > 0 and metrics.blocked_ms > 0
+        segments = {
+            s.name: s.nbytes for s in app.chat_screen.query_one(MemoryBar).breakdown.segments
+        }
+        assert segments["MLX active"] > 0 and segments["free"] > 0
+
+        await pilot.press("f3")  # copy the last reply
+        assert app.clipboard == reply.content
+
+
+async def test_escape_stops_within_a_step_and_next_message_works(model, tmp_path):
+    app = make_app(model, tmp_path, LONG)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(app, pilot)
+        # Note how many tokens the engine had when the stop was asked for.
+        at_stop: list[int] = []
+        stop_reply = app.session.stop_reply
+
+        def spy() -> None:
+            at_stop.append(app.session.metrics.context_tokens)
+            stop_reply()
+
+        app.session.stop_reply = spy
+        await send(app, pilot, "tell me everything")
+        await reply_streaming(app, pilot)
+        await pilot.press("escape")
+        reply = await reply_done(app, pilot)
+
+        assert reply.stopped_by == "cancelled" and reply.content  # the partial reply is kept
+        # The engine checks should_stop after every token: at most the step in flight finishes.
+        assert app.session.metrics.context_tokens - at_stop[0] <= 2
+        ending = app.chat_screen.query(AssistantTurn).last().query_one(".ending")
+        assert "stopped by you" in str(ending.render())
+
+        app.chat_screen.settings = SHORT
+        await send(app, pilot, "and now briefly")
+        second = await reply_done(app, pilot)
+        assert second.stopped_by == "max_tokens"
+        assert [m.role for m in app.chat_screen.messages] == ["user", "assistant"] * 2
+
+
+async def test_k_switch_mid_reply_applies_and_next_reply_uses_it(model, tmp_path):
+    app = make_app(model, tmp_path, LONG)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(app, pilot)
+        assert "K 4" in status_text(app)
+        await send(app, pilot, "a long answer please")
+        await reply_streaming(app, pilot)
+
+        # Choose K=2 in the side panel mid-reply. Pressing the radio button directly: it takes
+        # the path a click takes (RadioSet.Changed, then KChosen), but pilot.click would first
+        # wait for every widget's queue to drain, which takes seconds while text streams in.
+        app.chat_screen.query_one("#k-2", RadioButton).value = True
+        await wait_until(
+            pilot, lambda: "K 2  " in status_text(app), "the status line to show K 2 in use"
+        )
+        assert app.chat_screen.reply is not None  # still the same reply
+        assert app.session.engine.k == 2
+        assert app.session.metrics.last_step.k == 2  # decode steps now run at K=2
+        await pilot.press("escape")
+        await reply_done(app, pilot)
+
+        # Idle: a switch is pending until the engine's next step, and shown as such.
+        app.chat_screen.settings = SHORT
+        await pilot.click("#k-8")
+        assert "K 2 → 8" in status_text(app)
+        assert app.chat_screen.query_one("#k-choice").has_class("-pending")
+        await send(app, pilot, "again")
+        await reply_done(app, pilot)
+        await wait_until(pilot, lambda: "K 8  " in status_text(app), "K 8 in the status line")
+        assert app.session.engine.k == 8
+        assert all(
+            step.k == 8 for step in app.session.metrics.recent_steps[-SHORT.max_tokens + 1 :]
+        )
+        assert not app.chat_screen.query_one("#k-choice").has_class("-pending")
+        assert app.chat_screen.query_one("#k-8", RadioButton).value
+        assert not app.chat_screen.query_one("#k-2", RadioButton).value
+
+
+async def test_mode_switch_mid_reply_brings_the_prerouter_and_its_k(model, tmp_path):
+    with_heads = tmp_path / "model"
+    shutil.copytree(model, with_heads)
+    write_random_profile(with_heads, 2)  # prerouter heads and LoRA for K=2
+    app = make_app(with_heads, tmp_path, LONG)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(app, pilot)
+        assert app.chat_screen.query_one(RoutingSelector).modes == ["on-demand", "prerouter"]
+        await send(app, pilot, "switch while I talk")
+        await reply_streaming(app, pilot)
+
+        app.chat_screen.query_one("#mode-prerouter", RadioButton).value = True  # as a click
+        await wait_until(
+            pilot, lambda: "K 2  │  prerouter  " in status_text(app), "prerouter mode at K=2"
+        )
+        assert app.session.engine.mode == "prerouter" and app.chat_screen.reply is not None
+        assert app.session.metrics.last_step.mode == "prerouter"
+        assert app.chat_screen.query_one("#k-2", RadioButton).value  # the K it brought
+        await pilot.press("escape")
+        await reply_done(app, pilot)
+
+
+async def test_saved_chat_reopens_after_restart(model, tmp_path):
+    first = make_app(model, tmp_path)
+    async with first.run_test(size=SIZE) as pilot:
+        await ready(first, pilot)
+        await send(first, pilot, "remember this question")
+        saved_reply = (await reply_done(first, pilot)).content
+        await pilot.press("ctrl+n")  # a new chat: the screen empties, the saved one stays saved
+        assert first.chat_screen.chat_id is None and not first.chat_screen.query(UserTurn)
+        await pilot.press("ctrl+q")
+
+    second = make_app(model, tmp_path)
+    async with second.run_test(size=SIZE) as pilot:
+        await ready(second, pilot)
+        assert not second.chat_screen.query(UserTurn)  # starts on a new chat
+        await pilot.press("ctrl+o")
+        options = second.screen.query_one(OptionList)
+        assert options.option_count == 1
+        options.highlighted = 0
+        await pilot.press("enter")
+        await wait_until(pilot, lambda: second.chat_screen.query(UserTurn), "the chat to reopen")
+        assert [t.content for t in second.chat_screen.query(UserTurn)] == ["remember this question"]
+        reopened = second.chat_screen.query(AssistantTurn).last().query_one(Markdown)
+        assert reopened.source == saved_reply
+
+        await send(second, pilot, "and continue")
+        await reply_done(second, pilot)
+        chat_id = second.chat_screen.chat_id
+    store = ChatStore(tmp_path)
+    assert [c.message_count for c in store.chats()] == [4]
+    assert [m.content for m in store.messages(chat_id)][:3] == [
+        "remember this question",
+        saved_reply,
+        "and continue",
+    ]
+    store.close()
+
+
+async def test_read_error_is_a_notification_and_next_message_works(model, tmp_path):
+    app = make_app(model, tmp_path, LONG)
+    notices = record_notifications(app)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(app, pilot)
+        reader = app.session.engine.store.reader
+        disk_failing = False
+        pread_into = reader._pread_into
+
+        def failing_pread(*args) -> None:
+            if disk_failing:
+                raise OSError(5, "Input/output error", "model.safetensors")
+            pread_into(*args)
+
+        reader._pread_into = failing_pread
+        await send(app, pilot, "read from a failing disk")
+        await reply_streaming(app, pilot)
+        disk_failing = True  # every expert load from now on fails
+        reply = await reply_done(app, pilot)
+        disk_failing = False
+
+        errors = [text for text, severity in notices if severity == "error"]
+        assert len(errors) == 1
+        assert "read error" in errors[0] and "Input/output error" in errors[0]
+        assert "Traceback" not in errors[0] and "\n" not in errors[0]
+        assert reply.stopped_by == "error" and reply.content  # what was written stays
+        assert "stopped by an error" in str(
+            app.chat_screen.query(AssistantTurn).last().query_one(".ending").render()
+        )
+
+        app.chat_screen.settings = SHORT
+        await send(app, pilot, "try again")
+        assert (await reply_done(app, pilot)).stopped_by == "max_tokens"
+
+
+async def test_missing_model_is_a_notification_not_a_crash(tmp_path):
+    app = make_app(tmp_path / "no-such-model", tmp_path)
+    notices = record_notifications(app)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_until(pilot, lambda: app.chat_screen.state == "no model", "the load to fail")
+        assert [s for _, s in notices] == ["error"]
+        assert "no-such-model" in notices[0][0] and "\n" not in notices[0][0]
+        app.chat_screen.query_one(PromptInput).text = "hello?"
+        await pilot.press("enter")
+        await pilot.pause()
+        assert app.chat_screen.reply is None and not app.chat_screen.messages
+        assert app.chat_screen.query_one(PromptInput).text == "hello?"  # kept for later
+        assert notices[-1][1] == "warning"
+
+
+async def test_an_engine_bug_is_one_line_and_the_app_stays(model, tmp_path):
+    app = make_app(model, tmp_path, LONG)
+    notices = record_notifications(app)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(app, pilot)
+        generate = app.session.engine.generate
+
+        def generate_then_break(prompt, gen, on_token, should_stop):
+            def broken_on_token(token, step):
+                on_token(token, step)
+                if step.phase == "decode":
+                    raise RuntimeError("a bug")
+
+            return generate(prompt, gen, broken_on_token, should_stop)
+
+        app.session.engine.generate = generate_then_break
+        await send(app, pilot, "hello")
+        await wait_until(pilot, lambda: app.chat_screen.state == "engine stopped", "the bug")
+        assert notices[-1] == ("the engine stopped on a bug: RuntimeError('a bug')", "error")
+        assert app.chat_screen.reply is None  # the interrupted reply was ended
+        assert app.session.closed.is_set()  # and the engine closed on its thread
+        app.chat_screen.query_one(PromptInput).text = "anyone there?"
+        await pilot.press("enter")
+        assert notices[-1] == ("cannot send: engine stopped", "warning")
+        assert app.chat_screen.query_one(PromptInput).text == "anyone there?"
+
+
+async def test_ctrl_q_mid_reply_quits_and_closes_the_engine(model, tmp_path):
+    app = make_app(model, tmp_path, LONG)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(app, pilot)
+        await send(app, pilot, "a reply that will not finish")
+        await reply_streaming(app, pilot)
+        quit_at = time.monotonic()
+        await pilot.press("ctrl+q")
+    closed = await asyncio.to_thread(app.session.closed.wait, 5.0)
+    assert closed, "the engine thread did not close the engine"
+    assert time.monotonic() - quit_at < 5.0
+    assert app.session.engine is None
+
+
+async def test_settings_screen_sets_max_tokens_for_the_next_reply(model, tmp_path):
+    app = make_app(model, tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(app, pilot)
+        await pilot.press("f2")
+        assert isinstance(app.screen, SettingsScreen)
+        app.screen.query_one("#max_tokens").value = "0"  # out of range: refused
+        await pilot.click("#save")
+        assert isinstance(app.screen, SettingsScreen)
+        app.screen.query_one("#temperature").value = "0"
+        app.screen.query_one("#max_tokens").value = "7"
+        await pilot.press("enter")  # the refused field has the focus; Enter saves too
+        await pilot.pause()
+        assert not isinstance(app.screen, SettingsScreen)
+        assert app.chat_screen.settings.max_tokens == 7
+        await send(app, pilot, "short")
+        await reply_done(app, pilot)
+        generated = app.session.metrics.context_tokens - len(
+            app.session.engine.encode_chat([{"role": "user", "content": "short"}])
+        )
+        assert generated == 7
+
+
+async def test_command_palette_offers_every_action(model, tmp_path):
+    app = make_app(model, tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(app, pilot)
+        titles = [c.title for c in app.get_system_commands(app.screen)]
+        for title in (
+            "New chat",
+            "Open a saved chat",
+            "Settings",
+            "Copy the last reply",
+            "Routing width K=2",
+            "Routing width K=4",
+            "Routing width K=8",
+            "Expert loading: on-demand",
+            "Keys",
+            "Quit",
+        ):
+            assert title in titles
+        assert "Stop the reply" not in titles  # only while a reply is written
+        await pilot.press("f1")
+        assert app.screen.query("HelpPanel")  # the keys
+        await pilot.press("f1")
+        assert not app.screen.query("HelpPanel")
+        command = next(c for c in app.get_system_commands(app.screen) if c.title.endswith("K=2"))
+        command.callback()
+        await pilot.pause()
+        assert "K 4 → 2" in status_text(app)
+        assert app.chat_screen.query_one("#k-2", RadioButton).value  # the selector follows
+
+
+def fixed_metrics() -> LiveMetrics:
+    """Metrics as if from a few decode steps: fixed numbers, so the screen renders the same."""
+
+    def step(i: int) -> StepMetrics:
+        return StepMetrics(
+            phase="decode",
+            tokens=1,
+            wall_ms=20.0 + i % 5,
+            blocked_ms=6.0 + (i * 7) % 5,
+            loads=10 + i % 3,
+            hits=6,
+            mib_read=3.5,
+            mib_per_load=0.3,
+            cold_fraction=0.25,
+            ms_per_load=0.6,
+            whole_layer_reads=0,
+            whole_layer_mib=0.0,
+            transient_peak_mib=0.0,
+            expert_pool_mib=8.0,
+            mlx_active_bytes=3 << 30,
+            mlx_cache_bytes=1 << 30,
+            mlx_peak_bytes=5 << 30,
+            rss_bytes=4 << 30,
+            page_cache_expert_bytes=6 << 30,
+            mode="on-demand",
+            k=4,
+        )
+
+    steps = tuple(step(i) for i in range(40))
+    return LiveMetrics(
+        k=4,
+        mode="on-demand",
+        context_tokens=321,
+        peak_memory_bytes=5 << 30,
+        last_step=steps[-1],
+        recent_steps=steps,
+        recent_token_ms=tuple(s.wall_ms + 2 for s in steps),
+    )
+
+
+async def test_main_screen_snapshot(model, tmp_path):
+    """The main screen, with a saved conversation and fixed metrics, matches the stored SVG.
+
+    Set EDGE0_UPDATE_SNAPSHOTS=1 to rewrite the golden file after an intended change (and look at
+    it before committing). A mismatch leaves the new rendering next to the test's tmp_path.
+    """
+    store = ChatStore(tmp_path)
+    chat_id = store.create_chat("What is the memory wall?", "qwen3_moe-tiny")
+    store.add_message(chat_id, ChatMessage("user", "What is the memory wall?"))
+    answer = (
+        "When a model's weights do not fit in RAM, **every step waits on the disk**.\n\n"
+        "```python\nengine.request_k(2)  # fewer experts per token\n```"
+    )
+    store.add_message(chat_id, ChatMessage("assistant", answer, "eos"))
+    store.close()
+
+    app = make_app(model, tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(app, pilot)
+        screen = app.chat_screen
+        screen.panel_timer.pause()  # freeze: nothing time-dependent is drawn after this
+        await screen.open_chat(chat_id)
+        screen.query_one(PromptInput).cursor_blink = False
+        screen.show_panels(fixed_metrics(), SystemMemory(32 << 30, 12 << 30, "RAM"))
+        await pilot.pause()
+        svg = app.export_screenshot(title="edge0")
+
+    if os.environ.get("EDGE0_UPDATE_SNAPSHOTS") == "1":
+        SNAPSHOT.parent.mkdir(exist_ok=True)
+        SNAPSHOT.write_text(svg)
+    expected = SNAPSHOT.read_text() if SNAPSHOT.exists() else ""
+    if svg != expected:
+        (tmp_path / SNAPSHOT.name).write_text(svg)
+        raise AssertionError(
+            f"the main screen changed; new rendering at {tmp_path / SNAPSHOT.name}. "
+            "If intended, rerun with EDGE0_UPDATE_SNAPSHOTS=1."
+        )

@@ -1,0 +1,258 @@
+"""The chat app's parts that need no UI: chat database, memory figures, model sources, CLI hookup."""
+
+from __future__ import annotations
+
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from edge0_tui import cli
+from edge0_tui.chat_store import ChatMessage, ChatStore, chat_title
+from edge0_tui.live_metrics import LiveMetrics
+from edge0_tui.model_source import DEMO, download_from_hub, resolve_model
+from edge0_tui.system_memory import SystemMemory, cgroup_memory, read_system_memory
+from edge0_tui.widgets.memory_bar import MemoryBreakdown, bar_cells
+from engine.errors import Edge0Error
+from engine.metrics import StepMetrics
+
+GIB = 1 << 30
+
+# -- chat database -------------------------------------------------------------------------------
+
+
+def test_chat_store_round_trip_and_order(tmp_path):
+    store = ChatStore(tmp_path)
+    older = store.create_chat("older", "m")
+    newer = store.create_chat("newer", "m")
+    store.add_message(older, ChatMessage("user", "hi"))
+    store.add_message(older, ChatMessage("assistant", "partial", "cancelled"))
+    store.close()
+
+    store = ChatStore(tmp_path)  # what a restarted app sees
+    assert [c.title for c in store.chats()] == ["older", "newer"]  # last written first
+    assert [c.message_count for c in store.chats()] == [2, 0]
+    assert store.messages(older) == [
+        ChatMessage("user", "hi"),
+        ChatMessage("assistant", "partial", "cancelled"),
+    ]
+    store.delete_chat(older)
+    assert [c.id for c in store.chats()] == [newer]
+    assert store.messages(older) == []  # messages go with their chat
+    store.close()
+
+    raw = sqlite3.connect(tmp_path / "chats.sqlite3")
+    assert raw.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    assert raw.execute("PRAGMA user_version").fetchone()[0] == 1
+    raw.close()
+
+
+def test_chat_store_rolls_back_a_failed_message(tmp_path):
+    store = ChatStore(tmp_path)
+    chat = store.create_chat("t", "m")
+    with pytest.raises(sqlite3.IntegrityError):
+        store.add_message(chat, ChatMessage("robot", "not a role"))
+    assert store.messages(chat) == [] and store.chats()[0].message_count == 0
+    store.add_message(chat, ChatMessage("user", "still works"))
+    assert len(store.messages(chat)) == 1
+    store.close()
+
+
+def test_chat_store_in_an_unusable_directory_is_a_one_line_error(tmp_path):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(Edge0Error, match="cannot open the chat database"):
+        ChatStore(tmp_path / "file")
+
+
+def test_chat_title():
+    assert chat_title("  What is K?\nmore lines") == "What is K?"
+    assert chat_title("x" * 100, width=10) == "x" * 9 + "…"
+    assert chat_title("   ") == "New chat"
+
+
+# -- memory --------------------------------------------------------------------------------------
+
+
+def _write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+def test_cgroup_v2_limit_is_the_tightest_ancestor(tmp_path):
+    root = tmp_path / "cgroup"
+    leaf = root / "user.slice" / "app"
+    _write(leaf / "memory.max", "max\n")  # the process's own cgroup: unlimited
+    _write(root / "user.slice" / "memory.max", f"{8 * GIB}\n")
+    _write(root / "user.slice" / "memory.current", f"{3 * GIB}\n")
+    _write(root / "user.slice" / "memory.stat", f"anon 100\ninactive_file {GIB}\n")
+    found = cgroup_memory("0::/user.slice/app\n", root)
+    assert found.limit_bytes == 8 * GIB and found.version == 2
+    assert found.used_bytes == 2 * GIB  # usage less inactive file pages
+
+
+def test_cgroup_v1_unlimited_is_no_limit(tmp_path):
+    root = tmp_path / "cgroup"
+    _write(root / "memory" / "docker" / "abc" / "memory.limit_in_bytes", "9223372036854771712\n")
+    text = "4:memory:/docker/abc\n3:cpu,cpuacct:/docker/abc\n"
+    assert cgroup_memory(text, root) is None
+    _write(root / "memory" / "docker" / "abc" / "memory.limit_in_bytes", f"{2 * GIB}\n")
+    _write(root / "memory" / "docker" / "abc" / "memory.usage_in_bytes", f"{GIB}\n")
+    found = cgroup_memory(text, root)
+    assert (found.limit_bytes, found.used_bytes, found.version) == (2 * GIB, GIB, 1)
+
+
+def test_system_memory_total_is_the_cgroup_limit_when_lower(tmp_path):
+    proc, root = tmp_path / "proc", tmp_path / "cgroup"
+    _write(proc / "meminfo", "MemTotal: 16777216 kB\nMemFree: 1 kB\nMemAvailable: 10485760 kB\n")
+    _write(proc / "self" / "cgroup", "0::/\n")
+    assert read_system_memory(proc, root) == SystemMemory(16 * GIB, 6 * GIB, "RAM")
+    _write(root / "memory.max", f"{4 * GIB}\n")
+    _write(root / "memory.current", f"{GIB}\n")
+    assert read_system_memory(proc, root) == SystemMemory(4 * GIB, GIB, "cgroup v2 limit")
+
+
+def _step(**figures) -> StepMetrics:
+    defaults = dict(
+        phase="decode",
+        tokens=1,
+        wall_ms=10.0,
+        blocked_ms=0.0,
+        loads=0,
+        hits=0,
+        mib_read=0.0,
+        mib_per_load=0.0,
+        cold_fraction=0.0,
+        ms_per_load=0.0,
+        whole_layer_reads=0,
+        whole_layer_mib=0.0,
+        transient_peak_mib=0.0,
+        expert_pool_mib=0.0,
+        mlx_active_bytes=0,
+        mlx_cache_bytes=0,
+        mlx_peak_bytes=0,
+        rss_bytes=0,
+        page_cache_expert_bytes=0,
+    )
+    return StepMetrics(**{**defaults, **figures})
+
+
+def test_memory_breakdown_adds_up_to_the_total():
+    step = _step(mlx_active_bytes=2 * GIB, mlx_cache_bytes=GIB, page_cache_expert_bytes=3 * GIB)
+    metrics = LiveMetrics(last_step=step)
+    parts = MemoryBreakdown.of(metrics, SystemMemory(16 * GIB, 7 * GIB, "RAM")).segments
+    sizes = {s.name: s.nbytes for s in parts}
+    # MLX's 3 GiB are part of the 7 GiB used: 4 GiB are someone else's.
+    assert sizes == {
+        "MLX active": 2 * GIB,
+        "MLX cache": GIB,
+        "checkpoint in page cache": 3 * GIB,
+        "other used": 4 * GIB,
+        "free": 6 * GIB,
+    }
+    # Probes taken at different moments can disagree: the parts still never pass the total.
+    crowded = MemoryBreakdown.of(metrics, SystemMemory(8 * GIB, 8 * GIB, "RAM")).segments
+    assert sum(s.nbytes for s in crowded) == 8 * GIB
+    assert {s.name: s.nbytes for s in crowded}["free"] == 0
+
+
+def test_bar_cells_are_proportional_and_fill_the_width():
+    assert bar_cells([1, 1, 2], 8) == [2, 2, 4]
+    cells = bar_cells([3, 1, 0, 5, 7], 41)
+    assert sum(cells) == 41 and cells[2] == 0
+    assert bar_cells([0, 0], 10) == [0, 0]
+
+
+def test_live_metrics_figures():
+    steps = tuple(
+        _step(blocked_ms=b, loads=n, mib_read=m, cold_fraction=c)
+        for b, n, m, c in [(2.0, 4, 1.0, 1.0), (4.0, 6, 3.0, 0.0)]
+    )
+    metrics = LiveMetrics(recent_steps=steps, recent_token_ms=(10.0, 40.0))
+    assert metrics.tok_per_s == pytest.approx(2 / 0.050)  # 2 tokens in 50 ms
+    assert metrics.tok_per_s_history == [100.0, 25.0]
+    assert metrics.blocked_ms == 3.0 and metrics.loads_per_step == 5.0
+    assert metrics.mib_per_step == 2.0
+    assert metrics.cold_fraction == pytest.approx(0.25)  # 1 cold MiB of 4 read
+    assert LiveMetrics().tok_per_s == 0.0 and LiveMetrics().cold_fraction == 0.0
+
+
+# -- model sources -------------------------------------------------------------------------------
+
+
+def _no_progress(what: str, done: float, total: float | None) -> None:
+    pass
+
+
+def test_demo_is_written_once_into_the_cache(tmp_path, monkeypatch):
+    written = []
+
+    def fake_write(path, family, preset):
+        written.append((Path(path).name, family, preset))
+        _write(Path(path) / "config.json", "{}")
+        return Path(path)
+
+    monkeypatch.setattr("engine.synth.write_synthetic_checkpoint", fake_write)
+    first = resolve_model(DEMO, tmp_path, _no_progress)
+    second = resolve_model(DEMO, tmp_path, _no_progress)
+    assert written == [("synthetic-qwen3_moe-small", "qwen3_moe", "small")]
+    assert first.path == second.path == tmp_path / "synthetic-qwen3_moe-small"
+    assert "random-weight" in first.notice
+
+
+def test_local_directory_is_used_as_is(tmp_path):
+    source = resolve_model(str(tmp_path), tmp_path / "cache", _no_progress)
+    assert source.path == tmp_path and source.notice is None
+
+
+def test_hub_model_offline_uses_the_cached_copy_or_says_why_not(tmp_path):
+    with pytest.raises(Edge0Error, match="org/model: offline, and no complete copy is cached"):
+        download_from_hub("org/model", _no_progress, cache_dir=tmp_path, offline=True)
+    repo = tmp_path / "models--org--model"
+    _write(repo / "refs" / "main", "abc123")
+    _write(repo / "snapshots" / "abc123" / "config.json", "{}")
+    found = download_from_hub("org/model", _no_progress, cache_dir=tmp_path, offline=True)
+    assert found == repo / "snapshots" / "abc123"
+
+
+# -- CLI hookup ----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def launched(monkeypatch) -> list:
+    """Edge0App instances that `edge0` would have run."""
+    from edge0_tui.app import Edge0App
+
+    apps = []
+    monkeypatch.setattr(Edge0App, "run", lambda self: apps.append(self))
+    return apps
+
+
+def test_edge0_without_arguments_opens_the_demo_chat(launched, tmp_path, monkeypatch):
+    monkeypatch.setattr("edge0_tui.app.user_data_path", lambda name: tmp_path / name)
+    assert cli.main([]) == 0
+    (app,) = launched
+    assert app.session.model == "demo"
+    assert app.session.engine_config.expert_cache_bytes == 8 << 20  # small: the wall shows
+    assert app.store.path == tmp_path / "edge0" / "chats.sqlite3"
+
+
+def test_edge0_chat_passes_its_options(launched, tmp_path):
+    args = ["chat", str(tmp_path), "--expert-cache", "2M", "--data-dir", str(tmp_path / "d")]
+    assert cli.main(args) == 0
+    (app,) = launched
+    assert app.session.model == str(tmp_path)
+    assert app.session.engine_config.expert_cache_bytes == 2 << 20
+    assert app.store.path == tmp_path / "d" / "chats.sqlite3"
+
+
+def test_generate_never_imports_textual(checkpoint_dir):
+    code = (
+        "import sys; from edge0_tui.cli import main; "
+        f"main(['generate', {str(checkpoint_dir())!r}, '--prompt', 'x', '--max-tokens', '1', "
+        "'--json']); print('textual' in sys.modules, file=sys.stderr)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stderr.strip().endswith("False")
