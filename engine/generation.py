@@ -61,7 +61,11 @@ class GenerationResult:
 
 
 class Engine:
-    """One loaded checkpoint, ready to generate. All MLX work happens on the calling thread."""
+    """One loaded checkpoint, ready to generate.
+
+    All MLX work happens on the thread that calls `generate` (use one thread for the engine's
+    whole life). A thread other than the main one that used MLX must call `mx.clear_streams()`
+    before it ends, or the process can abort at exit (seen with mlx 0.32 on Linux)."""
 
     def __init__(self, model_dir: str | Path, config: EngineConfig | None = None) -> None:
         self.config = config or EngineConfig()
@@ -168,8 +172,9 @@ class Engine:
             self._requested["k"] = k
         return next(p for p in self.profiles() if p.k == k)
 
-    def request_mode(self, mode: str) -> None:
-        """Switch between on-demand and prerouter; safe from any thread, applied before the next step."""
+    def request_mode(self, mode: str) -> KProfile:
+        """Switch between on-demand and prerouter; safe from any thread, applied before the next step.
+        Returns the profile that will be used (prerouter mode may need another K, one with heads)."""
         if mode not in self.modes():
             raise Edge0Error(
                 f"mode {mode!r} is not available here (choose {', '.join(self.modes())})"
@@ -181,6 +186,13 @@ class Engine:
         self._check_k(k, mode)
         with self._lock:
             self._requested.update(mode=mode, k=k)
+        return next(p for p in self.profiles() if p.k == k)
+
+    @property
+    def pending(self) -> tuple[int, str]:
+        """(K, mode) as they will be at the next step: requested, or current when none is."""
+        with self._lock:
+            return self._requested.get("k", self.k), self._requested.get("mode", self.mode)
 
     def _apply_requests(self) -> None:
         with self._lock:

@@ -353,3 +353,16 @@ def test_owner_that_is_not_a_moe_layer_is_refused(profiled):
     mx.save_safetensors(str(model_dir / "prerouter_k4.safetensors"), tensors)
     with pytest.raises(Edge0Error, match=r"owner layers \[0\] are not MoE layers"):
         Engine(model_dir, EngineConfig(mode="prerouter"))
+
+
+def test_pending_request_is_visible_until_applied(profiled):
+    engine = Engine(profiled("qwen3_moe", ks=(2, 4)), EngineConfig(mode="on-demand"))
+    try:
+        assert engine.pending == (4, "on-demand")
+        profile = engine.request_mode("prerouter")
+        assert profile.prerouter and engine.pending == (profile.k, "prerouter")
+        assert engine.mode == "on-demand"  # applied only before the next step
+        engine.generate([1, 2, 3], GenerationConfig(max_tokens=2))
+        assert (engine.k, engine.mode) == engine.pending == (profile.k, "prerouter")
+    finally:
+        engine.close()
