@@ -80,6 +80,8 @@ class EngineConfig:
     lora: bool = True
     # Also run the true router on consumer layers to measure the prediction's recall@K (costs compute).
     shadow_router: bool = False
+    # Continue a conversation from the last reply's KV cache when the new prompt extends it.
+    reuse_prompt_cache: bool = True
     # Repair NaN / overflow in every decoder layer's output (streaming modes; resident stays stock).
     hidden_guard: bool = True
     # Clip hidden states to +-this; None clips only overflow (the dtype's largest finite value).

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import mlx.core as mx
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 
 from .checkpoint_index import base_fingerprint
@@ -98,6 +98,7 @@ class Engine:
         self.lora: AppliedLoRA | None = None
         self._lock = threading.Lock()
         self._requested: dict[str, object] = {}
+        self._prompt_cache = None  # (KV cache, tokens it holds, (K, mode)) of the last reply
         if self.routing is not None:
             self.routing.shadow_router = self.config.shadow_router
         self.guard = None
@@ -294,15 +295,45 @@ class Engine:
         if gen.seed is not None:
             mx.random.seed(gen.seed)
         sampler = make_sampler(gen.temperature, top_p=gen.top_p, top_k=gen.top_k)
-        cache = make_prompt_cache(self.model)
+        self._apply_requests()
+        profile = (self.k, self.mode)
+        cache, reused = self._take_prompt_cache(prompt_tokens, profile)
         self._reset_request_state()
         try:
-            return self._generate(
-                prompt_tokens, gen, sampler, cache, on_token, should_stop, forced_tokens
+            result = self._generate(
+                prompt_tokens, gen, sampler, cache, reused, on_token, should_stop, forced_tokens
             )
         finally:
             # Whatever happened (a read error, a cancel), no per-request state outlives the request.
             self._reset_request_state()
+        if self.config.reuse_prompt_cache and (self.k, self.mode) == profile:
+            # The cache now holds the prompt and every generated token but the last (never fed).
+            fed = list(prompt_tokens) + result.tokens[:-1]
+            self._prompt_cache = (cache, fed, profile)
+        return result
+
+    def _take_prompt_cache(self, prompt_tokens: list[int], profile) -> tuple[list, int]:
+        """A KV cache to continue from, and how many prompt tokens it already holds.
+
+        A chat turn's prompt is the previous prompt, the reply and the new message: only the new
+        part needs a prefill. The reply's tokens need not survive decoding and re-encoding, so the
+        cache is cut back to the longest common prefix where the cache allows it (attention
+        caches do; the recurrent state of linear attention does not). Only a cache computed with
+        the same K and mode is reused, and at least one prompt token is always run."""
+        kept, self._prompt_cache = self._prompt_cache, None
+        if kept is None or kept[2] != profile:
+            return make_prompt_cache(self.model), 0
+        cache, fed, _ = kept
+        common = 0
+        limit = min(len(fed), len(prompt_tokens) - 1)
+        while common < limit and fed[common] == prompt_tokens[common]:
+            common += 1
+        if common == len(fed):
+            return cache, common
+        if common > 0 and can_trim_prompt_cache(cache):
+            trim_prompt_cache(cache, len(fed) - common)
+            return cache, common
+        return make_prompt_cache(self.model), 0
 
     def _reset_request_state(self) -> None:
         if self.store is not None:
@@ -311,14 +342,14 @@ class Engine:
             self.routing.reset()
 
     def _generate(
-        self, prompt_tokens, gen, sampler, cache, on_token, should_stop, forced
+        self, prompt_tokens, gen, sampler, cache, reused, on_token, should_stop, forced
     ) -> GenerationResult:
         eos = set(self.tokenizer.eos_token_ids) if forced is None else set()
         steps: list[StepMetrics] = []
         result = GenerationResult(list(prompt_tokens), [], "", steps)
 
         chunk = self.config.prefill_chunk
-        body = prompt_tokens[:-1]
+        body = prompt_tokens[reused:-1]
         for start in range(0, len(body), chunk):
             last_chunk = start + chunk >= len(body)
             self._forward(body[start : start + chunk], cache, "prefill", steps, flush=last_chunk)
@@ -340,6 +371,7 @@ class Engine:
 
         result.text = self.tokenizer.decode(result.tokens)
         result.summary = summarize(steps, len(prompt_tokens))
+        result.summary["reused_prompt_tokens"] = reused
         return result
 
     def _forward(
