@@ -66,6 +66,16 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", type=Path, default=None, dest="json_out")
     bench.add_argument("--markdown", type=Path, default=None)
 
+    soak = commands.add_parser(
+        "soak", help="a long conversation: memory, threads and files stay flat"
+    )
+    soak.add_argument("model", type=Path)
+    soak.add_argument("--turns", type=int, default=20)
+    soak.add_argument("--steps", type=int, default=2000)
+    soak.add_argument("--mode", choices=MODES, default="on-demand")
+    soak.add_argument("--expert-cache", type=_size, default="1G")
+    soak.add_argument("--json", action="store_true")
+
     info = commands.add_parser("info", help="family, layers, experts, expert bytes, K profiles")
     info.add_argument("model", type=Path)
     info.add_argument("--json", action="store_true")
@@ -272,6 +282,24 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_soak(args: argparse.Namespace) -> int:
+    from engine.soak import soak
+
+    config = EngineConfig(mode=args.mode, expert_cache_bytes=args.expert_cache)
+    log = (lambda line: print(line, file=sys.stderr, flush=True)) if args.json else print
+    report = soak(args.model, config, args.turns, args.steps, progress=log)
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print(
+            f"{report['decode_steps']} decode steps: MLX active drift {report['mlx_active_drift']:+.1%} "
+            f"({report['mlx_active_without_kv_drift']:+.1%} without the growing KV cache), "
+            f"RSS drift {report['rss_drift']:+.1%} (after warm-up -> end), threads "
+            f"{report['thread_growth']:+d}, open files {report['open_file_growth']:+d}"
+        )
+    return 0
+
+
 def cmd_info(args: argparse.Namespace) -> int:
     from engine.generation import Engine
 
@@ -446,6 +474,7 @@ def main(argv: list[str] | None = None) -> int:
         "generate": cmd_generate,
         "info": cmd_info,
         "bench": cmd_bench,
+        "soak": cmd_soak,
         "train": cmd_train,
         "synth": cmd_synth,
         "eval": cmd_eval,

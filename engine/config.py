@@ -112,3 +112,5 @@ class GenerationConfig:
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
+    # Keep going past the end-of-sequence token (soak tests, fixed-length benchmarks).
+    ignore_eos: bool = False

@@ -14,6 +14,7 @@ before the next step (between steps of a reply, or before the next reply). Base 
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Callable
@@ -189,6 +190,12 @@ class Engine:
             self._requested.update(mode=mode, k=k)
         return next(p for p in self.profiles() if p.k == k)
 
+    def kv_cache_bytes(self) -> int:
+        """Bytes of the conversation's KV cache kept for the next turn (0 when none is kept)."""
+        if self._prompt_cache is None:
+            return 0
+        return sum(c.nbytes for c in self._prompt_cache[0])
+
     @property
     def pending(self) -> tuple[int, str]:
         """(K, mode) as they will be at the next step: requested, or current when none is."""
@@ -280,9 +287,7 @@ class Engine:
         (teacher forcing): every benchmark arm then does exactly the same work."""
         gen = gen or GenerationConfig()
         if forced_tokens is not None:
-            gen = GenerationConfig(
-                len(forced_tokens), gen.temperature, gen.top_p, gen.top_k, gen.seed
-            )
+            gen = dataclasses.replace(gen, max_tokens=len(forced_tokens))
         if not prompt_tokens:
             raise Edge0Error("the prompt is empty")
         if len(prompt_tokens) + gen.max_tokens > self.context_limit:
@@ -344,7 +349,7 @@ class Engine:
     def _generate(
         self, prompt_tokens, gen, sampler, cache, reused, on_token, should_stop, forced
     ) -> GenerationResult:
-        eos = set(self.tokenizer.eos_token_ids) if forced is None else set()
+        eos = set() if forced is not None or gen.ignore_eos else set(self.tokenizer.eos_token_ids)
         steps: list[StepMetrics] = []
         result = GenerationResult(list(prompt_tokens), [], "", steps)
 
