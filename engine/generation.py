@@ -250,8 +250,16 @@ class Engine:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
-        """Token ids of a conversation (`role`/`content` dicts), ready for the assistant's turn."""
-        return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+        """Token ids of a conversation (`role`/`content` dicts), ready for the assistant's turn.
+
+        transformers renders the checkpoint's chat template in a sandboxed Jinja environment: a
+        template that reaches for Python internals fails, and is reported as the model's fault."""
+        try:
+            return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+        except Exception as e:  # jinja2 raises SecurityError, TemplateError, UndefinedError...
+            raise Edge0Error(
+                f"{self.model_dir}: the chat template failed ({type(e).__name__}: {e})"
+            ) from None
 
     def info(self) -> dict:
         """What a status line or `edge0 info` shows about this engine."""
