@@ -47,7 +47,7 @@ class ReadResult:
 
     layer: int
     expert: int | None  # None: the whole layer, every expert stacked
-    arrays: dict[str, np.ndarray]  # "gate_proj.weight" -> array
+    arrays: dict[str, np.ndarray | mx.array]  # "gate_proj.weight" -> array
     dtypes: dict[str, str]  # safetensors dtype of each array
     nbytes: int
     cold_bytes: int
@@ -58,13 +58,21 @@ class ExpertReader:
     """Reads experts or whole layers of a checkpoint on `threads` reader threads."""
 
     def __init__(
-        self, index: CheckpointIndex, threads: int = 4, widen_to_float32: bool = False
+        self,
+        index: CheckpointIndex,
+        threads: int = 4,
+        widen_to_float32: bool = False,
+        build_arrays: bool = False,
     ) -> None:
         self.index = index
         # On CPU the engine computes in float32: widening bf16/fp16 here, in NumPy on the reader
         # threads, keeps the engine thread from running MLX ops (which would wait behind the
         # forward pass it has queued) just to convert experts.
         self.widen_to_float32 = widen_to_float32
+        # On the CPU backend the reader threads also copy the bytes into MLX arrays (no stream is
+        # involved; checked to exit cleanly), so the engine thread does no per-expert copy at all.
+        # On Metal that stays on the engine thread, where MLX wants all of its work.
+        self.build_arrays = build_arrays
         # Two descriptors per shard, so the kernel's readahead serves each access pattern: none for
         # scattered expert reads (readahead would pull neighbouring experts in and hide cold reads),
         # aggressive for whole-layer reads.
@@ -98,7 +106,7 @@ class ExpertReader:
             dtype = tensor.entry.dtype
             if self.widen_to_float32 and dtype in ("BF16", "F16"):
                 array, dtype = _to_float32(array, dtype), "F32"
-            arrays[key] = array
+            arrays[key] = _host_to_mlx(array, dtype) if self.build_arrays else array
             dtypes[key] = dtype
             nbytes += length
         wall_ms = (time.perf_counter() - start) * 1e3
@@ -148,14 +156,17 @@ def _to_float32(array: np.ndarray, dtype: str) -> np.ndarray:
     return array.astype(np.float32)
 
 
+def _host_to_mlx(array: np.ndarray, dtype: str) -> mx.array:
+    value = mx.array(array)  # a copy into MLX memory, ready at once
+    return value.view(mx.bfloat16) if dtype == "BF16" else value
+
+
 def to_mlx(result: ReadResult, float_dtype: mx.Dtype | None) -> dict[str, mx.array]:
     """MLX arrays for a read (engine thread only). Floating tensors are cast to `float_dtype`;
     arrays built from host memory are ready at once, so nothing here waits on the stream."""
     out = {}
     for key, array in result.arrays.items():
-        value = mx.array(array)
-        if result.dtypes[key] == "BF16":
-            value = value.view(mx.bfloat16)
+        value = array if isinstance(array, mx.array) else _host_to_mlx(array, result.dtypes[key])
         if (
             float_dtype is not None
             and mx.issubdtype(value.dtype, mx.floating)

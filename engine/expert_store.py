@@ -26,8 +26,12 @@ class ExpertStore:
         self.index = index
         self.float_dtype = float_dtype
         self.whole_layer_fraction = config.whole_layer_fraction
+        on_cpu = mx.default_device().type == mx.DeviceType.cpu
         self.reader = ExpertReader(
-            index, config.reader_threads, widen_to_float32=float_dtype == mx.float32
+            index,
+            config.reader_threads,
+            widen_to_float32=float_dtype == mx.float32,
+            build_arrays=on_cpu,
         )
         self.pool = ExpertPool(config.expert_cache_bytes, config.eviction)
         self.counters = LoadCounters()
