@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import mlx.core as mx
@@ -117,15 +117,29 @@ class PrerouterHeads:
     fc1: mx.array  # [n, 512, H+2E]
     fc2: mx.array  # [n, E, 512]
     linear_init: mx.array  # [n, E, H+2E]
+    # The same weights as [n, in, out] for the flush, once prepared for serving.
+    _serving: tuple[mx.array, mx.array, mx.array] | None = field(default=None, repr=False)
 
     def __call__(self, z: mx.array) -> mx.array:
         """Logits `[n, E]` for features `[n, H+2E]`, one row per owner."""
-        return head_forward(self.fc1, self.fc2, self.linear_init, z[:, None, :])[:, 0, :]
+        if self._serving is None:
+            return head_forward(self.fc1, self.fc2, self.linear_init, z[:, None, :])[:, 0, :]
+        fc1_t, fc2_t, linear_init_t = self._serving
+        z = z[:, None, :]
+        return (z @ linear_init_t + gelu_erf(z @ fc1_t) @ fc2_t)[:, 0, :]
 
-    def astype(self, dtype: mx.Dtype) -> PrerouterHeads:
+    def prepare_for_serving(self, dtype: mx.Dtype) -> PrerouterHeads:
+        """Cast, and keep the weights transposed to `[n, in, out]` in memory: the per-step flush is
+        a batched vector-matrix product, which the MLX CPU backend runs about 2x faster on
+        contiguous `[in, out]` weights than through a transposed view (6.4 vs 11.4 ms for 19 heads
+        of 512 x 2304)."""
         self.fc1, self.fc2, self.linear_init = (
             a.astype(dtype) for a in (self.fc1, self.fc2, self.linear_init)
         )
+        self._serving = tuple(
+            mx.contiguous(a.swapaxes(1, 2)) for a in (self.fc1, self.fc2, self.linear_init)
+        )
+        mx.eval(self._serving)
         return self
 
 
@@ -222,9 +236,7 @@ def load_profile_heads(
     owners = [o for o in heads.owners if o + 1 in moe_layers]
     if not owners:
         raise Edge0Error(f"{path}: none of its owner layers precedes a MoE layer")
-    heads = keep_owners(heads, owners).astype(dtype)
-    mx.eval(heads.fc1, heads.fc2, heads.linear_init)
-    return heads
+    return keep_owners(heads, owners).prepare_for_serving(dtype)
 
 
 def keep_owners(heads: PrerouterHeads, owners: list[int]) -> PrerouterHeads:

@@ -48,6 +48,8 @@ def test_head_maths_matches_numpy():
     z = rng.normal(size=(n, width)).astype(np.float32)
     heads = PrerouterHeads(None, 2, [0, 1, 2], h, e, mx.array(fc1), mx.array(fc2), mx.array(lin))
     ours = np.array(heads(mx.array(z)))
+    served = np.array(heads.prepare_for_serving(mx.float32)(mx.array(z)))  # transposed weights
+    np.testing.assert_allclose(served, ours, rtol=1e-5, atol=1e-5)
     erf = np.vectorize(math.erf)
     for i in range(n):
         hidden = fc1[i] @ z[i]
