@@ -148,8 +148,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="comma-separated K values to train quick prerouter heads for (default: 4 for wall)",
     )
 
-    commands.add_parser("demo", help="generate on a synthetic model with live metrics")
-
     chat = commands.add_parser("chat", help="chat in the terminal app (the default command)")
     chat.add_argument(
         "model",
@@ -199,7 +197,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             if args.json:
                 return
             result_tokens.append(token)
-            text = engine.tokenizer.decode(result_tokens)
+            text = engine.reply_text(result_tokens)
             # A token may end inside a multi-byte character: hold it back until it completes.
             stable = len(text.rstrip("\ufffd"))
             sys.stdout.write(text[printed:stable])
@@ -426,37 +424,12 @@ def _quick_heads(model: Path, k: int) -> None:
     train_heads(model, text, config, progress=lambda line: print(line, flush=True))
 
 
-def cmd_demo(args: argparse.Namespace) -> int:
-    """Until the bundled demo model and the chat app land: stream a reply from a synthetic model."""
-    from platformdirs import user_cache_dir
-
-    from engine.synth import write_synthetic_checkpoint
-
-    model = Path(user_cache_dir("edge0")) / "synthetic-qwen3_moe-small"
-    if not (model / "config.json").exists():
-        print(f"writing a synthetic model to {model} ...", file=sys.stderr)
-        write_synthetic_checkpoint(model, "qwen3_moe", "small")
-    demo_args = build_parser().parse_args(
-        [
-            "generate",
-            str(model),
-            "--prompt",
-            "Tell me about the memory wall.",
-            "--chat",
-            "--expert-cache",
-            "8M",
-            "--max-tokens",
-            "48",
-        ]
-    )
-    return cmd_generate(demo_args)
-
-
 def cmd_chat(args: argparse.Namespace) -> int:
     # Imported here so that the other commands never import Textual.
     from edge0_tui.app import Edge0App
 
-    default_cache = "8M" if args.model == "demo" else "1G"
+    # The demo model's experts are ~13 MB in all: a 4 MB budget makes the memory wall visible.
+    default_cache = "4M" if args.model == "demo" else "1G"
     config = EngineConfig(
         mode=args.mode, expert_cache_bytes=args.expert_cache or parse_size(default_cache)
     )
@@ -478,7 +451,6 @@ def main(argv: list[str] | None = None) -> int:
         "train": cmd_train,
         "synth": cmd_synth,
         "eval": cmd_eval,
-        "demo": cmd_demo,
     }
     try:
         return handlers[args.command](args)

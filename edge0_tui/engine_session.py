@@ -231,4 +231,4 @@ class _ReplyStream:
     def text_so_far(self) -> str:
         # A character split across tokens decodes to U+FFFD until its last byte arrives: hold
         # trailing ones back rather than show a replacement character that then changes.
-        return self._engine.tokenizer.decode(self._tokens).rstrip("\ufffd")
+        return self._engine.reply_text(self._tokens).rstrip("\ufffd")

@@ -1,8 +1,9 @@
 """Turning the MODEL argument of `edge0 chat` into a checkpoint directory.
 
 MODEL is one of:
-- `demo`: the bundled model. It does not exist yet; until it lands, a random-weight synthetic
-  checkpoint is written once into the cache directory and stands in for it (replies are noise).
+- `demo`: the bundled model in `assets/demo` (a small MoE trained on Shakespeare). Where the
+  assets are not installed, a random-weight synthetic checkpoint is written once into the cache
+  directory and stands in for it (replies are noise).
 - a local directory holding an mlx-lm checkpoint;
 - a Hugging Face repo id (`owner/name`), downloaded into the Hugging Face cache. Offline, a copy
   already in the cache is used; without one the error says so.
@@ -21,9 +22,14 @@ from pathlib import Path
 from engine.errors import Edge0Error
 
 DEMO = "demo"
+BUNDLED_DEMO = Path(__file__).resolve().parent.parent / "assets" / "demo"
+BUNDLED_NOTICE = (
+    "demo: a 24 M-parameter MoE (6 layers x 32 experts, 4-bit) trained on a CPU on Shakespeare; "
+    "expect Elizabethan-flavoured, not wise, replies. The panels show the real memory wall."
+)
 DEMO_FAMILY, DEMO_PRESET = "qwen3_moe", "small"
 DEMO_NOTICE = (
-    "demo: a random-weight stand-in until the bundled model lands. "
+    "demo: the bundled model is not installed here, so a random-weight stand-in is used. "
     "Replies are noise; the speed and memory panels are real."
 )
 # What edge0 needs from a Hub repo: the files mlx-lm's own loader downloads, and the K profiles'
@@ -57,6 +63,8 @@ def resolve_model(
 ) -> ModelSource:
     """The checkpoint directory MODEL names, writing or downloading it first when needed."""
     if spec == DEMO:
+        if (BUNDLED_DEMO / "config.json").exists():
+            return ModelSource(BUNDLED_DEMO, DEMO, BUNDLED_NOTICE)
         return ModelSource(demo_checkpoint(cache_dir, on_progress), DEMO, DEMO_NOTICE)
     local = Path(spec).expanduser()
     if local.exists() or not _REPO_ID.fullmatch(spec):

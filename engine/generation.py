@@ -261,6 +261,11 @@ class Engine:
                 f"{self.model_dir}: the chat template failed ({type(e).__name__}: {e})"
             ) from None
 
+    def reply_text(self, tokens: list[int]) -> str:
+        """The text of generated tokens, without end-of-sequence tokens."""
+        eos = set(self.tokenizer.eos_token_ids)
+        return self.tokenizer.decode([t for t in tokens if t not in eos])
+
     def info(self) -> dict:
         """What a status line or `edge0 info` shows about this engine."""
         index = self.loaded.index
@@ -382,7 +387,7 @@ class Engine:
                 break
             logits = self._forward([token], cache, "decode", steps)
 
-        result.text = self.tokenizer.decode(result.tokens)
+        result.text = self.reply_text(result.tokens)
         result.summary = summarize(steps, len(prompt_tokens))
         result.summary["reused_prompt_tokens"] = reused
         return result

@@ -185,7 +185,16 @@ def _no_progress(what: str, done: float, total: float | None) -> None:
     pass
 
 
-def test_demo_is_written_once_into_the_cache(tmp_path, monkeypatch):
+def test_demo_is_the_bundled_model():
+    from edge0_tui.model_source import BUNDLED_DEMO
+
+    source = resolve_model(DEMO, Path("/nonexistent-cache"), _no_progress)
+    assert source.path == BUNDLED_DEMO and (source.path / "model.safetensors").exists()
+    assert "Shakespeare" in source.notice
+
+
+def test_demo_stand_in_is_written_once_into_the_cache(tmp_path, monkeypatch):
+    monkeypatch.setattr("edge0_tui.model_source.BUNDLED_DEMO", tmp_path / "not-installed")
     written = []
 
     def fake_write(path, family, preset):
