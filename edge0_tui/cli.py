@@ -74,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
     soak.add_argument("--steps", type=int, default=2000)
     soak.add_argument("--mode", choices=MODES, default="on-demand")
     soak.add_argument("--expert-cache", type=_size, default="1G")
+    soak.add_argument(
+        "--fresh", action="store_true", help="a new conversation every turn (no growing KV cache)"
+    )
     soak.add_argument("--json", action="store_true")
 
     info = commands.add_parser("info", help="family, layers, experts, expert bytes, K profiles")
@@ -285,7 +288,7 @@ def cmd_soak(args: argparse.Namespace) -> int:
 
     config = EngineConfig(mode=args.mode, expert_cache_bytes=args.expert_cache)
     log = (lambda line: print(line, file=sys.stderr, flush=True)) if args.json else print
-    report = soak(args.model, config, args.turns, args.steps, progress=log)
+    report = soak(args.model, config, args.turns, args.steps, progress=log, fresh=args.fresh)
     if args.json:
         print(json.dumps(report))
     else:

@@ -55,14 +55,23 @@ def _point(engine: Engine, turn: int, steps: int) -> SoakPoint:
 
 
 def soak(
-    model_dir, config: EngineConfig, turns: int = 20, steps: int = 2000, progress=print
+    model_dir,
+    config: EngineConfig,
+    turns: int = 20,
+    steps: int = 2000,
+    progress=print,
+    fresh: bool = False,
 ) -> dict:
+    """With `fresh`, every turn starts a new conversation of the same shape: the KV cache no longer
+    grows, so any growth left in memory would be a leak."""
     per_turn = max(1, steps // turns) + 1  # the first token of a reply comes from the prefill
     points = []
     done = 0
     with Engine(model_dir, config) as engine:
         history: list[dict] = []
         for turn in range(1, turns + 1):
+            if fresh:
+                history = []
             history.append({"role": "user", "content": f"Tell me more, part {turn}."})
             prompt = engine.encode_chat(history)
             if len(prompt) + per_turn > engine.context_limit:
