@@ -243,7 +243,7 @@ def test_edge0_without_arguments_opens_the_demo_chat(launched, tmp_path, monkeyp
     assert cli.main([]) == 0
     (app,) = launched
     assert app.session.model == "demo"
-    assert app.session.engine_config.expert_cache_bytes == 8 << 20  # small: the wall shows
+    assert app.session.engine_config.expert_cache_bytes == 4 << 20  # small: the wall shows
     assert app.store.path == tmp_path / "edge0" / "chats.sqlite3"
 
 
