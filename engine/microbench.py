@@ -133,7 +133,7 @@ def record_trace(model_dir: str, tokens: int) -> tuple[list[tuple[int, int, list
     try:
         for i, prompt in enumerate(PROMPTS):
             gen = GenerationConfig(
-                max_tokens=tokens // len(PROMPTS), temperature=0.8, top_p=0.95, seed=i
+                tokens // len(PROMPTS), temperature=0.8, top_p=0.95, seed=i, ignore_eos=True
             )
             engine.generate(engine.encode(prompt, chat=True), gen)
         experts = next(iter(engine.loaded.index.layers.values())).num_experts
