@@ -100,6 +100,11 @@ def routed_top_k(config: dict) -> int:
 def load(model_dir: str | Path, config: EngineConfig) -> LoadedModel:
     model_dir = Path(model_dir)
     model_config = read_config(model_dir)
+    if "model_file" in model_config:
+        raise Edge0Error(
+            f"{model_dir / 'config.json'}: asks to run the checkpoint's own Python "
+            f"({model_config['model_file']!r}); edge0 never runs code that comes with a model"
+        )
     family = family_of(model_config, str(model_dir / "config.json"))
     if not any((model_dir / name).exists() for name in TOKENIZER_FILES):
         raise Edge0Error(

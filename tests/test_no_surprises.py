@@ -45,5 +45,5 @@ def test_remote_code_is_never_run(checkpoint_dir, tmp_path):
     config = json.loads((model / "config.json").read_text())
     config["model_file"] = "evil.py"
     (model / "config.json").write_text(json.dumps(config))
-    with pytest.raises(Edge0Error, match="custom module"):
+    with pytest.raises(Edge0Error, match="never runs code that comes with a model"):
         Engine(model, EngineConfig())
