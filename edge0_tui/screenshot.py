@@ -2,8 +2,8 @@
 
     python -m edge0_tui.screenshot [--out assets/screenshot.svg]
 
-The first reply runs at the model's native K, the second after switching to K=2, so the sparklines
-show the change. Chats go to a temporary directory; the demo model to the usual cache.
+The first reply runs on-demand at the model's native K, the second in prerouter mode at K=4, so
+the sparklines show the change. Chats go to a temporary directory; the demo model to the usual cache.
 """
 
 from __future__ import annotations
@@ -17,19 +17,19 @@ from pathlib import Path
 from engine.config import EngineConfig, GenerationConfig, parse_size
 
 from .app import Edge0App
-from .model_source import DEMO_NOTICE
+from .model_source import BUNDLED_NOTICE
 from .widgets.prompt import PromptInput
 
 QUESTIONS = (
-    "Why does a 35B MoE stall when its experts do not fit in RAM?",
-    "And with two experts per token?",
+    "Speak of love, good sir.",
+    "And what of the king?",
 )
 
 
 async def capture(out: Path, data_dir: Path) -> None:
     app = Edge0App(
         model="demo",
-        engine_config=EngineConfig(expert_cache_bytes=parse_size("8M")),
+        engine_config=EngineConfig(expert_cache_bytes=parse_size("4M")),
         data_dir=data_dir,
         settings=GenerationConfig(max_tokens=80, temperature=0.7, top_p=0.9, seed=0),
     )
@@ -38,7 +38,8 @@ async def capture(out: Path, data_dir: Path) -> None:
         await _until(pilot, lambda: chat.ready, 300)
         for n, question in enumerate(QUESTIONS):
             if n == 1:
-                chat.choose_k(2)
+                chat.choose_mode("prerouter")
+                chat.choose_k(4)
             chat.query_one(PromptInput).text = question
             await pilot.press("enter")
             answered = 2 * (n + 1)  # messages once this reply is in
@@ -47,7 +48,7 @@ async def capture(out: Path, data_dir: Path) -> None:
         chat.panel_timer.pause()
         # Keep only the demo notice on screen, so the toasts hide no panel.
         app.clear_notifications()
-        chat.notify(DEMO_NOTICE, severity="warning", timeout=60)
+        chat.notify(BUNDLED_NOTICE, severity="information", timeout=60)
         chat.query_one(PromptInput).cursor_blink = False
         await pilot.pause()
         out.parent.mkdir(parents=True, exist_ok=True)
