@@ -19,7 +19,16 @@ from mlx_lm.models.bailing_moe import aggregate_expert_outputs
 from .routing import RoutingSpec, route
 
 
-class QwenOps:
+class FamilyOps:
+    """What differs between families' MoE blocks; subclasses say where the router is and how the
+    experts are combined."""
+
+    @classmethod
+    def gate_logits(cls, block: nn.Module, x: mx.array) -> mx.array:
+        return cls.router(block)(x)
+
+
+class QwenOps(FamilyOps):
     """Qwen3-MoE, Qwen3-Next and Qwen3.5 blocks (softmax top-k; optional gated shared expert)."""
 
     @staticmethod
@@ -27,8 +36,9 @@ class QwenOps:
         return RoutingSpec("softmax-topk", block.num_experts, block.top_k, block.norm_topk_prob)
 
     @staticmethod
-    def gate_logits(block: nn.Module, x: mx.array) -> mx.array:
-        return block.gate(x)
+    def router(block: nn.Module) -> nn.Module:
+        """The linear layer whose output is the router logits."""
+        return block.gate
 
     @staticmethod
     def expert_bias(block: nn.Module) -> mx.array | None:
@@ -42,7 +52,7 @@ class QwenOps:
         return (y * weights[..., None]).sum(axis=-2).astype(y.dtype)
 
 
-class BailingOps:
+class BailingOps(FamilyOps):
     """Ling / Bailing-MoE blocks (group top-k with expert bias; ungated shared experts)."""
 
     @staticmethod
@@ -60,8 +70,9 @@ class BailingOps:
         )
 
     @staticmethod
-    def gate_logits(block: nn.Module, x: mx.array) -> mx.array:
-        return block.gate.gate_proj(x)
+    def router(block: nn.Module) -> nn.Module:
+        """The linear layer whose output is the router logits (the bias is added in routing)."""
+        return block.gate.gate_proj
 
     @staticmethod
     def expert_bias(block: nn.Module) -> mx.array | None:
@@ -75,7 +86,7 @@ class BailingOps:
         return y
 
 
-def ops_for(family_router: str) -> type[QwenOps] | type[BailingOps]:
+def ops_for(family_router: str) -> type[FamilyOps]:
     return QwenOps if family_router == "softmax-topk" else BailingOps
 
 

@@ -134,17 +134,12 @@ def init_heads(loaded, owners, k, inner, seed) -> PrerouterHeads:
     ops = ops_for(loaded.family.router)
     linear_init = []
     for owner in owners:
-        router = _router_linear(ops, blocks[owner + 1])
-        w = router_weight(router).astype(mx.float32)  # [E, H]
+        w = router_weight(ops.router(blocks[owner + 1])).astype(mx.float32)  # [E, H]
         linear_init.append(mx.concatenate([w, mx.zeros((experts, 2 * experts))], axis=1))
     n = len(owners)
     fc1 = mx.random.normal((n, inner, width)) * (1.0 / math.sqrt(width))
     fc2 = mx.zeros((n, experts, inner))
     return PrerouterHeads(None, k, list(owners), hidden, experts, fc1, fc2, mx.stack(linear_init))
-
-
-def _router_linear(ops, block: nn.Module) -> nn.Module:
-    return block.gate.gate_proj if ops.__name__ == "BailingOps" else block.gate
 
 
 def router_weight(linear: nn.Module) -> mx.array:
