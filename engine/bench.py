@@ -130,7 +130,8 @@ def _spawn(spec: dict, cgroup: MemoryCgroup | None, timeout_s: float) -> tuple[i
 # -- the orchestrator -------------------------------------------------------------------------------
 
 
-def _rotation(arms: list[str], round_index: int) -> list[str]:
+def rotation(arms: list[str], round_index: int) -> list[str]:
+    """The arms in the order of round `round_index`: shifted by one each round."""
     shift = round_index % len(arms)
     return arms[shift:] + arms[:shift]
 
@@ -182,7 +183,7 @@ def run_bench(config: BenchConfig, progress=print, timeout_s: float = 3600) -> d
 
     runs: list[ArmRun] = []
     for r in range(config.rounds):
-        for arm in _rotation(list(config.arms), r):
+        for arm in rotation(list(config.arms), r):
             run = ArmRun(arm, r, ok=False)
             if config.cold:
                 run.evicted_check = _evict_and_check(shards)

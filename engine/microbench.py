@@ -20,6 +20,7 @@ import time
 import mlx.core as mx
 import numpy as np
 
+from .bench import rotation
 from .config import EngineConfig, GenerationConfig
 from .expert_pool import ExpertPool, LFUAgingPolicy, ResidentExpert
 
@@ -98,7 +99,7 @@ def bench_compute(hidden: int, moe_int: int, k: int, slots: int, rounds: int) ->
     }
     times: dict[str, list[float]] = {name: [] for name in arms}
     for r in range(rounds):
-        order = list(arms)[r % len(arms) :] + list(arms)[: r % len(arms)]
+        order = rotation(list(arms), r)
         for name in order:
             for _ in range(3):
                 arms[name]()
