@@ -113,6 +113,10 @@ def build_parser() -> argparse.ArgumentParser:
             "--text", type=Path, required=True, help="UTF-8 text to draw prompts from"
         )
         phase.add_argument("--steps", type=int, default=steps)
+        phase.add_argument("--lr", type=float, default=None, help="AdamW learning rate")
+        phase.add_argument(
+            "--batch", type=int, default=None, help="rows (lora) or rollouts (distill) per step"
+        )
         phase.add_argument(
             "--out", type=Path, default=None, help="default MODEL/lora_k{K}.safetensors"
         )
@@ -123,7 +127,13 @@ def build_parser() -> argparse.ArgumentParser:
             help=f"checkpoints (default MODEL/train/{out_dir}_k{{K}}); a rerun resumes there",
         )
     lora.add_argument(
-        "--generate", type=int, default=512, help="teacher continuations (cached in the out dir)"
+        "--generate", type=int, default=512, help="teacher continuations (cached, see --rows)"
+    )
+    lora.add_argument(
+        "--rows",
+        type=Path,
+        default=None,
+        help="teacher rows cache (default MODEL/train/teacher_rows.npz, shared by every K)",
     )
 
     evaluate = commands.add_parser(
@@ -362,16 +372,27 @@ def _read_text(path: Path) -> str:
 
 
 def cmd_train_lora_or_distill(args: argparse.Namespace) -> int:
+    from engine.train_base import preload_openblas
+
+    preload_openblas()  # re-executes this command with OpenBLAS when it is installed
+    extra = {}
     if args.phase == "lora":
         from engine.train_lora import TrainLoRAConfig as Config
         from engine.train_lora import train_lora as train
 
         config = Config(k=args.k, rows=args.generate, steps=args.steps)
+        extra["rows_path"] = args.rows
+        if args.batch is not None:
+            config.batch = args.batch
     else:
         from engine.train_distill import TrainDistillConfig as Config
         from engine.train_distill import train_distill as train
 
         config = Config(k=args.k, steps=args.steps)
+        if args.batch is not None:
+            config.prompts_per_step = args.batch
+    if args.lr is not None:
+        config.lr = args.lr
     train(
         args.model,
         args.teacher,
@@ -381,6 +402,7 @@ def cmd_train_lora_or_distill(args: argparse.Namespace) -> int:
         out_dir=args.out_dir,
         log=lambda line: print(line, flush=True),
         bar=sys.stderr.isatty(),
+        **extra,
     )
     return 0
 

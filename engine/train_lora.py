@@ -4,7 +4,8 @@
 
 1. Data: prompts are windows of the corpus text; the teacher (the unquantized float model) writes a
    continuation of each. The rows are cached in the out dir (`teacher_rows.npz`) and reused, also by
-   a run that asks for more rows (it generates only the missing ones).
+   a run that asks for more rows (it generates only the missing ones). The rows do not depend on K:
+   by default they live in `MODEL/train/teacher_rows.npz`, shared by the K profiles' runs.
 2. Train: cross-entropy on the continuation tokens through the student path (`student.py`): the
    dequantized 4-bit base, frozen, routing every layer after the first consumer by the K-profile's
    heads, exactly as decode does (the prompt is routed by the gate, as the engine prefills it). Only
@@ -54,7 +55,7 @@ class TrainLoRAConfig:
     gen_tokens: int = 96
     temperature: float = 1.0
     top_p: float = 0.95
-    gen_batch: int = 16  # continuations sampled together
+    gen_batch: int = 64  # continuations sampled together
     max_corpus_tokens: int = 200_000
     holdout_rows: int = 16  # kept out of training for the held-out loss
     # adapter
@@ -80,10 +81,12 @@ def train_lora(
     out_dir: Path | None = None,
     log: Log = print,
     bar: bool = False,
+    rows_path: Path | None = None,
 ) -> tuple[Path, list[dict]]:
     """Train the LoRA for K=config.k; write it; return (path, log of {step, loss[, heldout]})."""
     model_dir = Path(model_dir)
     out_dir = Path(out_dir or model_dir / "train" / f"lora_k{config.k}")
+    rows_path = Path(rows_path or model_dir / "train" / "teacher_rows.npz")
     if config.prompt_tokens < 2 or config.holdout_rows >= config.rows:
         raise Edge0Error("need prompts of at least 2 tokens and more rows than held-out rows")
     lora = LoRAInit(config.r, config.alpha, config.seed)
@@ -91,7 +94,7 @@ def train_lora(
 
     # -- 1. data -----------------------------------------------------------------------------------
     corpus = corpus_tokens(student.tokenizer, text, config.max_corpus_tokens)
-    prompts, continuations = teacher_rows(student, teacher_dir, corpus, config, out_dir, log, bar)
+    prompts, continuations = teacher_rows(student, teacher_dir, corpus, config, rows_path, log, bar)
     p = config.prompt_tokens
     tokens = np.concatenate([prompts, continuations], axis=1)
     inputs, targets = mx.array(tokens[:, :-1]), mx.array(tokens[:, 1:])
@@ -133,11 +136,11 @@ def teacher_rows(
     teacher_dir: str | Path,
     corpus: np.ndarray,
     config: TrainLoRAConfig,
-    out_dir: Path,
+    path: Path,
     log: Log = print,
     bar: bool = False,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """`config.rows` (prompt [P], teacher continuation [C]) pairs, from the out dir's cache when it
+    """`config.rows` (prompt [P], teacher continuation [C]) pairs, from the cache at `path` when it
     was written with these settings; the missing ones are generated and added to it."""
     settings = {
         "teacher": _teacher_digest(Path(teacher_dir)),
@@ -147,7 +150,6 @@ def teacher_rows(
             for k in ("prompt_tokens", "gen_tokens", "temperature", "top_p", "gen_batch", "seed")
         },
     }
-    path = out_dir / "teacher_rows.npz"
     prompts = np.zeros((0, config.prompt_tokens), dtype=np.int32)
     continuations = np.zeros((0, config.gen_tokens), dtype=np.int32)
     if path.exists():
@@ -160,7 +162,7 @@ def teacher_rows(
         return prompts[: config.rows], continuations[: config.rows]
 
     teacher = load_teacher(teacher_dir, student)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
     with training_progress(bar) as progress:
         task = progress.add_task(
             "teacher rows", total=config.rows, completed=len(prompts), status=""
@@ -174,7 +176,7 @@ def teacher_rows(
             cont = sample(teacher, batch, config.gen_tokens, config.temperature, config.top_p, seed)
             prompts = np.concatenate([prompts, batch.astype(np.int32)])
             continuations = np.concatenate([continuations, cont.astype(np.int32)])
-            tmp = out_dir / "teacher_rows.tmp.npz"
+            tmp = path.with_name(path.stem + ".tmp.npz")
             np.savez(
                 tmp, prompts=prompts, continuations=continuations, settings=json.dumps(settings)
             )

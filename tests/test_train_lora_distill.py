@@ -230,10 +230,9 @@ def test_sft_resumes_where_it_stopped(phase2):
     """Half the steps, then a rerun to the end: the same LoRA as one uninterrupted run."""
     model_dir, teacher, config, out, _, root = phase2
     config_half = TrainLoRAConfig(**{**config.__dict__, "steps": 6})
-    (root / "resumed").mkdir()
-    shutil.copy(
-        root / "run" / "teacher_rows.npz", root / "resumed"
-    )  # the same rows, not sampled again
+    # The rows are cached in MODEL/train, shared with the first run: not sampled again.
+    rows = model_dir / "train" / "teacher_rows.npz"
+    written = rows.stat().st_mtime_ns
     halfway = root / "halfway.safetensors"
     train_lora(
         model_dir,
@@ -255,6 +254,7 @@ def test_sft_resumes_where_it_stopped(phase2):
         log=lines.append,
     )
     assert any("resuming" in line for line in lines)
+    assert rows.stat().st_mtime_ns == written
     straight, again = mx.load(str(out)), mx.load(str(resumed))
     assert straight.keys() == again.keys()
     assert all(mx.array_equal(straight[n], again[n]) for n in straight)
@@ -293,6 +293,7 @@ def test_distill_lowers_the_heldout_reverse_kl(phase2):
 
 
 def test_cli_wires_the_training_phases(monkeypatch, tmp_path):
+    import engine.train_base
     import engine.train_distill
     import engine.train_lora
 
@@ -304,10 +305,13 @@ def test_cli_wires_the_training_phases(monkeypatch, tmp_path):
     text = tmp_path / "text.txt"
     text.write_text("some text")
     common = ["--k", "4", "--teacher", "T", "--text", str(text), "--steps", "7"]
-    assert main(["train", "lora", "M", *common, "--generate", "64"]) == 0
-    assert main(["train", "distill", "M", *common, "--out-dir", "D"]) == 0
-    (lora_args, _), (distill_args, distill_kw) = calls
+    monkeypatch.setattr(engine.train_base, "preload_openblas", lambda: None)
+    assert main(["train", "lora", "M", *common, "--generate", "64", "--lr", "1e-3"]) == 0
+    assert main(["train", "distill", "M", *common, "--out-dir", "D", "--batch", "5"]) == 0
+    (lora_args, lora_kw), (distill_args, distill_kw) = calls
     assert lora_args[3].k == 4 and lora_args[3].rows == 64 and lora_args[3].steps == 7
+    assert lora_args[3].lr == 1e-3 and lora_kw["rows_path"] is None
+    assert distill_args[3].prompts_per_step == 5
     assert str(lora_args[1]) == "T" and lora_args[2] == "some text"
     assert distill_args[3].steps == 7 and str(distill_kw["out_dir"]) == "D"
     assert main(["train", "lora", "M", *common[:4], "--text", str(tmp_path / "missing")]) == 2
