@@ -95,6 +95,10 @@ def build_parser() -> argparse.ArgumentParser:
     heads.add_argument("--start-layer", type=int, default=None)
     heads.add_argument("--steps", type=int, default=400)
     heads.add_argument("--max-tokens", type=int, default=60_000)
+    corpus = phases.add_parser(
+        "corpus", help="the demo corpus: OUT/train.txt and OUT/held_out.txt (the phases' --text)"
+    )
+    corpus.add_argument("out", type=Path)
     base = phases.add_parser("base", help="phase 0: train the demo teacher (resumable)")
     base.add_argument("out", type=Path, help="training directory: state, loss.csv, teacher/, base/")
     base.add_argument("--steps", type=int, default=None, help="total steps (default 720)")
@@ -334,6 +338,8 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    if args.phase == "corpus":
+        return cmd_train_corpus(args)
     if args.phase == "base":
         return cmd_train_base(args)
     if args.phase in ("lora", "distill"):
@@ -349,6 +355,17 @@ def cmd_train(args: argparse.Namespace) -> int:
     )
     train_heads(
         args.model, text, config, out=args.out, progress=lambda line: print(line, flush=True)
+    )
+    return 0
+
+
+def cmd_train_corpus(args: argparse.Namespace) -> int:
+    from engine.corpus import write_split_texts
+
+    split = write_split_texts(args.out)
+    print(
+        f"wrote {args.out / 'train.txt'} ({len(split.train)} works) and "
+        f"{args.out / 'held_out.txt'} (held out: {', '.join(split.held_out)})"
     )
     return 0
 

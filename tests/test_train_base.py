@@ -88,6 +88,15 @@ def test_split_is_deterministic_and_held_out_never_trained(texts_dir):
     assert not any(s in exchanges for s in held_speeches if len(s) > 40)
 
 
+def test_split_texts_are_written_for_the_training_phases(texts_dir, tmp_path):
+    split = corpus.write_split_texts(tmp_path / "text", texts_dir)
+    train = (tmp_path / "text" / "train.txt").read_text()
+    held_out = (tmp_path / "text" / "held_out.txt").read_text()
+    assert train == "\n\n".join(split.train.values())
+    assert held_out == "\n\n".join(split.held_out.values())
+    assert not any(work in train for work in split.held_out.values())
+
+
 def test_clean_text_strips_gutenberg_framing():
     raw = (
         "The Project Gutenberg EBook of Hamlet\r\n\r\n*** START OF THIS PROJECT GUTENBERG EBOOK ***"
