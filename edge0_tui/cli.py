@@ -131,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
             help=f"checkpoints (default MODEL/train/{out_dir}_k{{K}}); a rerun resumes there",
         )
     lora.add_argument(
-        "--generate", type=int, default=512, help="teacher continuations (cached, see --rows)"
+        "--generate", type=int, default=1600, help="teacher continuations (cached, see --rows)"
     )
     lora.add_argument(
         "--rows",
