@@ -116,11 +116,7 @@ def train_distill(
         logits = student(inputs, gate_prefix=p - 1)  # the engine prefilled prompt[:-1] by the gate
         return masked_mean(topk_reverse_kl(logits, teacher_logits, config.kl_top_k), weights)
 
-    # The rollouts: the served model (4-bit base, heads, the LoRA as trained so far).
-    engine = Engine(
-        model_dir,
-        EngineConfig(mode="prerouter", k=config.k, expert_cache_bytes=config.expert_cache_bytes),
-    )
+    engine = rollout_engine(model_dir, config)
     try:
         heldout = heldout_rollouts(out_dir, engine, teacher, corpus, config)
         run = TrainingRun(out_dir, student, config, loss_fn, lambda: loss_fn(*heldout).item(), log)
@@ -141,6 +137,21 @@ def train_distill(
     student.save_lora(out)
     log(f"wrote {out}")
     return out, run.history
+
+
+def rollout_engine(model_dir: Path, config: TrainDistillConfig) -> Engine:
+    """The served model the rollouts come from (4-bit base, heads, the LoRA as trained so far).
+    It carries no KV cache from one rollout to the next: one computed with last step's LoRA would
+    be stale."""
+    return Engine(
+        model_dir,
+        EngineConfig(
+            mode="prerouter",
+            k=config.k,
+            expert_cache_bytes=config.expert_cache_bytes,
+            reuse_prompt_cache=False,
+        ),
+    )
 
 
 def serve_lora(engine: Engine, student: Student) -> None:

@@ -22,7 +22,13 @@ from engine.errors import Edge0Error
 from engine.generation import Engine
 from engine.student import LoRAInit, load_student, load_teacher, lora_kind
 from engine.synth import write_synthetic_teacher
-from engine.train_distill import TrainDistillConfig, topk_reverse_kl, train_distill
+from engine.train_distill import (
+    TrainDistillConfig,
+    rollout_engine,
+    serve_lora,
+    topk_reverse_kl,
+    train_distill,
+)
 from engine.train_lora import TrainLoRAConfig, forward_kl, train_lora
 
 TEXT = "\n\n".join(pydoc_data.topics.topics.values())[:40_000]
@@ -351,6 +357,32 @@ def test_distill_lowers_the_heldout_reverse_kl(phase2):
     assert len(heldout) == 4 and max(heldout[1:]) < heldout[0], heldout
     assert all(e["loss"] >= 0 for e in history if "loss" in e)
     assert out.exists()
+
+
+def test_rollouts_follow_the_lora_as_it_trains(phase2):
+    """After `serve_lora` the rollout engine samples what a fresh engine with that LoRA samples,
+    also for a prompt it has just run (no KV cache of the old LoRA is reused)."""
+    model_dir, _, config, out, _, root = phase2
+    student = load_student(model_dir, config.k, heads=True, lora=out)
+    for module in student.lora_modules().values():
+        module.lora_b = module.lora_b * 3.0  # another LoRA
+    served = root / "served" / "model"
+    shutil.copytree(model_dir, served, ignore=shutil.ignore_patterns("train", "lora_k*"))
+    student.save_lora(served / "lora_k2.safetensors")
+    prompt, greedy = [3, 4, 5, 6, 7, 8], GenerationConfig(max_tokens=12)
+    engine = rollout_engine(model_dir, TrainDistillConfig(k=config.k))
+    fresh = Engine(served, EngineConfig(mode="prerouter", k=config.k))
+    try:
+        before = engine.generate(prompt, greedy).tokens
+        serve_lora(engine, student)
+        after, expected = (
+            engine.generate(prompt, greedy).tokens,
+            fresh.generate(prompt, greedy).tokens,
+        )
+        assert after == expected and after != before
+    finally:
+        engine.close()
+        fresh.close()
 
 
 def test_cli_wires_the_training_phases(monkeypatch, tmp_path):
