@@ -107,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     lora = phases.add_parser("lora", help="phase 2: SFT of the recovery LoRA on teacher text")
     distill = phases.add_parser("distill", help="phase 3: on-policy distillation (reverse KL)")
-    for phase, steps, out_dir in ((lora, 300, "lora"), (distill, 200, "distill")):
+    for phase, steps, out_dir in ((lora, 300, "lora"), (distill, 40, "distill")):
         phase.add_argument("model", type=Path)
         phase.add_argument("--k", type=int, required=True)
         phase.add_argument(
