@@ -240,7 +240,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             )
         )
     else:
-        print(result.text[printed:])
+        print(result.text[printed:], flush=True)  # before the summary on stderr
         print(summary_line(result.summary), file=sys.stderr)
     return 0
 
