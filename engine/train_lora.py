@@ -3,20 +3,21 @@
     edge0 train lora MODEL --k K --teacher DIR --text FILE [--generate N] [--steps N] [--out-dir DIR]
 
 1. Data: prompts are windows of the corpus text; the teacher (the unquantized float model) writes a
-   continuation of each. The rows are cached in the out dir (`teacher_rows.npz`) and reused, also by
-   a run that asks for more rows (it generates only the missing ones). The rows do not depend on K:
-   by default they live in `MODEL/train/teacher_rows.npz`, shared by the K profiles' runs.
+   continuation of each. The rows do not depend on K: they are cached in `teacher_rows.npz` (by
+   default in `MODEL/train/`, shared by every K profile's run) and reused, also by a run that asks
+   for more rows (it generates only the missing ones).
 2. Train on the continuation tokens through the student path (`student.py`): the dequantized 4-bit
    base, frozen, routing every layer after the first consumer by the K-profile's heads, exactly as
-   decode does (the prompt is routed by the gate, as the engine prefills it). The target at each
-   position is the teacher's whole next-token distribution on that text (`targets="teacher"`: the
-   loss is KL(teacher || student)), or only the token it sampled (`targets="tokens"`: plain
-   cross-entropy). On the demo model at K=4 (1,600 rows, 200 steps, lr 1e-3) the sampled tokens made
-   real held-out perplexity worse, 196.5 -> 201.8: one noisy token per position, sampled with top-p,
-   teaches a sharper distribution than the teacher's. The teacher's distribution on the same rows
-   took it to 184.5 (and the KL on held-out rows from 0.145 to 0.065). Only the
-   LoRA (r=16, alpha=32; B starts at zero, so step 0 is the base) is trained, with AdamW. This is
-   what makes routing by prediction usable: without it, heads-only models collapse into repetition.
+   decode does (the prompt is routed by the gate, as the engine prefills it). Only the LoRA (r=16,
+   alpha=32; B starts at zero, so step 0 is the base) is trained, with AdamW.
+   The target at each position is the teacher's whole next-token distribution on that text
+   (`targets="teacher"`, loss KL(teacher || student)), or only the token it sampled
+   (`targets="tokens"`, plain cross-entropy). On the demo model at K=4 (1,600 rows, 200 steps, lr
+   1e-3) the sampled tokens made real held-out perplexity worse, 196.5 -> 201.8: one noisy token per
+   position, sampled with top-p, teaches a sharper distribution than the teacher's. The teacher's
+   distribution on the same rows took it to 184.5. This phase is what makes routing by prediction
+   usable (the paper's heads-only checkpoints collapse into repetition; on the demo it wins back
+   about half of the perplexity that prediction costs).
 3. Every `checkpoint_every` steps the LoRA and the optimizer state go to the out dir; a rerun with
    the same settings resumes there (each step's batch is a function of the seed and the step, so a
    resumed run trains on the same batches as one that never stopped).
@@ -186,7 +187,8 @@ def teacher_rows(
     if len(prompts) >= config.rows:
         return prompts[: config.rows], continuations[: config.rows]
 
-    teacher = teacher or load_teacher(teacher_dir, student)
+    if teacher is None:
+        teacher = load_teacher(teacher_dir, student)
     path.parent.mkdir(parents=True, exist_ok=True)
     with training_progress(bar) as progress:
         task = progress.add_task(
