@@ -19,7 +19,8 @@
 
 Training BLAS: MLX's bundled reference BLAS is 10-26x slower than OpenBLAS for dense matmuls, so
 `preload_openblas()` re-executes the process with Debian's OpenBLAS preloaded when it is installed
-(`apt-get install libopenblas0-pthread`); without it training runs, slower, and says so.
+(`apt-get install libopenblas0-pthread`); the `edge0` command does so for every `train` phase
+(`edge0_tui.cli.entry`). Without it training runs, slower.
 """
 
 from __future__ import annotations

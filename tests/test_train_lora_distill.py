@@ -7,6 +7,7 @@ import contextlib
 import io
 import pydoc_data.topics
 import shutil
+import sys
 from pathlib import Path
 
 import mlx.core as mx
@@ -359,6 +360,23 @@ def test_distill_lowers_the_heldout_reverse_kl(phase2):
     assert out.exists()
 
 
+def test_the_command_preloads_openblas_for_training_only(monkeypatch, tmp_path):
+    import engine.train_base
+    from edge0_tui import cli
+
+    calls = []
+    monkeypatch.setattr(engine.train_base, "preload_openblas", lambda: calls.append(1))
+    missing = str(tmp_path / "missing.txt")
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        ["edge0", "train", "lora", "M", "--k", "4", "--teacher", "T", "--text", missing],
+    )
+    assert cli.entry() == 2 and calls == [1]  # preloaded, then the missing text is reported
+    monkeypatch.setattr(sys, "argv", ["edge0", "info", str(tmp_path / "no-model")])
+    assert cli.entry() == 2 and calls == [1]
+
+
 def test_rollouts_follow_the_lora_as_it_trains(phase2):
     """After `serve_lora` the rollout engine samples what a fresh engine with that LoRA samples,
     also for a prompt it has just run (no KV cache of the old LoRA is reused)."""
@@ -386,7 +404,6 @@ def test_rollouts_follow_the_lora_as_it_trains(phase2):
 
 
 def test_cli_wires_the_training_phases(monkeypatch, tmp_path):
-    import engine.train_base
     import engine.train_distill
     import engine.train_lora
 
@@ -398,7 +415,6 @@ def test_cli_wires_the_training_phases(monkeypatch, tmp_path):
     text = tmp_path / "text.txt"
     text.write_text("some text")
     common = ["--k", "4", "--teacher", "T", "--text", str(text), "--steps", "7"]
-    monkeypatch.setattr(engine.train_base, "preload_openblas", lambda: None)
     assert main(["train", "lora", "M", *common, "--generate", "64", "--lr", "1e-3"]) == 0
     assert main(["train", "distill", "M", *common, "--out-dir", "D", "--batch", "5"]) == 0
     (lora_args, lora_kw), (distill_args, distill_kw) = calls
