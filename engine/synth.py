@@ -406,44 +406,57 @@ def _write_weights(out_dir: Path, weights: dict[str, mx.array], max_shard_bytes:
     (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=4) + "\n")
 
 
-# Trained tokenizers (tokenizer.json text) by vocab size; training is deterministic,
-# so one training per process serves every checkpoint.
-_TOKENIZER_JSON: dict[int, str] = {}
+def train_tokenizer_json(texts: list[str], vocab_size: int) -> str:
+    """tokenizer.json text: a byte-level BPE of `vocab_size` trained on `texts`, special tokens
+    first (so EOS_TOKEN gets EOS_TOKEN_ID)."""
+    # Qwen's pipeline (NFC, regex split, byte level). transformers rebuilds it from
+    # the vocab for some model types (qwen3_5_moe -> Qwen3_5Tokenizer) instead of
+    # reading tokenizer.json, so any other pre-tokenizer would encode differently.
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.normalizer = normalizers.NFC()
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN_SPLIT_REGEX), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        # All 256 bytes, so any text encodes even if the corpus lacks a byte.
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(texts, trainer)
+    if tokenizer.token_to_id(EOS_TOKEN) != EOS_TOKEN_ID:
+        raise RuntimeError("tokenizer trainer did not put special tokens first")
+    return tokenizer.to_str()
 
 
-def _tokenizer_json(vocab_size: int) -> str:
-    if vocab_size not in _TOKENIZER_JSON:
-        # Qwen's pipeline (NFC, regex split, byte level). transformers rebuilds it from
-        # the vocab for some model types (qwen3_5_moe -> Qwen3_5Tokenizer) instead of
-        # reading tokenizer.json, so any other pre-tokenizer would encode differently.
-        tokenizer = Tokenizer(models.BPE())
-        tokenizer.normalizer = normalizers.NFC()
-        tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
-            [
-                pre_tokenizers.Split(Regex(QWEN_SPLIT_REGEX), behavior="isolated"),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-            ]
-        )
-        tokenizer.decoder = decoders.ByteLevel()
-        trainer = trainers.BpeTrainer(
-            vocab_size=vocab_size,
-            special_tokens=list(SPECIAL_TOKENS),
-            # All 256 bytes, so any text encodes even if the corpus lacks a byte.
-            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-            show_progress=False,
-        )
-        tokenizer.train_from_iterator([topics[k] for k in sorted(topics)], trainer)
-        if tokenizer.token_to_id(EOS_TOKEN) != EOS_TOKEN_ID:
-            raise RuntimeError("tokenizer trainer did not put special tokens first")
-        _TOKENIZER_JSON[vocab_size] = tokenizer.to_str()
-    return _TOKENIZER_JSON[vocab_size]
+# Tokenizers trained on Python's docs, by vocab size; training is deterministic, so one
+# training per process serves every synthetic checkpoint.
+_PYDOC_TOKENIZER_JSON: dict[int, str] = {}
 
 
-def build_tokenizer(out_dir: Path, vocab_size: int = 1024) -> None:
-    """Write tokenizer.json and tokenizer_config.json (ChatML) into out_dir."""
+def _pydoc_tokenizer_json(vocab_size: int) -> str:
+    if vocab_size not in _PYDOC_TOKENIZER_JSON:
+        texts = [topics[k] for k in sorted(topics)]
+        _PYDOC_TOKENIZER_JSON[vocab_size] = train_tokenizer_json(texts, vocab_size)
+    return _PYDOC_TOKENIZER_JSON[vocab_size]
+
+
+def build_tokenizer(out_dir: Path, vocab_size: int = 1024, texts: list[str] | None = None) -> None:
+    """Write tokenizer.json (trained on `texts`, default Python's docs) and tokenizer_config.json
+    (ChatML) into out_dir."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "tokenizer.json").write_text(_tokenizer_json(vocab_size))
+    trained = (
+        _pydoc_tokenizer_json(vocab_size)
+        if texts is None
+        else train_tokenizer_json(texts, vocab_size)
+    )
+    (out_dir / "tokenizer.json").write_text(trained)
     tokenizer_config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": None,

@@ -57,6 +57,7 @@ from .synth import (
     MAX_SHARD_BYTES,
     _qwen3_moe_config,
     _write_weights,
+    build_tokenizer,
 )
 
 
@@ -257,7 +258,8 @@ def prepare_tokenizer(out_dir: Path, split: corpus.CorpusSplit, config: TrainBas
     """OUT/tokenizer: trained on the train split the first time, reused when resuming."""
     tokenizer_dir = out_dir / TOKENIZER_DIR
     if not (tokenizer_dir / "tokenizer.json").exists():
-        corpus.build_corpus_tokenizer(tokenizer_dir, list(split.train.values()), config.vocab)
+        # synth's ChatML byte-level BPE (Qwen's pipeline), trained on the train split only.
+        build_tokenizer(tokenizer_dir, config.vocab, list(split.train.values()))
     return tokenizer_dir
 
 
