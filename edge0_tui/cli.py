@@ -271,10 +271,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     prompt = DEFAULT_PROMPT
     if args.prompt_file is not None:
-        try:
-            prompt = args.prompt_file.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            raise Edge0Error(f"{args.prompt_file}: cannot read the prompt ({e})") from None
+        prompt = _read_text(args.prompt_file, "the prompt")
     config = BenchConfig(
         model=args.model,
         arms=[a.strip() for a in args.arms.split(",") if a.strip()],
@@ -346,10 +343,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         return cmd_train_lora_or_distill(args)
     from engine.train_heads import TrainHeadsConfig, train_heads
 
-    try:
-        text = args.text.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise Edge0Error(f"{args.text}: cannot read text ({e})") from None
+    text = _read_text(args.text)
     config = TrainHeadsConfig(
         k=args.k, start_layer=args.start_layer, steps=args.steps, max_tokens=args.max_tokens
     )
@@ -380,11 +374,11 @@ def cmd_train_base(args: argparse.Namespace) -> int:
     return 0
 
 
-def _read_text(path: Path) -> str:
+def _read_text(path: Path, what: str = "text") -> str:
     try:
         return path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
-        raise Edge0Error(f"{path}: cannot read text ({e})") from None
+        raise Edge0Error(f"{path}: cannot read {what} ({e})") from None
 
 
 def cmd_train_lora_or_distill(args: argparse.Namespace) -> int:
