@@ -186,7 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from engine.generation import Engine
+    from engine.runtime.generation import Engine
 
     config = EngineConfig(
         mode=args.mode,
@@ -267,7 +267,7 @@ def summary_line(s: dict) -> str:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from engine.bench import DEFAULT_PROMPT, BenchConfig, markdown, run_bench, terminal_plot
+    from engine.measure.bench import DEFAULT_PROMPT, BenchConfig, markdown, run_bench, terminal_plot
 
     prompt = DEFAULT_PROMPT
     if args.prompt_file is not None:
@@ -295,7 +295,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_soak(args: argparse.Namespace) -> int:
-    from engine.soak import soak
+    from engine.measure.soak import soak
 
     config = EngineConfig(mode=args.mode, expert_cache_bytes=args.expert_cache)
     log = (lambda line: print(line, file=sys.stderr, flush=True)) if args.json else print
@@ -313,7 +313,7 @@ def cmd_soak(args: argparse.Namespace) -> int:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    from engine.generation import Engine
+    from engine.runtime.generation import Engine
 
     with Engine(args.model, EngineConfig(mode="on-demand")) as engine:
         info = engine.info()
@@ -341,7 +341,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         return cmd_train_base(args)
     if args.phase in ("lora", "distill"):
         return cmd_train_lora_or_distill(args)
-    from engine.train_heads import TrainHeadsConfig, train_heads
+    from engine.train.heads import TrainHeadsConfig, train_heads
 
     text = _read_text(args.text)
     config = TrainHeadsConfig(
@@ -354,7 +354,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_train_corpus(args: argparse.Namespace) -> int:
-    from engine.corpus import write_split_texts
+    from engine.train.corpus import write_split_texts
 
     split = write_split_texts(args.out)
     print(
@@ -365,7 +365,7 @@ def cmd_train_corpus(args: argparse.Namespace) -> int:
 
 
 def cmd_train_base(args: argparse.Namespace) -> int:
-    from engine.train_base import TrainBaseConfig, train_base
+    from engine.train.base import TrainBaseConfig, train_base
 
     config = TrainBaseConfig(seed=args.seed)
     if args.steps is not None:
@@ -384,16 +384,16 @@ def _read_text(path: Path, what: str = "text") -> str:
 def cmd_train_lora_or_distill(args: argparse.Namespace) -> int:
     extra = {}
     if args.phase == "lora":
-        from engine.train_lora import TrainLoRAConfig as Config
-        from engine.train_lora import train_lora as train
+        from engine.train.lora import TrainLoRAConfig as Config
+        from engine.train.lora import train_lora as train
 
         config = Config(k=args.k, rows=args.generate, steps=args.steps)
         extra["rows_path"] = args.rows
         if args.batch is not None:
             config.batch = args.batch
     else:
-        from engine.train_distill import TrainDistillConfig as Config
-        from engine.train_distill import train_distill as train
+        from engine.train.distill import TrainDistillConfig as Config
+        from engine.train.distill import train_distill as train
 
         config = Config(k=args.k, steps=args.steps)
         if args.batch is not None:
@@ -415,7 +415,7 @@ def cmd_train_lora_or_distill(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from engine.evaluate import EvalConfig, evaluate, format_report
+    from engine.measure.evaluate import EvalConfig, evaluate, format_report
 
     config = EvalConfig(
         k=args.k,
@@ -431,7 +431,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_synth(args: argparse.Namespace) -> int:
-    from engine.synth import write_synthetic_checkpoint
+    from engine.train.synth import write_synthetic_checkpoint
 
     try:
         out = write_synthetic_checkpoint(args.out, args.family, args.preset, seed=args.seed)
@@ -449,7 +449,7 @@ def _quick_heads(model: Path, k: int) -> None:
     (varied, token-dependent), not quality."""
     import pydoc_data.topics
 
-    from engine.train_heads import TrainHeadsConfig, train_heads
+    from engine.train.heads import TrainHeadsConfig, train_heads
 
     text = "\n\n".join(pydoc_data.topics.topics.values())
     config = TrainHeadsConfig(k=k, max_tokens=768, window=64, steps=150)
@@ -499,7 +499,7 @@ def entry() -> int:
     its process, so this is not in `main`, which tests call in-process."""
     argv = sys.argv[1:]
     if argv[:1] == ["train"] and argv[1:2] != ["corpus"]:
-        from engine.train_base import preload_openblas
+        from engine.train.base import preload_openblas
 
         preload_openblas()
     return main(argv)

@@ -28,8 +28,8 @@ from textual.message import Message
 
 from engine.config import EngineConfig, GenerationConfig
 from engine.errors import Edge0Error
-from engine.generation import Engine, KProfile
-from engine.metrics import StepMetrics
+from engine.runtime.generation import Engine, KProfile
+from engine.runtime.metrics import StepMetrics
 
 from .live_metrics import HISTORY_STEPS, LiveMetrics
 from .messages import (

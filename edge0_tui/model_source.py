@@ -75,7 +75,7 @@ def resolve_model(
 def demo_checkpoint(cache_dir: Path, on_progress: ProgressCallback) -> Path:
     path = cache_dir / f"synthetic-{DEMO_FAMILY}-{DEMO_PRESET}"
     if not (path / "config.json").exists():
-        from engine.synth import write_synthetic_checkpoint
+        from engine.train.synth import write_synthetic_checkpoint
 
         on_progress("writing the synthetic demo model (once)", 0, None)
         write_synthetic_checkpoint(path, DEMO_FAMILY, DEMO_PRESET)

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from engine.adapters.lora import linear_dims, save_lora
 from engine.config import EngineConfig
-from engine.generation import Engine
-from engine.lora import linear_dims, save_lora
-from engine.prerouter import PrerouterHeads, save_prerouter
+from engine.routing.prerouter import PrerouterHeads, save_prerouter
+from engine.runtime.generation import Engine
 
 LORA_TARGETS = (
     "self_attn.q_proj",

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.synth import FAMILIES, write_synthetic_checkpoint
+from engine.train.synth import FAMILIES, write_synthetic_checkpoint
 
 
 @pytest.fixture(scope="session")

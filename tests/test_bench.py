@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 
 from edge0_tui.cli import main
-from engine.bench import BenchConfig, run_bench
-from engine.memory_limit import MemoryCgroup
+from engine.measure.bench import BenchConfig, run_bench
+from engine.measure.memory_cgroup import MemoryCgroup
 
 
 def test_rotated_arms_replay_the_same_tokens(checkpoint_dir, tmp_path, capsys):

@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 from safetensors import deserialize
 
-from engine.checkpoint_index import CheckpointIndex, read_safetensors_header
+from engine.checkpoint.index import CheckpointIndex, read_safetensors_header
 from engine.config import EngineConfig
 from engine.errors import Edge0Error
-from engine.expert_reads import ExpertReader, to_mlx
-from engine.generation import Engine
+from engine.experts.reads import ExpertReader, to_mlx
+from engine.runtime.generation import Engine
 
 
 def _library_tensors(index: CheckpointIndex) -> dict[str, np.ndarray]:

@@ -88,7 +88,7 @@ def test_failed_start_leaves_no_thread(checkpoint_dir):
 
     from engine.config import EngineConfig
     from engine.errors import Edge0Error
-    from engine.generation import Engine
+    from engine.runtime.generation import Engine
 
     before = threading.active_count()
     with pytest.raises(Edge0Error, match="minimum"):

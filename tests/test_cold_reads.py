@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from engine.config import EngineConfig, GenerationConfig
-from engine.generation import Engine
-from engine.page_cache import FileResidency, evict_file
+from engine.experts.page_cache import FileResidency, evict_file
+from engine.runtime.generation import Engine
 
 
 def _first_forward(model_dir, evict: bool):

@@ -14,7 +14,7 @@ from adapters import write_random_profile
 
 from edge0_tui.cli import main
 from engine.config import EngineConfig
-from engine.evaluate import (
+from engine.measure.evaluate import (
     distinct_ngram_ratio,
     merge_lora,
     nll_sum,
@@ -23,8 +23,8 @@ from engine.evaluate import (
     retention,
     weight_retention,
 )
-from engine.generation import Engine
-from engine.student import LoRAInit, load_student
+from engine.runtime.generation import Engine
+from engine.train.student import LoRAInit, load_student
 
 
 def test_distinct_4_of_known_sequences():

@@ -6,7 +6,7 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from engine.expert_pool import ExpertPool, LFUAgingPolicy, ResidentExpert
+from engine.experts.pool import ExpertPool, LFUAgingPolicy, ResidentExpert
 
 
 def _expert(nbytes: int = 100) -> ResidentExpert:

@@ -6,7 +6,7 @@ import pytest
 
 from engine.config import EngineConfig, GenerationConfig
 from engine.errors import Edge0Error
-from engine.generation import Engine
+from engine.runtime.generation import Engine
 
 GREEDY = GenerationConfig(max_tokens=16)
 

@@ -20,11 +20,11 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from engine.checkpoint_index import DTYPE_SIZES, read_safetensors
+from engine.adapters.lora import LoRAAdapter, load_lora
+from engine.adapters.profiles import discover_profiles
+from engine.checkpoint.index import DTYPE_SIZES, read_safetensors
 from engine.errors import Edge0Error
-from engine.lora import LoRAAdapter, load_lora
-from engine.prerouter import PrerouterHeads, load_prerouter
-from engine.profiles import discover_profiles
+from engine.routing.prerouter import PrerouterHeads, load_prerouter
 
 FUZZ = settings(
     deadline=None,

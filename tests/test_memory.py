@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 from engine.config import EngineConfig
-from engine.generation import Engine
+from engine.runtime.generation import Engine
 
 
 def _peak_mlx_bytes(model_dir, *args: str) -> int:

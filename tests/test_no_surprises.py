@@ -10,7 +10,7 @@ import pytest
 
 from engine.config import EngineConfig, GenerationConfig
 from engine.errors import Edge0Error
-from engine.generation import Engine
+from engine.runtime.generation import Engine
 
 
 def test_loading_and_generating_touch_no_network(checkpoint_dir, monkeypatch):

@@ -6,7 +6,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from engine.config import EngineConfig, GenerationConfig
-from engine.generation import Engine
+from engine.runtime.generation import Engine
 
 
 class _NaNOnce(nn.Module):

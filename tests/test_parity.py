@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from engine.config import EngineConfig, GenerationConfig
-from engine.generation import Engine
+from engine.runtime.generation import Engine
 
 GREEDY_32 = GenerationConfig(max_tokens=32, temperature=0.0)
 # Three tokens: a two-token prefill chunk routes to at most 2 * top_k = 8 of 16 experts, below the

@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 from adapters import write_random_profile
 
+from engine.adapters.lora import LoRALinear
 from engine.config import EngineConfig, GenerationConfig
 from engine.errors import Edge0Error
-from engine.generation import Engine
-from engine.lora import LoRALinear
-from engine.prerouter import PrerouterHeads, load_prerouter
-from engine.routing import route
+from engine.routing.functions import route
+from engine.routing.prerouter import PrerouterHeads, load_prerouter
+from engine.runtime.generation import Engine
 
 GREEDY = GenerationConfig(max_tokens=24, temperature=0.0)
 

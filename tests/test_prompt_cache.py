@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from engine.config import EngineConfig, GenerationConfig
-from engine.generation import Engine
+from engine.runtime.generation import Engine
 
 GREEDY = GenerationConfig(max_tokens=12)
 HYBRID = ("qwen3_next", "qwen3_5_moe")  # linear-attention state cannot be cut back

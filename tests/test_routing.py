@@ -11,7 +11,7 @@ import pytest
 from mlx_lm.models import qwen3_moe, qwen3_next
 from mlx_lm.models.bailing_moe import group_expert_select
 
-from engine.routing import RoutingSpec, route
+from engine.routing.functions import RoutingSpec, route
 
 E = 32
 

@@ -4,7 +4,7 @@ runs the full 2,000 steps)."""
 from __future__ import annotations
 
 from engine.config import EngineConfig
-from engine.soak import soak
+from engine.measure.soak import soak
 
 
 def test_short_soak_is_flat(checkpoint_dir):

@@ -11,7 +11,7 @@ import pytest
 from mlx_lm.generate import generate, generate_step
 from mlx_lm.utils import load, load_tokenizer
 
-from engine import synth
+from engine.train import synth
 
 PROMPT = "The assert statement is a convenient way to insert debugging assertions into a program."
 

@@ -11,11 +11,11 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from engine import corpus
 from engine.config import EngineConfig, GenerationConfig
 from engine.errors import Edge0Error
-from engine.generation import Engine
-from engine.train_base import (
+from engine.runtime.generation import Engine
+from engine.train import corpus
+from engine.train.base import (
     LOSS_CSV,
     STATE_FILE,
     TrainBaseConfig,

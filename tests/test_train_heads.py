@@ -7,8 +7,8 @@ import shutil
 
 from edge0_tui.cli import main
 from engine.config import EngineConfig, GenerationConfig
-from engine.generation import Engine
-from engine.train_heads import TrainHeadsConfig, train_heads
+from engine.runtime.generation import Engine
+from engine.train.heads import TrainHeadsConfig, train_heads
 
 
 def _text() -> str:

@@ -20,17 +20,17 @@ from mlx_lm.utils import quantize_model
 from edge0_tui.cli import main
 from engine.config import EngineConfig, GenerationConfig
 from engine.errors import Edge0Error
-from engine.generation import Engine
-from engine.student import LoRAInit, load_student, load_teacher, lora_kind
-from engine.synth import write_synthetic_teacher
-from engine.train_distill import (
+from engine.runtime.generation import Engine
+from engine.train.distill import (
     TrainDistillConfig,
     rollout_engine,
     serve_lora,
     topk_reverse_kl,
     train_distill,
 )
-from engine.train_lora import TrainLoRAConfig, forward_kl, train_lora
+from engine.train.lora import TrainLoRAConfig, forward_kl, train_lora
+from engine.train.student import LoRAInit, load_student, load_teacher, lora_kind
+from engine.train.synth import write_synthetic_teacher
 
 TEXT = "\n\n".join(pydoc_data.topics.topics.values())[:40_000]
 KINDS = {
@@ -363,11 +363,11 @@ def test_distill_lowers_the_heldout_reverse_kl(phase2):
 
 
 def test_the_command_preloads_openblas_for_training_only(monkeypatch, tmp_path):
-    import engine.train_base
+    import engine.train.base
     from edge0_tui import cli
 
     calls = []
-    monkeypatch.setattr(engine.train_base, "preload_openblas", lambda: calls.append(1))
+    monkeypatch.setattr(engine.train.base, "preload_openblas", lambda: calls.append(1))
     missing = str(tmp_path / "missing.txt")
     monkeypatch.setattr(
         sys,
@@ -406,13 +406,13 @@ def test_rollouts_follow_the_lora_as_it_trains(phase2):
 
 
 def test_cli_wires_the_training_phases(monkeypatch, tmp_path):
-    import engine.train_distill
-    import engine.train_lora
+    import engine.train.distill
+    import engine.train.lora
 
     calls = []
-    monkeypatch.setattr(engine.train_lora, "train_lora", lambda *a, **kw: calls.append((a, kw)))
+    monkeypatch.setattr(engine.train.lora, "train_lora", lambda *a, **kw: calls.append((a, kw)))
     monkeypatch.setattr(
-        engine.train_distill, "train_distill", lambda *a, **kw: calls.append((a, kw))
+        engine.train.distill, "train_distill", lambda *a, **kw: calls.append((a, kw))
     )
     text = tmp_path / "text.txt"
     text.write_text("some text")

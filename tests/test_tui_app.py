@@ -32,7 +32,7 @@ from edge0_tui.widgets.prompt import PromptInput
 from edge0_tui.widgets.routing_selector import RoutingSelector
 from edge0_tui.widgets.status_line import StatusLine
 from engine.config import EngineConfig, GenerationConfig
-from engine.metrics import StepMetrics
+from engine.runtime.metrics import StepMetrics
 
 SIZE = (120, 40)
 # Small enough that every decode step loads experts, so loads and blocked time are never zero.

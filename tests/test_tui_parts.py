@@ -16,7 +16,7 @@ from edge0_tui.model_source import DEMO, download_from_hub, resolve_model
 from edge0_tui.system_memory import SystemMemory, cgroup_memory, read_system_memory
 from edge0_tui.widgets.memory_bar import MemoryBreakdown, bar_cells
 from engine.errors import Edge0Error
-from engine.metrics import StepMetrics
+from engine.runtime.metrics import StepMetrics
 
 GIB = 1 << 30
 
@@ -202,7 +202,7 @@ def test_demo_stand_in_is_written_once_into_the_cache(tmp_path, monkeypatch):
         _write(Path(path) / "config.json", "{}")
         return Path(path)
 
-    monkeypatch.setattr("engine.synth.write_synthetic_checkpoint", fake_write)
+    monkeypatch.setattr("engine.train.synth.write_synthetic_checkpoint", fake_write)
     first = resolve_model(DEMO, tmp_path, _no_progress)
     second = resolve_model(DEMO, tmp_path, _no_progress)
     assert written == [("synthetic-qwen3_moe-small", "qwen3_moe", "small")]

@@ -20,9 +20,15 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
-from .checkpoint_index import read_safetensors
-from .errors import Edge0Error
-from .prerouter import check_adapter_metadata, flat_metadata, floating, load_arrays, metadata_int
+from ..checkpoint.index import read_safetensors
+from ..errors import Edge0Error
+from ..routing.prerouter import (
+    check_adapter_metadata,
+    flat_metadata,
+    floating,
+    load_arrays,
+    metadata_int,
+)
 
 # The reference's published adapters use r=16, alpha=32; a file that records no alpha is read so.
 DEFAULT_ALPHA_PER_RANK = 2.0

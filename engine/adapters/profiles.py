@@ -12,9 +12,9 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from .checkpoint_index import read_safetensors
-from .errors import Edge0Error
-from .prerouter import flat_metadata, metadata_int
+from ..checkpoint.index import read_safetensors
+from ..errors import Edge0Error
+from ..routing.prerouter import flat_metadata, metadata_int
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import mlx.nn as nn
 from mlx_lm.models.switch_layers import SwitchGLU
 
-from .errors import Edge0Error
+from ..errors import Edge0Error
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import Edge0Error
+from ..errors import Edge0Error
 
 # Bytes per element of every safetensors dtype MLX loads (it has no F64).
 DTYPE_SIZES = {

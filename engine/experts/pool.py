@@ -98,7 +98,7 @@ class LFUAgingPolicy:
 
 
 def make_policy(name: str) -> LRUPolicy | LFUAgingPolicy:
-    # Half-life 32 steps: the best of 4/8/32 in `python -m engine.microbench eviction`. On the
+    # Half-life 32 steps: the best of 4/8/32 in `python -m engine.measure.microbench eviction`. On the
     # demo model's real routing (4,800 layer fetches) LFU-aging beat LRU at 10%, 50% and 75%
     # budgets (8.3 vs 0.0%, 55.5 vs 49.7%, 79.8 vs 76.7% hits) and lost at 25% (27.9 vs 31.2%);
     # on the synthetic small model it won or tied at every budget.

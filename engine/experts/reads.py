@@ -20,7 +20,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from .checkpoint_index import CheckpointIndex, ExpertTensor, LayerExperts
+from ..checkpoint.index import CheckpointIndex, ExpertTensor, LayerExperts
 from .page_cache import FileResidency
 
 # NumPy has no bfloat16: BF16 data is read as uint16 and reinterpreted by MLX.

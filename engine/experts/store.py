@@ -10,15 +10,33 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import Future
+from dataclasses import dataclass
 
 import mlx.core as mx
 
-from .checkpoint_index import DTYPE_SIZES, CheckpointIndex
-from .config import EngineConfig, format_bytes
-from .errors import Edge0Error
-from .expert_pool import ExpertKey, ExpertPool, ResidentExpert
-from .expert_reads import ExpertReader, ReadResult, to_mlx
-from .metrics import LoadCounters
+from ..checkpoint.index import DTYPE_SIZES, CheckpointIndex
+from ..config import EngineConfig, format_bytes
+from ..errors import Edge0Error
+from .pool import ExpertKey, ExpertPool, ResidentExpert
+from .reads import ExpertReader, ReadResult, to_mlx
+
+
+@dataclass
+class LoadCounters:
+    """What the expert store did during one step."""
+
+    loads: int = 0  # experts read from the checkpoint
+    hits: int = 0  # routed experts found resident
+    bytes_read: int = 0
+    cold_bytes: int = 0  # of bytes_read, those not in the page cache before the read
+    read_ms: float = 0.0  # sum of per-read wall times (reads overlap on the reader threads)
+    blocked_ms: float = 0.0  # time the forward waited for expert bytes
+    whole_layer_reads: int = 0
+    whole_layer_bytes: int = 0  # bytes read as whole layers (prefill), outside the cache budget
+    transient_peak_bytes: int = 0  # most whole-layer buffer bytes held at once
+    prefetch_issued: int = 0  # expert reads issued ahead for this step (prerouter)
+    prefetch_in_time: int = 0  # of those, already read when the layer needed them
+    prefetch_late: int = 0  # of those, still being read when the layer needed them (blocked)
 
 
 class ExpertStore:

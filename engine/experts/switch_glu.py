@@ -29,8 +29,8 @@ from mlx_lm.models.switch_layers import (
     _scatter_unsort,
 )
 
-from .errors import Edge0Error
-from .expert_store import ExpertStore
+from ..errors import Edge0Error
+from .store import ExpertStore
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 

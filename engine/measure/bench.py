@@ -23,11 +23,11 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .checkpoint_index import checkpoint_shards
-from .config import format_bytes
-from .errors import Edge0Error
-from .memory_limit import MemoryCgroup
-from .page_cache import FileResidency, evict_file
+from ..checkpoint.index import checkpoint_shards
+from ..config import format_bytes
+from ..errors import Edge0Error
+from ..experts.page_cache import FileResidency, evict_file
+from .memory_cgroup import MemoryCgroup
 
 DEFAULT_PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 ARMS = ("resident", "on-demand", "prerouter")
@@ -92,8 +92,8 @@ class ArmRun:
 
 def run_arm(spec: dict) -> dict:
     """Run one arm (in the child process) and return its figures as plain data."""
-    from .config import EngineConfig, GenerationConfig
-    from .generation import Engine
+    from ..config import EngineConfig, GenerationConfig
+    from ..runtime.generation import Engine
 
     config = EngineConfig(
         mode=spec["mode"], expert_cache_bytes=spec["expert_cache_bytes"], k=spec["k"]
@@ -116,7 +116,7 @@ def run_arm(spec: dict) -> dict:
 
 
 def _spawn(spec: dict, cgroup: MemoryCgroup | None, timeout_s: float) -> tuple[int, str, str]:
-    command = [sys.executable, "-m", "engine.bench", json.dumps(spec)]
+    command = [sys.executable, "-m", "engine.measure.bench", json.dumps(spec)]
     process = subprocess.run(
         command,
         capture_output=True,

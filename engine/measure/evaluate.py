@@ -34,12 +34,12 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from .config import EngineConfig
-from .errors import Edge0Error
-from .generation import Engine
-from .lora import LoRALinear
-from .profiles import discover_profiles
-from .student import (
+from ..adapters.lora import LoRALinear
+from ..adapters.profiles import discover_profiles
+from ..config import EngineConfig
+from ..errors import Edge0Error
+from ..runtime.generation import Engine
+from ..train.student import (
     Log,
     Student,
     corpus_tokens,

@@ -12,7 +12,7 @@ import os
 import time
 from pathlib import Path
 
-from .errors import Edge0Error
+from ..errors import Edge0Error
 
 
 def _mounts() -> list[tuple[str, str, str]]:

@@ -1,7 +1,7 @@
 """Micro-benchmarks behind two engine design choices; each prints figures, none asserts a speed.
 
-    python -m engine.microbench compute   [--hidden 512] [--moe-int 256] [--k 8] [--rounds 7]
-    python -m engine.microbench eviction MODEL [--tokens 200] [--budgets 0.1,0.25,0.5]
+    python -m engine.measure.microbench compute   [--hidden 512] [--moe-int 256] [--k 8] [--rounds 7]
+    python -m engine.measure.microbench eviction MODEL [--tokens 200] [--budgets 0.1,0.25,0.5]
 
 `compute`: one decode token through k routed experts, computed as k per-expert `quantized_matmul`s
 (what the engine does) or as one `gather_qmm` per projection over a slot bank (the alternative),
@@ -20,9 +20,9 @@ import time
 import mlx.core as mx
 import numpy as np
 
+from ..config import EngineConfig, GenerationConfig
+from ..experts.pool import ExpertPool, LFUAgingPolicy, ResidentExpert
 from .bench import rotation
-from .config import EngineConfig, GenerationConfig
-from .expert_pool import ExpertPool, LFUAgingPolicy, ResidentExpert
 
 GROUP_SIZE, BITS = 64, 4
 
@@ -127,7 +127,7 @@ PROMPTS = (
 
 
 def record_trace(model_dir: str, tokens: int) -> tuple[list[tuple[int, int, list[int]]], int]:
-    from .generation import Engine  # the engine is only needed for this sub-command
+    from ..runtime.generation import Engine  # the engine is only needed for this sub-command
 
     engine = Engine(model_dir, EngineConfig(mode="on-demand", expert_cache_bytes=1 << 40))
     engine.store.trace = []
@@ -178,7 +178,7 @@ def bench_eviction(model_dir: str, tokens: int, budgets: list[float]) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m engine.microbench")
+    parser = argparse.ArgumentParser(prog="python -m engine.measure.microbench")
     sub = parser.add_subparsers(dest="what", required=True)
     c = sub.add_parser("compute")
     c.add_argument("--hidden", type=int, default=512)

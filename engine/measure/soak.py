@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from .config import EngineConfig, GenerationConfig
-from .generation import Engine
-from .metrics import process_rss_bytes
+from ..config import EngineConfig, GenerationConfig
+from ..runtime.generation import Engine
+from ..runtime.metrics import process_rss_bytes
 
 WARMUP_TURNS = 2
 

@@ -16,7 +16,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.bailing_moe import aggregate_expert_outputs
 
-from .routing import RoutingSpec, route
+from .functions import RoutingSpec, route
 
 
 class FamilyOps:

@@ -27,8 +27,8 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from .checkpoint_index import brief, parse_json, read_safetensors
-from .errors import Edge0Error
+from ..checkpoint.index import brief, parse_json, read_safetensors
+from ..errors import Edge0Error
 
 HEAD_PARTS = ("fc1", "fc2", "linear_init")
 

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
+from .functions import route
 from .prerouter import PrerouterHeads, onehot
-from .routing import route
 
 
 @dataclass

@@ -25,16 +25,17 @@ import mlx.core as mx
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 
-from .checkpoint_index import base_fingerprint
-from .config import EngineConfig, GenerationConfig
-from .errors import Edge0Error
-from .families import set_top_k
+from ..adapters.lora import AppliedLoRA, load_lora
+from ..adapters.profiles import AdapterFiles, discover_profiles
+from ..checkpoint.families import set_top_k
+from ..checkpoint.index import base_fingerprint
+from ..config import EngineConfig, GenerationConfig
+from ..errors import Edge0Error
+from ..experts.store import LoadCounters
+from ..routing.prerouter import PrerouterHeads, load_profile_heads
 from .loader import LoadedModel, load
-from .lora import AppliedLoRA, load_lora
-from .metrics import LoadCounters, MemorySampler, StepMetrics, summarize
+from .metrics import MemorySampler, StepMetrics, summarize
 from .numerics import HiddenGuard, guard_layers
-from .prerouter import PrerouterHeads, load_profile_heads
-from .profiles import AdapterFiles, discover_profiles
 
 TokenCallback = Callable[[int, StepMetrics], None]
 

@@ -19,14 +19,14 @@ from mlx_lm.utils import load_model as mlx_lm_load_model
 from mlx_lm.utils import load_tokenizer
 from transformers.utils import logging as hf_logging
 
-from .checkpoint_index import CheckpointIndex, read_safetensors_header
-from .config import EngineConfig
-from .errors import Edge0Error
-from .expert_store import ExpertStore
-from .families import Family, MoESite, family_of, find_moe_sites
-from .moe_block import RoutedMoE, ops_for
-from .routing_state import RoutingState
-from .streaming_moe import StreamingSwitchGLU, projection_specs
+from ..checkpoint.families import Family, MoESite, family_of, find_moe_sites
+from ..checkpoint.index import CheckpointIndex, read_safetensors_header
+from ..config import EngineConfig
+from ..errors import Edge0Error
+from ..experts.store import ExpertStore
+from ..experts.switch_glu import StreamingSwitchGLU, projection_specs
+from ..routing.moe_block import RoutedMoE, ops_for
+from ..routing.state import RoutingState
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 

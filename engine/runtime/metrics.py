@@ -18,27 +18,10 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from .page_cache import FileResidency
+from ..experts.page_cache import FileResidency
+from ..experts.store import LoadCounters
 
 MIB = 1024 * 1024
-
-
-@dataclass
-class LoadCounters:
-    """What the expert store did during one step."""
-
-    loads: int = 0  # experts read from the checkpoint
-    hits: int = 0  # routed experts found resident
-    bytes_read: int = 0
-    cold_bytes: int = 0  # of bytes_read, those not in the page cache before the read
-    read_ms: float = 0.0  # sum of per-read wall times (reads overlap on the reader threads)
-    blocked_ms: float = 0.0  # time the forward waited for expert bytes
-    whole_layer_reads: int = 0
-    whole_layer_bytes: int = 0  # bytes read as whole layers (prefill), outside the cache budget
-    transient_peak_bytes: int = 0  # most whole-layer buffer bytes held at once
-    prefetch_issued: int = 0  # expert reads issued ahead for this step (prerouter)
-    prefetch_in_time: int = 0  # of those, already read when the layer needed them
-    prefetch_late: int = 0  # of those, still being read when the layer needed them (blocked)
 
 
 @dataclass

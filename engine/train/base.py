@@ -48,8 +48,8 @@ from mlx_lm.models.qwen3_moe import Qwen3MoeSparseMoeBlock
 from mlx_lm.utils import _get_classes, load_model, quantize_model, save_config
 from tokenizers import Tokenizer
 
+from ..errors import Edge0Error
 from . import corpus
-from .errors import Edge0Error
 from .synth import (
     BITS,
     EOS_TOKEN_ID,

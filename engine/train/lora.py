@@ -36,7 +36,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from .errors import Edge0Error
+from ..errors import Edge0Error
 from .student import (
     Log,
     LoRAInit,

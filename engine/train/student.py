@@ -47,16 +47,16 @@ from mlx_lm.utils import load_model as mlx_lm_load_model
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from .checkpoint_index import base_fingerprint
-from .config import EngineConfig, GenerationConfig
-from .errors import Edge0Error
-from .generation import Engine
-from .loader import LoadedModel, load, read_config
-from .lora import AppliedLoRA, LoRAAdapter, LoRALinear, linear_dims, load_lora, save_lora
-from .moe_block import RoutedMoE, ops_for
-from .prerouter import PrerouterHeads, head_forward, load_profile_heads
-from .profiles import discover_profiles
-from .routing import route
+from ..adapters.lora import AppliedLoRA, LoRAAdapter, LoRALinear, linear_dims, load_lora, save_lora
+from ..adapters.profiles import discover_profiles
+from ..checkpoint.index import base_fingerprint
+from ..config import EngineConfig, GenerationConfig
+from ..errors import Edge0Error
+from ..routing.functions import route
+from ..routing.moe_block import RoutedMoE, ops_for
+from ..routing.prerouter import PrerouterHeads, head_forward, load_profile_heads
+from ..runtime.generation import Engine
+from ..runtime.loader import LoadedModel, load, read_config
 
 # LoRA targets by kind: a linear layer whose module path holds one of these markers. Routers
 # (`mlp.gate`), the shared expert's scalar gate (`mlp.shared_expert_gate`), routed experts, dense FFN
