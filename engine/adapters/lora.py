@@ -22,7 +22,7 @@ import mlx.nn as nn
 
 from ..checkpoint.index import read_safetensors
 from ..errors import Edge0Error
-from ..routing.prerouter import (
+from .metadata import (
     check_adapter_metadata,
     flat_metadata,
     floating,

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from ..checkpoint.index import read_safetensors
 from ..errors import Edge0Error
-from ..routing.prerouter import flat_metadata, metadata_int
+from .metadata import flat_metadata, metadata_int
 
 
 @dataclass(frozen=True)

@@ -27,70 +27,18 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from ..checkpoint.index import brief, parse_json, read_safetensors
+from ..adapters.metadata import (
+    check_adapter_metadata,
+    flat_metadata,
+    floating,
+    load_arrays,
+    metadata_int,
+    metadata_list,
+)
+from ..checkpoint.index import brief, read_safetensors
 from ..errors import Edge0Error
 
 HEAD_PARTS = ("fc1", "fc2", "linear_init")
-
-
-def flat_metadata(raw: dict) -> dict:
-    """Metadata as a flat dict, unwrapping the reference's `{"__metadata__": "<json>"}` form."""
-    meta = dict(raw)
-    nested = meta.pop("__metadata__", None)
-    if isinstance(nested, str):
-        try:
-            inner = parse_json(nested)
-        except ValueError:
-            inner = None
-        if isinstance(inner, dict):
-            meta = {**{k: v for k, v in inner.items()}, **meta}
-    return meta
-
-
-def metadata_int(meta: dict, key: str, path: Path) -> int | None:
-    value = meta.get(key)
-    if value is None:
-        return None
-    try:
-        return int(value)
-    except (TypeError, ValueError, OverflowError):
-        raise Edge0Error(f"{path}: metadata {key}={brief(value)} is not an integer") from None
-
-
-def metadata_list(meta: dict, key: str, path: Path) -> list[int] | None:
-    value = meta.get(key)
-    if value is None:
-        return None
-    try:
-        items = parse_json(value) if isinstance(value, str) else value
-        if not isinstance(items, list):
-            raise TypeError(key)
-        return [int(v) for v in items]
-    except (TypeError, ValueError, OverflowError):
-        raise Edge0Error(f"{path}: metadata {key}={brief(value)} is not a list of layers") from None
-
-
-def check_adapter_metadata(meta: dict, kind: str, fingerprint: str, path: Path) -> None:
-    """Refuse an adapter file of another kind, or one trained for another base model."""
-    if meta.get("kind", kind) != kind:
-        raise Edge0Error(f"{path}: not a {kind} file (kind={brief(meta.get('kind'))})")
-    if meta.get("base_fingerprint") not in (None, fingerprint):
-        raise Edge0Error(
-            f"{path}: trained for another base model (fingerprint "
-            f"{brief(meta['base_fingerprint'])}, this model is {fingerprint!r})"
-        )
-
-
-def load_arrays(path: Path) -> dict[str, mx.array]:
-    """`mx.load` of a file `read_safetensors` accepted, any failure an Edge0Error naming the file."""
-    try:
-        return mx.load(str(path))
-    except (RuntimeError, ValueError, OSError) as e:
-        raise Edge0Error(f"{path}: cannot load ({e})") from None
-
-
-def floating(array: mx.array) -> bool:
-    return mx.issubdtype(array.dtype, mx.floating)
 
 
 def gelu_erf(x: mx.array) -> mx.array:
