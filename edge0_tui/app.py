@@ -15,7 +15,7 @@ from textual.app import App, SystemCommand
 from textual.binding import Binding
 from textual.screen import Screen
 
-from engine.config import EngineConfig, GenerationConfig
+from engine import EngineConfig, GenerationConfig
 
 from .chat_store import ChatStore
 from .engine_session import EngineSession

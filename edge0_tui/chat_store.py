@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.errors import Edge0Error
+from engine import Edge0Error
 
 SCHEMA_VERSION = 1
 

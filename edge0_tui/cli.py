@@ -7,8 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from engine.config import MODES, EngineConfig, GenerationConfig, format_bytes, parse_size
-from engine.errors import Edge0Error
+from engine import MODES, Edge0Error, EngineConfig, GenerationConfig, format_bytes, parse_size
 
 
 def _size(text: str) -> int:
@@ -186,7 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from engine.runtime.generation import Engine
+    from engine import Engine
 
     config = EngineConfig(
         mode=args.mode,
@@ -313,7 +312,7 @@ def cmd_soak(args: argparse.Namespace) -> int:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    from engine.runtime.generation import Engine
+    from engine import Engine
 
     with Engine(args.model, EngineConfig(mode="on-demand")) as engine:
         info = engine.info()
@@ -433,10 +432,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 def cmd_synth(args: argparse.Namespace) -> int:
     from engine.train.synth import write_synthetic_checkpoint
 
-    try:
-        out = write_synthetic_checkpoint(args.out, args.family, args.preset, seed=args.seed)
-    except ValueError as e:
-        raise Edge0Error(str(e)) from None
+    out = write_synthetic_checkpoint(args.out, args.family, args.preset, seed=args.seed)
     print(f"wrote {args.preset} {args.family} checkpoint to {out}")
     heads = args.heads if args.heads is not None else ("4" if args.preset == "wall" else "")
     for k in [int(k) for k in heads.split(",") if k.strip()]:

@@ -23,13 +23,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import mlx.core as mx
 from textual.message import Message
 
-from engine.config import EngineConfig, GenerationConfig
-from engine.errors import Edge0Error
-from engine.runtime.generation import Engine, KProfile
-from engine.runtime.metrics import StepMetrics
+from engine import (
+    Edge0Error,
+    Engine,
+    EngineConfig,
+    GenerationConfig,
+    KProfile,
+    StepMetrics,
+    release_thread_streams,
+)
 
 from .live_metrics import HISTORY_STEPS, LiveMetrics
 from .messages import (
@@ -139,10 +143,7 @@ class EngineSession:
             self.engine = None
             if engine is not None:
                 engine.close()
-            # MLX's per-thread streams must be destroyed by the thread that made them, before it
-            # ends: left to process exit, they abort it ("terminate called without an active
-            # exception") about half the time on Linux (MLX 0.32).
-            mx.clear_streams()
+            release_thread_streams()  # this thread made MLX streams: it must free them
             self.closed.set()
 
     def _quitting(self) -> bool:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
-from engine.runtime.metrics import StepMetrics
+from engine import StepMetrics
 
 # Steps kept for the sparklines, and the most recent of those averaged into the headline figures
 # (long enough to smooth single slow steps, short enough to show a K switch within a second).

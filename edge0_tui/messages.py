@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from textual.message import Message
 
-from engine.runtime.generation import KProfile
+from engine import KProfile
 
 
 @dataclass

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.errors import Edge0Error
+from engine import Edge0Error
 
 DEMO = "demo"
 BUNDLED_DEMO = Path(__file__).resolve().parent.parent / "assets" / "demo"

@@ -14,7 +14,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from engine.config import EngineConfig, GenerationConfig, parse_size
+from engine import EngineConfig, GenerationConfig, parse_size
 
 from .app import Edge0App
 from .model_source import BUNDLED_NOTICE

@@ -1,0 +1,50 @@
+"""edge0's engine: Mixture-of-Experts models whose routed experts stream from SSD.
+
+Rooms, each importing only from the rooms below it:
+
+    measure/  train/              benchmarks, soak, eval; the training phases, synthetic models
+    runtime/                      the Engine: loading, prefill and decode, metrics, numeric guard
+    routing/  experts/  adapters/ routing and prerouter heads; reads, pool, store; LoRA, K profiles
+    checkpoint/                   safetensors index and fingerprint, the family table
+    config.py  errors.py          passed down to every room
+
+This module is the surface the app and the tests use; the app also calls the entry points of
+`measure/` and `train/`. Names that need MLX are imported on first use, so that `engine.Edge0Error`
+or `engine.parse_size` stay cheap for the command's argument parsing (MLX, mlx-lm and
+transformers take ~2 s to import).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from .config import MODES, EngineConfig, GenerationConfig, format_bytes, parse_size
+from .errors import Edge0Error
+
+# name -> the module that defines it, imported when the name is first used.
+_ON_FIRST_USE = {
+    "Engine": "engine.runtime.generation",
+    "GenerationResult": "engine.runtime.generation",
+    "KProfile": "engine.runtime.generation",
+    "release_thread_streams": "engine.runtime.generation",
+    "StepMetrics": "engine.runtime.metrics",
+}
+
+__all__ = [
+    "MODES",
+    "Edge0Error",
+    "EngineConfig",
+    "GenerationConfig",
+    "format_bytes",
+    "parse_size",
+    *_ON_FIRST_USE,
+]
+
+
+def __getattr__(name: str):
+    module = _ON_FIRST_USE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'engine' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this function
+    return value

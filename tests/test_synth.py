@@ -11,6 +11,7 @@ import pytest
 from mlx_lm.generate import generate, generate_step
 from mlx_lm.utils import load, load_tokenizer
 
+from engine.errors import Edge0Error
 from engine.train import synth
 
 PROMPT = "The assert statement is a convenient way to insert debugging assertions into a program."
@@ -156,7 +157,7 @@ def test_multi_shard_checkpoint_loads(tmp_path):
     tokens = mx.array([tokenizer.encode(PROMPT)])
     assert mx.array_equal(model(tokens), built(tokens)).item()
     # A folder that is not a synthetic checkpoint is never overwritten...
-    with pytest.raises(ValueError, match="not a synthetic checkpoint"):
+    with pytest.raises(Edge0Error, match="not a synthetic checkpoint"):
         synth.write_synthetic_checkpoint(tmp_path, "qwen3_5_moe", "tiny")
     # ...one that is gets rewritten as one file, leaving no stale shard for mlx-lm to pick up.
     (tmp_path / synth.MARKER_FILE).write_text("{}")
@@ -192,6 +193,6 @@ def test_tokenizer_chat_template_and_round_trip(tiny_dirs):
     "family, preset, valid", [("llama", "tiny", "qwen3_moe"), ("qwen3_moe", "huge", "wall")]
 )
 def test_unknown_names_raise(tmp_path, family, preset, valid):
-    with pytest.raises(ValueError, match=valid):
+    with pytest.raises(Edge0Error, match=valid):
         synth.write_synthetic_checkpoint(tmp_path, family, preset)
     assert not list(tmp_path.iterdir())

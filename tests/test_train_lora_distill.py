@@ -29,8 +29,9 @@ from engine.train.distill import (
     train_distill,
 )
 from engine.train.lora import TrainLoRAConfig, forward_kl, train_lora
-from engine.train.student import LoRAInit, load_student, load_teacher, lora_kind
+from engine.train.student import LoRAInit, load_student, lora_kind
 from engine.train.synth import write_synthetic_teacher
+from engine.train.teacher import load_teacher
 
 TEXT = "\n\n".join(pydoc_data.topics.topics.values())[:40_000]
 KINDS = {

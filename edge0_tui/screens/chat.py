@@ -18,8 +18,7 @@ from textual.timer import Timer
 from textual.widgets import Footer, Header
 from textual.worker import Worker, WorkerState, get_current_worker
 
-from engine.config import GenerationConfig
-from engine.errors import Edge0Error
+from engine import Edge0Error, GenerationConfig
 
 from ..chat_store import ChatMessage, ChatStore, chat_title
 from ..engine_session import EngineSession, ReplyRequest

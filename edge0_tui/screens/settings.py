@@ -11,7 +11,7 @@ from textual.containers import Horizontal, Vertical
 from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label
 
-from engine.config import GenerationConfig
+from engine import GenerationConfig
 
 
 @dataclass(frozen=True)

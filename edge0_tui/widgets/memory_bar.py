@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from rich.text import Text
 from textual.widget import Widget
 
-from engine.config import format_bytes
+from engine import format_bytes
 
 from ..live_metrics import LiveMetrics
 from ..system_memory import SystemMemory

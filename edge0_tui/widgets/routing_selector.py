@@ -16,7 +16,7 @@ from textual.containers import Vertical
 from textual.message import Message
 from textual.widgets import Label, RadioButton, RadioSet
 
-from engine.runtime.generation import KProfile
+from engine import KProfile
 
 
 class RoutingSelector(Vertical):

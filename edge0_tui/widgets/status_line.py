@@ -6,7 +6,9 @@ from dataclasses import dataclass
 
 from textual.widgets import Static
 
-from engine.config import format_bytes
+from engine import format_bytes
+
+from ..sanitize import sanitize
 
 
 @dataclass(frozen=True)
@@ -19,6 +21,7 @@ class Status:
     pending_mode: str | None = None
     context_tokens: int | None = 0  # None: not known yet
     peak_memory_bytes: int = 0
+    unsaved: int = 0  # messages the chat database has not taken yet (it is locked)
 
     def line(self) -> str:
         parts = [self.model or "no model"]
@@ -29,6 +32,8 @@ class Status:
         context = "–" if self.context_tokens is None else self.context_tokens
         parts.append(f"context {context} tokens")
         parts.append(f"peak MLX {format_bytes(self.peak_memory_bytes)}")
+        if self.unsaved:
+            parts.append(f"{self.unsaved} unsaved: database busy")
         parts.append(self.state)
         return "  │  ".join(parts)
 
@@ -41,4 +46,5 @@ class StatusLine(Static):
     def show(self, status: Status) -> None:
         if status != self.status:
             self.status = status
-            self.update(status.line())
+            # The model's name and the state quote a path or repo id: shown cleaned.
+            self.update(sanitize(status.line()))

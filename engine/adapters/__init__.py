@@ -1,0 +1,1 @@
+"""Files beside the base: recovery LoRA, K profiles, the metadata every adapter file shares."""

@@ -1,8 +1,9 @@
 """The model families edge0 runs, and how to find their routed experts.
 
 Every supported family is an mlx-lm architecture whose MoE blocks hold their routed experts in a
-`SwitchGLU` at `<block>.switch_mlp`; the block's gate, top-k, score weighting and shared expert stay
-the family's own code.
+`SwitchGLU` at `<block>.switch_mlp`. The loaded block keeps its parameters (gate, shared expert) but
+not its routing: `routing.moe_block.RoutedMoE` routes through `routing.functions` (the true router,
+or at decode the prerouter's prediction) and streams the experts.
 """
 
 from __future__ import annotations

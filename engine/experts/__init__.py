@@ -1,0 +1,1 @@
+"""Routed experts from SSD: page-cache residency, pread on reader threads, the bounded pool, the store."""

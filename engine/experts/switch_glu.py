@@ -1,14 +1,16 @@
 """The streaming replacement for mlx-lm's `SwitchGLU`: routed experts come from the expert store.
 
-The family's own MoE block still routes (its gate, its top-k, its score weighting, its shared
-expert); only `block.switch_mlp` is swapped for `StreamingSwitchGLU`, which is called the same way,
-`switch_mlp(x, indices)`, and returns the same `[..., k, hidden]` per-expert outputs.
+Routing is chosen before this module is called (`routing.moe_block.RoutedMoE`: the true router,
+or at decode a consumer layer's prediction); only `block.switch_mlp` is swapped for
+`StreamingSwitchGLU`, which is called the same way, `switch_mlp(x, indices)`, and returns the same
+`[..., k, hidden]` per-expert outputs.
 
 How the experts are computed is decided here, in one place:
 - decode (one token): each routed expert is its own 4-bit matmul on its own resident arrays. On the
-  MLX CPU backend one expert's `quantized_matmul` costs the same as inside `gather_qmm` (measured:
-  2.19 vs 2.12 ms for 8 experts at hidden 512, 25.1 vs 25.0 ms at hidden 2048) and is bit-identical,
-  and it needs no slot tensors, so a miss allocates only its own expert.
+  MLX CPU backend one expert's `quantized_matmul` costs the same as inside `gather_qmm` and is
+  bit-identical (figures in the README's design choices, from `python -m
+  engine.measure.microbench compute`), and it needs no slot tensors, so a miss allocates only its
+  own expert.
 - prefill (many tokens): the same `gather_qmm` math as mlx-lm over a bank: the layer's whole stacked
   tensors when the chunk touches most experts, or a transient compact stack of the routed ones.
 On Metal, where per-kernel launch cost dominates, a slot bank with one `gather_qmm` per projection

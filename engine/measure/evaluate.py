@@ -39,15 +39,9 @@ from ..adapters.profiles import discover_profiles
 from ..config import EngineConfig
 from ..errors import Edge0Error
 from ..runtime.generation import Engine
-from ..train.student import (
-    Log,
-    Student,
-    corpus_tokens,
-    draw_prompts,
-    load_student,
-    lora_kind,
-    sample_served,
-)
+from ..train.data import corpus_tokens, draw_prompts, sample_served
+from ..train.run import Log
+from ..train.student import Student, load_student, lora_kind
 
 PAPER_RETENTION = {"attention": 0.34, "dense": 0.02, "logits": 0.18}
 

@@ -1,0 +1,1 @@
+"""Choosing experts: routing functions, the engine-routed MoE block, prerouter heads and their state."""

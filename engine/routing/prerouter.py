@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import mlx.core as mx
-import numpy as np
 
 from ..adapters.metadata import (
     check_adapter_metadata,
@@ -51,6 +50,33 @@ def head_forward(fc1: mx.array, fc2: mx.array, linear_init: mx.array, z: mx.arra
     stacked heads with `z` of shape `[n, M, in]`), features `[..., in]` -> logits `[..., E]`."""
     hidden = gelu_erf(z @ fc1.swapaxes(-1, -2))
     return z @ linear_init.swapaxes(-1, -2) + hidden @ fc2.swapaxes(-1, -2)
+
+
+def multi_hot(routed: mx.array, experts: int, dtype: mx.Dtype) -> mx.array:
+    """Expert indices `[..., k]` -> `[..., E]`, one at each routed expert. An index of -1 marks
+    "not known" (e.g. the step before a request's first token) and sets nothing."""
+    return (routed[..., None] == mx.arange(experts)).any(axis=-2).astype(dtype)
+
+
+def head_features(
+    x: mx.array, routed_now: mx.array, routed_before: mx.array, experts: int
+) -> mx.array:
+    """The heads' input `z = [x; onehot_K(A_t); onehot_K(A_{t-1})]` in x's dtype: the owner's MoE
+    input `[..., H]` and the experts it executed at this token and the one before (`[..., k]`
+    indices each) -> `[..., H+2E]`. Serving, the student path and phase-1 training all build
+    features here, so a head sees the same input wherever it runs."""
+    now = multi_hot(routed_now, experts, x.dtype)
+    before = multi_hot(routed_before, experts, x.dtype)
+    return mx.concatenate([x, now, before], axis=-1)
+
+
+def sequence_features(x: mx.array, routed: mx.array, experts: int) -> mx.array:
+    """`head_features` at every position of sequences: x `[..., T, H]`, routed `[..., T, k]`;
+    A_{t-1} is the previous position's set (none at position 0)."""
+    routed = routed.astype(mx.int32)  # top-k indices are unsigned; -1 must fit
+    unknown = mx.full(routed[..., :1, :].shape, -1, mx.int32)
+    before = mx.concatenate([unknown, routed[..., :-1, :]], axis=-2)
+    return head_features(x, routed, before, experts)
 
 
 @dataclass
@@ -219,11 +245,3 @@ def save_prerouter(path: Path, heads: PrerouterHeads, start_layer: int, fingerpr
         "format_version": "1",
     }
     mx.save_safetensors(str(path), tensors, metadata=metadata)
-
-
-def onehot(routed: np.ndarray | None, experts: int) -> np.ndarray:
-    """Multi-hot of one token's routed experts (zeros when unknown)."""
-    vector = np.zeros(experts, dtype=np.float32)
-    if routed is not None:
-        vector[np.asarray(routed).reshape(-1)] = 1.0
-    return vector

@@ -18,7 +18,7 @@ import mlx.core as mx
 import numpy as np
 
 from .functions import route
-from .prerouter import PrerouterHeads, onehot
+from .prerouter import PrerouterHeads, head_features
 
 
 @dataclass
@@ -92,20 +92,12 @@ class RoutingState:
         if heads is None or any(o not in self._owner_x for o in heads.owners):
             return {}
         owners = heads.owners
-        features = mx.stack(
-            [
-                mx.concatenate(
-                    [
-                        self._owner_x[o].astype(heads.fc1.dtype),
-                        mx.array(onehot(self._owner_now[o], self.experts), dtype=heads.fc1.dtype),
-                        mx.array(
-                            onehot(self._owner_before[o], self.experts), dtype=heads.fc1.dtype
-                        ),
-                    ]
-                )
-                for o in owners
-            ]
-        )
+        unknown = np.full(self.k, -1)  # no token before the request's first
+        x = mx.stack([self._owner_x[o] for o in owners]).astype(heads.fc1.dtype)
+        now = mx.array(np.stack([self._owner_now[o] for o in owners]))
+        before = [self._owner_before[o] for o in owners]
+        before = mx.array(np.stack([unknown if b is None else b for b in before]))
+        features = head_features(x, now, before, self.experts)
         logits = heads(features)
         consumers = [self.blocks[o + 1] for o in owners]
         biases = [c.expert_bias() for c in consumers]

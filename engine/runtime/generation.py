@@ -40,6 +40,13 @@ from .numerics import HiddenGuard, guard_layers
 TokenCallback = Callable[[int, StepMetrics], None]
 
 
+def release_thread_streams() -> None:
+    """Destroy MLX's streams of the calling thread. A thread that ran an `Engine` calls it last:
+    left to process exit, those streams abort the process ("terminate called without an active
+    exception") about half the time on Linux (MLX 0.32)."""
+    mx.clear_streams()
+
+
 @dataclass(frozen=True)
 class KProfile:
     """A routing width the engine can switch to."""

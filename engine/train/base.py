@@ -28,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import csv
 import io
-import json
 import math
 import os
 import shutil
@@ -41,7 +40,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
-from mlx.utils import tree_flatten, tree_unflatten
+from mlx.utils import tree_flatten
 from mlx_lm.models.activations import swiglu
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.qwen3_moe import Qwen3MoeSparseMoeBlock
@@ -49,15 +48,17 @@ from mlx_lm.utils import _get_classes, load_model, quantize_model, save_config
 from tokenizers import Tokenizer
 
 from ..errors import Edge0Error
+from ..routing.functions import softmax_topk
 from . import corpus
+from .run import changed_settings, read_state, restore, save_state, training_progress
 from .synth import (
     BITS,
     EOS_TOKEN_ID,
     GROUP_SIZE,
     MAX_SHARD_BYTES,
-    _qwen3_moe_config,
-    _write_weights,
     build_tokenizer,
+    qwen3_moe_config,
+    write_weights,
 )
 
 
@@ -104,8 +105,8 @@ class TrainBaseConfig:
     seed: int = 0
 
 
-STATE_FILE = "train_state.safetensors"
-STATE_INFO = "train_state.json"
+STATE_NAME = "train_state"  # OUT/train_state.safetensors (+ .json): see run.py
+STATE_FILE = f"{STATE_NAME}.safetensors"
 LOSS_CSV = "loss.csv"
 TOKENIZER_DIR = "tokenizer"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -188,12 +189,10 @@ class CapacityMoeBlock(Qwen3MoeSparseMoeBlock):
         """(y, balance loss, kept assignments, assignments)."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        gates = mx.softmax(self.gate(x), axis=-1, precise=True)
+        logits = self.gate(x)
         k, experts = self.top_k, self.num_experts
-        inds = mx.stop_gradient(mx.argpartition(gates, kth=-k, axis=-1)[..., -k:])
-        scores = mx.take_along_axis(gates, inds, axis=-1)
-        if self.norm_topk_prob:
-            scores = scores / scores.sum(axis=-1, keepdims=True)
+        inds, scores = softmax_topk(logits, k, self.norm_topk_prob)  # the served routing
+        gates = mx.softmax(logits, axis=-1, precise=True)  # for the balance loss
         capacity = math.ceil(self.capacity_factor * x.shape[0] * k / experts)
         y, kept = capacity_glu(self.switch_mlp, x, inds, capacity)
         y = (y * scores[..., None]).sum(axis=-2)
@@ -216,7 +215,7 @@ def model_config(config: TrainBaseConfig) -> dict:
         "moe_int": config.moe_int,
         "vocab": config.vocab,
     }
-    return dict(_qwen3_moe_config(shape), eos_token_id=EOS_TOKEN_ID)
+    return dict(qwen3_moe_config(shape), eos_token_id=EOS_TOKEN_ID)
 
 
 def build_model(config: TrainBaseConfig) -> nn.Module:
@@ -301,38 +300,18 @@ def batch_rows(step: int, batch: int, windows: int, seed: int) -> np.ndarray:
 # -- checkpoints -----------------------------------------------------------------------------------
 
 
-def save_state(out_dir: Path, model, optimizer, step: int, config: TrainBaseConfig) -> None:
-    """Model + optimizer + step, written to a temporary file and renamed (never half written)."""
-    arrays = {f"model.{k}": v for k, v in tree_flatten(model.trainable_parameters())}
-    arrays.update({f"optimizer.{k}": v for k, v in tree_flatten(optimizer.state)})
-    info = {"step": step, "config": asdict(config)}
-    (out_dir / STATE_INFO).write_text(json.dumps(info, indent=1) + "\n")  # for people and tools
-    tmp = out_dir / f"{STATE_FILE}.tmp.safetensors"
-    # The step lives inside the state file, so model, optimizer and data position always agree.
-    mx.save_safetensors(str(tmp), arrays, metadata={"step": str(step)})
-    tmp.replace(out_dir / STATE_FILE)
-
-
-def load_state(out_dir: Path, model, optimizer, config: TrainBaseConfig) -> int:
-    """Restore model and optimizer from OUT; return the step to continue from."""
-    info = json.loads((out_dir / STATE_INFO).read_text())
-    saved = {
-        k: v for k, v in info["config"].items() if k not in ("steps", "save_every", "eval_every")
-    }
-    wanted = {k: v for k, v in asdict(config).items() if k in saved}
-    if saved != wanted:
-        changed = sorted(k for k in saved if saved[k] != wanted[k])
+def resume_state(out_dir: Path, model, optimizer, config: TrainBaseConfig) -> int:
+    """Restore model and optimizer from OUT's training state; return the step to continue from.
+    The step is the data position, so only settings that do not change the run may differ."""
+    state, arrays = read_state(out_dir, STATE_NAME)
+    changed = changed_settings(state["config"], config, free=("steps", "save_every", "eval_every"))
+    if changed:
         raise Edge0Error(
             f"{out_dir}: the saved training state has other settings ({', '.join(changed)}); "
             "resume with the same settings or choose an empty directory"
         )
-    arrays, metadata = mx.load(str(out_dir / STATE_FILE), return_metadata=True)
-    model.update(tree_unflatten([(k[6:], v) for k, v in arrays.items() if k.startswith("model.")]))
-    optimizer.state = tree_unflatten(
-        [(k[10:], v) for k, v in arrays.items() if k.startswith("optimizer.")]
-    )
-    mx.eval(model.parameters(), optimizer.state)
-    return int(metadata.get("step", info["step"]))  # states written before 2026-11-29: JSON only
+    restore(model, optimizer, arrays)
+    return state["step"]
 
 
 def _read_curve(out_dir: Path, up_to: int) -> list[dict]:
@@ -408,7 +387,7 @@ def train_base(
     optimizer.init(model.trainable_parameters())
     start = 0
     if (out_dir / STATE_FILE).exists():
-        start = load_state(out_dir, model, optimizer, config)
+        start = resume_state(out_dir, model, optimizer, config)
         progress(f"resuming from step {start} ({out_dir / STATE_FILE})")
     curve = _read_curve(out_dir, start)
     progress(f"model: {params / 1e6:.2f} M parameters; BLAS: {blas_in_use()}")
@@ -429,8 +408,8 @@ def train_base(
     # -- 3. train ----------------------------------------------------------------------------------
     tokens_per_step = config.batch * config.seq_len
     train_seconds, tokens_done = 0.0, 0
-    with _progress_bar(show_bar) as bar:
-        task = bar.add_task("train base", total=config.steps, completed=start, info="")
+    with training_progress(show_bar) as bar:
+        task = bar.add_task("train base", total=config.steps, completed=start, status="")
         for step in range(start, config.steps):
             lr = schedule(mx.array(step)).item()
             began = time.perf_counter()
@@ -457,10 +436,11 @@ def train_base(
                 row["held_out"] = round(total / count, 5)
             curve.append(row)
             info = f"loss {row['loss']:.3f}  {row['tok_s']} tok/s"
-            bar.update(task, completed=done, info=info)
+            bar.update(task, completed=done, status=info)
             _write_curve(out_dir, curve)  # rows past the last saved state are redone on resume
             if done % config.save_every == 0 or done == config.steps:
-                save_state(out_dir, model, optimizer, done, config)
+                state = {"step": done, "config": asdict(config)}
+                save_state(out_dir, STATE_NAME, model, optimizer, state)
             if done % config.save_every == 0 or done == config.steps or step == start:
                 held_text = f"  held-out {row['held_out']}" if row["held_out"] != "" else ""
                 progress(
@@ -489,27 +469,6 @@ def _no_drop(model: nn.Module):
             block.capacity_factor = factor
 
 
-def _progress_bar(show: bool):
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
-
-    return Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        TimeRemainingColumn(),
-        TextColumn("{task.fields[info]}"),
-        disable=not show,
-    )
-
-
 # -- export ------------------------------------------------------------------------------------------
 
 
@@ -522,7 +481,7 @@ def export_checkpoints(model, config: TrainBaseConfig, tokenizer_dir: Path, out_
         directory.mkdir(parents=True, exist_ok=True)
         for name in TOKENIZER_FILES:
             shutil.copy(tokenizer_dir / name, directory / name)
-    _write_weights(teacher, dict(weights), MAX_SHARD_BYTES)
+    write_weights(teacher, dict(weights), MAX_SHARD_BYTES)
     save_config(cfg, teacher / "config.json")
 
     model_class, args_class = _get_classes(cfg)
@@ -531,7 +490,7 @@ def export_checkpoints(model, config: TrainBaseConfig, tokenizer_dir: Path, out_
     # quantize_model prints a bits-per-weight line.
     with contextlib.redirect_stdout(io.StringIO()):
         stock, quantized_config = quantize_model(stock, cfg, group_size=GROUP_SIZE, bits=BITS)
-    _write_weights(base, dict(tree_flatten(stock.parameters())), MAX_SHARD_BYTES)
+    write_weights(base, dict(tree_flatten(stock.parameters())), MAX_SHARD_BYTES)
     save_config(quantized_config, base / "config.json")
     return teacher, base
 

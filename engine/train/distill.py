@@ -31,18 +31,10 @@ from ..adapters.lora import LoRALinear
 from ..config import EngineConfig
 from ..errors import Edge0Error
 from ..runtime.generation import Engine
-from .student import (
-    Log,
-    Student,
-    TrainingRun,
-    corpus_tokens,
-    draw_prompts,
-    load_student,
-    load_teacher,
-    masked_mean,
-    sample_served,
-    training_progress,
-)
+from .data import corpus_tokens, draw_prompts, masked_mean, sample_served
+from .run import Log, TrainingRun, training_progress
+from .student import Student, load_student
+from .teacher import load_teacher
 
 
 @dataclass

@@ -31,8 +31,9 @@ from ..config import EngineConfig
 from ..errors import Edge0Error
 from ..routing.functions import RoutingSpec, route
 from ..routing.moe_block import ops_for
-from ..routing.prerouter import PrerouterHeads, head_forward, save_prerouter
+from ..routing.prerouter import PrerouterHeads, head_forward, save_prerouter, sequence_features
 from ..runtime.loader import load, quiet_load_tokenizer
+from .data import corpus_tokens
 
 
 @dataclass
@@ -117,10 +118,8 @@ def build_features(traces, owners, spec, biases, k, experts):
     for owner in owners:
         trace, nxt = traces[owner], traces[owner + 1]
         sets = top_k_sets(trace.logits, spec, k, biases[owner])  # [W, T, k]
-        now = np.zeros(trace.logits.shape, dtype=np.float32)
-        np.put_along_axis(now, sets, 1.0, axis=-1)
-        before = np.concatenate([np.zeros_like(now[:, :1]), now[:, :-1]], axis=1)
-        z = np.concatenate([trace.x, now, before], axis=-1)[:, :-1]  # token t = 0 .. T-2
+        z = sequence_features(mx.array(trace.x), mx.array(sets), experts)
+        z = np.array(z)[:, :-1]  # token t = 0 .. T-2
         features.append(z)
         targets.append(nxt.logits[:, 1:])  # layer N+1 at token t+1
     return np.stack(features), np.stack(targets)  # [n, W, T-1, D] / [n, W, T-1, E]
@@ -176,8 +175,7 @@ def train_heads(
 
     # -- 1. collect -------------------------------------------------------------------------------
     tokenizer = quiet_load_tokenizer(model_dir, None)
-    # A token is rarely longer than 16 characters: encode only what can be used.
-    tokens = tokenizer.encode(text[: 16 * config.max_tokens])[: config.max_tokens]
+    tokens = corpus_tokens(tokenizer, text, config.max_tokens).tolist()
     loaded, traces = collect(model_dir, tokens, config)
     moe_layers = sorted(traces)
     start = config.start_layer if config.start_layer is not None else moe_layers[1]

@@ -37,20 +37,10 @@ import mlx.nn as nn
 import numpy as np
 
 from ..errors import Edge0Error
-from .student import (
-    Log,
-    LoRAInit,
-    Student,
-    TrainingRun,
-    continuation_mask,
-    corpus_tokens,
-    draw_prompts,
-    load_student,
-    load_teacher,
-    masked_mean,
-    sample,
-    training_progress,
-)
+from .data import continuation_mask, corpus_tokens, draw_prompts, masked_mean, sample
+from .run import Log, TrainingRun, training_progress
+from .student import LoRAInit, Student, load_student
+from .teacher import load_teacher
 
 
 @dataclass

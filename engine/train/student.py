@@ -22,41 +22,34 @@ The one difference in training sequences: position 0 has no position before it, 
 the gate (g >= 1), where at decode the first generated position of a request is predicted from the
 prefill tail. A one-token prompt at decode is g = 1 exactly.
 
-Also here, shared by phases 2 and 3 and `edge0 eval`: the teacher (the unquantized float model),
-batched sampling, prompts drawn from a corpus, and the resumable training state.
+Beside it, shared by phases 2 and 3 and `edge0 eval`: `teacher.py` (the unquantized float model),
+`data.py` (batched sampling, prompts drawn from a corpus) and `run.py` (the resumable run).
 """
 
 from __future__ import annotations
 
-import json
 import math
-import os
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
-import mlx.optimizers as optim
-import numpy as np
-from mlx.utils import tree_flatten, tree_unflatten
-from mlx_lm.models.cache import make_prompt_cache
-from mlx_lm.sample_utils import make_sampler
 from mlx_lm.utils import dequantize_model
-from mlx_lm.utils import load_model as mlx_lm_load_model
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from ..adapters.lora import AppliedLoRA, LoRAAdapter, LoRALinear, linear_dims, load_lora, save_lora
 from ..adapters.profiles import discover_profiles
 from ..checkpoint.index import base_fingerprint
-from ..config import EngineConfig, GenerationConfig
+from ..config import EngineConfig
 from ..errors import Edge0Error
 from ..routing.functions import route
 from ..routing.moe_block import RoutedMoE, ops_for
-from ..routing.prerouter import PrerouterHeads, head_forward, load_profile_heads
-from ..runtime.generation import Engine
-from ..runtime.loader import LoadedModel, load, read_config
+from ..routing.prerouter import (
+    PrerouterHeads,
+    head_forward,
+    load_profile_heads,
+    sequence_features,
+)
+from ..runtime.loader import LoadedModel, load
 
 # LoRA targets by kind: a linear layer whose module path holds one of these markers. Routers
 # (`mlp.gate`), the shared expert's scalar gate (`mlp.shared_expert_gate`), routed experts, dense FFN
@@ -134,10 +127,8 @@ class StudentMoE(RoutedMoE):
     def _predict(self, x: mx.array, inds: mx.array) -> mx.array:
         """Next layer's logits at every position, from this layer's state one position earlier."""
         heads, row = self._head
-        experts = mx.arange(self.routing_spec.num_experts)
-        now = (inds[..., None] == experts).any(axis=-2).astype(heads.fc1.dtype)  # multi-hot
-        before = mx.concatenate([mx.zeros_like(now[:, :1]), now[:, :-1]], axis=1)
-        z = mx.concatenate([x.astype(heads.fc1.dtype), now, before], axis=-1)
+        experts = self.routing_spec.num_experts
+        z = sequence_features(x.astype(heads.fc1.dtype), inds, experts)
         logits = head_logits(heads, row, z).astype(x.dtype)
         # Position t's head output routes position t+1; position 0 has none (zeros, never used).
         return mx.concatenate([mx.zeros_like(logits[:, :1]), logits[:, :-1]], axis=1)
@@ -273,216 +264,3 @@ def _fresh_lora(model: nn.Module, init: LoRAInit) -> LoRAAdapter:
             "this model has no attention, linear-attention or shared-expert projection"
         )
     return LoRAAdapter(Path("<new LoRA>"), init.r, init.alpha, None, weights)
-
-
-# -- the teacher -------------------------------------------------------------------------------------
-
-
-def load_teacher(teacher_dir: str | Path, student: Student) -> nn.Module:
-    """The unquantized float model (mlx-lm format) the base was quantized from, frozen, computing in
-    the student's float dtype. Refuses a quantized teacher and one with another vocabulary."""
-    teacher_dir = Path(teacher_dir)
-    config = read_config(teacher_dir)
-    if "quantization" in config or "quantization_config" in config:
-        raise Edge0Error(
-            f"{teacher_dir}: the teacher is quantized; it must be the unquantized (bf16/fp32) model"
-        )
-    student_config = student.loaded.config
-    for key in ("model_type", "vocab_size"):
-        theirs, ours = _text_config_value(config, key), _text_config_value(student_config, key)
-        if theirs != ours:
-            raise Edge0Error(
-                f"{teacher_dir}: teacher {key}={theirs!r} but the base model has {ours!r} "
-                "(the teacher must be the same architecture and vocabulary)"
-            )
-    try:
-        model, _ = mlx_lm_load_model(teacher_dir, lazy=True, strict=True)
-    except (ValueError, KeyError, TypeError, FileNotFoundError) as e:
-        raise Edge0Error(f"{teacher_dir}: cannot load the teacher ({e})") from None
-    if student.loaded.float_dtype is not None:
-        model.set_dtype(student.loaded.float_dtype)
-    model.freeze()
-    mx.eval(model.parameters())
-    return model
-
-
-def _text_config_value(config: dict, key: str):
-    return config.get("text_config", {}).get(key, config.get(key))
-
-
-# -- sampling and data ---------------------------------------------------------------------------------
-
-
-def sample(
-    model: nn.Module,
-    prompts: np.ndarray,
-    max_tokens: int,
-    temperature: float,
-    top_p: float = 1.0,
-    seed: int = 0,
-) -> np.ndarray:
-    """Continuations [B, max_tokens] of equal-length prompts [B, P], sampled in one batch with
-    mlx-lm's KV caches (fixed length; cut them at EOS with `continuation_mask`)."""
-    mx.random.seed(seed)
-    sampler = make_sampler(temperature, top_p=top_p)
-    cache = make_prompt_cache(model)
-    logits = model(mx.array(prompts), cache=cache)[:, -1, :]
-    out = []
-    for _ in range(max_tokens):
-        token = sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
-        out.append(token)
-        logits = model(token[:, None], cache=cache)[:, -1, :]
-        mx.async_eval(logits)
-    return np.array(mx.stack(out, axis=1))
-
-
-def sample_served(
-    engine: Engine,
-    prompts: np.ndarray,
-    max_tokens: int,
-    temperature: float,
-    top_p: float,
-    seed: int,
-) -> list[list[int]]:
-    """One continuation per prompt from the engine, the served model (prompt i samples with seed
-    seed + i); a continuation ends early at EOS."""
-    continuations = []
-    for i, prompt in enumerate(prompts):
-        gen = GenerationConfig(
-            max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed + i
-        )
-        continuations.append(engine.generate(prompt.tolist(), gen).tokens)
-    return continuations
-
-
-def continuation_mask(continuations: np.ndarray, eos_ids) -> np.ndarray:
-    """[B, C] bool: each continuation up to and including its first end-of-sequence token."""
-    eos = np.isin(continuations, list(eos_ids))
-    after = np.cumsum(eos, axis=1) - eos  # EOS tokens strictly before this position
-    return after == 0
-
-
-def corpus_tokens(tokenizer, text: str, max_tokens: int) -> np.ndarray:
-    """The first `max_tokens` tokens of `text` (a token is rarely longer than 16 characters)."""
-    return np.array(tokenizer.encode(text[: 16 * max_tokens])[:max_tokens], dtype=np.int64)
-
-
-def draw_prompts(tokens: np.ndarray, n: int, length: int, rng: np.random.Generator) -> np.ndarray:
-    """`n` prompts [n, length]: windows of the corpus at random offsets."""
-    if len(tokens) < length + 1:
-        raise Edge0Error(f"the text is too short: {len(tokens)} tokens for prompts of {length}")
-    starts = rng.integers(0, len(tokens) - length, size=n)
-    return np.stack([tokens[s : s + length] for s in starts])
-
-
-def masked_mean(values: mx.array, mask: mx.array) -> mx.array:
-    mask = mask.astype(values.dtype)
-    return (values * mask).sum() / mx.maximum(mask.sum(), 1.0)
-
-
-# -- resumable training state --------------------------------------------------------------------------
-
-
-def training_progress(enabled: bool) -> Progress:
-    """The rich progress bar the training loops show (on stderr when it is a terminal)."""
-    return Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("{task.fields[status]}"),
-        TimeRemainingColumn(),
-        console=Console(stderr=True),
-        disable=not enabled,
-    )
-
-
-class TrainingRun:
-    """What phases 2 and 3 share around their loops: AdamW on the LoRA (clipped gradients), the
-    log, a held-out measure at step 0 and at every checkpoint, and the checkpoint in `out_dir`
-    (LoRA, optimizer state, log) that a rerun with the same settings resumes from."""
-
-    def __init__(self, out_dir: Path, student: Student, config, loss_fn, heldout, log: Log):
-        self.out_dir, self.student, self.config, self.heldout, self.log = (
-            out_dir,
-            student,
-            config,
-            heldout,
-            log,
-        )
-        self.loss_and_grad = nn.value_and_grad(student.model, loss_fn)
-        self.optimizer = optim.AdamW(learning_rate=config.lr, weight_decay=config.weight_decay)
-        self.state = self._resume()
-        if self.state is None:
-            self.state = {"config": asdict(config), "fingerprint": student.fingerprint, "step": 0}
-            self.state["log"] = [{"step": 0, "heldout": round(heldout(), 6)}]
-            log(f"held-out loss before training {self.state['log'][0]['heldout']:.5f}")
-        else:
-            log(f"resuming {out_dir} at step {self.state['step']}")
-
-    @property
-    def done(self) -> int:
-        """Steps already taken (0, or where the checkpoint stopped)."""
-        return self.state["step"]
-
-    @property
-    def history(self) -> list[dict]:
-        return self.state["log"]
-
-    def step(self, step: int, *batch) -> float:
-        """One optimizer step on `batch` (the loss function's arguments); returns the loss."""
-        config = self.config
-        loss, grads = self.loss_and_grad(*batch)
-        grads, _ = optim.clip_grad_norm(grads, config.grad_clip)
-        self.optimizer.update(self.student.model, grads)
-        mx.eval(self.student.model.trainable_parameters(), self.optimizer.state, loss)
-        entry = {"step": step, "loss": round(loss.item(), 6)}
-        self.history.append(entry)
-        self.state["step"] = step
-        if step % config.checkpoint_every == 0 or step == config.steps:
-            entry["heldout"] = round(self.heldout(), 6)
-            self._save()
-        if step % config.log_every == 0 or "heldout" in entry:
-            held = f"  held-out {entry['heldout']:.5f}" if "heldout" in entry else ""
-            self.log(f"step {step}/{config.steps}  loss {entry['loss']:.5f}{held}")
-        return entry["loss"]
-
-    def _save(self) -> None:
-        """LoRA and optimizer state, and the state (config, log), written atomically."""
-        model, out_dir = self.student.model, self.out_dir
-        tensors = {f"lora.{n}": v for n, v in tree_flatten(model.trainable_parameters())}
-        tensors.update({f"optimizer.{n}": v for n, v in tree_flatten(self.optimizer.state)})
-        out_dir.mkdir(parents=True, exist_ok=True)
-        mx.save_safetensors(str(out_dir / "checkpoint.tmp.safetensors"), tensors)
-        os.replace(out_dir / "checkpoint.tmp.safetensors", out_dir / "checkpoint.safetensors")
-        (out_dir / "checkpoint.tmp.json").write_text(json.dumps(self.state, indent=1))
-        os.replace(out_dir / "checkpoint.tmp.json", out_dir / "checkpoint.json")
-
-    def _resume(self) -> dict | None:
-        """Load the checkpoint in the out dir into the student and the optimizer; None when there
-        is none. A run with other settings (except `steps`) or another base is refused."""
-        meta_path = self.out_dir / "checkpoint.json"
-        tensors_path = self.out_dir / "checkpoint.safetensors"
-        if not (meta_path.exists() and tensors_path.exists()):
-            return None
-        state = json.loads(meta_path.read_text())
-        ours = {k: v for k, v in asdict(self.config).items() if k != "steps"}
-        theirs = {k: v for k, v in state.get("config", {}).items() if k != "steps"}
-        if ours != theirs or state.get("fingerprint") != self.student.fingerprint:
-            raise Edge0Error(
-                f"{self.out_dir} holds a run with other settings or another base model; "
-                "choose another --out-dir or delete it"
-            )
-        state["config"] = asdict(self.config)  # a new `steps` is the run's new length
-        tensors = mx.load(str(tensors_path))
-        model, optimizer = self.student.model, self.optimizer
-        model.load_weights(
-            [(n[5:], v) for n, v in tensors.items() if n.startswith("lora.")], strict=False
-        )
-        optimizer.init(model.trainable_parameters())
-        current = dict(tree_flatten(optimizer.state))
-        current.update({n[10:]: v for n, v in tensors.items() if n.startswith("optimizer.")})
-        optimizer.state = tree_unflatten(list(current.items()))
-        return state
-
-
-Log = Callable[[str], None]

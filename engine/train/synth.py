@@ -33,7 +33,11 @@ from mlx.utils import tree_flatten, tree_map_with_path
 from mlx_lm.utils import _get_classes, quantize_model, save_config, save_model
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
-FAMILIES: tuple[str, ...] = ("qwen3_moe", "qwen3_next", "qwen3_5_moe", "bailing_moe")
+from ..checkpoint.families import FAMILIES as FAMILY_TABLE
+from ..errors import Edge0Error
+
+# Every family the engine runs (its one list is the family table); each has a config below.
+FAMILIES: tuple[str, ...] = tuple(FAMILY_TABLE)
 PRESETS: tuple[str, ...] = ("tiny", "small", "wall")
 
 # Shapes shared by every family. `lin_*` are the Gated DeltaNet (linear attention)
@@ -142,7 +146,7 @@ EMBED_STD = 0.5
 EXPERT_BIAS_STD = 0.05
 
 
-def _qwen3_moe_config(s: dict[str, int]) -> dict:
+def qwen3_moe_config(s: dict[str, int]) -> dict:
     return {
         "model_type": "qwen3_moe",
         "architectures": ["Qwen3MoeForCausalLM"],
@@ -180,7 +184,7 @@ def _linear_attention_fields(s: dict[str, int]) -> dict:
 
 
 def _qwen3_next_config(s: dict[str, int]) -> dict:
-    config = _qwen3_moe_config(s)
+    config = qwen3_moe_config(s)
     config.update(_linear_attention_fields(s))
     config.update(
         model_type="qwen3_next",
@@ -192,7 +196,7 @@ def _qwen3_next_config(s: dict[str, int]) -> dict:
 
 
 def _qwen3_5_moe_config(s: dict[str, int]) -> dict:
-    text = _qwen3_moe_config(s)
+    text = qwen3_moe_config(s)
     text.update(_linear_attention_fields(s))
     text.update(
         model_type="qwen3_5_moe_text",
@@ -246,7 +250,7 @@ def _bailing_moe_config(s: dict[str, int]) -> dict:
 
 
 _FAMILY_CONFIGS = {
-    "qwen3_moe": _qwen3_moe_config,
+    "qwen3_moe": qwen3_moe_config,
     "qwen3_next": _qwen3_next_config,
     "qwen3_5_moe": _qwen3_5_moe_config,
     "bailing_moe": _bailing_moe_config,
@@ -256,9 +260,9 @@ _FAMILY_CONFIGS = {
 def _model_config(family: str, preset: str = "tiny") -> dict:
     """The unquantized config.json dict of `family` at `preset`."""
     if family not in _FAMILY_CONFIGS:
-        raise ValueError(f"unknown family {family!r}; valid families: {', '.join(FAMILIES)}")
+        raise Edge0Error(f"unknown family {family!r}; valid families: {', '.join(FAMILIES)}")
     if preset not in SHAPES:
-        raise ValueError(f"unknown preset {preset!r}; valid presets: {', '.join(PRESETS)}")
+        raise Edge0Error(f"unknown preset {preset!r}; valid presets: {', '.join(PRESETS)}")
     config = _FAMILY_CONFIGS[family](SHAPES[preset])
     config["eos_token_id"] = EOS_TOKEN_ID
     if "text_config" in config:
@@ -275,7 +279,7 @@ def write_synthetic_checkpoint(
     marker = out_dir / MARKER_FILE
     # Never overwrite what is not ours: the writer deletes stale model*.safetensors.
     if out_dir.exists() and any(out_dir.iterdir()) and not marker.exists():
-        raise ValueError(
+        raise Edge0Error(
             f"{out_dir} exists and is not a synthetic checkpoint; choose an empty directory"
         )
     _write_checkpoint(out_dir, config, seed, MAX_SHARD_BYTES)
@@ -292,7 +296,7 @@ def _write_checkpoint(out_dir: Path, config: dict, seed: int, max_shard_bytes: i
     # shard's memory is freed as soon as it is on disk.
     del model
     out_dir.mkdir(parents=True, exist_ok=True)
-    _write_weights(out_dir, weights, max_shard_bytes)
+    write_weights(out_dir, weights, max_shard_bytes)
     save_config(quantized_config, out_dir / "config.json")
 
 
@@ -372,7 +376,7 @@ def _plan_shards(weights: dict[str, mx.array], max_shard_bytes: int) -> list[lis
     return shards
 
 
-def _write_weights(out_dir: Path, weights: dict[str, mx.array], max_shard_bytes: int) -> None:
+def write_weights(out_dir: Path, weights: dict[str, mx.array], max_shard_bytes: int) -> None:
     """Evaluate and write `weights` shard by shard, plus model.safetensors.index.json.
 
     Arrays are popped from `weights` as they are written, so at most one shard (and

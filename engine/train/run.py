@@ -1,0 +1,173 @@
+"""What every training phase shares around its loop: the progress bar and resumable state.
+
+State is one safetensors file per run (`OUT/NAME.safetensors`): the model's trainable parameters,
+the optimizer state, and the run's JSON state (step, settings, log) in the file's metadata, so that
+weights and step always agree. A copy of the JSON goes to `OUT/NAME.json` for people and tools.
+Both are written to temporary files and renamed: a crash or Ctrl+C never leaves half a state, and a
+rerun with the same settings continues from the last save.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+from mlx.utils import tree_flatten, tree_unflatten
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+
+from ..errors import Edge0Error
+
+Log = Callable[[str], None]
+
+
+def training_progress(enabled: bool) -> Progress:
+    """The progress bar of every training phase (on stderr); tasks carry a `status` field."""
+    return Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        TextColumn("{task.fields[status]}"),
+        console=Console(stderr=True),
+        disable=not enabled,
+    )
+
+
+# -- resumable state ---------------------------------------------------------------------------------
+
+
+def save_state(
+    out_dir: Path, name: str, model: nn.Module, optimizer: optim.Optimizer, state: dict
+) -> None:
+    """Trainable parameters, optimizer state and `state` in OUT/NAME.safetensors (+ NAME.json)."""
+    arrays = {f"model.{k}": v for k, v in tree_flatten(model.trainable_parameters())}
+    arrays.update({f"optimizer.{k}": v for k, v in tree_flatten(optimizer.state)})
+    out_dir.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(state, indent=1) + "\n"
+    tmp = out_dir / f"{name}.tmp.safetensors"
+    mx.save_safetensors(str(tmp), arrays, metadata={"state": text})
+    tmp.replace(out_dir / f"{name}.safetensors")
+    (out_dir / f"{name}.tmp.json").write_text(text)
+    (out_dir / f"{name}.tmp.json").replace(out_dir / f"{name}.json")
+
+
+def read_state(out_dir: Path, name: str) -> tuple[dict, dict[str, mx.array]] | None:
+    """A saved run's JSON state and arrays from OUT/NAME.safetensors; None when there is none."""
+    path = out_dir / f"{name}.safetensors"
+    if not path.exists():
+        return None
+    try:
+        arrays, metadata = mx.load(str(path), return_metadata=True)
+        if "state" in metadata:
+            state = json.loads(metadata["state"])
+        else:  # written before 2026-12-01: the state in NAME.json, the step maybe in the metadata
+            state = json.loads((out_dir / f"{name}.json").read_text())
+            state["step"] = int(metadata.get("step", state["step"]))
+    except (OSError, ValueError, RuntimeError, KeyError) as e:
+        raise Edge0Error(
+            f"{path}: cannot read the training state ({e}); delete it to start over"
+        ) from None
+    return state, arrays
+
+
+def restore(model: nn.Module, optimizer: optim.Optimizer, arrays: dict[str, mx.array]) -> None:
+    """Load saved trainable parameters and optimizer state (see `save_state`)."""
+    # Phase 2/3 states written before 2026-12-01 name the parameters `lora.*`.
+    weights = [
+        (n.split(".", 1)[1], v) for n, v in arrays.items() if n.startswith(("model.", "lora."))
+    ]
+    model.load_weights(weights, strict=False)
+    optimizer.init(model.trainable_parameters())
+    current = dict(tree_flatten(optimizer.state))
+    current.update({n[10:]: v for n, v in arrays.items() if n.startswith("optimizer.")})
+    optimizer.state = tree_unflatten(list(current.items()))
+    mx.eval(model.parameters(), optimizer.state)
+
+
+def changed_settings(saved: dict, config, free: tuple[str, ...] = ("steps",)) -> list[str]:
+    """The settings of `config` (a dataclass) that differ from a saved run's; those in `free` may
+    change between runs (e.g. `steps`: a longer run continues a shorter one)."""
+    current = asdict(config)
+    return sorted(k for k, v in saved.items() if k not in free and current.get(k) != v)
+
+
+# -- phases 2 and 3 ------------------------------------------------------------------------------------
+
+
+class TrainingRun:
+    """What phases 2 and 3 share around their loops: AdamW on the LoRA (clipped gradients), the
+    log, a held-out measure at step 0 and at every checkpoint, and the state in `out_dir`
+    (`checkpoint.safetensors`) that a rerun with the same settings resumes from."""
+
+    STATE = "checkpoint"
+
+    def __init__(self, out_dir: Path, student, config, loss_fn, heldout, log: Log):
+        self.out_dir, self.student, self.config = out_dir, student, config
+        self.heldout, self.log = heldout, log
+        self.loss_and_grad = nn.value_and_grad(student.model, loss_fn)
+        self.optimizer = optim.AdamW(learning_rate=config.lr, weight_decay=config.weight_decay)
+        self.state = self._resume()
+        if self.state is None:
+            self.state = {"config": asdict(config), "fingerprint": student.fingerprint, "step": 0}
+            self.state["log"] = [{"step": 0, "heldout": round(heldout(), 6)}]
+            log(f"held-out loss before training {self.state['log'][0]['heldout']:.5f}")
+        else:
+            log(f"resuming {out_dir} at step {self.state['step']}")
+
+    @property
+    def done(self) -> int:
+        """Steps already taken (0, or where the checkpoint stopped)."""
+        return self.state["step"]
+
+    @property
+    def history(self) -> list[dict]:
+        return self.state["log"]
+
+    def step(self, step: int, *batch) -> float:
+        """One optimizer step on `batch` (the loss function's arguments); returns the loss."""
+        config = self.config
+        loss, grads = self.loss_and_grad(*batch)
+        grads, _ = optim.clip_grad_norm(grads, config.grad_clip)
+        self.optimizer.update(self.student.model, grads)
+        mx.eval(self.student.model.trainable_parameters(), self.optimizer.state, loss)
+        entry = {"step": step, "loss": round(loss.item(), 6)}
+        self.history.append(entry)
+        self.state["step"] = step
+        if step % config.checkpoint_every == 0 or step == config.steps:
+            entry["heldout"] = round(self.heldout(), 6)
+            save_state(self.out_dir, self.STATE, self.student.model, self.optimizer, self.state)
+        if step % config.log_every == 0 or "heldout" in entry:
+            held = f"  held-out {entry['heldout']:.5f}" if "heldout" in entry else ""
+            self.log(f"step {step}/{config.steps}  loss {entry['loss']:.5f}{held}")
+        return entry["loss"]
+
+    def _resume(self) -> dict | None:
+        """The saved state, loaded into the student and the optimizer; None when there is none.
+        A run with other settings (except `steps`) or another base is refused."""
+        saved = read_state(self.out_dir, self.STATE)
+        if saved is None:
+            return None
+        state, arrays = saved
+        changed = changed_settings(state.get("config", {}), self.config)
+        if changed or state.get("fingerprint") != self.student.fingerprint:
+            what = f"other settings ({', '.join(changed)})" if changed else "another base model"
+            raise Edge0Error(
+                f"{self.out_dir} holds a run with {what}; choose another --out-dir or delete it"
+            )
+        restore(self.student.model, self.optimizer, arrays)
+        state["config"] = asdict(self.config)  # a new `steps` is the run's new length
+        return state
