@@ -6,6 +6,7 @@ app-wide keys and palette commands; the chat screen does the chatting. Run it wi
 
 from __future__ import annotations
 
+import sqlite3
 from collections.abc import Iterable
 from functools import partial
 from pathlib import Path
@@ -13,6 +14,7 @@ from pathlib import Path
 from platformdirs import user_cache_path, user_data_path
 from textual.app import App, SystemCommand
 from textual.binding import Binding
+from textual.notifications import SeverityLevel
 from textual.screen import Screen
 
 from engine import EngineConfig, GenerationConfig
@@ -20,6 +22,7 @@ from engine import EngineConfig, GenerationConfig
 from .chat_store import ChatStore
 from .engine_session import EngineSession
 from .model_source import DEMO
+from .sanitize import sanitize
 from .screens.chat import ChatScreen
 from .widgets.routing_selector import RoutingSelector
 
@@ -51,19 +54,61 @@ class Edge0App(App[None]):
             offline=offline,
         )
         self.chat_screen = ChatScreen(self.session, self.store, settings or DEFAULT_SETTINGS)
+        self._warned_unsaved = False
 
     def get_default_screen(self) -> Screen:
         return self.chat_screen
 
     async def action_quit(self) -> None:
+        if self._unsaved_on_quit():
+            return
         # The engine thread stops its reply within one step, closes the engine and returns; the
         # process does not wait for a reply to finish.
         self.session.shutdown()
         self.exit()
 
+    def _unsaved_on_quit(self) -> bool:
+        """True when messages the database refused still cannot be written: the user is told
+        once, and the next quit goes ahead without them."""
+        if not self.store.unsaved or self._warned_unsaved:
+            return False  # nothing waits, or the user knows: closing the store makes a last try
+        try:
+            if self.store.flush():
+                return False
+        except sqlite3.Error:
+            return False  # a message that can never be written (a bug); closing retries the rest
+        self._warned_unsaved = True
+        self.chat_screen.notify(
+            f"{self.store.unsaved} message(s) are not saved: the chat database is still busy "
+            f"({self.store.last_error}). Quit again to leave without them.",
+            title="not saved yet",
+            severity="error",
+            timeout=20,
+        )
+        return True
+
     def on_unmount(self) -> None:
         self.session.shutdown()  # whatever way the app ends
-        self.store.close()
+        self.store.close()  # a last try at writing messages the database refused
+
+    def notify(
+        self,
+        message: str,
+        *,
+        title: str = "",
+        severity: SeverityLevel = "information",
+        timeout: float | None = None,
+        markup: bool = True,
+    ) -> None:
+        # Every notification, whoever sends it, reaches the terminal cleaned: errors quote paths,
+        # model names and the model's own words.
+        super().notify(
+            sanitize(message),
+            title=sanitize(title),
+            severity=severity,
+            timeout=timeout,
+            markup=markup,
+        )
 
     def action_toggle_keys(self) -> None:
         if self.screen.query("HelpPanel"):

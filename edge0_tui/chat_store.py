@@ -3,20 +3,34 @@
 Every message is written in its own transaction as soon as it is final (a user message when sent, a
 reply when it ends), so a crash loses at most the reply being generated. WAL mode lets a second edge0
 read the chats while this one writes. The schema version lives in `PRAGMA user_version`.
+
+Another program may hold the database's write lock (a second edge0, an `sqlite3` shell inside a
+transaction). A write waits for it up to `BUSY_TIMEOUT_S`; past that, `save` keeps the message in
+memory, in order, and writes it with the next save or on `close`, so what the user wrote is never
+dropped. Conversations are private: the directory is 0700, the database and its -wal/-shm files 0600
+(looser modes left by an older edge0 are tightened on open). Text is stored through `sanitize`.
 """
 
 from __future__ import annotations
 
+import os
 import sqlite3
+import stat
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from engine import Edge0Error
 
+from .sanitize import sanitize
+
 SCHEMA_VERSION = 1
+# How long a write waits for another program's lock before the message is kept for later. The UI
+# thread waits that long, so a few seconds: enough for any normal transaction to end.
+BUSY_TIMEOUT_S = 3.0
+PRIVATE_DIR, PRIVATE_FILE = 0o700, 0o600
 
 _SCHEMA = """
 CREATE TABLE chats (
@@ -58,19 +72,39 @@ class ChatMessage:
         """The `role`/`content` dict the engine's chat template takes."""
         return {"role": self.role, "content": self.content}
 
+    def cleaned(self) -> ChatMessage:
+        return replace(self, content=sanitize(self.content))
+
+
+@dataclass
+class ChatHandle:
+    """A chat as the app holds it: `id` is None until its row is written (the database may be
+    locked when its first message is saved)."""
+
+    title: str
+    model: str
+    id: int | None = None
+
 
 class ChatStore:
     """Chats and their messages in `<data_dir>/chats.sqlite3`. Use from one thread (the UI's)."""
 
     def __init__(self, data_dir: str | Path) -> None:
         self.path = Path(data_dir) / "chats.sqlite3"
+        # Saved messages the database refused (locked, full), oldest first; see `save`.
+        self._unsaved: list[tuple[ChatHandle, ChatMessage]] = []
+        self.last_error = ""  # why the latest save had to wait
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            _private_directory(self.path.parent)
+            _private_file(self.path)
             # isolation_level=None: no implicit transactions; each write below opens its own.
-            self._db = sqlite3.connect(self.path, isolation_level=None)
+            self._db = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_S, isolation_level=None)
             self._db.execute("PRAGMA journal_mode = WAL")
             self._db.execute("PRAGMA foreign_keys = ON")
             self._migrate()
+            # SQLite gives new -wal/-shm files the database's mode; older ones may be looser.
+            for suffix in ("-wal", "-shm"):
+                _private_file(self.path.with_name(self.path.name + suffix), create=False)
         except (OSError, sqlite3.Error) as e:
             raise Edge0Error(f"{self.path}: cannot open the chat database ({e})") from None
 
@@ -88,7 +122,8 @@ class ChatStore:
     @contextmanager
     def _transaction(self) -> Iterator[None]:
         """Commits what the `with` block wrote, or rolls all of it back on an exception."""
-        self._db.execute("BEGIN")
+        # IMMEDIATE takes the write lock now, waiting for another writer up to the busy timeout.
+        self._db.execute("BEGIN IMMEDIATE")
         try:
             yield
         except BaseException:
@@ -101,7 +136,7 @@ class ChatStore:
         with self._transaction():
             cursor = self._db.execute(
                 "INSERT INTO chats (title, model, created_at, updated_at) VALUES (?, ?, ?, ?)",
-                (title, model, now, now),
+                (sanitize(title), sanitize(model), now, now),
             )
         return int(cursor.lastrowid)
 
@@ -111,9 +146,41 @@ class ChatStore:
             self._db.execute(
                 "INSERT INTO messages (chat_id, role, content, stopped_by, created_at) "
                 "VALUES (?, ?, ?, ?, ?)",
-                (chat_id, message.role, message.content, message.stopped_by, now),
+                (chat_id, message.role, sanitize(message.content), message.stopped_by, now),
             )
             self._db.execute("UPDATE chats SET updated_at = ? WHERE id = ?", (now, chat_id))
+
+    def save(self, chat: ChatHandle, message: ChatMessage) -> bool:
+        """Write `message` to `chat` (creating the chat on its first message) after any messages
+        still waiting. False when the database stays locked (or full): the message waits in
+        memory, in order, for the next `save`, `flush` or `close`; `last_error` says why."""
+        self._unsaved.append((chat, message.cleaned()))
+        return self.flush()
+
+    def flush(self) -> bool:
+        """Write the messages that are waiting, oldest first; True when none is left."""
+        while self._unsaved:
+            chat, message = self._unsaved[0]
+            try:
+                if chat.id is None:
+                    chat.id = self.create_chat(chat.title, chat.model)
+                self.add_message(chat.id, message)
+            except sqlite3.OperationalError as e:  # locked, busy, full, read-only: try again later
+                self.last_error = str(e)
+                return False
+            except sqlite3.Error:
+                # Not the database's state but this message (a bug): it can never be written, so
+                # it must not hold back the ones after it.
+                self._unsaved.pop(0)
+                raise
+            self._unsaved.pop(0)
+        self.last_error = ""
+        return True
+
+    @property
+    def unsaved(self) -> int:
+        """Messages waiting to be written."""
+        return len(self._unsaved)
 
     def chats(self) -> list[ChatSummary]:
         """Every chat, most recently updated first."""
@@ -122,21 +189,57 @@ class ChatStore:
             "LEFT JOIN messages m ON m.chat_id = c.id GROUP BY c.id "
             "ORDER BY c.updated_at DESC, c.id DESC"
         ).fetchall()
-        return [ChatSummary(*row) for row in rows]
+        # Cleaned on the way out too: a database written by an older edge0 may hold raw text.
+        return [
+            ChatSummary(id, sanitize(title), sanitize(model), updated, count)
+            for id, title, model, updated, count in rows
+        ]
 
     def messages(self, chat_id: int) -> list[ChatMessage]:
+        """A chat's messages, those still waiting to be written included."""
         rows = self._db.execute(
             "SELECT role, content, stopped_by FROM messages WHERE chat_id = ? ORDER BY id",
             (chat_id,),
         ).fetchall()
-        return [ChatMessage(*row) for row in rows]
+        waiting = [message for chat, message in self._unsaved if chat.id == chat_id]
+        return [ChatMessage(*row).cleaned() for row in rows] + waiting
 
     def delete_chat(self, chat_id: int) -> None:
         with self._transaction():
             self._db.execute("DELETE FROM chats WHERE id = ?", (chat_id,))
 
-    def close(self) -> None:
+    def close(self) -> int:
+        """Write what is waiting (a last try) and close. Returns how many messages were lost."""
+        while True:
+            try:
+                self.flush()
+                break
+            except sqlite3.Error:
+                continue  # that message cannot be written (flush dropped it); the next may be
+        lost = self.unsaved
         self._db.close()
+        return lost
+
+
+def _private_directory(path: Path) -> None:
+    """`path` as a directory only its owner can enter (created 0700, or tightened)."""
+    path.mkdir(parents=True, exist_ok=True, mode=PRIVATE_DIR)
+    _tighten(path, PRIVATE_DIR)
+
+
+def _private_file(path: Path, create: bool = True) -> None:
+    """`path` as a file only its owner can read: created 0600 before SQLite opens it (SQLite would
+    create it 0644), or tightened when an older edge0 left it looser."""
+    if create:
+        os.close(os.open(path, os.O_RDWR | os.O_CREAT, PRIVATE_FILE))
+    if path.exists():
+        _tighten(path, PRIVATE_FILE)
+
+
+def _tighten(path: Path, private: int) -> None:
+    mode = stat.S_IMODE(path.stat().st_mode)
+    if mode & ~private:  # any group or other bit
+        path.chmod(mode & private)
 
 
 def chat_title(first_message: str, width: int = 48) -> str:

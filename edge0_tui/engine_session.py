@@ -45,6 +45,7 @@ from .messages import (
     ReplyText,
 )
 from .model_source import resolve_model
+from .sanitize import sanitize
 
 # Reply text reaches the UI at most this often: fast enough to read as live, slow enough that a
 # few hundred tokens a second do not flood the UI's message queue.
@@ -176,9 +177,11 @@ class EngineSession:
                 prompt, request.generation, on_token=reply.on_token, should_stop=self._should_stop
             )
         except Edge0Error as e:
-            post(ReplyFailed(str(e), reply.text_so_far()))
+            post(ReplyFailed(str(e), reply.text_so_far(), reply.nonfinite_repaired))
             return
-        post(ReplyFinished(result.text, result.stopped_by, result.summary))
+        # The summary counts every step, prefill chunks that produced no token included.
+        repaired = result.summary.get("nonfinite_repaired", reply.nonfinite_repaired)
+        post(ReplyFinished(sanitize(result.text), result.stopped_by, result.summary, repaired))
 
 
 class _ReplyStream:
@@ -196,10 +199,12 @@ class _ReplyStream:
         self._steps: deque[StepMetrics] = deque(previous.recent_steps, maxlen=HISTORY_STEPS)
         self._token_ms: deque[float] = deque(previous.recent_token_ms, maxlen=HISTORY_STEPS)
         self.prompt_tokens = 0
+        self.nonfinite_repaired = 0  # over the steps seen so far
 
     def on_token(self, token: int, step: StepMetrics) -> None:
         now = time.perf_counter()
         self._tokens.append(token)
+        self.nonfinite_repaired += step.nonfinite_repaired
         if step.phase == "decode" and self._last_token_at is not None:
             self._steps.append(step)
             self._token_ms.append((now - self._last_token_at) * 1e3)
@@ -232,4 +237,6 @@ class _ReplyStream:
     def text_so_far(self) -> str:
         # A character split across tokens decodes to U+FFFD until its last byte arrives: hold
         # trailing ones back rather than show a replacement character that then changes.
-        return self._engine.reply_text(self._tokens).rstrip("\ufffd")
+        # Cleaned of terminal control sequences as a whole, not per batch, so a sequence split
+        # across two batches still goes (and what was posted stays a prefix of the rest).
+        return sanitize(self._engine.reply_text(self._tokens).rstrip("\ufffd"))

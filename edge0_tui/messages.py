@@ -53,6 +53,8 @@ class ReplyFinished(Message, bubble=False):
     text: str  # the whole reply, decoded once more from all its tokens
     stopped_by: str  # "eos", "max_tokens" or "cancelled"
     summary: dict = field(default_factory=dict)
+    # Hidden values the engine's numerical guard repaired (NaN, inf) while writing the reply.
+    nonfinite_repaired: int = 0
 
 
 @dataclass
@@ -61,3 +63,4 @@ class ReplyFailed(Message, bubble=False):
 
     error: str
     text: str
+    nonfinite_repaired: int = 0

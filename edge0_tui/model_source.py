@@ -8,12 +8,17 @@ MODEL is one of:
 - a Hugging Face repo id (`owner/name`), downloaded into the Hugging Face cache. Offline, a copy
   already in the cache is used; without one the error says so.
 
+A local path is looked for first, and a missing one is said to be missing: text that starts like a
+path (`.`, `/`, `~`) or whose first part exists here is never sent to the Hub, and an `owner/name`
+that is not a local directory says so before the Hub is tried (a typo in a path reads as one).
+
 Writing the synthetic checkpoint runs MLX, so `resolve_model` must run on the engine's thread.
 """
 
 from __future__ import annotations
 
 import io
+import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -45,7 +50,9 @@ HUB_FILES = [
     "*.txt",
     "*.jinja",
 ]
-_REPO_ID = re.compile(r"[\w.-]+/[\w.-]+")
+# One part of a Hub repo id, as huggingface_hub's validate_repo_id allows it: letters, digits, `_`,
+# `-`, `.`, at most 96, not starting or ending with `-` or `.` (and no `--` or `..`, checked apart).
+_HUB_NAME = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9_.-]{0,94}[A-Za-z0-9_])?")
 
 # (what is happening, units done, units in total or None when unknown)
 ProgressCallback = Callable[[str, float, "float | None"], None]
@@ -67,9 +74,50 @@ def resolve_model(
             return ModelSource(BUNDLED_DEMO, DEMO, BUNDLED_NOTICE)
         return ModelSource(demo_checkpoint(cache_dir, on_progress), DEMO, DEMO_NOTICE)
     local = Path(spec).expanduser()
-    if local.exists() or not _REPO_ID.fullmatch(spec):
-        return ModelSource(local, local.name)  # the engine says what is wrong with a bad path
-    return ModelSource(download_from_hub(spec, on_progress, offline=offline), spec)
+    if local.exists():
+        return ModelSource(local, local.name)  # the engine says what is wrong with a bad checkpoint
+    if _names_a_path(spec):
+        raise Edge0Error(_missing_path(spec, local))
+    if not is_hub_id(spec):
+        raise Edge0Error(
+            f"{spec!r}: no local directory of that name, and not a Hugging Face model id "
+            "(owner/name: letters, digits, '-', '_', '.')"
+        )
+    on_progress(f"no local directory {spec}; trying the Hugging Face Hub", 0, None)
+    try:
+        return ModelSource(download_from_hub(spec, on_progress, offline=offline), spec)
+    except Edge0Error as e:
+        raise Edge0Error(f"no local directory {spec}; {e}") from None
+
+
+def is_hub_id(spec: str) -> bool:
+    """`owner/name` as the Hugging Face Hub spells a model repo."""
+    parts = spec.split("/")
+    return (
+        len(parts) == 2
+        and all(_HUB_NAME.fullmatch(part) for part in parts)
+        and "--" not in spec
+        and ".." not in spec
+    )
+
+
+def _names_a_path(spec: str) -> bool:
+    """True for text that can only mean a local path: it starts like one, or its first part
+    exists here (`models/qwen` with a `models` directory is a path with a typo, not a repo)."""
+    path = Path(spec)
+    if spec.startswith((".", "~", os.sep)) or path.is_absolute() or path.drive:
+        return True
+    return len(path.parts) > 1 and Path(path.parts[0]).exists()
+
+
+def _missing_path(spec: str, local: Path) -> str:
+    """Which part of a local path is missing: the first one that does not exist."""
+    missing = local
+    for parent in local.parents:
+        if parent.exists():
+            break
+        missing = parent
+    return f"{spec}: no such local directory ({os.path.abspath(missing)} does not exist)"
 
 
 def demo_checkpoint(cache_dir: Path, on_progress: ProgressCallback) -> Path:
@@ -93,7 +141,17 @@ def download_from_hub(
     Offline (or when the Hub cannot be reached), a complete cached copy is used as is.
     """
     from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import LocalEntryNotFoundError, RepositoryNotFoundError
+    from huggingface_hub.errors import (
+        HFValidationError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+    )
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as e:  # a ValueError the app would otherwise report as a bug
+        raise Edge0Error(f"{repo_id!r}: not a Hugging Face model id ({e})") from None
 
     def cached_copy(reason: str) -> Path:
         try:

@@ -13,6 +13,7 @@ from textual import on, work
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
+from textual.notifications import SeverityLevel
 from textual.screen import Screen
 from textual.timer import Timer
 from textual.widgets import Footer, Header
@@ -20,7 +21,7 @@ from textual.worker import Worker, WorkerState, get_current_worker
 
 from engine import Edge0Error, GenerationConfig
 
-from ..chat_store import ChatMessage, ChatStore, chat_title
+from ..chat_store import ChatHandle, ChatMessage, ChatStore, chat_title
 from ..engine_session import EngineSession, ReplyRequest
 from ..live_metrics import LiveMetrics
 from ..messages import (
@@ -62,7 +63,7 @@ class ChatScreen(Screen):
         self.session = session
         self.store = store
         self.settings = settings
-        self.chat_id: int | None = None
+        self.chat: ChatHandle | None = None  # None until the chat's first message
         self.messages: list[ChatMessage] = []
         self.reply: AssistantTurn | None = None  # the reply being written, if any
         # Tokens the engine saw for this chat's latest reply (prompt and reply); None when unknown
@@ -88,6 +89,19 @@ class ChatScreen(Screen):
         yield StatusLine(id="status")
         yield Footer()
 
+    def notify(
+        self,
+        message: str,
+        *,
+        title: str = "",
+        severity: SeverityLevel = "information",
+        timeout: float | None = None,
+        markup: bool = False,
+    ) -> None:
+        # Plain text, never markup: what this screen reports quotes paths, model names and errors,
+        # and a `[/x]` in one of them would otherwise stop the app (Textual's MarkupError).
+        super().notify(message, title=title, severity=severity, timeout=timeout, markup=markup)
+
     def on_mount(self) -> None:
         self.sub_title = "new chat"
         self.app.push_screen(ModelLoadingScreen())
@@ -105,15 +119,19 @@ class ChatScreen(Screen):
         self.session.serve(self.post_message, lambda: worker.is_cancelled)
 
     async def on_worker_state_changed(self, event: Worker.StateChanged) -> None:
-        if event.worker.name == "engine" and event.state == WorkerState.ERROR:
-            # Not an Edge0Error (those arrive as messages): a bug. Say so in one line, keep the
-            # conversation, and end the reply it interrupted.
-            self._dismiss_loading()
-            self.ready = False
-            self.notify(f"the engine stopped on a bug: {event.worker.error!r}", severity="error")
-            if self.reply is not None:
-                await self._end_reply(self.reply.text, "error")
-            self.state = "engine stopped"
+        if event.worker.name != "engine" or event.state != WorkerState.ERROR:
+            return
+        # Not an Edge0Error (those arrive as messages): a bug, or a library's error edge0 did not
+        # translate. Say so in one line, keep the conversation, and end the reply it interrupted.
+        if not self.ready:
+            # The model never loaded: that is the news, with the real reason, not "engine stopped".
+            self._load_failed(_one_line(event.worker.error))
+            return
+        self.ready = False
+        self.notify(f"the engine stopped on a bug: {event.worker.error!r}", severity="error")
+        if self.reply is not None:
+            await self._end_reply(self.reply.text, "error")
+        self.state = "engine stopped"
 
     def on_model_progress(self, event: ModelProgress) -> None:
         self.state = event.what
@@ -135,9 +153,12 @@ class ChatScreen(Screen):
         self.refresh_panels()
 
     def on_engine_failed(self, event: EngineFailed) -> None:
+        self._load_failed(event.error)
+
+    def _load_failed(self, error: str) -> None:
         self._dismiss_loading()
         self.state = "no model"
-        self.notify(event.error, title="cannot load the model", severity="error", timeout=30)
+        self.notify(error, title="cannot load the model", severity="error", timeout=30)
         self.refresh_panels()
 
     def _dismiss_loading(self) -> None:
@@ -158,9 +179,9 @@ class ChatScreen(Screen):
         if self.reply is not None:
             self.notify("a reply is being written: wait, or press Escape to stop it")
             return False
-        self._save(ChatMessage("user", text))
+        message = self._save(ChatMessage("user", text))
         conversation = self.query_one(Conversation)
-        await conversation.add_user_turn(text)
+        await conversation.add_user_turn(message.content)
         self.reply = await conversation.add_reply()
         prompt = [m.as_prompt() for m in self.messages]
         self.session.submit(ReplyRequest(prompt, self.settings))
@@ -173,13 +194,13 @@ class ChatScreen(Screen):
             await self.reply.append(event.text)
 
     async def on_reply_finished(self, event: ReplyFinished) -> None:
-        await self._end_reply(event.text, event.stopped_by)
+        await self._end_reply(event.text, event.stopped_by, event.nonfinite_repaired)
 
     async def on_reply_failed(self, event: ReplyFailed) -> None:
         self.notify(event.error, title="the reply stopped", severity="error", timeout=15)
-        await self._end_reply(event.text, "error")
+        await self._end_reply(event.text, "error", event.nonfinite_repaired)
 
-    async def _end_reply(self, text: str, stopped_by: str) -> None:
+    async def _end_reply(self, text: str, stopped_by: str, nonfinite_repaired: int = 0) -> None:
         reply, self.reply = self.reply, None
         if reply is None:
             return
@@ -187,20 +208,39 @@ class ChatScreen(Screen):
         self.context_tokens = self.session.metrics.context_tokens if text else None
         self.state = "ready"
         if text:  # a partial reply is kept: it is part of what the model saw and said
-            self._save(ChatMessage("assistant", text, stopped_by))
+            text = self._save(ChatMessage("assistant", text, stopped_by)).content
         self.refresh_bindings()
-        await reply.finish(text, stopped_by)
+        await reply.finish(text, stopped_by, nonfinite_repaired)
 
-    def _save(self, message: ChatMessage) -> None:
-        """Add a message to the conversation and the database (creating the chat on its first)."""
+    def _save(self, message: ChatMessage) -> ChatMessage:
+        """Add a message to the conversation and the database (creating the chat on its first).
+        Returns the message as kept: cleaned of terminal control sequences."""
+        message = message.cleaned()
         self.messages.append(message)
+        if self.chat is None:
+            self.chat = ChatHandle(chat_title(message.content), self.model_name)
+            self.sub_title = self.chat.title
+        were_waiting = self.store.unsaved
         try:
-            if self.chat_id is None:
-                self.chat_id = self.store.create_chat(chat_title(message.content), self.model_name)
-                self.sub_title = chat_title(message.content)
-            self.store.add_message(self.chat_id, message)
-        except sqlite3.Error as e:
-            self.notify(f"could not save the chat: {e}", severity="error")
+            saved = self.store.save(self.chat, message)
+        except sqlite3.Error as e:  # not a lock: this message cannot be written at all
+            self.notify(f"could not save the message: {e}", severity="error")
+            return message
+        if not saved:
+            self.notify(
+                f"saving is pending: the chat database is busy ({self.store.last_error}). "
+                f"{self.store.unsaved} message(s) are kept in memory and saved once it is free.",
+                severity="warning",
+                timeout=10,
+            )
+        elif were_waiting:
+            self.notify(f"saved the {were_waiting} message(s) that were waiting")
+        return message
+
+    @property
+    def chat_id(self) -> int | None:
+        """The shown chat's id in the database; None for a new chat, or one not written yet."""
+        return self.chat.id if self.chat is not None else None
 
     # -- actions -----------------------------------------------------------------------------------
 
@@ -219,7 +259,7 @@ class ChatScreen(Screen):
     async def action_new_chat(self) -> None:
         if self._refuse_while_writing():
             return
-        self.chat_id, self.messages, self.context_tokens = None, [], 0
+        self.chat, self.messages, self.context_tokens = None, [], 0
         self.sub_title = "new chat"
         await self.query_one(Conversation).show([])
         self.query_one(PromptInput).focus()
@@ -232,14 +272,24 @@ class ChatScreen(Screen):
             if chat_id is not None:
                 await self.open_chat(chat_id)
 
-        self.app.push_screen(ChatListScreen(self.store.chats()), opened)
+        try:
+            chats = self.store.chats()
+        except sqlite3.Error as e:
+            self.notify(f"cannot read the saved chats: {e}", severity="error")
+            return
+        self.app.push_screen(ChatListScreen(chats), opened)
 
     async def open_chat(self, chat_id: int) -> None:
         """Show a saved chat and continue it."""
-        self.chat_id, self.context_tokens = chat_id, None
-        self.messages = self.store.messages(chat_id)
+        try:
+            messages = self.store.messages(chat_id)
+        except sqlite3.Error as e:
+            self.notify(f"cannot read the chat: {e}", severity="error")
+            return
+        self.messages, self.context_tokens = messages, None
         first_user = next((m.content for m in self.messages if m.role == "user"), "")
-        self.sub_title = chat_title(first_user)
+        self.chat = ChatHandle(chat_title(first_user), self.model_name, chat_id)
+        self.sub_title = self.chat.title
         await self.query_one(Conversation).show(self.messages)
         self.query_one(PromptInput).focus()
 
@@ -339,5 +389,12 @@ class ChatScreen(Screen):
                 pending_mode=self.pending_mode,
                 context_tokens=metrics.context_tokens if self.reply else self.context_tokens,
                 peak_memory_bytes=metrics.peak_memory_bytes,
+                unsaved=self.store.unsaved,
             )
         )
+
+
+def _one_line(error: BaseException | None) -> str:
+    """An exception as one line: its type and the first line of its message."""
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__

@@ -13,6 +13,7 @@ from textual.widgets import Label, OptionList
 from textual.widgets.option_list import Option
 
 from ..chat_store import ChatSummary
+from ..sanitize import sanitize
 
 
 class ChatListScreen(ModalScreen[int | None]):
@@ -41,4 +42,5 @@ class ChatListScreen(ModalScreen[int | None]):
 
 def _describe(chat: ChatSummary) -> str:
     when = time.strftime("%Y-%m-%d %H:%M", time.localtime(chat.updated_at))
-    return f"{chat.title}\n  {when} · {chat.message_count} messages · {chat.model}"
+    # The title is what the user (or a file someone sent them) wrote: shown cleaned.
+    return sanitize(f"{chat.title}\n  {when} · {chat.message_count} messages · {chat.model}")

@@ -1,7 +1,12 @@
-"""Settings: how replies are sampled (temperature, top-p, max tokens)."""
+"""Settings: how replies are sampled (temperature, top-p, max tokens).
+
+A value out of range (NaN, inf, a negative temperature, top-p outside (0, 1], max tokens below 1) is
+refused in the dialog itself, naming the field and what it accepts; the dialog stays open.
+"""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 from textual import on
@@ -11,7 +16,7 @@ from textual.containers import Horizontal, Vertical
 from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label
 
-from engine import GenerationConfig
+from engine import Edge0Error, GenerationConfig
 
 
 @dataclass(frozen=True)
@@ -21,6 +26,20 @@ class Field:
     kind: type  # float or int
     minimum: float
     maximum: float
+
+    def parse(self, text: str) -> float | int | None:
+        """The value `text` gives this field; None when it is not a finite number in range."""
+        try:
+            value = self.kind(text.strip())
+        except ValueError:
+            return None
+        if not math.isfinite(value) or not self.minimum <= value <= self.maximum:
+            return None
+        return value
+
+    def rule(self) -> str:
+        kind = "a whole number" if self.kind is int else "a number"
+        return f"{self.label.split(' (')[0]} must be {kind} from {self.minimum} to {self.maximum}"
 
 
 FIELDS = (
@@ -49,6 +68,7 @@ class SettingsScreen(ModalScreen[GenerationConfig | None]):
                     type="integer" if field.kind is int else "number",
                     id=field.name,
                 )
+            yield Label("", id="error", classes="dialog-error", markup=False)
             with Horizontal(classes="dialog-buttons"):
                 yield Button("Save", variant="primary", id="save")
                 yield Button("Cancel", id="cancel")
@@ -63,13 +83,19 @@ class SettingsScreen(ModalScreen[GenerationConfig | None]):
         values = {}
         for field in FIELDS:
             box = self.query_one(f"#{field.name}", Input)
-            try:
-                value = field.kind(box.value)
-            except ValueError:
-                value = None
-            if value is None or not field.minimum <= value <= field.maximum:
+            value = field.parse(box.value)
+            if value is None:
                 box.focus()
-                self.notify(f"{field.label}: {field.minimum} to {field.maximum}", severity="error")
+                self.refuse(f"{field.rule()}, not {box.value!r}")
                 return
             values[field.name] = value
-        self.dismiss(replace(self.settings, **values))
+        try:
+            settings = replace(self.settings, **values)
+        except Edge0Error as e:  # the engine's own check of a GenerationConfig, where it has one
+            self.refuse(str(e))
+            return
+        self.dismiss(settings)
+
+    def refuse(self, reason: str) -> None:
+        """Say in the dialog why the settings cannot be saved."""
+        self.query_one("#error", Label).update(reason)

@@ -8,6 +8,7 @@ from textual.widgets import Label, Markdown, Static
 from textual.widgets.markdown import MarkdownStream
 
 from ..chat_store import ChatMessage
+from ..sanitize import sanitize
 
 # What the line under a reply says about how it ended; nothing for a normal end.
 ENDINGS = {
@@ -18,11 +19,21 @@ ENDINGS = {
 }
 
 
+def ending(stopped_by: str | None, nonfinite_repaired: int = 0) -> str:
+    """The line under a reply: how it ended, and whether its numbers needed repair."""
+    parts = [ENDINGS.get(stopped_by or "", stopped_by or "")]
+    if nonfinite_repaired:
+        # The engine's guard replaced NaN/inf hidden values so decoding could go on; the reply
+        # may be degraded, and the user should know it was not a clean run.
+        parts.append(f"numerical repair: {nonfinite_repaired} non-finite values fixed")
+    return " · ".join(p for p in parts if p)
+
+
 class UserTurn(Static):
     """What the user wrote, shown as typed (no Markdown, no markup)."""
 
     def __init__(self, text: str) -> None:
-        super().__init__(text, markup=False)
+        super().__init__(sanitize(text), markup=False)
 
 
 class AssistantTurn(Vertical):
@@ -30,14 +41,14 @@ class AssistantTurn(Vertical):
 
     def __init__(self, text: str = "", stopped_by: str | None = None) -> None:
         super().__init__()
-        self.text = text  # kept here: never read back from the Markdown widget
+        self.text = sanitize(text)  # kept here: never read back from the Markdown widget
         self._stopped_by = stopped_by
         self._stream: MarkdownStream | None = None
 
     def compose(self) -> ComposeResult:
         # Links in model output must not open a browser on a stray click.
         yield Markdown(self.text, open_links=False)
-        yield Label(ENDINGS.get(self._stopped_by or "", ""), classes="ending")
+        yield Label(ending(self._stopped_by), markup=False, classes="ending")
 
     def on_mount(self) -> None:
         self.set_class(self._stopped_by is None and not self.text, "-writing")
@@ -45,20 +56,23 @@ class AssistantTurn(Vertical):
     async def append(self, text: str) -> None:
         """Add streamed text at the end. Markdown.get_stream merges writes that arrive faster than
         the widget renders, and re-parses only the last block."""
+        text = sanitize(text)
         self.text += text
         if self._stream is None:
             self._stream = Markdown.get_stream(self.query_one(Markdown))
         await self._stream.write(text)
 
-    async def finish(self, text: str, stopped_by: str) -> None:
+    async def finish(self, text: str, stopped_by: str, nonfinite_repaired: int = 0) -> None:
         """End the reply with its full text (one clean parse; a stream can leave partial-block
         state behind) and say how it ended."""
+        text = sanitize(text)
         if self._stream is not None:
             await self._stream.stop()
             self._stream = None
         self.text = text
         await self.query_one(Markdown).update(text)
-        self.query_one(".ending", Label).update(ENDINGS.get(stopped_by, stopped_by))
+        self.query_one(".ending", Label).update(ending(stopped_by, nonfinite_repaired))
+        self.set_class(nonfinite_repaired > 0, "-repaired")
         self.remove_class("-writing")
 
 

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from textual import events
 from textual.binding import Binding
 from textual.message import Message
 from textual.widgets import TextArea
+
+from ..sanitize import sanitize
 
 
 class PromptInput(TextArea):
@@ -26,6 +29,11 @@ class PromptInput(TextArea):
 
     def __init__(self, *, id: str | None = None) -> None:
         super().__init__(id=id, soft_wrap=True, show_line_numbers=False, tab_behavior="focus")
+
+    def _on_paste(self, event: events.Paste) -> None:
+        # Textual runs each class's handler, this one before TextArea's, which inserts the text:
+        # pasted terminal control sequences are dropped before they are shown.
+        event.text = sanitize(event.text)
 
     def action_submit(self) -> None:
         if self.text.strip():
