@@ -4,10 +4,23 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 from engine import MODES, Edge0Error, EngineConfig, GenerationConfig, format_bytes, parse_size
+
+# The exit status of a process killed by SIGPIPE (128 + 13), as shells report `yes | head`.
+BROKEN_PIPE_STATUS = 141
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (`edge0: error: argument --x: ...`, exit status 2) like every
+    other edge0 error; the usage text stays with --help. Subcommand parsers share this class."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"edge0: error: {' '.join(message.split())}\n")
 
 
 def _size(text: str) -> int:
@@ -17,8 +30,21 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _utf8(text: str) -> str:
+    """Command-line text as given. Python hands over bytes that are not UTF-8 as surrogate escapes
+    (U+DC80..U+DCFF), which the tokenizer cannot encode: refuse them here, naming the byte."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        byte = ord(text[e.start]) & 0xFF
+        raise argparse.ArgumentTypeError(
+            f"not valid UTF-8 (byte 0x{byte:02x} at character {e.start})"
+        ) from None
+    return text
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="edge0",
         description="Run Mixture-of-Experts models whose experts stream from disk.",
     )
@@ -27,9 +53,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = commands.add_parser("generate", help="generate text from a prompt, with per-step metrics")
     gen.add_argument("model", type=Path, help="local mlx-lm checkpoint directory")
-    gen.add_argument("--prompt", required=True, help="raw text, encoded as is (see --chat)")
+    gen.add_argument(
+        "--prompt", type=_utf8, required=True, help="raw text, encoded as is (see --chat)"
+    )
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
-    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--max-tokens", type=int, default=64, help="at least 1")
     gen.add_argument("--temp", type=float, default=0.0, help="0 is greedy")
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=0)
@@ -47,6 +75,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="also run the true routers to report the prediction's recall@K (costs compute)",
     )
     gen.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    gen.add_argument(
+        "--trace",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="write a step timeline (Chrome/Perfetto trace JSON: compute, reads, blocked waits)",
+    )
 
     bench = commands.add_parser("bench", help="same-session rotated A/B of modes on this machine")
     bench.add_argument("model", type=Path)
@@ -57,10 +92,27 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--prompt-file", type=Path, default=None)
     bench.add_argument("--expert-cache", type=_size, default="1G")
     bench.add_argument("--ram-limit", type=_size, default=None)
+    bench.add_argument(
+        "--read-limit",
+        type=_size,
+        default=None,
+        metavar="BW",
+        help="throttle each arm's disk reads to BW per second, e.g. 100M (Linux cgroups); "
+        "implies --cold unless --warm",
+    )
+    bench.add_argument(
+        "--trace",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="write each arm's step timeline to DIR/<arm>-round<N>.json (Perfetto)",
+    )
     warmth = bench.add_mutually_exclusive_group()
     warmth.add_argument("--cold", action="store_true", help="evict the checkpoint before each arm")
     warmth.add_argument(
-        "--warm", action="store_true", help="read the checkpoint once first (default)"
+        "--warm",
+        action="store_true",
+        help="read the checkpoint once first (default, except with --read-limit)",
     )
     bench.add_argument("--json", type=Path, default=None, dest="json_out")
     bench.add_argument("--markdown", type=Path, default=None)
@@ -153,10 +205,28 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--samples", type=int, default=8, help="continuations for distinct-4")
     evaluate.add_argument("--json", action="store_true", help="print one JSON object on stdout")
 
-    synth = commands.add_parser("synth", help="write a random-weight 4-bit checkpoint")
+    synth = commands.add_parser(
+        "synth",
+        help="write a random-weight 4-bit checkpoint, or (--from) a trained one with wider experts",
+    )
     synth.add_argument("out", type=Path)
-    synth.add_argument("--family", default="qwen3_moe")
-    synth.add_argument("--preset", default="tiny")
+    synth.add_argument("--family", default=None, help="default qwen3_moe")
+    synth.add_argument("--preset", default=None, help="tiny (default), small or wall")
+    synth.add_argument(
+        "--from",
+        type=Path,
+        default=None,
+        dest="from_model",
+        metavar="MODEL",
+        help="copy this trained checkpoint with its routed experts zero-padded (same outputs)",
+    )
+    synth.add_argument(
+        "--expert-width",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --from: the experts' new intermediate width (6144 makes the demo's 2.5 MiB)",
+    )
     synth.add_argument("--seed", type=int, default=0)
     synth.add_argument(
         "--heads",
@@ -185,7 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from engine import Engine
+    from engine import NO_TRACE, Engine, Tracer
 
     config = EngineConfig(
         mode=args.mode,
@@ -202,7 +272,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         top_k=args.top_k,
         seed=args.seed,
     )
-    with Engine(args.model, config) as engine:
+    tracer = Tracer() if args.trace is not None else NO_TRACE
+    with Engine(args.model, config, tracer=tracer) as engine:
+        _print_warnings(engine.warnings)
         if note := engine.quality_note():
             print(f"edge0: note: {note}", file=sys.stderr)
         prompt = engine.encode(args.prompt, chat=args.chat)
@@ -221,7 +293,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
             printed = stable
 
         result_tokens: list[int] = []
-        result = engine.generate(prompt, gen, on_token=stream)
+        try:
+            result = engine.generate(prompt, gen, on_token=stream)
+        finally:
+            if tracer.enabled:  # also the steps before a failure: they may show why
+                write_trace(tracer, args.trace)
         engine_k = engine.k
     if args.json:
         print(
@@ -241,7 +317,28 @@ def cmd_generate(args: argparse.Namespace) -> int:
     else:
         print(result.text[printed:], flush=True)  # before the summary on stderr
         print(summary_line(result.summary), file=sys.stderr)
+    if repaired := result.summary.get("nonfinite_repaired", 0):
+        # The guard kept the reply going, but a reply that needed repair is not to be trusted.
+        _print_warnings(
+            [
+                f"{repaired} NaN or overflowing hidden values were repaired while generating this "
+                "reply; the output may be garbage (numerically broken weights or adapters?)"
+            ]
+        )
     return 0
+
+
+def write_trace(tracer, path: Path) -> None:
+    try:
+        tracer.write(path)
+    except OSError as e:
+        raise Edge0Error(f"{path}: cannot write the trace ({e.strerror or e})") from None
+    print(f"edge0: trace written to {path} (open it in https://ui.perfetto.dev)", file=sys.stderr)
+
+
+def _print_warnings(warnings: list[str]) -> None:
+    for warning in warnings:
+        print(f"edge0: warning: {warning}", file=sys.stderr)
 
 
 def summary_line(s: dict) -> str:
@@ -280,8 +377,18 @@ def cmd_bench(args: argparse.Namespace) -> int:
         prompt=prompt,
         expert_cache_bytes=args.expert_cache,
         ram_limit_bytes=args.ram_limit,
-        cold=args.cold,
+        # A throttle acts on cold reads only: with a warm page cache it would measure nothing.
+        cold=args.cold or (args.read_limit is not None and not args.warm),
+        read_limit_bps=args.read_limit,
+        trace_dir=args.trace,
     )
+    if args.trace is not None:
+        try:
+            args.trace.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise Edge0Error(
+                f"{args.trace}: cannot make the trace folder ({e.strerror or e})"
+            ) from None
     report = run_bench(config, progress=lambda line: print(line, file=sys.stderr, flush=True))
     table = markdown(report)
     print(table)
@@ -316,6 +423,7 @@ def cmd_info(args: argparse.Namespace) -> int:
 
     with Engine(args.model, EngineConfig(mode="on-demand")) as engine:
         info = engine.info()
+    _print_warnings(info["warnings"])
     if args.json:
         print(json.dumps(info))
         return 0
@@ -430,13 +538,45 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_synth(args: argparse.Namespace) -> int:
+    if args.from_model is not None:
+        return _synth_from(args)
+    if args.expert_width is not None:
+        raise Edge0Error("--expert-width widens a trained checkpoint: give it with --from MODEL")
     from engine.train.synth import write_synthetic_checkpoint
 
-    out = write_synthetic_checkpoint(args.out, args.family, args.preset, seed=args.seed)
-    print(f"wrote {args.preset} {args.family} checkpoint to {out}")
-    heads = args.heads if args.heads is not None else ("4" if args.preset == "wall" else "")
+    family, preset = args.family or "qwen3_moe", args.preset or "tiny"
+    out = write_synthetic_checkpoint(args.out, family, preset, seed=args.seed)
+    print(f"wrote {preset} {family} checkpoint to {out}")
+    heads = args.heads if args.heads is not None else ("4" if preset == "wall" else "")
     for k in [int(k) for k in heads.split(",") if k.strip()]:
         _quick_heads(out, k)
+    return 0
+
+
+def _synth_from(args: argparse.Namespace) -> int:
+    """`edge0 synth OUT --from MODEL --expert-width N`: the trained model, experts zero-padded."""
+    from engine.train.wall import pad_experts
+
+    ignored = [f for f in ("family", "preset", "heads") if getattr(args, f) is not None]
+    if ignored:
+        raise Edge0Error(f"--from copies a trained checkpoint; --{ignored[0]} does not apply")
+    if args.expert_width is None:
+        raise Edge0Error("--from needs --expert-width N (the experts' new intermediate width)")
+    report = pad_experts(args.from_model, args.out, args.expert_width)
+    growth = report.expert_bytes_after / report.expert_bytes_before
+    print(
+        f"wrote {report.out_dir}: routed experts {report.width_before} -> {report.width_after} "
+        f"wide, {format_bytes(report.expert_bytes_before)} -> "
+        f"{format_bytes(report.expert_bytes_after)} of experts ({growth:.1f}x), "
+        f"{report.shards} shard(s)"
+    )
+    if report.restamped:
+        print(f"adapters stamped for the padded base: {', '.join(report.restamped)}")
+    if report.copied_unchanged:
+        print(
+            "adapters trained for another base, copied unchanged (still refused): "
+            + ", ".join(report.copied_unchanged)
+        )
     return 0
 
 
@@ -465,11 +605,70 @@ def cmd_chat(args: argparse.Namespace) -> int:
     return 0
 
 
+class StdoutError(Edge0Error):
+    """stdout cannot take the command's output (a full device, a descriptor closed under us)."""
+
+
+class _CheckedStdout:
+    """sys.stdout while a command runs: a write or flush that fails is a one-line `StdoutError`
+    instead of an OSError traceback. BrokenPipeError passes through as it is: the reader went away
+    (`| head`), which is not an error."""
+
+    def __init__(self, stream) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except BrokenPipeError:
+            raise
+        except OSError as e:
+            raise StdoutError(f"cannot write to stdout ({e.strerror or e})") from None
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            raise
+        except OSError as e:
+            raise StdoutError(f"cannot write to stdout ({e.strerror or e})") from None
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
+
+
+def _run_checked(handler, args: argparse.Namespace) -> int:
+    """Run a command with stdout checked, and flush it before returning: output still buffered
+    would otherwise fail in the interpreter's exit flush, after every handler here is gone."""
+    stdout, sys.stdout = sys.stdout, _CheckedStdout(sys.stdout)
+    try:
+        status = handler(args)
+        sys.stdout.flush()
+        return status
+    finally:
+        sys.stdout = stdout
+
+
+def _discard_stdout() -> None:
+    """Point stdout's descriptor at /dev/null once stdout has failed: the output still in its
+    buffer then goes nowhere instead of failing again (with a message) when Python exits."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):
+        return  # not a real file (tests capture stdout in memory): nothing to flush at exit
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, fd)
+    os.close(devnull)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:
         args = parser.parse_args(["chat"])
+    if sys.stdout is None:  # started with stdout closed (`>&-`): Python then has no sys.stdout
+        print("edge0: error: stdout is closed (use >/dev/null to discard output)", file=sys.stderr)
+        return 2
     handlers = {
         "chat": cmd_chat,
         "generate": cmd_generate,
@@ -480,11 +679,21 @@ def main(argv: list[str] | None = None) -> int:
         "synth": cmd_synth,
         "eval": cmd_eval,
     }
+    handler = handlers[args.command]
     try:
-        return handlers[args.command](args)
+        if args.command == "chat":
+            return handler(args)  # the app draws on the terminal itself
+        return _run_checked(handler, args)
+    except StdoutError as e:
+        _discard_stdout()
+        print(f"edge0: error: {e}", file=sys.stderr)
+        return 2
     except Edge0Error as e:
         print(f"edge0: error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        _discard_stdout()  # quietly, as Unix tools stop when their reader goes away
+        return BROKEN_PIPE_STATUS
     except KeyboardInterrupt:
         return 130
 

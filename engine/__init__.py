@@ -20,6 +20,7 @@ import importlib
 
 from .config import MODES, EngineConfig, GenerationConfig, format_bytes, parse_size
 from .errors import Edge0Error
+from .trace import NO_TRACE, Tracer
 
 # name -> the module that defines it, imported when the name is first used.
 _ON_FIRST_USE = {
@@ -33,6 +34,8 @@ _ON_FIRST_USE = {
 __all__ = [
     "MODES",
     "Edge0Error",
+    "NO_TRACE",
+    "Tracer",
     "EngineConfig",
     "GenerationConfig",
     "format_bytes",

@@ -5,6 +5,7 @@ Every knob is a field here; nothing deep inside the engine reads environment var
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
@@ -103,9 +104,19 @@ class EngineConfig:
             raise Edge0Error("prefill_chunk and reader_threads must be at least 1")
 
 
+# MLX seeds its generator with an unsigned 64-bit integer.
+MAX_SEED = 2**64 - 1
+
+
 @dataclass
 class GenerationConfig:
-    """How one reply is sampled."""
+    """How one reply is sampled.
+
+    Every value is checked here, so the CLI, the app and any other front end share one check.
+    `max_tokens` is at least 1: a reply always has its first token, which the forward on the last
+    prompt token yields (0 is refused rather than silently generating one token anyway).
+    `top_k` 0 turns top-k off; the engine also refuses a top_k of the vocabulary size or more.
+    """
 
     max_tokens: int = 256
     temperature: float = 0.0
@@ -114,3 +125,31 @@ class GenerationConfig:
     seed: int | None = None
     # Keep going past the end-of-sequence token (soak tests, fixed-length benchmarks).
     ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        _check_int("max_tokens", self.max_tokens, 1, "at least 1")
+        _check_int("top_k", self.top_k, 0, "0 (off) or more")
+        if self.seed is not None:
+            _check_int("seed", self.seed, 0, f"between 0 and {MAX_SEED}", MAX_SEED)
+        # `not a >= b` (rather than `a < b`) also refuses NaN, which compares false to everything.
+        if not _is_real(self.temperature) or not 0.0 <= self.temperature < math.inf:
+            raise Edge0Error(
+                f"temperature={self.temperature!r} must be a finite number >= 0 (0 is greedy)"
+            )
+        if not _is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise Edge0Error(f"top_p={self.top_p!r} must be in (0, 1] (1 turns it off)")
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_int(name: str, value: object, low: int, wanted: str, high: int | None = None) -> None:
+    """Refuse a non-integer (bools included) or one outside [low, high], naming the field."""
+    if (
+        not isinstance(value, int)
+        or isinstance(value, bool)
+        or value < low
+        or (high is not None and value > high)
+    ):
+        raise Edge0Error(f"{name}={value!r} must be an integer {wanted}")

@@ -1,12 +1,19 @@
-"""`edge0 bench`: arms in their own processes, rotated, replaying one token sequence, with limits."""
+"""`edge0 bench`: arms in their own processes, rotated, replaying one token sequence, with limits
+(memory, and disk reads)."""
 
 from __future__ import annotations
 
 import json
+import os
+
+import pytest
 
 from edge0_tui.cli import main
-from engine.measure.bench import BenchConfig, run_bench
+from engine import Edge0Error
+from engine.checkpoint.index import checkpoint_shards
+from engine.measure.bench import BenchConfig, ReadSpans, markdown, run_bench
 from engine.measure.memory_cgroup import MemoryCgroup
+from engine.measure.read_limit import ReadLimitCgroup, block_device, whole_disk
 
 
 def test_rotated_arms_replay_the_same_tokens(checkpoint_dir, tmp_path, capsys):
@@ -49,3 +56,97 @@ def test_memory_cgroup_caps_usage():
     finally:
         group.remove()
     assert not group.path.exists()
+
+
+def test_read_limit_throttles_each_arm_and_reports_the_achieved_bandwidth(checkpoint_dir):
+    model = checkpoint_dir("qwen3_moe")
+    limit = 4 << 20
+    # With a memory limit too: each arm's process joins both groups.
+    config = BenchConfig(
+        model,
+        ["on-demand", "resident"],
+        rounds=1,
+        tokens=4,
+        cold=True,
+        read_limit_bps=limit,
+        ram_limit_bytes=4 << 30,
+    )
+    shard = checkpoint_shards(model)[0]
+    try:
+        major, minor = block_device(shard)
+        ReadLimitCgroup.create(limit, [(major, minor)], f"edge0-test-{os.getpid()}").remove()
+    except Edge0Error as refusal:  # no writable blkio / io controller here: the flag is refused
+        assert str(refusal).startswith("cannot throttle reads for --read-limit: ")
+        with pytest.raises(Edge0Error, match="^cannot throttle reads for --read-limit: "):
+            run_bench(config, progress=lambda line: None)
+        return
+    report = run_bench(config, progress=lambda line: None)
+    for run in report["runs"]:
+        assert run["ok"]
+        # Read back from the kernel's throttle file: the checkpoint's disk, at the limit.
+        [rule] = run["read_limit_rules"]
+        assert rule.split()[0] == f"{major}:{minor}"
+        assert rule.split()[1] in (str(limit), f"rbps={limit}")  # cgroup v1 / v2
+        assert run["device_read_bytes"] > 0  # cold: the arm's process read the disk
+        assert run["cgroup_peak_bytes"] > 0  # and it was charged to its memory group
+    figures = report["arms"]["on-demand"]["figures"]
+    assert figures["read_mib_per_s"]["median"] > 0 and figures["read_disk_mib"]["median"] > 0
+    assert "read_mib_per_s" not in report["arms"]["resident"]["figures"]  # no expert reads
+    table = markdown(report)
+    assert "read limit 4.00 MiB/s" in table and "| on-demand | " in table.split("**Reads**")[1]
+    assert "| resident | - (no expert reads from disk) |" in table
+
+
+def test_read_limit_refusals_say_why_in_one_line(monkeypatch, tmp_path, checkpoint_dir, capsys):
+    from engine.measure import read_limit
+
+    monkeypatch.setattr(read_limit, "mounts", lambda: [])
+    with pytest.raises(Edge0Error) as refused:
+        ReadLimitCgroup.create(1 << 20, [(254, 0)], "edge0-test-none")
+    assert str(refused.value) == (
+        "cannot throttle reads for --read-limit: no cgroup blkio (v1) or io (v2) controller is "
+        "mounted"
+    )
+    monkeypatch.setattr(read_limit.sys, "platform", "darwin")
+    with pytest.raises(Edge0Error, match="needs Linux cgroups .*; this is darwin"):
+        ReadLimitCgroup.create(1 << 20, [(254, 0)], "edge0-test-none")
+    monkeypatch.undo()
+    with pytest.raises(Edge0Error, match="without a block device .*0:"):
+        whole_disk(0, 45, "/dev/shm/model")
+    model = checkpoint_dir("qwen3_moe")
+    assert main(["bench", str(model), "--read-limit", "0", "--rounds", "1"]) == 2
+    assert "cannot throttle reads for --read-limit: the limit must be at least 1 byte/s" in (
+        capsys.readouterr().err
+    )
+
+
+def test_a_partition_is_throttled_on_its_disk(tmp_path):
+    """blkio refuses rules for partitions: sysfs leads from a partition to its whole disk."""
+    disk = tmp_path / "devices" / "virtual" / "block" / "sda"
+    (disk / "sda1").mkdir(parents=True)
+    (disk / "dev").write_text("8:0\n")
+    (disk / "sda1" / "partition").write_text("1\n")
+    (disk / "sda1" / "dev").write_text("8:1\n")
+    links = tmp_path / "dev" / "block"
+    links.mkdir(parents=True)
+    (links / "8:1").symlink_to(disk / "sda1")
+    (links / "8:0").symlink_to(disk)
+    assert whole_disk(8, 1, "model", tmp_path) == (8, 0)
+    assert whole_disk(8, 0, "model", tmp_path) == (8, 0)
+
+
+def test_achieved_bandwidth_counts_overlapping_reads_once():
+    spans = ReadSpans()
+    spans.complete("pread 1.3", "read", 10.0, 10.5, bytes=2 << 20, cold=1 << 20)
+    spans.complete("pread 1.4", "read", 10.2, 10.7, bytes=2 << 20, cold=1 << 20)  # overlaps
+    spans.complete("pread 2.1", "read", 11.0, 11.3, bytes=2 << 20, cold=1 << 20)
+    spans.complete("pread 2.2", "read", 12.0, 12.5, bytes=2 << 20, cold=0)  # from the page cache
+    spans.complete("to arrays 1.3", "read", 10.5, 10.6)  # not a read: not counted
+    spans.complete("blocked 1.3", "blocked", 10.0, 14.0)
+    achieved = spans.achieved(disk_bytes=6 << 20)  # readahead: more than mincore saw
+    assert achieved["read_busy_ms"] == pytest.approx(1500.0)  # 0.7 s + 0.3 s + 0.5 s
+    assert achieved["read_mib_per_s"] == pytest.approx(4.0)
+    assert achieved["read_cold_mib"] == pytest.approx(3.0)
+    assert spans.achieved(disk_bytes=None)["read_mib_per_s"] == pytest.approx(2.0)  # mincore
+    assert spans.achieved(disk_bytes=0) == {}  # warm: nothing came from disk
+    assert ReadSpans().achieved(disk_bytes=1 << 20) == {}

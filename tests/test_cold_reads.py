@@ -34,3 +34,42 @@ def test_cold_then_warm(checkpoint_dir):
     warm_step, _ = _first_forward(model_dir, evict=False)
     assert warm_step.loads == cold_step.loads
     assert warm_step.cold_fraction < 0.1, warm_step
+
+
+def test_residency_answers_are_right_from_many_threads_at_once(tmp_path):
+    """Reader threads ask about different ranges at once; mincore runs without the GIL, so each
+    answer must come from its own page vector."""
+    import os
+    import threading
+
+    from engine.experts.page_cache import PAGE_SIZE
+
+    pages = 64
+    path = tmp_path / "half.bin"
+    path.write_bytes(b"\1" * (pages * PAGE_SIZE))
+    evict_file(path)
+    half = pages // 2 * PAGE_SIZE
+    fd = os.open(path, os.O_RDONLY)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # no readahead: exactly the first half
+    os.pread(fd, half, 0)
+    os.close(fd)
+    residency = FileResidency(path)
+    cases = [(0, half, half), (half, half, 0), (100, 2 * PAGE_SIZE, 2 * PAGE_SIZE)]
+    assert [residency.resident_bytes(o, n) for o, n, _ in cases] == [c[2] for c in cases]
+    wrong = []
+
+    def ask(case):
+        offset, length, expected = case
+        for _ in range(2000):
+            got = residency.resident_bytes(offset, length)
+            if got != expected:
+                wrong.append((case, got))
+                return
+
+    threads = [threading.Thread(target=ask, args=(cases[i % 3],)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    residency.close()
+    assert wrong == []

@@ -14,6 +14,7 @@ ENGINE = ROOT / "engine"
 # A room may import from rooms of its own tier or below, never above.
 TIERS = {
     "config": 0,
+    "trace": 0,
     "errors": 0,
     "checkpoint": 1,
     "experts": 2,

@@ -24,6 +24,7 @@ from ..checkpoint.index import read_safetensors
 from ..errors import Edge0Error
 from .metadata import (
     check_adapter_metadata,
+    check_finite,
     flat_metadata,
     floating,
     load_arrays,
@@ -87,6 +88,7 @@ def load_lora(path: Path, fingerprint: str) -> LoRAAdapter:
     if not modules:
         raise Edge0Error(f"{path}: no LoRA tensors")
     tensors = load_arrays(path)
+    check_finite(path, tensors)
     weights = {}
     ranks = set()
     for module, parts in modules.items():

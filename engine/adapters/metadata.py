@@ -73,3 +73,20 @@ def load_arrays(path: Path) -> dict[str, mx.array]:
 
 def floating(array: mx.array) -> bool:
     return mx.issubdtype(array.dtype, mx.floating)
+
+
+def nonfinite_tensors(arrays: dict[str, mx.array]) -> list[str]:
+    """Names of the floating-point arrays that hold NaN or infinity, in one evaluation."""
+    names = [name for name, array in arrays.items() if floating(array)]
+    if not names:
+        return []
+    flags = mx.stack([mx.isfinite(arrays[name]).all() for name in names])
+    return [name for name, finite in zip(names, flags.tolist()) if not finite]
+
+
+def check_finite(path: Path, arrays: dict[str, mx.array]) -> None:
+    """Refuse an adapter file with NaN or infinite weights: they would turn every reply into
+    garbage that nothing downstream flags."""
+    bad = nonfinite_tensors(arrays)
+    if bad:
+        raise Edge0Error(f"{path}: tensor {bad[0]!r} holds NaN or infinite values")

@@ -9,10 +9,14 @@ gate/up/down x weight/scales/biases layout that is 9 ranges per expert, scattere
 
 from __future__ import annotations
 
+import errno
+import fnmatch
 import hashlib
 import json
 import math
+import os
 import re
+import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +45,46 @@ MAX_HEADER_BYTES = 100_000_000
 MAX_DIM = 2**31 - 1
 # A routed expert stored as its own tensor (the Hugging Face layout), e.g. `mlp.experts.7.up_proj`.
 PER_EXPERT_NAME = re.compile(r"\.experts\.\d+\.")
+INDEX_FILE = "model.safetensors.index.json"
+# What mlx-lm and Hugging Face name weight shards (mlx-lm's loader globs exactly this).
+SHARD_PATTERN = "model*.safetensors"
+# What a path is when it is not a regular file, for error messages.
+_FILE_KINDS = (
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISFIFO, "a FIFO (named pipe)"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+)
+
+
+def check_regular_file(path: Path, missing: str = "missing") -> None:
+    """Refuse a path that is not a regular file once symlinks are followed, before anything opens
+    it: reading a FIFO blocks forever, a device never ends. `missing` is the message for a path
+    that does not exist; a symlink loop or a dangling symlink is said as such."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        if os.path.islink(path):
+            raise Edge0Error(f"{path}: a symlink to a file that does not exist") from None
+        raise Edge0Error(f"{path}: {missing}") from None
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise Edge0Error(f"{path}: a symlink loop") from None
+        raise Edge0Error(f"{path}: cannot read ({e.strerror or e})") from None
+    if not stat.S_ISREG(mode):
+        kind = next((name for test, name in _FILE_KINDS if test(mode)), "not a regular file")
+        raise Edge0Error(f"{path}: {kind}, not a regular file")
+
+
+def list_dir(directory: Path) -> list[str]:
+    """The names in a directory, sorted. A directory that cannot be listed (no read permission)
+    is an Edge0Error naming it; `Path.glob` would quietly find nothing there."""
+    try:
+        with os.scandir(directory) as entries:
+            return sorted(entry.name for entry in entries)
+    except OSError as e:
+        raise Edge0Error(f"{directory}: cannot list the directory ({e.strerror or e})") from None
 
 
 @dataclass(frozen=True)
@@ -106,6 +150,7 @@ def read_safetensors(path: Path) -> tuple[dict[str, TensorEntry], dict[str, str]
     Whatever this accepts, `mx.load` loads: the checks are at least as strict as MLX's reader.
     """
     path = Path(path)
+    check_regular_file(path)
     try:
         size = path.stat().st_size
         with open(path, "rb") as f:
@@ -216,33 +261,47 @@ def _check_no_overlap(path: Path, entries: dict[str, TensorEntry]) -> None:
 
 
 def checkpoint_shards(model_dir: Path) -> list[Path]:
-    """The shard files of a checkpoint: from the index when there is one, else model*.safetensors."""
-    index_file = model_dir / "model.safetensors.index.json"
-    if index_file.exists():
-        try:
-            index = parse_json(index_file.read_bytes())
-        except OSError as e:
-            raise Edge0Error(f"{index_file}: cannot read ({e.strerror or e})") from None
-        except ValueError as e:
-            raise Edge0Error(f"{index_file}: invalid JSON ({e})") from None
-        weight_map = index.get("weight_map") if isinstance(index, dict) else None
-        if not isinstance(weight_map, dict):
-            raise Edge0Error(f"{index_file}: corrupt index (no weight_map)")
-        for name in weight_map.values():
-            if not isinstance(name, str) or name in ("", ".", "..") or Path(name).name != name:
-                raise Edge0Error(
-                    f"{index_file}: corrupt index (weight_map names {brief(name)}, not a shard "
-                    "file in this directory)"
-                )
-        names = sorted(set(weight_map.values()))
-        missing = [n for n in names if not (model_dir / n).exists()]
-        if missing:
-            raise Edge0Error(f"{model_dir / missing[0]}: shard listed in the index is missing")
-        return [model_dir / n for n in names]
-    shards = sorted(model_dir.glob("model*.safetensors"))
-    if not shards:
-        raise Edge0Error(f"{model_dir}: no model*.safetensors files")
+    """The shard files of a checkpoint: exactly those the index lists when there is one, else
+    model*.safetensors. Every one is a regular file."""
+    index_file = model_dir / INDEX_FILE
+    if not os.path.lexists(index_file):
+        shards = [model_dir / n for n in list_dir(model_dir) if fnmatch.fnmatch(n, SHARD_PATTERN)]
+        if not shards:
+            raise Edge0Error(f"{model_dir}: no model*.safetensors files")
+        for shard in shards:
+            check_regular_file(shard)
+        return shards
+    check_regular_file(index_file)
+    try:
+        index = parse_json(index_file.read_bytes())
+    except OSError as e:
+        raise Edge0Error(f"{index_file}: cannot read ({e.strerror or e})") from None
+    except ValueError as e:
+        raise Edge0Error(f"{index_file}: invalid JSON ({e})") from None
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict):
+        raise Edge0Error(f"{index_file}: corrupt index (no weight_map)")
+    for name in weight_map.values():
+        if not isinstance(name, str) or name in ("", ".", "..") or Path(name).name != name:
+            raise Edge0Error(
+                f"{index_file}: corrupt index (weight_map names {brief(name)}, not a shard "
+                "file in this directory)"
+            )
+    shards = [model_dir / n for n in sorted(set(weight_map.values()))]
+    for shard in shards:
+        check_regular_file(shard, missing="shard listed in the index is missing")
     return shards
+
+
+def unlisted_shards(model_dir: Path, shards: list[Path]) -> list[Path]:
+    """Files that look like shards (model*.safetensors) but are not among `shards`: with an index,
+    they are never read, and the user should know they are ignored."""
+    listed = {shard.name for shard in shards}
+    return [
+        model_dir / n
+        for n in list_dir(model_dir)
+        if fnmatch.fnmatch(n, SHARD_PATTERN) and n not in listed
+    ]
 
 
 class CheckpointIndex:
@@ -254,12 +313,21 @@ class CheckpointIndex:
         self.tensors: dict[str, TensorEntry] = {}
         for shard in self.shards:
             for name, entry in read_safetensors_header(shard).items():
-                if name in self.tensors:
+                if name in self.tensors:  # which copy wins would depend on the reading order
                     raise Edge0Error(
                         f"{shard}: tensor {name!r} also appears in {self.tensors[name].file}"
                     )
                 self.tensors[name] = entry
         self.layers: dict[int, LayerExperts] = {}
+        # Problems that do not stop the checkpoint from running, for the user to see.
+        self.warnings: list[str] = []
+        if stray := unlisted_shards(self.model_dir, self.shards):
+            names = ", ".join(p.name for p in stray)
+            verb = "is" if len(stray) == 1 else "are"
+            self.warnings.append(
+                f"{self.model_dir}: {names} {verb} not listed in {INDEX_FILE} and ignored (only "
+                "the shards the index lists are read)"
+            )
 
     def check_stacked_experts(self) -> None:
         """Refuse routed experts stored one tensor per expert (the Hugging Face layout): edge0 reads
@@ -317,7 +385,11 @@ def base_fingerprint(index: CheckpointIndex) -> str:
 
     Adapters record it, so a file trained for another model (or another quantization) is refused.
     """
-    config = json.loads((index.model_dir / "config.json").read_text())
+    path = index.model_dir / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except OSError as e:
+        raise Edge0Error(f"{path}: cannot read ({e.strerror or e})") from None
     digest = hashlib.sha256(json.dumps(config, sort_keys=True).encode())
     for name in sorted(t.entry.name for le in index.layers.values() for t in le.tensors):
         entry = index.tensors[name]

@@ -14,8 +14,6 @@ import os
 import sys
 from pathlib import Path
 
-import numpy as np
-
 PAGE_SIZE = mmap.PAGESIZE
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
@@ -31,6 +29,8 @@ _libc.mmap.argtypes = [
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
 _MAP_FAILED = ctypes.c_void_p(-1).value
+# mincore sets bit 0 of a page's byte when it is resident; the other bits are reserved.
+_LOW_BIT = bytes(b & 1 for b in range(256))
 
 
 class FileResidency:
@@ -50,10 +50,12 @@ class FileResidency:
         if addr in (None, _MAP_FAILED):
             raise OSError(ctypes.get_errno(), f"mmap failed for {self.path}")
         self._addr = addr
-        self._vec = (ctypes.c_ubyte * (self.size // PAGE_SIZE + 1))()
 
     def resident_bytes(self, offset: int, length: int) -> int:
-        """Bytes of the range whose pages are resident (partial edge pages count their overlap)."""
+        """Bytes of the range whose pages are resident (partial edge pages count their overlap).
+
+        Safe from any thread: each call has its own page vector (reader threads ask at once, and
+        ctypes releases the GIL during `mincore`)."""
         if self._addr is None or length <= 0:
             return 0
         first = offset // PAGE_SIZE
@@ -61,10 +63,11 @@ class FileResidency:
         npages = last - first + 1
         start = first * PAGE_SIZE
         span = min(npages * PAGE_SIZE, self.size - start)
-        if _libc.mincore(self._addr + start, span, self._vec) != 0:
+        vector = (ctypes.c_ubyte * npages)()
+        if _libc.mincore(self._addr + start, span, vector) != 0:
             raise OSError(ctypes.get_errno(), f"mincore failed for {self.path}")
-        pages = np.frombuffer(self._vec, dtype=np.uint8, count=npages) & 1
-        resident = int(pages.sum()) * PAGE_SIZE
+        pages = bytes(vector).translate(_LOW_BIT)  # 1 per resident page, 0 otherwise
+        resident = pages.count(1) * PAGE_SIZE
         # The range rarely starts or ends on a page boundary: count only its part of the edge pages.
         if pages[0]:
             resident -= offset - first * PAGE_SIZE

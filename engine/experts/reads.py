@@ -4,23 +4,29 @@ Reads go straight into NumPy buffers with `os.preadv` (cold mmap page faults mea
 than pread on the reference Linux box). Just before each read, `mincore` over the exact byte ranges
 says how much of it was already in the page cache, so every read reports its cold bytes.
 
-Thread rule: reader threads only fill NumPy buffers. Turning them into MLX arrays happens on the
-engine's thread (`to_mlx`), because MLX streams are thread-local on Metal.
+Where the bytes land: on the CPU backend, straight into MLX arrays allocated by the reader thread
+(`pread` into the array's memory, then views and dtype casts evaluated there, on the reader's own
+stream), so the engine thread receives ready arrays and no byte is copied twice. On Metal, MLX wants
+its work on the engine's thread: readers fill NumPy buffers, and `to_mlx` turns them into arrays.
 """
 
 from __future__ import annotations
 
 import errno
+import heapq
+import itertools
 import os
+import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, wait
 from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 
-from ..checkpoint.index import CheckpointIndex, ExpertTensor, LayerExperts
+from ..checkpoint.index import CheckpointIndex, LayerExperts
+from ..trace import NO_TRACE, Tracer
 from .page_cache import FileResidency
 
 # NumPy has no bfloat16: BF16 data is read as uint16 and reinterpreted by MLX.
@@ -41,6 +47,11 @@ _NUMPY_DTYPES = {
 }
 
 
+# Read priorities: reads the forward waits for now go first, then reads ahead by layer.
+NOW = (0, 0)
+AHEAD = (1,)
+
+
 @dataclass
 class ReadResult:
     """The bytes of one expert (or one whole layer) as typed NumPy arrays, with accounting."""
@@ -54,6 +65,40 @@ class ReadResult:
     wall_ms: float
 
 
+_MLX_DTYPES = {
+    "BOOL": mx.bool_,
+    "U8": mx.uint8,
+    "I8": mx.int8,
+    "U16": mx.uint16,
+    "I16": mx.int16,
+    "F16": mx.float16,
+    "BF16": mx.bfloat16,
+    "U32": mx.uint32,
+    "I32": mx.int32,
+    "F32": mx.float32,
+    "U64": mx.uint64,
+    "I64": mx.int64,
+}
+
+
+@dataclass(frozen=True)
+class _TensorPlan:
+    """One stacked expert tensor of a layer, with where and how to read it."""
+
+    key: str  # "gate_proj.weight"
+    file: Path
+    expert_fd: int
+    layer_fd: int
+    residency: FileResidency
+    offset: int  # of expert 0
+    expert_nbytes: int
+    expert_shape: tuple[int, ...]
+    whole_nbytes: int
+    whole_shape: tuple[int, ...]
+    numpy_dtype: type
+    dtype: str  # safetensors dtype
+
+
 class ExpertReader:
     """Reads experts or whole layers of a checkpoint on `threads` reader threads."""
 
@@ -63,15 +108,17 @@ class ExpertReader:
         threads: int = 4,
         widen_to_float32: bool = False,
         build_arrays: bool = False,
+        tracer: Tracer = NO_TRACE,
     ) -> None:
         self.index = index
+        self.tracer = tracer
         # On CPU the engine computes in float32: widening bf16/fp16 here, in NumPy on the reader
         # threads, keeps the engine thread from running MLX ops (which would wait behind the
         # forward pass it has queued) just to convert experts.
         self.widen_to_float32 = widen_to_float32
-        # On the CPU backend the reader threads also copy the bytes into MLX arrays (no stream is
-        # involved; checked to exit cleanly), so the engine thread does no per-expert copy at all.
-        # On Metal that stays on the engine thread, where MLX wants all of its work.
+        # On the CPU backend reads land in MLX arrays made on the reader threads (checked to exit
+        # cleanly), so the engine thread does no per-expert work at all; on Metal that stays on
+        # the engine thread, where MLX wants all of its work.
         self.build_arrays = build_arrays
         # Two descriptors per shard, so the kernel's readahead serves each access pattern: none for
         # scattered expert reads (readahead would pull neighbouring experts in and hide cold reads),
@@ -79,42 +126,102 @@ class ExpertReader:
         self._expert_fds = {shard: _open(shard, "POSIX_FADV_RANDOM") for shard in index.shards}
         self._layer_fds = {shard: _open(shard, "POSIX_FADV_SEQUENTIAL") for shard in index.shards}
         self._residency = {shard: FileResidency(shard) for shard in index.shards}
-        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="edge0-read")
+        self._plans: dict[int, list[_TensorPlan]] = {}
+        self._queue = ReadQueue(threads, "edge0-read")
 
-    def submit_expert(self, layer: int, expert: int) -> Future[ReadResult]:
+    def submit_expert(self, layer: int, expert: int, ahead: bool = False) -> Future[ReadResult]:
+        """Read one expert: needed now, or `ahead` of its layer (read in layer order, after every
+        read the forward is waiting for)."""
         layer_experts = self.index.layers[layer]
         if not 0 <= expert < layer_experts.num_experts:
             raise IndexError(f"layer {layer} has no expert {expert}")
-        return self._pool.submit(self._read, layer_experts, expert)
+        priority = (AHEAD[0], layer) if ahead else NOW
+        return self._queue.submit(priority, self._read, layer_experts, expert, self.tracer.now())
 
-    def submit_layer(self, layer: int) -> Future[ReadResult]:
-        return self._pool.submit(self._read, self.index.layers[layer], None)
+    def submit_layer(self, layer: int, ahead: bool = False) -> Future[ReadResult]:
+        priority = (AHEAD[0], layer) if ahead else NOW
+        return self._queue.submit(
+            priority, self._read, self.index.layers[layer], None, self.tracer.now()
+        )
 
-    def _read(self, layer_experts: LayerExperts, expert: int | None) -> ReadResult:
+    def _read(
+        self, layer_experts: LayerExperts, expert: int | None, submitted: float
+    ) -> ReadResult:
         start = time.perf_counter()
+        what = f"{layer_experts.layer}.{'all' if expert is None else expert}"
+        self.tracer.complete(f"queued {what}", "read", submitted, start)
         arrays, dtypes = {}, {}
         nbytes = cold = 0
-        for tensor in layer_experts.tensors:
-            offset, length, shape = _range_of(tensor, expert)
-            file = tensor.entry.file
-            cold += length - self._residency[file].resident_bytes(offset, length)
-            buffer = np.empty(length, dtype=np.uint8)
-            fds = self._layer_fds if expert is None else self._expert_fds
-            self._pread_into(fds[file], buffer, offset, file)
-            key = f"{tensor.projection}.{tensor.part}"
-            array = buffer.view(_NUMPY_DTYPES[tensor.entry.dtype]).reshape(shape)
-            dtype = tensor.entry.dtype
-            if self.widen_to_float32 and dtype in ("BF16", "F16"):
-                array, dtype = _to_float32(array, dtype), "F32"
-            arrays[key] = _host_to_mlx(array, dtype) if self.build_arrays else array
-            dtypes[key] = dtype
+        tracer = self.tracer
+        # One tensor at a time, read then copied, so that a whole layer's bytes are never held
+        # twice (host buffer and MLX array) under a tight memory limit.
+        for plan in self._plans_of(layer_experts):
+            if expert is None:
+                offset, length, fd = plan.offset, plan.whole_nbytes, plan.layer_fd
+                shape = plan.whole_shape
+            else:
+                offset, length = plan.offset + expert * plan.expert_nbytes, plan.expert_nbytes
+                fd, shape = plan.expert_fd, plan.expert_shape
+            began = tracer.now()
+            tensor_cold = length - plan.residency.resident_bytes(offset, length)
+            if self.build_arrays:  # the bytes land in MLX memory: no host buffer, no copy
+                buffer = mx.zeros((length,), dtype=mx.uint8)
+                mx.eval(buffer)
+            else:
+                buffer = np.empty(length, dtype=np.uint8)
+            self._pread_into(fd, buffer, offset, plan.file)
+            read = tracer.now()
+            tracer.complete(f"pread {what}", "read", began, read, bytes=length, cold=tensor_cold)
+            widen = self.widen_to_float32 and plan.dtype in ("BF16", "F16")
+            if self.build_arrays:
+                array = buffer.view(_MLX_DTYPES[plan.dtype]).reshape(shape)
+                if widen:
+                    array = array.astype(mx.float32)
+                mx.eval(array)  # here, so the engine's stream gets a ready array
+            else:
+                array = buffer.view(plan.numpy_dtype).reshape(shape)
+                if widen:
+                    array = _to_float32(array, plan.dtype)
+            arrays[plan.key] = array
+            dtypes[plan.key] = "F32" if widen else plan.dtype
+            tracer.complete(f"to array {what}", "read", read, tracer.now())
             nbytes += length
-        wall_ms = (time.perf_counter() - start) * 1e3
+            cold += tensor_cold
+        end = time.perf_counter()
+        wall_ms = (end - start) * 1e3
         return ReadResult(layer_experts.layer, expert, arrays, dtypes, nbytes, cold, wall_ms)
+
+    def _plans_of(self, layer_experts: LayerExperts) -> list[_TensorPlan]:
+        """Each expert tensor of a layer with its file handles resolved, made once per layer: a
+        read of a small expert is mostly per-tensor bookkeeping, so keep that to the minimum."""
+        plans = self._plans.get(layer_experts.layer)
+        if plans is None:
+            plans = [
+                _TensorPlan(
+                    key=f"{t.projection}.{t.part}",
+                    file=t.entry.file,
+                    expert_fd=self._expert_fds[t.entry.file],
+                    layer_fd=self._layer_fds[t.entry.file],
+                    residency=self._residency[t.entry.file],
+                    offset=t.entry.offset,
+                    expert_nbytes=t.expert_nbytes,
+                    expert_shape=t.expert_shape,
+                    whole_nbytes=t.entry.nbytes,
+                    whole_shape=t.entry.shape,
+                    numpy_dtype=_NUMPY_DTYPES[t.entry.dtype],
+                    dtype=t.entry.dtype,
+                )
+                for t in layer_experts.tensors
+            ]
+            self._plans[layer_experts.layer] = plans
+        return plans
 
     def _pread_into(self, fd: int, buffer: np.ndarray, offset: int, file: Path) -> None:
         view = memoryview(buffer)
-        done = 0
+        try:
+            done = os.preadv(fd, [view], offset)  # nearly always the whole range at once
+        except OSError as e:
+            raise OSError(e.errno, e.strerror, str(file)) from None
         while done < len(view):
             try:
                 n = os.preadv(fd, [view[done:]], offset + done)
@@ -126,8 +233,12 @@ class ExpertReader:
                 )
             done += n
 
+    def wait(self, future: Future[ReadResult]) -> None:
+        """Wait for a read, doing reads needed now on this thread meanwhile."""
+        self._queue.help_until(future)
+
     def close(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._queue.shutdown()
         for fd in [*self._expert_fds.values(), *self._layer_fds.values()]:
             os.close(fd)
         for residency in self._residency.values():
@@ -136,18 +247,88 @@ class ExpertReader:
         self._layer_fds.clear()
 
 
+class ReadQueue:
+    """Reader threads that take the most urgent read first: lowest `priority`, then oldest.
+
+    Reads issued a step ahead are queued by the layer that will use them; a read the forward is
+    blocked on now goes before all of them. (A plain FIFO pool made the first layers' on-demand
+    misses wait behind every read issued ahead for later layers.)"""
+
+    def __init__(self, threads: int, name: str) -> None:
+        self._heap: list = []
+        self._order = itertools.count()  # FIFO among equal priorities
+        self._ready = threading.Condition()
+        self._closed = False
+        self._threads = [
+            threading.Thread(target=self._work, name=f"{name}_{i}", daemon=True)
+            for i in range(threads)
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def submit(self, priority: tuple, fn, *args) -> Future:
+        future: Future = Future()
+        with self._ready:
+            if self._closed:
+                raise RuntimeError("the expert reader is closed")
+            heapq.heappush(self._heap, (priority, next(self._order), future, fn, args))
+            self._ready.notify()
+        return future
+
+    def help_until(self, future: Future) -> None:
+        """Until `future` is done, the calling thread runs queued reads that are needed now.
+
+        A thread that would only wait for its reads does them itself: no handoff to a reader
+        thread and back, which for small experts costs more than the read (GIL, wake-ups)."""
+        while not future.done():
+            with self._ready:
+                urgent = self._heap and self._heap[0][0] < AHEAD
+                item = heapq.heappop(self._heap) if urgent else None
+            if item is None:
+                wait([future])
+                return
+            _run(item)
+            del item
+
+    def _work(self) -> None:
+        while True:
+            with self._ready:
+                while not self._heap and not self._closed:
+                    self._ready.wait()
+                if self._closed:
+                    return
+                item = heapq.heappop(self._heap)
+            _run(item)
+            # An idle thread must not keep its last read (a whole layer, maybe) alive.
+            del item
+
+    def shutdown(self) -> None:
+        """Cancel queued reads, let running ones finish, stop the threads."""
+        with self._ready:
+            self._closed = True
+            for _, _, future, _, _ in self._heap:
+                future.cancel()
+            self._heap.clear()
+            self._ready.notify_all()
+        for thread in self._threads:
+            thread.join()
+
+
+def _run(item: tuple) -> None:
+    _, _, future, fn, args = item
+    if not future.set_running_or_notify_cancel():
+        return
+    try:
+        future.set_result(fn(*args))
+    except BaseException as e:  # handed to whoever waits on the read
+        future.set_exception(e)
+
+
 def _open(path: Path, advice: str) -> int:
     fd = os.open(path, os.O_RDONLY)
     if hasattr(os, "posix_fadvise"):  # Linux; macOS has no fadvise
         os.posix_fadvise(fd, 0, 0, getattr(os, advice))
     return fd
-
-
-def _range_of(tensor: ExpertTensor, expert: int | None) -> tuple[int, int, tuple[int, ...]]:
-    if expert is None:
-        return tensor.entry.offset, tensor.entry.nbytes, tensor.entry.shape
-    offset, length = tensor.expert_range(expert)
-    return offset, length, tensor.expert_shape
 
 
 def _to_float32(array: np.ndarray, dtype: str) -> np.ndarray:

@@ -17,6 +17,7 @@ import mlx.core as mx
 from ..checkpoint.index import DTYPE_SIZES, CheckpointIndex
 from ..config import EngineConfig, format_bytes
 from ..errors import Edge0Error
+from ..trace import NO_TRACE, Tracer
 from .pool import ExpertKey, ExpertPool, ResidentExpert
 from .reads import ExpertReader, ReadResult, to_mlx
 
@@ -40,8 +41,15 @@ class LoadCounters:
 
 
 class ExpertStore:
-    def __init__(self, index: CheckpointIndex, config: EngineConfig, float_dtype: mx.Dtype | None):
+    def __init__(
+        self,
+        index: CheckpointIndex,
+        config: EngineConfig,
+        float_dtype: mx.Dtype | None,
+        tracer: Tracer = NO_TRACE,
+    ):
         self.index = index
+        self.tracer = tracer
         self.float_dtype = float_dtype
         self.whole_layer_fraction = config.whole_layer_fraction
         on_cpu = mx.default_device().type == mx.DeviceType.cpu
@@ -50,6 +58,7 @@ class ExpertStore:
             config.reader_threads,
             widen_to_float32=float_dtype == mx.float32,
             build_arrays=on_cpu,
+            tracer=tracer,
         )
         self.pool = ExpertPool(config.expert_cache_bytes, config.eviction)
         self.counters = LoadCounters()
@@ -61,6 +70,10 @@ class ExpertStore:
         # When a list, every fetch appends (step, layer, experts): the routing trace that the eviction
         # benchmark replays.
         self.trace: list[tuple[int, int, list[int]]] | None = None
+
+    def trace_to(self, tracer: Tracer) -> None:
+        """Record reads and blocked waits in `tracer` from now on."""
+        self.tracer = self.reader.tracer = tracer
 
     def resident_expert_nbytes(self, layer: int) -> int:
         """MLX bytes one expert of `layer` takes once resident (floating parts in compute dtype)."""
@@ -112,7 +125,7 @@ class ExpertStore:
             if key in self.pool:
                 self.pool.pinned.add(key)
             elif key not in self._staged:
-                self._staged[key] = self.reader.submit_expert(layer, expert)
+                self._staged[key] = self.reader.submit_expert(layer, expert, ahead=True)
                 self._issued_for_next_step += 1
 
     # -- per-expert path ---------------------------------------------------------------------------
@@ -134,8 +147,13 @@ class ExpertStore:
         if missing:
             start = time.perf_counter()
             futures = [self._staged_or_submit(key) for key in missing]
-            for key, future in zip(missing, futures):
+            for key, (future, how) in zip(missing, futures):
+                waited = self.tracer.now()
+                self.reader.wait(future)
                 result = _result_or_error(future, f"layer {layer} expert {key[1]}")
+                self.tracer.complete(
+                    f"blocked {layer}.{key[1]}", "blocked", waited, self.tracer.now(), read=how
+                )
                 arrays = to_mlx(result, self.float_dtype)
                 expert = ResidentExpert(arrays, sum(a.nbytes for a in arrays.values()))
                 self.pool.put(key, expert, protected=keys)
@@ -145,15 +163,17 @@ class ExpertStore:
             self.counters.blocked_ms += (time.perf_counter() - start) * 1e3
         return [found[key] for key in keys]
 
-    def _staged_or_submit(self, key: ExpertKey) -> Future[ReadResult]:
+    def _staged_or_submit(self, key: ExpertKey) -> tuple[Future[ReadResult], str]:
+        """The read of a missing expert and how it was issued: "ahead, in time" / "ahead, late"
+        (staged by the prerouter) or "on demand" (submitted now)."""
         future = self._staged.pop(key, None)
         if future is None:
-            return self.reader.submit_expert(*key)
+            return self.reader.submit_expert(*key), "on demand"
         if future.done():
             self.counters.prefetch_in_time += 1
-        else:
-            self.counters.prefetch_late += 1
-        return future
+            return future, "ahead, in time"
+        self.counters.prefetch_late += 1
+        return future, "ahead, late"
 
     # -- whole-layer path (prefill) ----------------------------------------------------------------
 
@@ -167,7 +187,9 @@ class ExpertStore:
         """The layer's stacked expert tensors; starts reading the next MoE layer before returning."""
         start = time.perf_counter()
         future = self._pending_layers.pop(layer, None) or self.reader.submit_layer(layer)
+        self.reader.wait(future)
         result = _result_or_error(future, f"layer {layer} (whole)")
+        self.tracer.complete(f"blocked {layer}.all", "blocked", start, self.tracer.now())
         arrays = to_mlx(result, self.float_dtype)
         self._account(result)
         self.counters.whole_layer_reads += 1
@@ -179,7 +201,7 @@ class ExpertStore:
         held = sum(a.nbytes for a in arrays.values())
         following = [n for n in self._moe_layers if n > layer]
         if following:
-            self._pending_layers[following[0]] = self.reader.submit_layer(following[0])
+            self._pending_layers[following[0]] = self.reader.submit_layer(following[0], ahead=True)
             held += self.index.layers[following[0]].nbytes
         self.counters.transient_peak_bytes = max(self.counters.transient_peak_bytes, held)
         return arrays

@@ -100,7 +100,9 @@ class StreamingSwitchGLU(nn.Module):
         """`indices` as the family passes them; `routed` is the same routing already on the host
         (a prediction), which spares the per-layer sync that reading `indices` back costs."""
         if routed is None:
-            mx.eval(indices)
+            # The true router's choice is needed on the host: this waits for every layer before.
+            with self._store.tracer.span(f"router sync {self._layer}", "compute"):
+                mx.eval(indices)
             routed = np.array(indices)
         self.last_routed = routed
         distinct = np.unique(routed)

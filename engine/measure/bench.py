@@ -9,13 +9,17 @@ same-session runs:
 - all arms get the same expert-cache budget;
 - `--ram-limit` puts each arm's process in a memory cgroup (anonymous memory and page cache
   together): the machine on which the checkpoint does not fit;
-- `--cold` evicts the checkpoint's pages before each arm and proves it with mincore.
+- `--cold` evicts the checkpoint's pages before each arm and proves it with mincore;
+- `--read-limit` puts each arm's process in a blkio (v1) or io (v2) cgroup that throttles its reads
+  from the checkpoint's disk: the I/O-bound machine (a laptop SSD under a fast GPU). The throttle
+  lets short bursts through, so each arm reports the read bandwidth it achieved (`read_mib_per_s`).
 Figures are medians over rounds, with min-max.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -27,7 +31,9 @@ from ..checkpoint.index import checkpoint_shards
 from ..config import format_bytes
 from ..errors import Edge0Error
 from ..experts.page_cache import FileResidency, evict_file
+from ..trace import Tracer
 from .memory_cgroup import MemoryCgroup
+from .read_limit import ReadLimitCgroup, block_device
 
 DEFAULT_PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 ARMS = ("resident", "on-demand", "prerouter")
@@ -45,6 +51,10 @@ FIGURES = (
     ("peak MLX MiB", "peak_mlx_mib", "{:.0f}"),
     ("peak RSS MiB", "peak_rss_mib", "{:.0f}"),
     ("page-cache share", "page_cache_share", "{:.2f}"),
+    ("read MiB/s", "read_mib_per_s", "{:.1f}"),
+    ("disk MiB read", "read_disk_mib", "{:.1f}"),
+    ("cold MiB read", "read_cold_mib", "{:.1f}"),
+    ("read-busy ms", "read_busy_ms", "{:.0f}"),
 )
 
 
@@ -71,8 +81,10 @@ class BenchConfig:
     expert_cache_bytes: int = 1 << 30
     ram_limit_bytes: int | None = None
     cold: bool = False
+    read_limit_bps: int | None = None  # bytes/s each arm may read from the checkpoint's disk
     seed: int = 0
     temperature: float = 0.7
+    trace_dir: Path | None = None  # each arm's step timeline: DIR/<arm>-round<N>.json
 
 
 @dataclass
@@ -85,6 +97,8 @@ class ArmRun:
     error: str = ""
     cgroup_peak_bytes: int = 0
     evicted_check: float | None = None  # share of the checkpoint resident after eviction (--cold)
+    read_limit_rules: list[str] = field(default_factory=list)  # the throttle, as the kernel read it
+    device_read_bytes: int = 0  # what the arm's process read from the throttled disk (load too)
 
 
 # -- one arm, in its own process --------------------------------------------------------------------
@@ -98,31 +112,109 @@ def run_arm(spec: dict) -> dict:
     config = EngineConfig(
         mode=spec["mode"], expert_cache_bytes=spec["expert_cache_bytes"], k=spec["k"]
     )
-    with Engine(spec["model"], config) as engine:
+    reads = ReadSpans(whole_trace=spec.get("trace") is not None)
+    with Engine(spec["model"], config, tracer=reads) as engine:
         if spec.get("sample"):
             prompt = engine.encode(spec["prompt"], chat=True)
             gen = GenerationConfig(spec["tokens"], spec["temperature"], 0.95, 0, spec["seed"])
             result = engine.generate(prompt, gen)
             return {"prompt_tokens": prompt, "tokens": result.tokens}
+        disk_before = disk_read_bytes()
         result = engine.generate(spec["prompt_tokens"], forced_tokens=spec["forced_tokens"])
+        disk_after = disk_read_bytes()
+        if spec.get("trace") is not None:
+            reads.write(spec["trace"])
         summary = dict(result.summary)
         summary["peak_mlx_mib"] = summary["peak_mlx_bytes"] / 2**20
         summary["peak_rss_mib"] = summary["peak_rss_bytes"] / 2**20
         expert_bytes = engine.loaded.index.expert_nbytes
         summary["page_cache_share"] = summary["median_page_cache_expert_bytes"] / expert_bytes
         summary["k"] = engine.k
+        disk = None if disk_before is None or disk_after is None else disk_after - disk_before
+        summary.update(reads.achieved(disk))
         decode = [s.wall_ms for s in result.steps if s.phase == "decode"]
         return {"summary": summary, "step_ms": decode}
 
 
-def _spawn(spec: dict, cgroup: MemoryCgroup | None, timeout_s: float) -> tuple[int, str, str]:
+class ReadSpans(Tracer):
+    """A tracer that keeps only the reader threads' pread spans: (start, end, cold bytes).
+
+    An arm's achieved read bandwidth is the bytes its process read from disk during the replay
+    (`read_bytes` of /proc/self/io: what the block layer, and so the throttle, delivered, readahead
+    included; where that is missing, the reads' cold bytes by mincore) over its read-busy time: the
+    length of the union of its pread spans, i.e. the time during which at least one expert read was
+    in flight. Concurrent reads share the throttled bandwidth, so overlapping spans count once;
+    compute and waits with no read in flight do not count. mincore alone would undercount: a
+    whole-layer read's readahead brings the next range in from disk before mincore looks at it.
+    The model's load happens before the replay and is not counted.
+    """
+
+    def __init__(self, whole_trace: bool = False) -> None:
+        super().__init__()
+        self.spans: list[tuple[float, float, int]] = []
+        self.whole_trace = whole_trace  # also keep every event, for `bench --trace`
+
+    def complete(self, name: str, category: str, start: float, end: float, **args) -> None:
+        if category == "read" and name.startswith("pread"):
+            self.spans.append((start, end, int(args.get("cold", 0))))  # append is thread-safe
+        if self.whole_trace:
+            super().complete(name, category, start, end, **args)
+
+    def instant(self, name: str, category: str, **args) -> None:
+        if self.whole_trace:
+            super().instant(name, category, **args)
+
+    def counter(self, name: str, **values: float) -> None:
+        if self.whole_trace:
+            super().counter(name, **values)
+
+    def achieved(self, disk_bytes: int | None) -> dict:
+        """`read_mib_per_s` with its parts `read_disk_mib` and `read_busy_ms`, and the reads' cold
+        MiB by mincore; empty when nothing came from disk."""
+        busy = 0.0
+        reach = -float("inf")
+        for start, end, _ in sorted(self.spans):
+            if end > reach:
+                busy += end - max(start, reach)
+                reach = end
+        cold = sum(c for _, _, c in self.spans)
+        read = cold if disk_bytes is None else disk_bytes
+        if not read or busy <= 0:
+            return {}
+        return {
+            "read_disk_mib": read / 2**20,
+            "read_cold_mib": cold / 2**20,
+            "read_busy_ms": busy * 1e3,
+            "read_mib_per_s": read / 2**20 / busy,
+        }
+
+
+def disk_read_bytes() -> int | None:
+    """Bytes this process (all its threads) has caused to be read from storage; None off Linux."""
+    try:
+        with open("/proc/self/io") as f:
+            for line in f:
+                if line.startswith("read_bytes:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def _spawn(
+    spec: dict, cgroups: list[MemoryCgroup | ReadLimitCgroup], timeout_s: float
+) -> tuple[int, str, str]:
+    def join() -> None:  # in the child, before exec; the memory group first (v2 nests in it)
+        for group in cgroups:
+            group.join()
+
     command = [sys.executable, "-m", "engine.measure.bench", json.dumps(spec)]
     process = subprocess.run(
         command,
         capture_output=True,
         text=True,
         timeout=timeout_s,
-        preexec_fn=cgroup.join if cgroup is not None else None,
+        preexec_fn=join if cgroups else None,
     )
     return process.returncode, process.stdout, process.stderr
 
@@ -169,12 +261,18 @@ def run_bench(config: BenchConfig, progress=print, timeout_s: float = 3600) -> d
     }
     if config.ram_limit_bytes is not None:  # fail before any work if the limit cannot be made
         MemoryCgroup.create(config.ram_limit_bytes, "edge0-bench-probe").remove()
+    devices = []
+    if config.read_limit_bps is not None:
+        devices = sorted({block_device(shard) for shard in shards})
+        ReadLimitCgroup.create(
+            config.read_limit_bps, devices, f"edge0-bench-{os.getpid()}-probe"
+        ).remove()
 
     progress(f"sampling {config.tokens} tokens once (on-demand, T={config.temperature}) ...")
     sample_spec = dict(
         base, mode="on-demand", sample=True, prompt=config.prompt, tokens=config.tokens
     )
-    code, out, err = _spawn(sample_spec, None, timeout_s)
+    code, out, err = _spawn(sample_spec, [], timeout_s)
     if code != 0:
         raise Edge0Error(f"sampling the token sequence failed: {_last_line(err)}")
     sampled = json.loads(out)
@@ -187,24 +285,28 @@ def run_bench(config: BenchConfig, progress=print, timeout_s: float = 3600) -> d
             run = ArmRun(arm, r, ok=False)
             if config.cold:
                 run.evicted_check = _evict_and_check(shards)
-            cgroup = None
-            if config.ram_limit_bytes is not None:
-                cgroup = MemoryCgroup.create(config.ram_limit_bytes, f"edge0-bench-{arm}-{r}")
+            cgroups = _arm_cgroups(config, devices, f"{arm}-{r}")
             spec = dict(
                 base,
                 mode=arm,
                 prompt_tokens=sampled["prompt_tokens"],
                 forced_tokens=sampled["tokens"],
             )
+            if config.trace_dir is not None:
+                spec["trace"] = str(config.trace_dir / f"{arm}-round{r + 1}.json")
             started = time.perf_counter()
             try:
-                code, out, err = _spawn(spec, cgroup, timeout_s)
+                code, out, err = _spawn(spec, cgroups, timeout_s)
             except subprocess.TimeoutExpired:
                 code, out, err = -1, "", f"timed out after {timeout_s:.0f} s"
             finally:
-                if cgroup is not None:
-                    run.cgroup_peak_bytes = cgroup.peak_bytes()
-                    cgroup.remove()
+                for group in reversed(cgroups):  # a v2 read group nests in the memory group
+                    if isinstance(group, MemoryCgroup):
+                        run.cgroup_peak_bytes = group.peak_bytes()
+                    else:
+                        run.read_limit_rules = group.rules
+                        run.device_read_bytes = group.read_bytes()
+                    group.remove()
             if code == 0:
                 payload = json.loads(out)
                 run.ok, run.summary, run.step_ms = True, payload["summary"], payload["step_ms"]
@@ -218,6 +320,28 @@ def run_bench(config: BenchConfig, progress=print, timeout_s: float = 3600) -> d
             )
             runs.append(run)
     return build_report(config, sampled, runs)
+
+
+def _arm_cgroups(
+    config: BenchConfig, devices: list[tuple[int, int]], name: str
+) -> list[MemoryCgroup | ReadLimitCgroup]:
+    """The groups one arm runs in: memory (--ram-limit), then reads (--read-limit)."""
+    groups: list[MemoryCgroup | ReadLimitCgroup] = []
+    name = f"edge0-bench-{os.getpid()}-{name}"
+    try:
+        if config.ram_limit_bytes is not None:
+            groups.append(MemoryCgroup.create(config.ram_limit_bytes, name))
+        if config.read_limit_bps is not None:
+            memory = groups[0] if groups and groups[0].version == 2 else None
+            inside = memory.path if memory is not None else None
+            groups.append(
+                ReadLimitCgroup.create(config.read_limit_bps, devices, name + "-read", inside)
+            )
+    except BaseException:
+        for group in groups:
+            group.remove()
+        raise
+    return groups
 
 
 def _last_line(text: str) -> str:
@@ -285,9 +409,11 @@ def _per_step_median(series: list[list[float]]) -> list[float]:
 def markdown(report: dict) -> str:
     cfg = report["config"]
     limit = format_bytes(cfg["ram_limit_bytes"]) if cfg["ram_limit_bytes"] else "none"
+    read_limit = cfg.get("read_limit_bps")
+    reads = f"read limit {format_bytes(read_limit)}/s, " if read_limit else ""
     lines = [
         f"Model `{cfg['model']}`, K={cfg['k'] or 'native'}, expert cache "
-        f"{format_bytes(cfg['expert_cache_bytes'])}, RAM limit {limit}, "
+        f"{format_bytes(cfg['expert_cache_bytes'])}, RAM limit {limit}, {reads}"
         f"{'cold' if cfg['cold'] else 'warm'} page cache, {cfg['rounds']} rounds (order rotated), "
         f"{report['prompt_tokens']} prompt + {report['tokens']} replayed tokens. Median [min-max].",
         "",
@@ -322,6 +448,29 @@ def markdown(report: dict) -> str:
             continue
         cells = [_cell(f, key, fmt) for _, key, fmt in FIGURES if key in TABLE_4]
         lines.append(f"| {arm} | " + " | ".join(cells) + " |")
+    read_arms = {a: d for a, d in report["arms"].items() if "read_mib_per_s" in d["figures"]}
+    if read_limit or read_arms:
+        lines += [
+            "",
+            "**Reads** (achieved: MiB read from disk during the replay over the time at least one "
+            "expert read was in flight; the throttle lets short bursts pass above its limit)",
+            "",
+            "| arm | achieved read MiB/s | vs limit | disk MiB read | cold MiB (mincore) "
+            "| read-busy ms |",
+            "|---|---|---|---|---|---|",
+        ]
+        for arm, data in report["arms"].items():
+            f = data["figures"]
+            if arm not in read_arms:
+                why = "no expert reads from disk" if f else "failed"
+                lines.append(f"| {arm} | - ({why}) | | | | |")
+                continue
+            share = f["read_mib_per_s"]["median"] * 2**20 / read_limit if read_limit else None
+            lines.append(
+                f"| {arm} | {_cell(f, 'read_mib_per_s', '{:.1f}')} | {_x(share)} "
+                f"| {_cell(f, 'read_disk_mib', '{:.1f}')} | {_cell(f, 'read_cold_mib', '{:.1f}')} "
+                f"| {_cell(f, 'read_busy_ms', '{:.0f}')} |"
+            )
     return "\n".join(lines) + "\n"
 
 

@@ -15,12 +15,12 @@ from pathlib import Path
 from ..errors import Edge0Error
 
 
-def _mounts() -> list[tuple[str, str, str]]:
+def mounts() -> list[tuple[str, str, str]]:
     with open("/proc/mounts") as f:
         return [tuple(line.split()[1:4]) for line in f]  # (mount point, fstype, options)
 
 
-def _own_cgroups() -> dict[str, str]:
+def own_cgroups() -> dict[str, str]:
     """controller (or "" for v2) -> path of this process's group."""
     out = {}
     with open("/proc/self/cgroup") as f:
@@ -39,15 +39,15 @@ class MemoryCgroup:
     @classmethod
     def create(cls, limit_bytes: int, name: str) -> MemoryCgroup:
         try:
-            own = _own_cgroups()
-            mounts = _mounts()
+            own = own_cgroups()
+            mounted = mounts()
         except OSError as e:
             raise Edge0Error(
                 f"cannot read this process's cgroups ({e}); --ram-limit needs Linux"
             ) from None
         reasons = []
         v1_root = next(
-            (m for m, t, o in mounts if t == "cgroup" and "memory" in o.split(",")), None
+            (m for m, t, o in mounted if t == "cgroup" and "memory" in o.split(",")), None
         )
         if v1_root and "memory" in own:
             group = Path(v1_root) / own["memory"].lstrip("/") / name
@@ -57,7 +57,7 @@ class MemoryCgroup:
                 return cls(group, 1)
             except OSError as e:
                 reasons.append(f"cgroup v1 at {group}: {e.strerror or e}")
-        v2_root = next((m for m, t, _ in mounts if t == "cgroup2"), None)
+        v2_root = next((m for m, t, _ in mounted if t == "cgroup2"), None)
         if v2_root and "" in own:
             parent = Path(v2_root) / own[""].lstrip("/")
             group = parent / name

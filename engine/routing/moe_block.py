@@ -112,6 +112,10 @@ class RoutedMoE(nn.Module):
         return self._ops.expert_bias(self)
 
     def __call__(self, x: mx.array) -> mx.array:
+        with self._state.tracer.span(f"layer {self._layer}", "layer"):
+            return self._route_and_run(x)
+
+    def _route_and_run(self, x: mx.array) -> mx.array:
         state = self._state
         tokens = x.size // x.shape[-1]
         prediction = state.prediction_for(self._layer) if tokens == 1 else None
@@ -132,4 +136,5 @@ class RoutedMoE(nn.Module):
         if prediction is not None:
             # The next layers' graph is built while this one computes (and reads land).
             mx.async_eval(y)
+            state.tracer.instant(f"submit {self._layer}", "compute")
         return y

@@ -28,6 +28,7 @@ import mlx.core as mx
 
 from ..adapters.metadata import (
     check_adapter_metadata,
+    check_finite,
     flat_metadata,
     floating,
     load_arrays,
@@ -160,6 +161,7 @@ def load_prerouter(
 
     width = hidden + 2 * experts
     tensors = load_arrays(path)
+    check_finite(path, tensors)
     stacks: dict[str, list[mx.array]] = {p: [] for p in HEAD_PARTS}
     inner = None
     for owner in owners:

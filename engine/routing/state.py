@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
+from ..trace import NO_TRACE, Tracer
 from .functions import route
 from .prerouter import PrerouterHeads, head_features
 
@@ -37,6 +38,7 @@ class RoutingState:
         self.float_dtype = float_dtype
         self.heads: PrerouterHeads | None = None
         self.shadow_router = False
+        self.tracer: Tracer = NO_TRACE
         self.counters = RoutingCounters()
         self.reset()
 

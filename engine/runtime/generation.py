@@ -33,7 +33,8 @@ from ..config import EngineConfig, GenerationConfig
 from ..errors import Edge0Error
 from ..experts.store import LoadCounters
 from ..routing.prerouter import PrerouterHeads, load_profile_heads
-from .loader import LoadedModel, load
+from ..trace import NO_TRACE, Tracer
+from .loader import LoadedModel, load, render_chat_template
 from .metrics import MemorySampler, StepMetrics, summarize
 from .numerics import HiddenGuard, guard_layers
 
@@ -76,11 +77,17 @@ class Engine:
     whole life). A thread other than the main one that used MLX must call `mx.clear_streams()`
     before it ends, or the process can abort at exit (seen with mlx 0.32 on Linux)."""
 
-    def __init__(self, model_dir: str | Path, config: EngineConfig | None = None) -> None:
+    def __init__(
+        self, model_dir: str | Path, config: EngineConfig | None = None, tracer: Tracer = NO_TRACE
+    ) -> None:
         self.config = config or EngineConfig()
         self.model_dir = Path(model_dir)
         self.loaded: LoadedModel = load(self.model_dir, self.config)
         self.store = self.loaded.store
+        self.tracer = tracer
+        if self.store is not None:
+            self.store.trace_to(tracer)
+            self.loaded.routing.tracer = tracer
         self.memory = None
         try:
             self._setup()
@@ -102,6 +109,8 @@ class Engine:
             or self.loaded.config.get("text_config", {}).get("max_position_embeddings")
             or 1 << 31
         )
+        sizes = self.loaded.config.get("text_config", self.loaded.config)
+        self.vocab_size = int(sizes.get("vocab_size") or 1 << 31)  # the logits' width
         self.mode = self.config.mode
         self.k = self.loaded.top_k
         self.lora: AppliedLoRA | None = None
@@ -259,15 +268,9 @@ class Engine:
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
         """Token ids of a conversation (`role`/`content` dicts), ready for the assistant's turn.
-
-        transformers renders the checkpoint's chat template in a sandboxed Jinja environment: a
-        template that reaches for Python internals fails, and is reported as the model's fault."""
-        try:
-            return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
-        except Exception as e:  # jinja2 raises SecurityError, TemplateError, UndefinedError...
-            raise Edge0Error(
-                f"{self.model_dir}: the chat template failed ({type(e).__name__}: {e})"
-            ) from None
+        The checkpoint's chat template renders sandboxed and bounded in time and size; a template
+        that fails is reported as the model's fault."""
+        return render_chat_template(self.tokenizer, messages, self.model_dir)
 
     def reply_text(self, tokens: list[int]) -> str:
         """The text of generated tokens, without end-of-sequence tokens."""
@@ -292,7 +295,13 @@ class Engine:
             "dtype": str(self.loaded.float_dtype or "as saved"),
             "fingerprint": self.fingerprint,
             "profiles": [p.__dict__ for p in self.profiles()],
+            "warnings": self.warnings,
         }
+
+    @property
+    def warnings(self) -> list[str]:
+        """Problems with the checkpoint that do not stop it from running (e.g. stray shards)."""
+        return list(self.loaded.index.warnings)
 
     # -- generation ----------------------------------------------------------------------------------
 
@@ -316,6 +325,11 @@ class Engine:
                 f"prompt of {len(prompt_tokens)} tokens plus {gen.max_tokens} new tokens exceeds "
                 f"the model's context of {self.context_limit} (max_position_embeddings in "
                 f"{self.model_dir / 'config.json'})"
+            )
+        if gen.top_k >= self.vocab_size:
+            raise Edge0Error(
+                f"top_k={gen.top_k} must be below the vocabulary size of {self.vocab_size} "
+                "(0 turns top-k off)"
             )
         mx.reset_peak_memory()
         if gen.seed is not None:
@@ -381,7 +395,10 @@ class Engine:
             self._forward(body[start : start + chunk], cache, "prefill", steps, flush=last_chunk)
         logits = self._forward(prompt_tokens[-1:], cache, "prefill", steps)
         while True:
-            token = self._sample(logits, sampler) if forced is None else forced[len(result.tokens)]
+            with self.tracer.span("sample", "step"):
+                token = (
+                    self._sample(logits, sampler) if forced is None else forced[len(result.tokens)]
+                )
             result.tokens.append(token)
             if on_token is not None:
                 on_token(token, steps[-1])
@@ -412,17 +429,19 @@ class Engine:
         chunk evaluates only the cache. `flush` runs the prerouter heads for the next step."""
         self._apply_requests()
         start = time.perf_counter()
+        tracer = self.tracer
         routing_counters = self.routing.begin_step() if self.routing is not None else None
         if self.store is not None:
             self.store.begin_step()
         out = self.model(mx.array(tokens)[None], cache=cache)
         guard_counts = self.guard.pending() if self.guard is not None else []
-        if len(tokens) == 1:
-            out = out[:, -1, :]
-            mx.eval(out, guard_counts)
-        else:
-            mx.eval([c.state for c in cache], guard_counts)
-            out = None
+        with tracer.span("evaluate", "compute"):  # what compute is left once the graph is built
+            if len(tokens) == 1:
+                out = out[:, -1, :]
+                mx.eval(out, guard_counts)
+            else:
+                mx.eval([c.state for c in cache], guard_counts)
+                out = None
         repaired = self.guard.take_count() if self.guard is not None else 0
         counters = self.store.end_step() if self.store is not None else LoadCounters()
         flush_ms = 0.0
@@ -431,7 +450,10 @@ class Engine:
             for layer, experts in self.routing.flush().items():
                 self.store.stage(layer, experts.tolist())
             flush_ms = (time.perf_counter() - flush_start) * 1e3
-        wall_ms = (time.perf_counter() - start) * 1e3
+            tracer.complete("head flush", "prerouter", flush_start, time.perf_counter())
+        end = time.perf_counter()
+        wall_ms = (end - start) * 1e3
+        tracer.complete(f"{phase} step", "step", start, end, tokens=len(tokens))
         pool_bytes = self.store.pool.resident_bytes if self.store is not None else 0
         steps.append(
             StepMetrics.build(

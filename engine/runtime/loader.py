@@ -8,6 +8,10 @@ before anything is evaluated, then evaluates the rest: the stacked expert tensor
 from __future__ import annotations
 
 import json
+import os
+import sys
+import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,10 +21,12 @@ from mlx.utils import tree_flatten
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import load_model as mlx_lm_load_model
 from mlx_lm.utils import load_tokenizer
+from tokenizers import Tokenizer
 from transformers.utils import logging as hf_logging
 
-from ..checkpoint.families import Family, MoESite, family_of, find_moe_sites
-from ..checkpoint.index import CheckpointIndex, read_safetensors_header
+from ..adapters.metadata import nonfinite_tensors
+from ..checkpoint.families import Family, MoESite, check_config_sizes, family_of, find_moe_sites
+from ..checkpoint.index import CheckpointIndex, brief, check_regular_file, list_dir, parse_json
 from ..config import EngineConfig
 from ..errors import Edge0Error
 from ..experts.store import ExpertStore
@@ -29,6 +35,35 @@ from ..routing.moe_block import RoutedMoE, ops_for
 from ..routing.state import RoutingState
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+# Files of a model directory that the config and tokenizer loaders (transformers) may open, by
+# suffix: each must be a regular file, since opening a FIFO blocks forever.
+LOADER_SUFFIXES = (".json", ".jinja", ".txt", ".model")
+# A chat template is code that comes with the checkpoint: its rendering is bounded in CPU time of the
+# rendering thread and in characters rendered (real templates take milliseconds and a few KB more
+# than the conversation), so that a broken or hostile one fails instead of hanging.
+CHAT_TEMPLATE_SECONDS = 5.0
+CHAT_TEMPLATE_CHARS = 16 * 2**20
+TEMPLATES_DIR = "additional_chat_templates"  # transformers also reads every template in here
+# JSON files of the tokenizer, read by transformers: each must hold a JSON object.
+TOKENIZER_JSON = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.json",
+)
+_SPECIAL_TOKEN = ((str, dict, type(None)), "a string, an object or null")
+# tokenizer_config.json fields whose type transformers assumes: field -> (types, as said).
+TOKENIZER_CONFIG_TYPES = {
+    "added_tokens_decoder": ((dict,), "a JSON object"),
+    "additional_special_tokens": ((list,), "a list"),
+    "chat_template": ((str, list), "a string or a list of named templates"),
+    "model_max_length": ((int, float), "a number"),
+    **{
+        f"{kind}_token": _SPECIAL_TOKEN
+        for kind in ("bos", "eos", "unk", "pad", "sep", "cls", "mask")
+    },
+}
 
 
 @dataclass
@@ -60,8 +95,7 @@ def read_config(model_dir: Path) -> dict:
     if not model_dir.is_dir():
         raise Edge0Error(f"{model_dir}: no such model directory")
     path = model_dir / "config.json"
-    if not path.exists():
-        raise Edge0Error(f"{path}: missing (not an mlx-lm checkpoint directory?)")
+    check_regular_file(path, missing="missing (not an mlx-lm checkpoint directory?)")
     try:
         config = json.loads(path.read_text(encoding="utf-8"))
     except OSError as e:
@@ -106,32 +140,20 @@ def load(model_dir: str | Path, config: EngineConfig) -> LoadedModel:
             f"({model_config['model_file']!r}); edge0 never runs code that comes with a model"
         )
     family = family_of(model_config, str(model_dir / "config.json"))
-    if not any((model_dir / name).exists() for name in TOKENIZER_FILES):
-        raise Edge0Error(
-            f"{model_dir}: no tokenizer (expected one of {', '.join(TOKENIZER_FILES)})"
-        )
+    check_loader_files(model_dir)
     index = CheckpointIndex(model_dir)  # validates every shard header before mlx-lm reads a byte
-    # mlx-lm loads every model*.safetensors, also those the index does not list.
-    for shard in sorted(model_dir.glob("model*.safetensors")):
-        if shard not in index.shards:
-            read_safetensors_header(shard)
     index.check_stacked_experts()
+    shapes = {name: entry.shape for name, entry in index.tensors.items()}
+    check_config_sizes(model_config, shapes, str(model_dir / "config.json"))
 
-    try:
-        model, model_config = mlx_lm_load_model(model_dir, lazy=True, strict=True)
-    except (ValueError, KeyError, TypeError) as e:
-        raise Edge0Error(
-            f"{model_dir}: checkpoint does not match config.json ({_one_line(e)})"
-        ) from None
+    model, model_config = _build_model(model_dir, model_config, index.shards)
     _check_dtypes(model, index, model_dir)
-    try:
-        tokenizer = quiet_load_tokenizer(model_dir, model_config.get("eos_token_id"))
-    except Exception as e:  # tokenizers raise many types for a broken file
-        raise Edge0Error(f"{model_dir}: cannot load the tokenizer ({_one_line(e)})") from None
+    tokenizer = quiet_load_tokenizer(model_dir, model_config.get("eos_token_id"))
 
     sites = find_moe_sites(model)
     if not sites:
         raise Edge0Error(f"{model_dir}: no routed-expert layers found in this {family.name} model")
+    _check_finite(model, sites, index, model_dir)  # before the swap below renames the blocks
     float_dtype = compute_dtype(config)
     top_k = routed_top_k(model_config)
 
@@ -182,6 +204,92 @@ def load(model_dir: str | Path, config: EngineConfig) -> LoadedModel:
     )
 
 
+def check_loader_files(model_dir: Path) -> None:
+    """Before any loader opens a file of the directory: it can be listed, it has a tokenizer, and
+    every file a config or tokenizer loader may open is a regular file (not a FIFO or a device)."""
+    names = list_dir(model_dir)
+    if not any(name in names for name in TOKENIZER_FILES):
+        raise Edge0Error(
+            f"{model_dir}: no tokenizer (expected one of {', '.join(TOKENIZER_FILES)})"
+        )
+    for name in names:
+        if name.endswith(LOADER_SUFFIXES):
+            check_regular_file(model_dir / name)
+    templates = model_dir / TEMPLATES_DIR
+    if TEMPLATES_DIR in names and templates.is_dir():
+        for name in list_dir(templates):
+            check_regular_file(templates / name)
+
+
+def _build_model(model_dir: Path, config: dict, shards: list[Path]) -> tuple[nn.Module, dict]:
+    """mlx-lm's `load_model` on exactly these shards and this (checked) config.
+
+    mlx-lm reads config.json again and every model*.safetensors it finds, including shards the
+    index does not list (a stray shard would silently override tensors). So it is pointed at a
+    private directory holding the config as read here and links to the listed shards only. MLX
+    opens each file as it loads it, so the links are not needed once `load_model` returns."""
+    config = {**config}
+    if (eos := _generation_eos(model_dir)) is not None:
+        config["eos_token_id"] = eos  # what mlx-lm's load_config takes from generation_config.json
+    try:
+        with tempfile.TemporaryDirectory(prefix="edge0-load-") as view:
+            _write_view(Path(view), model_dir, config, shards)
+            return mlx_lm_load_model(Path(view), lazy=True, strict=True)
+    except (ValueError, KeyError, TypeError) as e:
+        raise Edge0Error(
+            f"{model_dir}: checkpoint does not match config.json ({_one_line(e)})"
+        ) from None
+    except OSError as e:
+        raise Edge0Error(f"{model_dir}: cannot read the checkpoint ({_one_line(e)})") from None
+
+
+def _write_view(view: Path, model_dir: Path, config: dict, shards: list[Path]) -> None:
+    """What mlx-lm may read of the checkpoint, in `view`: config.json and the listed shards."""
+    (view / "config.json").write_text(json.dumps(config))
+    for number, shard in enumerate(shards):
+        os.symlink(os.path.abspath(shard), view / f"model-{number:05d}.safetensors")
+    quantization = model_dir / "hf_quant_config.json"  # ModelOpt exports keep it apart
+    if quantization.is_file():
+        os.symlink(os.path.abspath(quantization), view / quantization.name)
+
+
+def _generation_eos(model_dir: Path) -> object | None:
+    """`eos_token_id` of generation_config.json; like mlx-lm, an unreadable file is ignored."""
+    path = model_dir / "generation_config.json"
+    if not path.is_file():
+        return None
+    try:
+        generation = parse_json(path.read_bytes())
+    except (OSError, ValueError):
+        return None
+    return (generation.get("eos_token_id") or None) if isinstance(generation, dict) else None
+
+
+def _check_finite(
+    model: nn.Module, sites: list[MoESite], index: CheckpointIndex, model_dir: Path
+) -> None:
+    """Refuse NaN or infinity in the resident small tensors: norms, routers, biases and every
+    other floating parameter outside a quantized matrix (whose packed weights cannot hold NaN,
+    and whose scales are many). One NaN in a norm or a router turns every reply into garbage;
+    the numerical guard reports what this leaves out, at run time."""
+    modules = dict(model.named_modules())
+    routers = tuple(site.path.rsplit(".", 1)[0] + ".gate." for site in sites)
+    experts = tuple(site.path + "." for site in sites)  # streamed, never resident
+    small = {}
+    for name, array in tree_flatten(model.parameters()):
+        owner_path, _, attribute = name.rpartition(".")
+        owner = modules.get(owner_path)
+        quantized = hasattr(owner, "bits") and hasattr(owner, "group_size")
+        small_part = not quantized or attribute == "bias" or name.startswith(routers)
+        if small_part and not name.startswith(experts):
+            small[name] = array
+    for name in nonfinite_tensors(small)[:1]:
+        entry = index.tensors.get(name)
+        raise Edge0Error(
+            f"{entry.file if entry else model_dir}: tensor {name!r} holds NaN or infinite values"
+        )
+
+
 def _one_line(error: Exception, limit: int = 400) -> str:
     """A library's error message on one line, cut to `limit` characters (lists of names get long)."""
     text = " ".join(str(error).split())
@@ -213,16 +321,61 @@ def _check_dtypes(model: nn.Module, index: CheckpointIndex, model_dir: Path) -> 
 
 def quiet_load_tokenizer(model_dir: Path, eos_token_ids) -> TokenizerWrapper:
     """mlx-lm's tokenizer loader, without transformers' warning about model types it has no class
-    for (e.g. bailing_moe): the tokenizer itself loads fine."""
+    for (e.g. bailing_moe): the tokenizer itself loads fine. A failure names the file at fault
+    when a check of the tokenizer's files finds it."""
     previous = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
     try:
         tokenizer = load_tokenizer(model_dir, eos_token_ids=eos_token_ids)
-        # Our loops feed the model in chunks; the tokenizer's length warning does not apply.
-        tokenizer._tokenizer.model_max_length = 1 << 62
-        return tokenizer
+    except Exception as e:  # tokenizers raise many types for a broken file
+        _diagnose_tokenizer(model_dir)
+        files = " / ".join(n for n in TOKENIZER_JSON[:2] if (model_dir / n).is_file())
+        raise Edge0Error(
+            f"{model_dir}: cannot load the tokenizer from {files or 'its files'} ({_one_line(e)})"
+        ) from None
     finally:
         hf_logging.set_verbosity(previous)
+    # Our loops feed the model in chunks; the tokenizer's length warning does not apply.
+    tokenizer._tokenizer.model_max_length = 1 << 62
+    return tokenizer
+
+
+def _diagnose_tokenizer(model_dir: Path) -> None:
+    """After the tokenizer failed to load: raise an Edge0Error naming the file at fault and what
+    is wrong with it, when these checks find it (transformers' own messages name neither)."""
+    for name in TOKENIZER_JSON:
+        path = model_dir / name
+        if not path.is_file():
+            continue
+        try:
+            data = parse_json(path.read_bytes())
+        except OSError as e:
+            raise Edge0Error(f"{path}: cannot read ({e.strerror or e})") from None
+        except ValueError as e:
+            raise Edge0Error(f"{path}: cannot load the tokenizer (invalid JSON: {e})") from None
+        if not isinstance(data, dict):
+            raise Edge0Error(f"{path}: cannot load the tokenizer (expected a JSON object)")
+        if name == "tokenizer_config.json":
+            for field, (types, said) in TOKENIZER_CONFIG_TYPES.items():
+                if field in data and not isinstance(data[field], types):
+                    raise Edge0Error(
+                        f"{path}: cannot load the tokenizer ({field}={brief(data[field])} is not "
+                        f"{said})"
+                    )
+        if name == "tokenizer.json":
+            for key, kind in (("model", dict), ("added_tokens", list)):
+                if not isinstance(data.get(key), kind):
+                    raise Edge0Error(
+                        f"{path}: cannot load the tokenizer ({key!r} is missing or not a JSON "
+                        f"{'object' if kind is dict else 'list'}: not a Hugging Face tokenizer file)"
+                    )
+            try:
+                Tokenizer.from_file(str(path))
+            except Exception as e:
+                raise Edge0Error(
+                    f"{path}: cannot load the tokenizer (the tokenizers library refuses it: "
+                    f"{_one_line(e)})"
+                ) from None
 
 
 def _hidden_size(layer_experts) -> int:
@@ -231,3 +384,61 @@ def _hidden_size(layer_experts) -> int:
         t for t in layer_experts.tensors if t.projection == "down_proj" and t.part == "weight"
     )
     return down.entry.shape[1]
+
+
+class ChatTemplateBudgetError(Exception):
+    """The chat template ran past its time or output bound."""
+
+
+class _TemplateBudget:
+    """A trace function that bounds a Jinja rendering in the thread that renders it (a signal
+    would work only in the main thread). Jinja compiles a template to Python code whose file name
+    is `<template>`, so its loops run line events there: each checks the thread's CPU time, and
+    every piece the template yields (a `return` event) counts toward the output bound. A single
+    long operation inside C (e.g. a string repeated 10**10 times) is not interrupted."""
+
+    # Reading the thread's CPU clock is a system call: look at it every this many events.
+    CLOCK_EVERY = 1000
+
+    def __init__(self, seconds: float, chars: int) -> None:
+        self.deadline = time.thread_time() + seconds
+        self.seconds = seconds
+        self.chars_left = chars
+        self.chars = chars
+        self.events = 0
+
+    def __call__(self, frame, event: str, arg):
+        # Called on each new frame: trace only the template's own code, at no cost elsewhere.
+        return self._step if frame.f_code.co_filename == "<template>" else None
+
+    def _step(self, frame, event: str, arg):
+        if event == "return" and isinstance(arg, str):
+            self.chars_left -= len(arg)
+            if self.chars_left < 0:
+                raise ChatTemplateBudgetError(f"renders more than {self.chars} characters")
+        self.events += 1
+        if self.events % self.CLOCK_EVERY == 0 and time.thread_time() > self.deadline:
+            raise ChatTemplateBudgetError(f"ran for more than {self.seconds:g} s")
+        return self._step
+
+
+def render_chat_template(
+    tokenizer: TokenizerWrapper, messages: list[dict], where: Path
+) -> list[int]:
+    """Token ids of a conversation (`role`/`content` dicts) in the tokenizer's chat template,
+    ready for the assistant's turn; any failure is an Edge0Error naming `where`.
+
+    transformers renders the template in a sandboxed Jinja environment (a template that reaches
+    for Python internals fails); the sandbox has no time or size limit, so rendering runs under
+    a `_TemplateBudget`."""
+    budget = _TemplateBudget(CHAT_TEMPLATE_SECONDS, CHAT_TEMPLATE_CHARS)
+    previous = sys.gettrace()  # a debugger's or coverage's tracer, put back afterwards
+    sys.settrace(budget)
+    try:
+        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+    except ChatTemplateBudgetError as e:
+        raise Edge0Error(f"{where}: the chat template {e}; refused") from None
+    except Exception as e:  # jinja2 raises SecurityError, TemplateError, UndefinedError...
+        raise Edge0Error(f"{where}: the chat template failed ({type(e).__name__}: {e})") from None
+    finally:
+        sys.settrace(previous)

@@ -347,21 +347,22 @@ def _cast(model: nn.Module, dtype: mx.Dtype) -> None:
     model.update(tree_map_with_path(cast, model.parameters()))
 
 
-def _natural_key(name: str) -> list:
+def natural_key(name: str) -> list:
     """Sort key that orders layers.2 before layers.10."""
     return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
 
 
-def _plan_shards(weights: dict[str, mx.array], max_shard_bytes: int) -> list[list[str]]:
+def plan_shards(weights: dict[str, mx.array], max_shard_bytes: int) -> list[list[str]]:
     """Group tensor names into shard files of at most `max_shard_bytes` each.
 
     Tensors of one module (weight, scales, biases) stay together: they come out of
     one quantize op, so evaluating one computes all of them. Only a module larger
     than the limit makes a bigger file (one of its own). `nbytes` is known from shape
-    and dtype without evaluating the lazy arrays.
+    and dtype without evaluating the lazy arrays (`wall.py` plans with plain sizes:
+    anything with `nbytes` will do).
     """
     modules: dict[str, list[str]] = {}
-    for name in sorted(weights, key=_natural_key):
+    for name in sorted(weights, key=natural_key):
         modules.setdefault(name.rsplit(".", 1)[0], []).append(name)
     shards: list[list[str]] = []
     size = 0
@@ -386,7 +387,7 @@ def write_weights(out_dir: Path, weights: dict[str, mx.array], max_shard_bytes: 
     # write with another shard count would be loaded too.
     for old in out_dir.glob("model*.safetensors"):
         old.unlink()
-    shards = _plan_shards(weights, max_shard_bytes)
+    shards = plan_shards(weights, max_shard_bytes)
     total_size = sum(v.nbytes for v in weights.values())
     weight_map: dict[str, str] = {}
     for i, names in enumerate(shards):

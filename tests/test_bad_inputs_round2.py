@@ -1,0 +1,624 @@
+"""Hostile and broken inputs, round 2: the same contract as test_bad_inputs.py (exit status 2, one
+`edge0: error:` line naming the file and the problem, no traceback, the user's files unchanged) for
+config sizes, files that are not regular files, stray shards, NaN weights, tokenizer files, chat
+templates and sampling arguments; and quiet, traceback-free ends when stdout goes away.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from adapters import write_random_profile
+from test_bad_inputs import (
+    INDEX,
+    LORA,
+    PREROUTER,
+    REPO,
+    SHARD,
+    assert_refused,
+    edit_adapter,
+    edit_config,
+    run_cli,
+    snapshot,
+)
+
+from edge0_tui.cli import main
+from engine import Edge0Error, EngineConfig, GenerationConfig
+from engine.checkpoint.index import checkpoint_shards
+from engine.runtime import loader
+from engine.runtime.generation import Engine
+
+NORM = "model.norm.weight"
+ROUTER_SCALES = "model.layers.1.mlp.gate.scales"
+# Nested loops of 10**10 iterations in all: a template that would never finish.
+LOOPS = "{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}"
+HUGE_OUTPUT = "{% for i in range(99999) %}{{ 'abcdefgh' * 1000 }}{% endfor %}"
+
+
+# -- ways to break a copy ---------------------------------------------------------------------------
+
+
+def set_tensor(name: str, value: float, file: str = SHARD):
+    """Set every value of one tensor of a safetensors file (metadata kept)."""
+
+    def edit(model: Path) -> None:
+        arrays, meta = mx.load(str(model / file), return_metadata=True)
+        arrays[name] = mx.full(arrays[name].shape, value, arrays[name].dtype)
+        mx.save_safetensors(str(model / file), arrays, metadata=meta)
+
+    return edit
+
+
+def poison_first(suffix: str, value: float = float("nan")):
+    """Set the first tensor of an adapter file whose name ends with `suffix` to `value`."""
+
+    def edit(arrays: dict) -> dict:
+        name = sorted(k for k in arrays if k.endswith(suffix))[0]
+        arrays[name] = mx.full(arrays[name].shape, value, arrays[name].dtype)
+        return arrays
+
+    return edit
+
+
+def replace_with_fifo(name: str):
+    def edit(model: Path) -> None:
+        (model / name).unlink(missing_ok=True)
+        os.mkfifo(model / name)
+
+    return edit
+
+
+def replace_with_link(name: str, target: str):
+    def edit(model: Path) -> None:
+        (model / name).unlink()
+        (model / name).symlink_to(target)
+
+    return edit
+
+
+def replace_with_directory(name: str):
+    def edit(model: Path) -> None:
+        (model / name).unlink()
+        (model / name).mkdir()
+
+    return edit
+
+
+def duplicate_without_index(model: Path) -> None:
+    """No index, and a second shard that holds a tensor the first one has too."""
+    (model / INDEX).unlink()
+    mx.save_safetensors(str(model / "model-00002.safetensors"), {NORM: mx.zeros((64,))})
+
+
+def edit_json(name: str, **changes):
+    def edit(model: Path) -> None:
+        data = json.loads((model / name).read_text())
+        data.update(changes)
+        (model / name).write_text(json.dumps(data))
+
+    return edit
+
+
+def chat_template(template: str):
+    return edit_json("tokenizer_config.json", chat_template=template)
+
+
+def edit_text_config(**changes):
+    def edit(model: Path) -> None:
+        config = json.loads((model / "config.json").read_text())
+        config["text_config"].update(changes)
+        (model / "config.json").write_text(json.dumps(config))
+
+    return edit
+
+
+@dataclass(frozen=True)
+class Case:
+    id: str
+    breaks: Callable[[Path], None]
+    where: str  # the file the message must name, relative to the model ("" is the directory)
+    problem: tuple[str, ...]  # parts of the message that say what is wrong
+    adapters: bool = False  # the copy has K=2 adapters and runs in prerouter mode
+    command: str = "info"
+    family: str = "qwen3_moe"
+    chat: bool = False
+
+
+CASES = [
+    # 1 and 7: config.json sizes, checked against the tensors before mlx-lm builds anything.
+    Case(
+        "a hundred million layers",
+        lambda m: edit_config(m, num_hidden_layers=100_000_000),
+        "config.json",
+        ("num_hidden_layers=100000000", "tensors hold 4 layers"),
+    ),
+    Case(
+        "a hundred million layers (generate)",
+        lambda m: edit_config(m, num_hidden_layers=100_000_000),
+        "config.json",
+        ("num_hidden_layers=100000000",),
+        command="generate",
+    ),
+    Case(
+        "fewer layers than the weights",
+        lambda m: edit_config(m, num_hidden_layers=3),
+        "config.json",
+        ("num_hidden_layers=3", "tensors hold 4 layers"),
+    ),
+    Case(
+        "hidden size not the norm's",
+        lambda m: edit_config(m, hidden_size=65),
+        "config.json",
+        ("hidden_size=65", f"{NORM!r} has 64 values"),
+    ),
+    Case(
+        "vocabulary not the embedding's",
+        lambda m: edit_config(m, vocab_size=1000),
+        "config.json",
+        ("vocab_size=1000", "'model.embed_tokens.weight' has 1024 rows"),
+    ),
+    Case(
+        "expert count not the router's",
+        lambda m: edit_config(m, num_experts=17),
+        "config.json",
+        ("num_experts=17", "has 16 rows (experts)"),
+    ),
+    Case(
+        "a billion attention heads",
+        lambda m: edit_config(m, num_attention_heads=10**9),
+        "config.json",
+        ("num_attention_heads=1000000000", "larger than any tensor dimension"),
+    ),
+    Case(
+        "a billion key-value heads, written 1e9",
+        lambda m: edit_config(m, num_key_value_heads=1e9),
+        "config.json",
+        ("num_key_value_heads=1000000000.0 is not an integer",),
+    ),
+    Case(
+        "heads times head_dim past every tensor",
+        lambda m: edit_config(m, num_attention_heads=200),
+        "config.json",
+        ("num_attention_heads x head_dim = 6400", "the largest is 1024"),
+    ),
+    Case(
+        "negative vocabulary",
+        lambda m: edit_config(m, vocab_size=-5),
+        "config.json",
+        ("vocab_size=-5 must be at least 1",),
+    ),
+    Case(
+        "layers in text_config",
+        edit_text_config(num_hidden_layers=100_000_000),
+        "config.json",
+        ("text_config.num_hidden_layers=100000000",),
+        family="qwen3_5_moe",
+    ),
+    # 3: files that are not regular files are refused by name, before anything opens them.
+    Case("shard is a FIFO", replace_with_fifo(SHARD), SHARD, ("a FIFO",), command="generate"),
+    Case("config is a FIFO", replace_with_fifo("config.json"), "config.json", ("a FIFO",)),
+    Case(
+        "tokenizer config is a FIFO",
+        replace_with_fifo("tokenizer_config.json"),
+        "tokenizer_config.json",
+        ("a FIFO",),
+    ),
+    Case(
+        "chat template file is a FIFO",
+        replace_with_fifo("chat_template.jinja"),
+        "chat_template.jinja",
+        ("a FIFO",),
+    ),
+    Case("index is a FIFO", replace_with_fifo(INDEX), INDEX, ("a FIFO",)),
+    Case(
+        "shard is a symlink loop",
+        replace_with_link(SHARD, SHARD),
+        SHARD,
+        ("a symlink loop",),
+        command="generate",
+    ),
+    Case(
+        "config is a symlink loop",
+        replace_with_link("config.json", "config.json"),
+        "config.json",
+        ("a symlink loop",),
+    ),
+    Case("index is a symlink loop", replace_with_link(INDEX, INDEX), INDEX, ("a symlink loop",)),
+    Case(
+        "tokenizer is a dangling symlink",
+        replace_with_link("tokenizer.json", "nowhere.json"),
+        "tokenizer.json",
+        ("a symlink to a file that does not exist",),
+    ),
+    Case(
+        "shard is a device",
+        replace_with_link(SHARD, "/dev/zero"),
+        SHARD,
+        ("a character device",),
+    ),
+    Case("shard is a directory", replace_with_directory(SHARD), SHARD, ("a directory",)),
+    Case(
+        "prerouter is a FIFO",
+        replace_with_fifo(PREROUTER),
+        PREROUTER,
+        ("a FIFO",),
+        adapters=True,
+        command="generate",
+    ),
+    # 4: without an index, two shards may not both hold a tensor.
+    Case(
+        "tensor in two shards without an index",
+        duplicate_without_index,
+        SHARD,
+        (f"{NORM!r} also appears in", "model-00002.safetensors"),
+    ),
+    # 11: NaN or infinity in a resident small tensor or an adapter file.
+    Case("NaN in a norm", set_tensor(NORM, float("nan")), SHARD, (NORM, "NaN or infinite")),
+    Case(
+        "infinity in a router",
+        set_tensor(ROUTER_SCALES, float("inf")),
+        SHARD,
+        (ROUTER_SCALES, "NaN or infinite"),
+        command="generate",
+    ),
+    Case(
+        "NaN in a prerouter head",
+        lambda m: edit_adapter(m / PREROUTER, poison_first("fc2.weight")),
+        PREROUTER,
+        ("fc2.weight", "NaN or infinite"),
+        adapters=True,
+        command="generate",
+    ),
+    Case(
+        "infinity in a LoRA",
+        lambda m: edit_adapter(m / LORA, poison_first("lora_B", float("inf"))),
+        LORA,
+        ("lora_B", "NaN or infinite"),
+        adapters=True,
+        command="generate",
+    ),
+    # Tokenizer files: the message names the file and what is wrong with it.
+    Case(
+        "tokenizer.json without its parts",
+        lambda m: (m / "tokenizer.json").write_text("{}"),
+        "tokenizer.json",
+        ("cannot load the tokenizer", "'model' is missing"),
+    ),
+    Case(
+        "tokenizer.json not UTF-8",
+        lambda m: (m / "tokenizer.json").write_bytes(b"\xff\xfe"),
+        "tokenizer.json",
+        ("cannot load the tokenizer", "invalid JSON"),
+    ),
+    Case(
+        "added_tokens_decoder not an object",
+        edit_json("tokenizer_config.json", added_tokens_decoder=5),
+        "tokenizer_config.json",
+        ("added_tokens_decoder=5 is not a JSON object",),
+    ),
+    Case(
+        "eos_token a number",
+        edit_json("tokenizer_config.json", eos_token=5),
+        "tokenizer_config.json",
+        ("eos_token=5 is not a string",),
+    ),
+    Case(
+        "special tokens map not an object",
+        lambda m: (m / "special_tokens_map.json").write_text("[1]"),
+        "special_tokens_map.json",
+        ("expected a JSON object",),
+    ),
+    # 12: a chat template is bounded in time and in output.
+    Case(
+        "chat template that never ends",
+        chat_template(LOOPS),
+        "",
+        ("the chat template ran for more than",),
+        command="generate",
+        chat=True,
+    ),
+    Case(
+        "chat template with a huge output",
+        chat_template(HUGE_OUTPUT),
+        "",
+        ("the chat template renders more than",),
+        command="generate",
+        chat=True,
+    ),
+]
+
+
+@pytest.fixture(scope="module")
+def profiled_source(checkpoint_dir, tmp_path_factory) -> Path:
+    """The tiny checkpoint with random K=2 prerouter and LoRA files, written once for this module."""
+    model = tmp_path_factory.mktemp("profiled") / "qwen3_moe-tiny"
+    shutil.copytree(checkpoint_dir("qwen3_moe"), model)
+    write_random_profile(model, 2)
+    return model
+
+
+def _copy(source: Path, tmp_path: Path) -> Path:
+    model = tmp_path / "model"
+    shutil.copytree(source, model, symlinks=True)
+    return model
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_bad_input_is_one_clear_line(case, checkpoint_dir, profiled_source, tmp_path):
+    source = profiled_source if case.adapters else checkpoint_dir(case.family)
+    model = _copy(source, tmp_path)
+    case.breaks(model)
+    before = snapshot(model)
+    args = [case.command, str(model)]
+    if case.command == "generate":
+        args += ["--prompt", "x", "--max-tokens", "2"]
+        args += ["--mode", "prerouter", "--k", "2"] if case.adapters else []
+        args += ["--chat"] if case.chat else []
+    out = run_cli(*args)
+    assert_refused(out, model / case.where if case.where else model, *case.problem)
+    assert snapshot(model) == before  # nothing the user had was changed or removed
+
+
+# -- 4: a shard the index does not list is never read, and the user is told -------------------------
+
+
+@pytest.mark.parametrize("stray", ["valid", "corrupt"])
+def test_shard_outside_the_index_is_ignored_with_a_warning(checkpoint_dir, tmp_path, stray):
+    model = _copy(checkpoint_dir("qwen3_moe"), tmp_path)
+    args = ["generate", str(model), "--prompt", "hello", "--max-tokens", "6", "--json"]
+    clean = run_cli(*args)
+    assert clean.returncode == 0, clean.stderr
+    extra = model / "model-00002.safetensors"
+    if stray == "valid":  # a norm of 5s would change every token
+        mx.save_safetensors(str(extra), {NORM: mx.full((64,), 5.0, mx.bfloat16)})
+    else:
+        extra.write_bytes(b"\x10" + bytes(7) + b"{}")
+    out = run_cli(*args)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["tokens"] == json.loads(clean.stdout)["tokens"]
+    warning = f"edge0: warning: {model}: model-00002.safetensors is not listed in {INDEX}"
+    assert warning in out.stderr
+    info = run_cli("info", str(model), "--json")
+    assert info.returncode == 0, info.stderr
+    assert "model-00002.safetensors is not listed" in json.loads(info.stdout)["warnings"][0]
+    assert warning in info.stderr
+
+
+def test_engine_loads_only_the_listed_shards(checkpoint_dir, tmp_path, monkeypatch):
+    """mlx-lm globs model*.safetensors itself: the engine hands it the listed shards only."""
+    model = _copy(checkpoint_dir("qwen3_moe"), tmp_path)
+    mx.save_safetensors(str(model / "model-00002.safetensors"), {NORM: mx.zeros((64,))})
+    loaded_files = []
+    real_load = mx.load
+
+    def spy(path, *args, **kwargs):
+        loaded_files.append(os.path.realpath(path))
+        return real_load(path, *args, **kwargs)
+
+    monkeypatch.setattr(mx, "load", spy)
+    with Engine(model, EngineConfig()) as engine:
+        assert float(engine.model.model.norm.weight[0]) != 0.0
+    assert os.path.realpath(model / "model-00002.safetensors") not in loaded_files
+
+
+# -- 9: a directory that cannot be listed ----------------------------------------------------------
+
+
+def _unlistable(monkeypatch, directory: Path) -> None:
+    """Make listing `directory` fail as it does for a non-root user with mode 311 (tests run as
+    root, which may list anything)."""
+    real_scandir = os.scandir
+
+    def scandir(path="."):
+        if Path(path) == directory:
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_scandir(path)
+
+    monkeypatch.setattr(os, "scandir", scandir)
+
+
+@pytest.mark.parametrize("with_index", [True, False])
+def test_unlistable_model_directory(checkpoint_dir, tmp_path, monkeypatch, with_index):
+    model = _copy(checkpoint_dir("qwen3_moe"), tmp_path)
+    if not with_index:
+        (model / INDEX).unlink()
+    _unlistable(monkeypatch, model)
+    with pytest.raises(Edge0Error, match=f"^{model}: cannot list the directory .Permission denied"):
+        Engine(model, EngineConfig())
+    if not with_index:  # not "no model*.safetensors files", which would send the user astray
+        with pytest.raises(Edge0Error, match="cannot list the directory"):
+            checkpoint_shards(model)
+
+
+# -- 11: a reply that needed the numerical guard says so -------------------------------------------
+
+
+def test_repaired_reply_warns_on_stderr(checkpoint_dir, tmp_path):
+    model = _copy(checkpoint_dir("qwen3_moe"), tmp_path)
+    # Finite (so loading accepts it) but overflowing float32 once multiplied through.
+    set_tensor("model.layers.0.post_attention_layernorm.weight", 3e38)(model)
+    out = run_cli("generate", str(model), "--prompt", "hello world", "--max-tokens", "2")
+    assert out.returncode == 0, out.stderr
+    assert "Traceback" not in out.stderr
+    warning = [line for line in out.stderr.splitlines() if line.startswith("edge0: warning:")]
+    assert len(warning) == 1 and "values were repaired" in warning[0], out.stderr
+
+
+def test_intact_copy_has_no_warning(checkpoint_dir, tmp_path):
+    model = _copy(checkpoint_dir("qwen3_moe"), tmp_path)
+    out = run_cli("generate", str(model), "--prompt", "hello world", "--max-tokens", "2")
+    assert out.returncode == 0, out.stderr
+    assert "warning" not in out.stderr
+
+
+# -- 12: the chat template bound works in any thread and leaves tracing as it was -------------------
+
+
+def test_chat_template_bound_in_a_worker_thread(checkpoint_dir, tmp_path, monkeypatch):
+    model = _copy(checkpoint_dir("qwen3_moe"), tmp_path)
+    chat_template(LOOPS)(model)
+    monkeypatch.setattr(loader, "CHAT_TEMPLATE_SECONDS", 0.5)
+    errors = []
+    with Engine(model, EngineConfig()) as engine:
+
+        def render() -> None:
+            try:
+                engine.encode_chat([{"role": "user", "content": "hi"}])
+            except Edge0Error as e:
+                errors.append(str(e))
+
+        worker = threading.Thread(target=render)
+        worker.start()
+        worker.join(timeout=60)
+        assert not worker.is_alive()
+    assert len(errors) == 1 and "ran for more than 0.5 s" in errors[0]
+
+
+def test_chat_template_bound_keeps_the_tracer(checkpoint_dir):
+    def tracer(frame, event, arg):
+        return None
+
+    previous = sys.gettrace()
+    sys.settrace(tracer)
+    try:
+        with Engine(checkpoint_dir("qwen3_moe"), EngineConfig()) as engine:
+            assert engine.encode_chat([{"role": "user", "content": "hi"}])
+            assert sys.gettrace() is tracer
+    finally:
+        sys.settrace(previous)
+
+
+# -- 8 and 10: arguments and sampling values, one line each ------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--top-k", "100000"], "top_k=100000 must be below the vocabulary size of 1024"),
+        (["--top-k", "-1"], "top_k=-1 must be an integer 0 (off) or more"),
+        (["--seed", "-1"], "seed=-1 must be an integer between 0 and"),
+        (["--seed", str(2**70)], f"seed={2**70} must be an integer between 0 and"),
+        (["--max-tokens", "0"], "max_tokens=0 must be an integer at least 1"),
+        (["--max-tokens", "-1"], "max_tokens=-1 must be an integer at least 1"),
+        (["--temp", "nan"], "temperature=nan must be a finite number >= 0"),
+        (["--temp", "-1"], "temperature=-1.0 must be a finite number >= 0"),
+        (["--temp", "inf"], "temperature=inf must be a finite number >= 0"),
+        (["--top-p", "0"], "top_p=0.0 must be in (0, 1]"),
+        (["--top-p", "1.5"], "top_p=1.5 must be in (0, 1]"),
+        (["--top-p", "nan"], "top_p=nan must be in (0, 1]"),
+        (["--expert-cache", "1.2.3"], "argument --expert-cache: cannot read size '1.2.3'"),
+        (["--max-tokens", "many"], "argument --max-tokens: invalid int value: 'many'"),
+        (["--prompt", "a\udcff"], "argument --prompt: not valid UTF-8 (byte 0xff at character 1)"),
+        (["--prompt", "a\udcff", "--json"], "argument --prompt: not valid UTF-8"),
+    ],
+)
+def test_bad_argument_is_one_line(checkpoint_dir, capsys, extra, message):
+    argv = ["generate", str(checkpoint_dir("qwen3_moe")), "--prompt", "hello", *extra]
+    try:
+        status = main(argv)
+    except SystemExit as e:  # argparse's own errors exit
+        status = e.code
+    captured = capsys.readouterr()
+    assert status == 2
+    assert captured.out == ""
+    lines = captured.err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"edge0: error: {message}"), captured.err
+
+
+def test_prompt_bytes_that_are_not_utf8(checkpoint_dir):
+    """The real thing: bytes on the command line, as `$(printf 'a\\xff')` passes them."""
+    model = str(checkpoint_dir("qwen3_moe"))
+    for extra in ([], ["--json"]):
+        command = [*_cli("generate", model, "--prompt"), b"a\xff", *extra]
+        out = subprocess.run(command, capture_output=True, text=True, cwd=REPO)
+        assert_refused(out, None, "argument --prompt: not valid UTF-8 (byte 0xff")
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"max_tokens": 1, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": 0},
+        {"max_tokens": 10**6, "temperature": 2.5, "top_p": 1e-9, "top_k": 5, "seed": 2**64 - 1},
+    ],
+)
+def test_generation_config_accepts_the_bounds(fields):
+    assert GenerationConfig(**fields).max_tokens == fields["max_tokens"]
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("max_tokens", 0),
+        ("max_tokens", 2.0),
+        ("max_tokens", True),
+        ("top_k", -1),
+        ("seed", -1),
+        ("seed", 2**64),
+        ("temperature", float("nan")),
+        ("temperature", "0.5"),
+        ("top_p", float("inf")),
+    ],
+)
+def test_generation_config_refuses_naming_the_field(field, value):
+    with pytest.raises(Edge0Error, match=f"^{field}="):
+        GenerationConfig(**{field: value})
+
+
+# -- 6: stdout that goes away or cannot take the output ---------------------------------------------
+
+
+def _cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "edge0_tui.cli", *args]
+
+
+def _generate_argv(model: Path, *extra: str) -> list[str]:
+    return _cli("generate", str(model), "--prompt", "hello", "--max-tokens", "40", *extra)
+
+
+@pytest.mark.parametrize("extra", [[], ["--json"]])
+def test_reader_that_goes_away_ends_quietly(checkpoint_dir, extra):
+    """`edge0 generate ... | head -c 0`: the reader is gone before the first write."""
+    argv = _generate_argv(checkpoint_dir("qwen3_moe"), *extra)
+    process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO)
+    process.stdout.close()
+    stderr = process.stderr.read().decode()
+    assert process.wait(timeout=300) == 141, stderr
+    assert stderr == ""  # no message, no traceback, not even from the interpreter's exit flush
+
+
+def test_head_of_a_long_reply(checkpoint_dir):
+    model = checkpoint_dir("qwen3_moe")
+    script = 'set -o pipefail; "$@" | head -c 10 >/dev/null'
+    argv = _generate_argv(model, "--max-tokens", "3000")
+    out = subprocess.run(
+        ["bash", "-c", script, "_", *argv], capture_output=True, text=True, cwd=REPO
+    )
+    assert out.returncode in (0, 141), out.stderr  # 0 when the reply fit in the pipe at once
+    assert "Traceback" not in out.stderr and "Exception" not in out.stderr
+
+
+@pytest.mark.parametrize("command", ["generate", "info"])
+def test_full_device_is_one_line(checkpoint_dir, command):
+    model = checkpoint_dir("qwen3_moe")
+    argv = _generate_argv(model) if command == "generate" else _cli("info", str(model))
+    with open("/dev/full", "w") as full:
+        out = subprocess.run(argv, stdout=full, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    assert_refused(out, None, "cannot write to stdout (No space left on device)")
+
+
+def test_closed_stdout_is_one_line(checkpoint_dir):
+    argv = _generate_argv(checkpoint_dir("qwen3_moe"))
+    out = subprocess.run(
+        ["bash", "-c", 'exec "$@" >&-', "_", *argv], capture_output=True, text=True, cwd=REPO
+    )
+    assert_refused(out, None, "stdout is closed")
