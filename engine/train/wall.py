@@ -40,10 +40,10 @@ from ..checkpoint.index import (
     CheckpointIndex,
     TensorEntry,
     base_fingerprint,
-    parse_json,
     read_safetensors,
 )
 from ..errors import Edge0Error
+from ..runtime.loader import read_config
 from .synth import MARKER_FILE, MAX_SHARD_BYTES, natural_key, plan_shards
 
 # A routed expert's stacked tensor: `<block>.switch_mlp.<projection>.<part>`, experts outermost.
@@ -97,14 +97,7 @@ def pad_experts(
     `width` (zero-padded), computing the same function; return what was written."""
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     config_file = model_dir / "config.json"
-    try:
-        config = parse_json(config_file.read_bytes())
-    except OSError as e:
-        raise Edge0Error(f"{config_file}: cannot read ({e.strerror or e})") from None
-    except ValueError as e:
-        raise Edge0Error(f"{config_file}: invalid JSON ({e})") from None
-    if not isinstance(config, dict):
-        raise Edge0Error(f"{config_file}: not a JSON object")
+    config = read_config(model_dir)  # the engine's checks: regular file, JSON object, sizes
     family_of(config, str(config_file))
     sizes = config["text_config"] if isinstance(config.get("text_config"), dict) else config
     before = sizes.get("moe_intermediate_size")
