@@ -120,13 +120,15 @@ def test_injected_logits_route_exactly(profiled):
         def __init__(self, heads):
             self.__dict__.update(heads.__dict__)
 
-        def __call__(self, z):
-            s = len(calls)
+        def __call__(self, z, first=0, end=None):
+            # Flush s follows forward s + 1: early heads run during that forward, the rest in it.
+            s = engine.store.pool.step - 1
             calls.append(s)
-            logits = np.full((len(self.owners), e), -5.0, dtype=np.float32)
-            for i in range(len(self.owners)):
+            rows = range(len(self.owners))[first:end]
+            logits = np.full((len(rows), e), -5.0, dtype=np.float32)
+            for row, i in enumerate(rows):
                 for j in range(6):
-                    logits[i, (s + 3 * i + j) % e] = 5.0 - j
+                    logits[row, (s + 3 * i + j) % e] = 5.0 - j
             return mx.array(logits)
 
     try:
@@ -369,3 +371,40 @@ def test_pending_request_is_visible_until_applied(profiled):
         assert (engine.k, engine.mode) == engine.pending == (profile.k, "prerouter")
     finally:
         engine.close()
+
+
+def test_heads_of_self_routed_owners_start_their_reads_a_step_early(profiled):
+    """The first owner routes by its own router, so its head runs as that layer executes and its
+    consumer's reads for the next step start during this step, not at the flush; the prediction
+    is still the routing."""
+    engine = Engine(
+        profiled("qwen3_moe"), EngineConfig(mode="prerouter", expert_cache_bytes=60_000)
+    )
+    events = []
+    try:
+        owners = engine.routing.heads.owners
+        early = [o for o in owners if o not in {p + 1 for p in owners}]
+        assert early, "the profile has no self-routed owner"
+        staged = engine.routing.on_early_prediction
+        engine.routing.on_early_prediction = lambda layer, experts: (
+            events.append(("early", engine.store.pool.step, layer)),
+            staged(layer, experts),
+        )
+        flush = engine.routing.flush
+        engine.routing.flush = lambda: (events.append(("flush", engine.store.pool.step)), flush())[
+            1
+        ]
+        result, predictions, executed = _run_recording(engine, [5, 9, 13, 17], steps=12)
+    finally:
+        engine.close()
+    flushes = [e for e in events if e[0] == "flush"]
+    assert len(flushes) >= 8
+    for _, step in flushes:
+        # Within every forward that ends with a flush, the early heads ran before it.
+        before = events[: events.index(("flush", step))]
+        early_this_step = {e[2] for e in before if e[0] == "early" and e[1] == step}
+        assert early_this_step == {o + 1 for o in early}
+    for flushed, used in zip(predictions, executed):
+        for owner in owners:
+            assert flushed[owner + 1] == used[owner + 1]
+    assert result.summary["dropped"] == 0

@@ -117,6 +117,10 @@ class ExpertPool:
         self.step = 0
         # Experts a coming step is known to route to (predictions): never evicted until unpinned.
         self.pinned: set[ExpertKey] = set()
+        # Layers whose misses block the forward while others' are read a step ahead (prerouter
+        # mode: the layers that route by their own router). Their experts are evicted last: a
+        # miss there costs blocked time, a predicted layer's miss only a read hidden under compute.
+        self.kept_layers: frozenset[int] = frozenset()
 
     def __contains__(self, key: ExpertKey) -> bool:
         return key in self._experts
@@ -143,7 +147,11 @@ class ExpertPool:
         if self.pinned:
             protected = self.pinned.union(protected)
         while self.resident_bytes + expert.nbytes > self.budget_bytes:
-            victim = self.policy.victim(protected)
+            victim = None
+            if self.kept_layers:
+                victim = self.policy.victim(_ProtectedOrKept(protected, self.kept_layers))
+            if victim is None:
+                victim = self.policy.victim(protected)
             if victim is None:
                 break
             self._drop(victim)
@@ -163,3 +171,14 @@ class ExpertPool:
     def clear(self) -> None:
         for key in list(self._experts):
             self._drop(key)
+
+
+class _ProtectedOrKept:
+    """The keys a victim must not be: protected ones and those of kept layers (`in` only)."""
+
+    def __init__(self, protected: Collection[ExpertKey], kept_layers: frozenset[int]) -> None:
+        self.protected = protected
+        self.kept_layers = kept_layers
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.protected or key[0] in self.kept_layers

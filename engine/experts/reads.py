@@ -50,6 +50,9 @@ _NUMPY_DTYPES = {
 # Read priorities: reads the forward waits for now go first, then reads ahead by layer.
 NOW = (0, 0)
 AHEAD = (1,)
+# An expert at least this big that the forward waits for is read in parts, one per projection, on
+# as many threads; below it the per-read fixed cost outweighs what parallel parts would save.
+SPLIT_BYTES = 1 << 20
 
 
 @dataclass
@@ -127,26 +130,51 @@ class ExpertReader:
         self._layer_fds = {shard: _open(shard, "POSIX_FADV_SEQUENTIAL") for shard in index.shards}
         self._residency = {shard: FileResidency(shard) for shard in index.shards}
         self._plans: dict[int, list[_TensorPlan]] = {}
+        self._local = threading.local()
         self._queue = ReadQueue(threads, "edge0-read")
 
-    def submit_expert(self, layer: int, expert: int, ahead: bool = False) -> Future[ReadResult]:
-        """Read one expert: needed now, or `ahead` of its layer (read in layer order, after every
-        read the forward is waiting for)."""
+    def submit_expert(
+        self, layer: int, expert: int, ahead: bool = False, step: int = 0
+    ) -> Future[ReadResult]:
+        """Read one expert: needed now, or `ahead` for `step` (reads ahead go after every read the
+        forward waits for, by the step and then the layer that will use them)."""
         layer_experts = self.index.layers[layer]
         if not 0 <= expert < layer_experts.num_experts:
             raise IndexError(f"layer {layer} has no expert {expert}")
-        priority = (AHEAD[0], layer) if ahead else NOW
-        return self._queue.submit(priority, self._read, layer_experts, expert, self.tracer.now())
+        submitted = self.tracer.now()
+        if ahead:
+            return self._queue.submit(
+                (AHEAD[0], step, layer), self._read, layer_experts, expert, submitted, True
+            )
+        plans = self._plans_of(layer_experts)
+        if layer_experts.expert_nbytes < SPLIT_BYTES:
+            return self._queue.submit(NOW, self._read, layer_experts, expert, submitted, False)
+        # A miss the forward waits for: one read per projection, so that every free thread (the
+        # waiting engine thread included) reads a part of it at once.
+        by_projection: dict[str, list[_TensorPlan]] = {}
+        for plan in plans:
+            by_projection.setdefault(plan.key.split(".")[0], []).append(plan)
+        parts = [
+            self._queue.submit(NOW, self._read, layer_experts, expert, submitted, False, group)
+            for group in by_projection.values()
+        ]
+        return _joined(parts)
 
     def submit_layer(self, layer: int, ahead: bool = False) -> Future[ReadResult]:
-        priority = (AHEAD[0], layer) if ahead else NOW
+        priority = (AHEAD[0], 0, layer) if ahead else NOW
         return self._queue.submit(
-            priority, self._read, self.index.layers[layer], None, self.tracer.now()
+            priority, self._read, self.index.layers[layer], None, self.tracer.now(), ahead
         )
 
     def _read(
-        self, layer_experts: LayerExperts, expert: int | None, submitted: float
+        self,
+        layer_experts: LayerExperts,
+        expert: int | None,
+        submitted: float,
+        ahead: bool,
+        plans: list[_TensorPlan] | None = None,
     ) -> ReadResult:
+        """Read an expert (or the whole layer, `expert` None): its tensors, or only `plans`."""
         start = time.perf_counter()
         what = f"{layer_experts.layer}.{'all' if expert is None else expert}"
         self.tracer.complete(f"queued {what}", "read", submitted, start)
@@ -155,7 +183,7 @@ class ExpertReader:
         tracer = self.tracer
         # One tensor at a time, read then copied, so that a whole layer's bytes are never held
         # twice (host buffer and MLX array) under a tight memory limit.
-        for plan in self._plans_of(layer_experts):
+        for plan in plans or self._plans_of(layer_experts):
             if expert is None:
                 offset, length, fd = plan.offset, plan.whole_nbytes, plan.layer_fd
                 shape = plan.whole_shape
@@ -164,16 +192,19 @@ class ExpertReader:
                 fd, shape = plan.expert_fd, plan.expert_shape
             began = tracer.now()
             tensor_cold = length - plan.residency.resident_bytes(offset, length)
-            if self.build_arrays:  # the bytes land in MLX memory: no host buffer, no copy
+            whole_on_cpu = self.build_arrays and expert is None
+            if whole_on_cpu:  # a whole layer lands in MLX memory: no second copy of its bytes
                 buffer = mx.zeros((length,), dtype=mx.uint8)
                 mx.eval(buffer)
+            elif self.build_arrays:  # an expert: this thread's scratch buffer, copied below
+                buffer = self._scratch(length)
             else:
                 buffer = np.empty(length, dtype=np.uint8)
             self._pread_into(fd, buffer, offset, plan.file)
             read = tracer.now()
             tracer.complete(f"pread {what}", "read", began, read, bytes=length, cold=tensor_cold)
             widen = self.widen_to_float32 and plan.dtype in ("BF16", "F16")
-            if self.build_arrays:
+            if whole_on_cpu:
                 array = buffer.view(_MLX_DTYPES[plan.dtype]).reshape(shape)
                 if widen:
                     array = array.astype(mx.float32)
@@ -182,14 +213,33 @@ class ExpertReader:
                 array = buffer.view(plan.numpy_dtype).reshape(shape)
                 if widen:
                     array = _to_float32(array, plan.dtype)
+                if self.build_arrays:
+                    # A plain copy on this thread: no MLX evaluation, which would hand off to this
+                    # thread's stream and back twice per tensor and, with the forward keeping the
+                    # cores busy, wait for a core each time (traced at ~6 ms per expert).
+                    array = _host_to_mlx(array, "F32" if widen else plan.dtype)
             arrays[plan.key] = array
             dtypes[plan.key] = "F32" if widen else plan.dtype
             tracer.complete(f"to array {what}", "read", read, tracer.now())
             nbytes += length
             cold += tensor_cold
+            if ahead:
+                # Between two tensors of a read ahead, a read the forward waits for goes first:
+                # a miss then has every reader thread within one tensor's read, instead of
+                # sharing the disk with reads that are not needed until later layers.
+                self._queue.run_urgent()
         end = time.perf_counter()
         wall_ms = (end - start) * 1e3
         return ReadResult(layer_experts.layer, expert, arrays, dtypes, nbytes, cold, wall_ms)
+
+    def _scratch(self, nbytes: int) -> np.ndarray:
+        """This thread's reusable read buffer, grown to the largest expert tensor seen. Reusing
+        it keeps the host heap flat: a fresh buffer per read grew RSS by glibc's per-thread
+        arenas until a tight memory limit killed the process."""
+        buffer = getattr(self._local, "scratch", None)
+        if buffer is None or buffer.size < nbytes:
+            buffer = self._local.scratch = np.empty(nbytes, dtype=np.uint8)
+        return buffer[:nbytes]
 
     def _plans_of(self, layer_experts: LayerExperts) -> list[_TensorPlan]:
         """Each expert tensor of a layer with its file handles resolved, made once per layer: a
@@ -275,6 +325,16 @@ class ReadQueue:
             self._ready.notify()
         return future
 
+    def run_urgent(self) -> None:
+        """Run the queued reads that are needed now, if any, on the calling thread."""
+        while True:
+            with self._ready:
+                if not (self._heap and self._heap[0][0] < AHEAD):
+                    return
+                item = heapq.heappop(self._heap)
+            _run(item)
+            del item
+
     def help_until(self, future: Future) -> None:
         """Until `future` is done, the calling thread runs queued reads that are needed now.
 
@@ -322,6 +382,42 @@ def _run(item: tuple) -> None:
         future.set_result(fn(*args))
     except BaseException as e:  # handed to whoever waits on the read
         future.set_exception(e)
+
+
+def _joined(parts: list[Future[ReadResult]]) -> Future[ReadResult]:
+    """One future for the reads of an expert's parts: their arrays and accounting together."""
+    joined: Future[ReadResult] = Future()
+    joined.set_running_or_notify_cancel()
+    remaining = [len(parts)]
+    lock = threading.Lock()
+
+    def part_done(_: Future) -> None:
+        with lock:
+            remaining[0] -= 1
+            if remaining[0]:
+                return
+        if any(p.cancelled() for p in parts):
+            joined.set_exception(RuntimeError("the expert reader is closed"))
+        elif any(p.exception() is not None for p in parts):
+            joined.set_exception(next(p.exception() for p in parts if p.exception()))
+        else:
+            results = [p.result() for p in parts]
+            first = results[0]
+            joined.set_result(
+                ReadResult(
+                    first.layer,
+                    first.expert,
+                    {k: v for r in results for k, v in r.arrays.items()},
+                    {k: v for r in results for k, v in r.dtypes.items()},
+                    sum(r.nbytes for r in results),
+                    sum(r.cold_bytes for r in results),
+                    max(r.wall_ms for r in results),
+                )
+            )
+
+    for part in parts:
+        part.add_done_callback(part_done)
+    return joined
 
 
 def _open(path: Path, advice: str) -> int:

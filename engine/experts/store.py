@@ -119,14 +119,24 @@ class ExpertStore:
     # -- reads ahead (prerouter) -------------------------------------------------------------------
 
     def stage(self, layer: int, experts: list[int]) -> None:
-        """The next step routes `layer` to `experts`: pin the resident ones, start reading the rest."""
+        """The next step routes `layer` to `experts`: pin the resident ones, start reading the rest
+        (after this step's own reads ahead, if this step is still running)."""
         for expert in experts:
             key = (layer, expert)
             if key in self.pool:
                 self.pool.pinned.add(key)
             elif key not in self._staged:
-                self._staged[key] = self.reader.submit_expert(layer, expert, ahead=True)
+                self._staged[key] = self.reader.submit_expert(
+                    layer, expert, ahead=True, step=self.pool.step + 1
+                )
                 self._issued_for_next_step += 1
+
+    def load_all(self) -> None:
+        """Read every expert into the pool (budget permitting): for the bench's compute-only arm,
+        whose steps then read nothing and measure the compute a step cannot go below."""
+        for layer in self._moe_layers:
+            self.fetch(layer, list(range(self.index.layers[layer].num_experts)))
+        self.end_step()
 
     # -- per-expert path ---------------------------------------------------------------------------
 

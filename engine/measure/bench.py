@@ -36,7 +36,11 @@ from .memory_cgroup import MemoryCgroup
 from .read_limit import ReadLimitCgroup, block_device
 
 DEFAULT_PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
-ARMS = ("resident", "on-demand", "prerouter")
+ARMS = ("resident", "on-demand", "prerouter", "compute-only")
+# The compute-only arm streams like the others but has every expert resident before the replay (no
+# RAM or read limit, no eviction: it reads nothing). Its step is the compute a streamed step cannot
+# go below, one term of the overlap limit.
+COMPUTE_ONLY = "compute-only"
 # (label, summary key, format) of the figures reported per arm.
 FIGURES = (
     ("decode tok/s", "decode_tok_per_s", "{:.2f}"),
@@ -114,6 +118,9 @@ def run_arm(spec: dict) -> dict:
     )
     reads = ReadSpans(whole_trace=spec.get("trace") is not None)
     with Engine(spec["model"], config, tracer=reads) as engine:
+        if spec.get("preload_experts"):
+            engine.store.load_all()
+            reads.spans.clear()
         if spec.get("sample"):
             prompt = engine.encode(spec["prompt"], chat=True)
             gen = GenerationConfig(spec["tokens"], spec["temperature"], 0.95, 0, spec["seed"])
@@ -283,15 +290,20 @@ def run_bench(config: BenchConfig, progress=print, timeout_s: float = 3600) -> d
     for r in range(config.rounds):
         for arm in rotation(list(config.arms), r):
             run = ArmRun(arm, r, ok=False)
-            if config.cold:
-                run.evicted_check = _evict_and_check(shards)
-            cgroups = _arm_cgroups(config, devices, f"{arm}-{r}")
             spec = dict(
                 base,
                 mode=arm,
                 prompt_tokens=sampled["prompt_tokens"],
                 forced_tokens=sampled["tokens"],
             )
+            if arm == COMPUTE_ONLY:
+                cgroups = []
+                streamed = "prerouter" if "prerouter" in config.arms else "on-demand"
+                spec.update(mode=streamed, preload_experts=True, expert_cache_bytes=1 << 60)
+            else:
+                if config.cold:
+                    run.evicted_check = _evict_and_check(shards)
+                cgroups = _arm_cgroups(config, devices, f"{arm}-{r}")
             if config.trace_dir is not None:
                 spec["trace"] = str(config.trace_dir / f"{arm}-round{r + 1}.json")
             started = time.perf_counter()
@@ -384,12 +396,38 @@ def build_report(config: BenchConfig, sampled: dict, runs: list[ArmRun]) -> dict
             data["ratios"][f"tok_s_vs_{reference}"] = _ratio(mine, ref, "decode_tok_per_s")
             data["ratios"][f"blocked_vs_{reference}"] = _ratio(mine, ref, "median_blocked_ms")
             data["ratios"][f"peak_mlx_vs_{reference}"] = _ratio(mine, ref, "peak_mlx_mib")
+    compute = arms.get(COMPUTE_ONLY, {}).get("figures", {}).get("median_wall_ms")
+    for arm, data in arms.items():
+        f = data["figures"]
+        if compute is None or arm in (COMPUTE_ONLY, "resident") or "median_wall_ms" not in f:
+            continue
+        data["overlap"] = overlap_limit(f, compute["median"])
     return {
         "config": {**asdict(config), "model": str(config.model)},
         "prompt_tokens": len(sampled["prompt_tokens"]),
         "tokens": len(sampled["tokens"]),
         "arms": arms,
         "runs": [asdict(r) for r in runs],
+    }
+
+
+def overlap_limit(figures: dict, compute_ms: float) -> dict:
+    """How close a streamed arm's step is to the best that overlapping reads with compute allows:
+    max(the compute-only step, the cold MiB a step reads / the read bandwidth achieved)."""
+    step = figures["median_wall_ms"]["median"]
+    cold_mib = figures.get("median_mib_read", {}).get("median", 0.0) * figures.get(
+        "median_cold_fraction", {}
+    ).get("median", 0.0)
+    bandwidth = figures.get("read_mib_per_s", {}).get("median")
+    read_ms = cold_mib / bandwidth * 1e3 if bandwidth else 0.0
+    limit = max(compute_ms, read_ms)
+    blocked = figures.get("median_blocked_ms", {}).get("median", 0.0)
+    return {
+        "compute_ms": compute_ms,
+        "read_ms": read_ms,
+        "limit_ms": limit,
+        "step_vs_limit": step / limit if limit else None,
+        "blocked_share": blocked / step if step else None,
     }
 
 
@@ -470,6 +508,23 @@ def markdown(report: dict) -> str:
                 f"| {arm} | {_cell(f, 'read_mib_per_s', '{:.1f}')} | {_x(share)} "
                 f"| {_cell(f, 'read_disk_mib', '{:.1f}')} | {_cell(f, 'read_cold_mib', '{:.1f}')} "
                 f"| {_cell(f, 'read_busy_ms', '{:.0f}')} |"
+            )
+    overlap = {a: d["overlap"] for a, d in report["arms"].items() if "overlap" in d}
+    if overlap:
+        lines += [
+            "",
+            "**Overlap limit** (a step cannot beat max(compute-only step, cold MiB per step / "
+            "achieved read MiB/s); medians)",
+            "",
+            "| arm | ms/step | compute-only ms | read ms | limit ms | step / limit | blocked share |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for arm, o in overlap.items():
+            step = report["arms"][arm]["figures"]["median_wall_ms"]["median"]
+            lines.append(
+                f"| {arm} | {step:.1f} | {o['compute_ms']:.1f} | {o['read_ms']:.1f} "
+                f"| {o['limit_ms']:.1f} | {_x(o['step_vs_limit'])} "
+                f"| {o['blocked_share']:.0%} |"
             )
     return "\n".join(lines) + "\n"
 

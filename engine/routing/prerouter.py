@@ -95,11 +95,14 @@ class PrerouterHeads:
     # The same weights as [n, in, out] for the flush, once prepared for serving.
     _serving: tuple[mx.array, mx.array, mx.array] | None = field(default=None, repr=False)
 
-    def __call__(self, z: mx.array) -> mx.array:
-        """Logits `[n, E]` for features `[n, H+2E]`, one row per owner."""
+    def __call__(self, z: mx.array, first: int = 0, end: int | None = None) -> mx.array:
+        """Logits `[n, E]` for features `[n, H+2E]`, one row per owner of heads `first:end` (all
+        by default; a slice of the stacked weights is a view, not a copy)."""
+        rows = slice(first, end)
         if self._serving is None:
-            return head_forward(self.fc1, self.fc2, self.linear_init, z[:, None, :])[:, 0, :]
-        fc1_t, fc2_t, linear_init_t = self._serving
+            weights = (self.fc1[rows], self.fc2[rows], self.linear_init[rows])
+            return head_forward(*weights, z[:, None, :])[:, 0, :]
+        fc1_t, fc2_t, linear_init_t = (w[rows] for w in self._serving)
         z = z[:, None, :]
         return (z @ linear_init_t + gelu_erf(z @ fc1_t) @ fc2_t)[:, 0, :]
 

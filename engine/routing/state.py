@@ -40,12 +40,19 @@ class RoutingState:
         self.shadow_router = False
         self.tracer: Tracer = NO_TRACE
         self.counters = RoutingCounters()
+        # Set by the engine for forwards that end with a flush: run the early owners' heads as
+        # their layers execute, and hand each prediction to `on_early_prediction` (which starts
+        # its reads) at once instead of at the flush.
+        self.early_heads = False
+        self.on_early_prediction = None
         self.reset()
 
     def reset(self) -> None:
         """Forget all prediction state (a new request, or new heads / K)."""
         self._predictions: dict[int, tuple[np.ndarray, mx.array]] = {}
         self._staged: dict[int, frozenset[int]] = {}
+        # The next step's predictions, filled by early heads during this step and by the flush.
+        self._next: dict[int, tuple[np.ndarray, mx.array]] = {}
         self._owner_x: dict[int, mx.array] = {}
         self._owner_now: dict[int, np.ndarray] = {}
         self._owner_before: dict[int, np.ndarray | None] = {}
@@ -54,6 +61,10 @@ class RoutingState:
         """Heads whose every owner's next layer is a MoE layer here (see `keep_owners`)."""
         self.heads = heads
         self._owners = set(heads.owners) if heads is not None else set()
+        consumers = {owner + 1 for owner in self._owners}
+        # Owners that route by their own router: their routing is on the host as soon as they
+        # run, so their heads run right then (see `executed`), a whole step before the flush.
+        self._early_owners = self._owners - consumers
         self.reset()
 
     def begin_step(self) -> RoutingCounters:
@@ -73,6 +84,12 @@ class RoutingState:
         self._owner_before[layer] = before
         self._owner_now[layer] = per_token[-1]
         self._owner_x[layer] = x.reshape(-1, x.shape[-1])[-1]
+        if self.early_heads and layer in self._early_owners:
+            with self.tracer.span(f"early head {layer}", "prerouter"):
+                predicted = self._predict([layer])
+            if self.on_early_prediction is not None:
+                for consumer, experts in predicted.items():
+                    self.on_early_prediction(consumer, experts)
 
     def consumed(self, block, x: mx.array, routed: np.ndarray) -> None:
         self.counters.predicted += 1
@@ -88,20 +105,35 @@ class RoutingState:
     # -- the head flush, once per step --------------------------------------------------------------
 
     def flush(self) -> dict[int, np.ndarray]:
-        """Run every head at once; the predictions route the next step. Returns consumer -> experts."""
-        self._predictions, self._staged = {}, {}
+        """Run every head not run early this step; the predictions route the next step. Returns
+        consumer -> experts for every consumer (early ones included)."""
         heads = self.heads
         if heads is None or any(o not in self._owner_x for o in heads.owners):
+            self._predictions, self._staged, self._next = {}, {}, {}
             return {}
-        owners = heads.owners
+        done = {consumer - 1 for consumer in self._next}
+        self._predict([o for o in heads.owners if o not in done])
+        self._predictions, self._next = self._next, {}
+        self._staged = {layer: frozenset(p[0].tolist()) for layer, p in self._predictions.items()}
+        return {layer: p[0] for layer, p in self._predictions.items()}
+
+    def _predict(self, owners: list[int]) -> dict[int, np.ndarray]:
+        """Run the heads of `owners` (contiguous runs of the stacked heads at once) into the next
+        step's predictions. Returns consumer -> experts."""
+        heads = self.heads
         unknown = np.full(self.k, -1)  # no token before the request's first
-        x = mx.stack([self._owner_x[o] for o in owners]).astype(heads.fc1.dtype)
-        now = mx.array(np.stack([self._owner_now[o] for o in owners]))
-        before = [self._owner_before[o] for o in owners]
-        before = mx.array(np.stack([unknown if b is None else b for b in before]))
-        features = head_features(x, now, before, self.experts)
-        logits = heads(features)
-        consumers = [self.blocks[o + 1] for o in owners]
+        rows = [heads.owners.index(o) for o in owners]
+        logits = []
+        for first, last in _runs(rows):
+            run = heads.owners[first : last + 1]
+            x = mx.stack([self._owner_x[o] for o in run]).astype(heads.fc1.dtype)
+            now = mx.array(np.stack([self._owner_now[o] for o in run]))
+            before = [self._owner_before[o] for o in run]
+            before = mx.array(np.stack([unknown if b is None else b for b in before]))
+            features = head_features(x, now, before, self.experts)
+            logits.append(heads(features, first, last + 1))
+        logits = mx.concatenate(logits) if len(logits) > 1 else logits[0]
+        consumers = [self.blocks[heads.owners[i] + 1] for i in rows]
         biases = [c.expert_bias() for c in consumers]
         bias = mx.stack(biases) if all(b is not None for b in biases) else None
         if self.float_dtype is not None:
@@ -111,7 +143,17 @@ class RoutingState:
         host = np.array(inds)
         predicted = {}
         for i, consumer in enumerate(consumers):
-            self._predictions[consumer.layer] = (host[i], weights[i])
-            self._staged[consumer.layer] = frozenset(host[i].tolist())
+            self._next[consumer.layer] = (host[i], weights[i])
             predicted[consumer.layer] = host[i]
         return predicted
+
+
+def _runs(rows: list[int]) -> list[tuple[int, int]]:
+    """Sorted row indices as (first, last) runs of consecutive rows: [0, 1, 2, 5] -> (0, 2), (5, 5)."""
+    runs: list[tuple[int, int]] = []
+    for row in rows:
+        if runs and row == runs[-1][1] + 1:
+            runs[-1] = (runs[-1][0], row)
+        else:
+            runs.append((row, row))
+    return runs

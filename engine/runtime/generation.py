@@ -88,6 +88,7 @@ class Engine:
         if self.store is not None:
             self.store.trace_to(tracer)
             self.loaded.routing.tracer = tracer
+            self.loaded.routing.on_early_prediction = self._stage_early
         self.memory = None
         try:
             self._setup()
@@ -239,11 +240,17 @@ class Engine:
             self.routing.k = k
             heads = self._load_heads(k) if mode == "prerouter" else None
             self.routing.set_heads(heads)
+            predicted = {owner + 1 for owner in heads.owners} if heads is not None else set()
+            self_routed = set(self.loaded.blocks) - predicted if predicted else set()
+            self.store.pool.kept_layers = frozenset(self_routed)
             files = self.adapters.get(k)
             if mode == "prerouter" and self.config.lora and files is not None and files.lora:
                 adapter = load_lora(files.lora, self.fingerprint)
                 self.lora = AppliedLoRA(self.model, adapter, self.loaded.float_dtype)
         self.k, self.mode = k, mode
+
+    def _stage_early(self, layer: int, experts) -> None:
+        self.store.stage(layer, experts.tolist())
 
     def _load_heads(self, k: int) -> PrerouterHeads:
         loaded = self.loaded
@@ -431,6 +438,10 @@ class Engine:
         start = time.perf_counter()
         tracer = self.tracer
         routing_counters = self.routing.begin_step() if self.routing is not None else None
+        if self.routing is not None:
+            # Heads of owners that route themselves run as their layer executes, so the reads
+            # for their consumers start a whole step ahead instead of at the flush.
+            self.routing.early_heads = flush and self.routing.heads is not None
         if self.store is not None:
             self.store.begin_step()
         out = self.model(mx.array(tokens)[None], cache=cache)

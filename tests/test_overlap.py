@@ -1,0 +1,123 @@
+"""Reads hidden under compute: the mechanisms behind `edge0 bench`'s overlap figures.
+
+A miss the forward waits for is read in parts on every free thread; a read ahead yields to it
+between tensors; the pool keeps the experts of self-routed layers (whose misses block) over those
+of predicted layers (whose misses are read a step ahead); the compute-only arm measures the step a
+streamed step cannot beat."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import mlx.core as mx
+
+import engine.experts.reads as reads
+from edge0_tui.cli import main
+from engine.config import EngineConfig, GenerationConfig
+from engine.experts.pool import ExpertPool, ResidentExpert
+from engine.experts.reads import NOW, ReadQueue
+from engine.runtime.generation import Engine
+
+GREEDY = GenerationConfig(max_tokens=16, temperature=0.0)
+PROMPT = [11, 400, 97]
+
+
+def _tokens(model_dir, **config) -> list[int]:
+    engine = Engine(model_dir, EngineConfig(**config))
+    try:
+        return engine.generate(PROMPT, GREEDY).tokens
+    finally:
+        engine.close()
+
+
+def test_misses_read_in_parts_give_the_resident_tokens(checkpoint_dir, monkeypatch):
+    model_dir = checkpoint_dir("qwen3_moe")
+    resident = _tokens(model_dir, mode="resident")
+    joined = []
+    real_joined = reads._joined
+    monkeypatch.setattr(reads, "SPLIT_BYTES", 0)  # every miss in parts, one per projection
+    monkeypatch.setattr(
+        reads, "_joined", lambda parts: joined.append(len(parts)) or real_joined(parts)
+    )
+    streamed = _tokens(model_dir, mode="on-demand", expert_cache_bytes=60_000)
+    assert streamed == resident
+    assert joined and set(joined) == {3}  # gate, up and down projections
+
+
+def test_a_read_ahead_yields_to_a_miss_between_its_tensors():
+    queue = ReadQueue(threads=1, name="test-read")
+    first_tensor_done, miss_queued, order = threading.Event(), threading.Event(), []
+
+    def read_ahead():
+        order.append("ahead: tensor 1")
+        first_tensor_done.set()
+        miss_queued.wait(5)
+        queue.run_urgent()  # what ExpertReader does between two tensors of a read ahead
+        order.append("ahead: tensor 2")
+
+    try:
+        ahead = queue.submit((1, 0, 3), read_ahead)
+        assert first_tensor_done.wait(5)
+        miss = queue.submit(NOW, order.append, "miss")
+        miss_queued.set()
+        ahead.result(timeout=5)
+        miss.result(timeout=5)
+    finally:
+        queue.shutdown()
+    assert order == ["ahead: tensor 1", "miss", "ahead: tensor 2"]
+
+
+def test_reads_for_the_next_step_go_after_this_steps_reads_ahead():
+    queue = ReadQueue(threads=1, name="test-read")
+    gate, order = threading.Event(), []
+    try:
+        queue.submit(NOW, gate.wait)
+        time.sleep(0.05)
+        futures = [
+            queue.submit((1, 8, 1), order.append, "step 8, layer 1"),
+            queue.submit((1, 7, 4), order.append, "step 7, layer 4"),
+            queue.submit((1, 7, 2), order.append, "step 7, layer 2"),
+        ]
+        gate.set()
+        for future in futures:
+            future.result(timeout=5)
+    finally:
+        queue.shutdown()
+    assert order == ["step 7, layer 2", "step 7, layer 4", "step 8, layer 1"]
+
+
+def _expert() -> ResidentExpert:
+    return ResidentExpert({"w": mx.zeros((100,), dtype=mx.uint8)}, 100)
+
+
+def test_pool_evicts_predicted_layers_before_self_routed_ones():
+    pool = ExpertPool(budget_bytes=400, policy="lru")
+    pool.kept_layers = frozenset({0})
+    for key in [(0, 0), (0, 1), (1, 0), (1, 1)]:
+        pool.put(key, _expert())
+    pool.get((1, 0))
+    pool.get((1, 1))  # layer 0's experts are now the least recent: LRU alone would evict them
+    pool.put((2, 0), _expert())
+    pool.put((2, 1), _expert())
+    assert (0, 0) in pool and (0, 1) in pool
+    # Only kept and protected experts left: a kept layer's expert goes rather than overrun.
+    pool.put((3, 0), _expert(), protected=[(2, 0), (2, 1), (3, 0)])
+    assert pool.resident_bytes <= 400 and (3, 0) in pool and (0, 0) not in pool
+
+
+def test_bench_reports_the_overlap_limit_from_a_compute_only_arm(checkpoint_dir, tmp_path):
+    out = tmp_path / "report.json"
+    args = ["bench", str(checkpoint_dir("qwen3_moe")), "--arms", "on-demand,compute-only"]
+    assert (
+        main(args + ["--rounds", "1", "--tokens", "6", "--expert-cache", "60K", "--json", str(out)])
+        == 0
+    )
+    report = json.loads(out.read_text())
+    compute = report["arms"]["compute-only"]["figures"]
+    assert compute["median_loads"]["median"] == 0  # every expert resident before the replay
+    overlap = report["arms"]["on-demand"]["overlap"]
+    assert overlap["compute_ms"] == compute["median_wall_ms"]["median"]
+    assert overlap["limit_ms"] >= overlap["compute_ms"] > 0
+    assert overlap["step_vs_limit"] > 0
