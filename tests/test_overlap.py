@@ -121,3 +121,16 @@ def test_bench_reports_the_overlap_limit_from_a_compute_only_arm(checkpoint_dir,
     assert overlap["compute_ms"] == compute["median_wall_ms"]["median"]
     assert overlap["limit_ms"] >= overlap["compute_ms"] > 0
     assert overlap["step_vs_limit"] > 0
+
+
+def test_a_small_miss_is_read_by_the_thread_that_waits_for_it():
+    queue = ReadQueue(threads=2, name="test-read")
+    try:
+        time.sleep(0.05)  # both readers idle
+        miss = queue.submit(NOW, lambda: threading.current_thread().name, wake=False)
+        time.sleep(0.05)
+        assert not miss.done()  # no reader was woken for it
+        queue.help_until(miss)
+        assert miss.result() == threading.current_thread().name
+    finally:
+        queue.shutdown()
