@@ -43,6 +43,42 @@ def _utf8(text: str) -> str:
     return text
 
 
+# edge0's user data folder (trained adapters, chats) when set; read here, at the top, only.
+DATA_DIR_ENV = "EDGE0_DATA_DIR"
+ADAPTERS_HELP = (
+    "an adapter folder or a Hugging Face repo id (owner/name: only its prerouter_*/lora_* files "
+    "are downloaded), searched for K profiles before the model folder and the automatic folder; "
+    "repeatable"
+)
+
+
+def _add_adapters(parser: argparse.ArgumentParser, help: str = ADAPTERS_HELP) -> None:
+    parser.add_argument(
+        "--adapters", action="append", default=[], metavar="DIR|REPO_ID", type=_utf8, help=help
+    )
+
+
+def _data_dir() -> Path | None:
+    """edge0's user data folder from EDGE0_DATA_DIR; None: the platform's."""
+    value = os.environ.get(DATA_DIR_ENV)
+    return Path(value).expanduser() if value else None
+
+
+def _adapter_dirs(specs: list[str]) -> tuple[Path, ...]:
+    """The folders `--adapters` names, Hub repos downloaded first (progress on stderr)."""
+    from edge0_tui.model_source import resolve_adapters
+
+    def on_progress(what: str, done: float, total: float | None) -> None:
+        if sys.stderr.isatty():
+            shown = f"{format_bytes(done)} / {format_bytes(total)}" if total else ""
+            print(f"\r\x1b[2Kedge0: {what} {shown}", end="", file=sys.stderr, flush=True)
+
+    dirs = tuple(resolve_adapters(spec, on_progress) for spec in specs)
+    if specs and sys.stderr.isatty():
+        print("\r\x1b[2K", end="", file=sys.stderr, flush=True)
+    return dirs
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="edge0",
@@ -69,6 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--eviction", choices=("lfu-aging", "lru"), default="lfu-aging")
     gen.add_argument("--k", type=int, default=None, help="routing width (default: the model's)")
     gen.add_argument("--no-lora", action="store_true", help="prerouter mode without the LoRA")
+    _add_adapters(gen)
     gen.add_argument(
         "--shadow-router",
         action="store_true",
@@ -85,7 +122,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = commands.add_parser("bench", help="same-session rotated A/B of modes on this machine")
     bench.add_argument("model", type=Path)
-    bench.add_argument("--arms", default="resident,on-demand,prerouter")
+    bench.add_argument(
+        "--arms",
+        default="resident,on-demand,prerouter",
+        help="comma-separated: resident, on-demand, prerouter, compute-only (every expert "
+        "resident before the replay, no limits: the compute a step cannot go below, for the "
+        "overlap-limit table; needs every expert in memory)",
+    )
     bench.add_argument("--k", type=int, default=None)
     bench.add_argument("--rounds", type=int, default=3)
     bench.add_argument("--tokens", type=int, default=64)
@@ -132,6 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     info = commands.add_parser("info", help="family, layers, experts, expert bytes, K profiles")
     info.add_argument("model", type=Path)
+    _add_adapters(info)
     info.add_argument("--json", action="store_true")
 
     train = commands.add_parser("train", help="training phases")
@@ -139,9 +183,34 @@ def build_parser() -> argparse.ArgumentParser:
     heads = phases.add_parser("heads", help="phase 1: distill prerouter heads for width K")
     heads.add_argument("model", type=Path)
     heads.add_argument("--k", type=int, required=True)
-    heads.add_argument("--text", type=Path, required=True, help="UTF-8 text to run the model over")
     heads.add_argument(
-        "--out", type=Path, default=None, help="default MODEL/prerouter_k{K}.safetensors"
+        "--text",
+        type=Path,
+        default=None,
+        help="UTF-8 text to run the model over (default: Python's own documentation, in every "
+        "Python install, as chat exchanges in the model's chat template: role tokens and "
+        "assistant turns as in a chat, explanatory English with code; no download)",
+    )
+    heads.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="the heads file (default ADAPTERS/prerouter_k{K}.safetensors)",
+    )
+    heads.add_argument(
+        "--adapters",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="the adapter folder to write to, traces and training state in DIR/work (default: "
+        "the model's automatic folder, $EDGE0_DATA_DIR or the user data folder, "
+        "adapters/<fingerprint>); a rerun resumes there",
+    )
+    heads.add_argument(
+        "--expert-cache",
+        type=_size,
+        default="1G",
+        help="routed-expert budget while collecting, e.g. 512M, 2G (the model runs on-demand)",
     )
     heads.add_argument("--start-layer", type=int, default=None)
     heads.add_argument("--steps", type=int, default=400)
@@ -248,8 +317,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="routed-expert budget, e.g. 512M, 2G (default 1G; 8M for demo, to show the wall)",
     )
     chat.add_argument("--mode", choices=MODES, default="on-demand")
+    _add_adapters(chat)
     chat.add_argument(
-        "--data-dir", type=Path, default=None, help="where chats are saved (default: user data dir)"
+        "--data-dir",
+        type=Path,
+        default=None,
+        help="where chats and trained adapters live (default: $EDGE0_DATA_DIR, else the user "
+        "data dir)",
     )
     return parser
 
@@ -264,6 +338,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         k=args.k,
         lora=not args.no_lora,
         shadow_router=args.shadow_router,
+        adapter_dirs=_adapter_dirs(args.adapters),
+        data_dir=_data_dir(),
     )
     gen = GenerationConfig(
         max_tokens=args.max_tokens,
@@ -421,8 +497,21 @@ def cmd_soak(args: argparse.Namespace) -> int:
 def cmd_info(args: argparse.Namespace) -> int:
     from engine import Engine
 
-    with Engine(args.model, EngineConfig(mode="on-demand")) as engine:
+    config = EngineConfig(
+        mode="on-demand", adapter_dirs=_adapter_dirs(args.adapters), data_dir=_data_dir()
+    )
+    with Engine(args.model, config) as engine:
         info = engine.info()
+        search = engine.adapter_search
+    info["adapter_folders"] = [{"path": str(f.path), "origin": f.origin} for f in search.folders]
+    for p in info["profiles"]:
+        files = search.profiles.get(p["k"])
+        p["origin"] = files.origin if files is not None else None
+        p["files"] = [str(f) for f in (files.prerouter, files.lora) if f] if files else []
+    info["shadowed"] = [
+        {"k": f.k, "origin": f.origin, "files": [str(x) for x in (f.prerouter, f.lora) if x]}
+        for f in search.shadowed
+    ]
     _print_warnings(info["warnings"])
     if args.json:
         print(json.dumps(info))
@@ -437,7 +526,12 @@ def cmd_info(args: argparse.Namespace) -> int:
     for p in info["profiles"]:
         parts = [name for name in ("prerouter", "lora") if p[name]]
         quality = "recovered" if p["recovered"] else "quality not recovered"
-        print(f"  K={p['k']}: {' + '.join(parts) or 'true router'} ({quality})")
+        where = f", {p['origin']} folder: {', '.join(p['files'])}" if p["files"] else ""
+        print(f"  K={p['k']}: {' + '.join(parts) or 'true router'} ({quality}{where})")
+    for s in info["shadowed"]:
+        print(f"  K={s['k']} shadowed (an earlier folder has K={s['k']}): {', '.join(s['files'])}")
+    for folder in info["adapter_folders"]:
+        print(f"  adapters searched: {folder['origin']} {folder['path']}")
     return 0
 
 
@@ -450,12 +544,20 @@ def cmd_train(args: argparse.Namespace) -> int:
         return cmd_train_lora_or_distill(args)
     from engine.train.heads import TrainHeadsConfig, train_heads
 
-    text = _read_text(args.text)
+    text = _read_text(args.text) if args.text is not None else None
     config = TrainHeadsConfig(
         k=args.k, start_layer=args.start_layer, steps=args.steps, max_tokens=args.max_tokens
     )
+    engine_config = EngineConfig(expert_cache_bytes=args.expert_cache, data_dir=_data_dir())
     train_heads(
-        args.model, text, config, out=args.out, progress=lambda line: print(line, flush=True)
+        args.model,
+        text,
+        config,
+        out=args.out,
+        progress=lambda line: print(line, flush=True),
+        engine_config=engine_config,
+        adapters_dir=args.adapters,
+        bar=sys.stderr.isatty(),
     )
     return 0
 
@@ -584,12 +686,22 @@ def _quick_heads(model: Path, k: int) -> None:
     """Heads trained briefly on Python's own docs: realistic prediction sets for benchmarks
     (varied, token-dependent), not quality."""
     import pydoc_data.topics
+    import shutil
 
     from engine.train.heads import TrainHeadsConfig, train_heads
 
     text = "\n\n".join(pydoc_data.topics.topics.values())
     config = TrainHeadsConfig(k=k, max_tokens=768, window=64, steps=150)
-    train_heads(model, text, config, progress=lambda line: print(line, flush=True))
+    # Beside the checkpoint (its folder is ours), traces in a work folder there too.
+    train_heads(
+        model,
+        text,
+        config,
+        out=model / f"prerouter_k{k}.safetensors",
+        progress=lambda line: print(line, flush=True),
+        adapters_dir=model,
+    )
+    shutil.rmtree(model / "work", ignore_errors=True)  # the traces of a quick run are not kept
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
@@ -598,10 +710,14 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
     # The demo model's experts are ~13 MB in all: a 4 MB budget makes the memory wall visible.
     default_cache = "4M" if args.model == "demo" else "1G"
+    data_dir = args.data_dir or _data_dir()  # one folder for chats and trained adapters
     config = EngineConfig(
-        mode=args.mode, expert_cache_bytes=args.expert_cache or parse_size(default_cache)
+        mode=args.mode,
+        expert_cache_bytes=args.expert_cache or parse_size(default_cache),
+        adapter_dirs=tuple(args.adapters),  # the session fetches Hub repos on its thread
+        data_dir=data_dir,
     )
-    Edge0App(model=args.model, engine_config=config, data_dir=args.data_dir).run()
+    Edge0App(model=args.model, engine_config=config, data_dir=data_dir).run()
     return 0
 
 

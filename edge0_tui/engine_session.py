@@ -15,6 +15,7 @@ The engine thread answers with the messages in `edge0_tui.messages`, posted, nev
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 import threading
 import time
@@ -44,7 +45,7 @@ from .messages import (
     ReplyFinished,
     ReplyText,
 )
-from .model_source import resolve_model
+from .model_source import resolve_adapters, resolve_model
 from .sanitize import sanitize
 
 # Reply text reaches the UI at most this often: fast enough to read as live, slow enough that a
@@ -160,8 +161,14 @@ class EngineSession:
             post(ModelProgress(what, done, total))
 
         source = resolve_model(self.model, self.cache_dir, on_progress, offline=self.offline)
+        # `--adapters` may name Hub repos: their adapter files are fetched here, on this thread.
+        adapter_dirs = tuple(
+            resolve_adapters(str(spec), on_progress, offline=self.offline)
+            for spec in self.engine_config.adapter_dirs
+        )
+        config = dataclasses.replace(self.engine_config, adapter_dirs=adapter_dirs)
         post(ModelProgress(f"loading {source.name}", 0, None))
-        engine = Engine(source.path, self.engine_config)
+        engine = Engine(source.path, config)
         self.engine = engine
         self.metrics = LiveMetrics(k=engine.k, mode=engine.mode)
         notices = [n for n in (source.notice, engine.quality_note()) if n]

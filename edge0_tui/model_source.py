@@ -13,6 +13,10 @@ path (`.`, `/`, `~`) or whose first part exists here is never sent to the Hub, a
 that is not a local directory says so before the Hub is tried (a typo in a path reads as one).
 
 Writing the synthetic checkpoint runs MLX, so `resolve_model` must run on the engine's thread.
+
+`--adapters DIR|REPO_ID` is turned into an adapter folder the same way (`resolve_adapters`): a
+local folder as it is, or, for an `owner/name` that is not a local path, the adapter files only
+(`prerouter_*`, `lora_*` safetensors) of that Hub repo, downloaded into the Hugging Face cache.
 """
 
 from __future__ import annotations
@@ -50,6 +54,8 @@ HUB_FILES = [
     "*.txt",
     "*.jinja",
 ]
+# What an adapters repo is asked for: the K profiles' files, nothing else.
+ADAPTER_FILES = ["prerouter_*.safetensors", "lora_*.safetensors"]
 # One part of a Hub repo id, as huggingface_hub's validate_repo_id allows it: letters, digits, `_`,
 # `-`, `.`, at most 96, not starting or ending with `-` or `.` (and no `--` or `..`, checked apart).
 _HUB_NAME = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9_.-]{0,94}[A-Za-z0-9_])?")
@@ -88,6 +94,31 @@ def resolve_model(
         return ModelSource(download_from_hub(spec, on_progress, offline=offline), spec)
     except Edge0Error as e:
         raise Edge0Error(f"no local directory {spec}; {e}") from None
+
+
+def resolve_adapters(
+    spec: str,
+    on_progress: ProgressCallback,
+    offline: bool = False,
+    cache_dir: Path | None = None,
+) -> Path:
+    """The adapter folder `--adapters SPEC` names: a local folder (the engine checks what is in
+    it), or the adapter files of a Hub repo, downloaded (offline: from the cache)."""
+    local = Path(spec).expanduser()
+    if local.exists() or _names_a_path(spec) or not is_hub_id(spec):
+        return local  # a missing folder is reported by the engine, naming it
+    try:
+        folder = download_from_hub(
+            spec, on_progress, cache_dir=cache_dir, offline=offline, patterns=ADAPTER_FILES
+        )
+    except Edge0Error as e:
+        raise Edge0Error(f"--adapters {e}") from None
+    if not any(any(folder.glob(pattern)) for pattern in ADAPTER_FILES):
+        raise Edge0Error(
+            f"--adapters {spec}: the Hugging Face repo has no adapter files "
+            f"({' or '.join(ADAPTER_FILES)})"
+        )
+    return folder
 
 
 def is_hub_id(spec: str) -> bool:
@@ -135,8 +166,10 @@ def download_from_hub(
     on_progress: ProgressCallback,
     cache_dir: Path | None = None,
     offline: bool = False,
+    patterns: list[str] = HUB_FILES,
 ) -> Path:
-    """The repo's snapshot in the Hugging Face cache, downloading what is missing.
+    """The repo's snapshot in the Hugging Face cache (the files matching `patterns`),
+    downloading what is missing.
 
     Offline (or when the Hub cannot be reached), a complete cached copy is used as is.
     """
@@ -157,7 +190,7 @@ def download_from_hub(
         try:
             return Path(
                 snapshot_download(
-                    repo_id, cache_dir=cache_dir, allow_patterns=HUB_FILES, local_files_only=True
+                    repo_id, cache_dir=cache_dir, allow_patterns=patterns, local_files_only=True
                 )
             )
         except LocalEntryNotFoundError:
@@ -170,7 +203,7 @@ def download_from_hub(
         folder = snapshot_download(
             repo_id,
             cache_dir=cache_dir,
-            allow_patterns=HUB_FILES,
+            allow_patterns=patterns,
             tqdm_class=_reporting_progress_bar(on_progress),
         )
     except RepositoryNotFoundError:

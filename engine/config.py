@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
 from .errors import Edge0Error
 
@@ -90,6 +91,13 @@ class EngineConfig:
     # Page-cache residency of the expert tensors is sampled so that it costs at most this share of
     # step time.
     page_cache_sample_share: float = 0.02
+    # Adapter folders searched for K profiles before the model directory, in this order (local
+    # folders: a front end turns a Hub repo id into its cached folder first).
+    adapter_dirs: tuple[Path, ...] = ()
+    # edge0's user data folder; None: the platform's (platformdirs.user_data_dir("edge0")). The
+    # automatic adapter folder DATA_DIR/adapters/<base fingerprint> is searched after the model
+    # directory, and training writes there by default.
+    data_dir: Path | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:

@@ -27,3 +27,15 @@ def checkpoint_dir(tmp_path_factory):
 @pytest.fixture(params=FAMILIES)
 def family(request) -> str:
     return request.param
+
+
+@pytest.fixture(autouse=True)
+def private_data_dir(tmp_path_factory, monkeypatch):
+    """No test reads or writes the real user data folder (trained adapters, chats): the engine's
+    default and the CLI's EDGE0_DATA_DIR (also seen by subprocesses) point to a temp folder."""
+    import engine.adapters.locations as locations
+
+    data = tmp_path_factory.mktemp("edge0-data")
+    monkeypatch.setattr(locations, "default_data_dir", lambda: data)
+    monkeypatch.setenv("EDGE0_DATA_DIR", str(data))
+    return data

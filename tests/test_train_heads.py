@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pydoc_data.topics
+import re
 import shutil
 
 from edge0_tui.cli import main
@@ -18,18 +19,25 @@ def _text() -> str:
 def test_trained_heads_beat_chance(checkpoint_dir, tmp_path):
     model_dir = tmp_path / "model"
     shutil.copytree(checkpoint_dir("qwen3_moe"), model_dir)
-    config = TrainHeadsConfig(k=4, max_tokens=12_000, steps=150, window=64)
+    config = TrainHeadsConfig(k=4, max_tokens=12_000, steps=150, window=64, log_every=15)
     lines = []
-    out, recalls = train_heads(model_dir, _text(), config, progress=lines.append)
+    data = EngineConfig(data_dir=tmp_path / "data")  # the automatic adapter folder goes there
+    out, recalls = train_heads(
+        model_dir, _text(), config, progress=lines.append, engine_config=data
+    )
     chance = 4 / 16
     mean = sum(recalls.values()) / len(recalls)
-    print("\n" + "\n".join(lines[-len(recalls) - 2 :]))
-    assert out.exists()
+    print("\n" + "\n".join(lines[-len(recalls) - 3 :]))
+    assert out.exists() and out.parent.parent == tmp_path / "data" / "adapters"
     assert mean > 1.2 * chance, f"mean held-out recall@4 {mean:.3f} vs chance {chance:.3f}"
-    losses = [float(line.split("loss ")[1]) for line in lines if "loss" in line]
-    assert losses[-1] < losses[0]
+    losses = [
+        float(m.group(1)) for line in lines if (m := re.match(r"step \d+/\d+ +loss ([\d.]+)", line))
+    ]
+    assert len(losses) >= 10 and losses[-1] < losses[0]
 
-    engine = Engine(model_dir, EngineConfig(mode="prerouter", shadow_router=True))
+    engine = Engine(
+        model_dir, EngineConfig(mode="prerouter", shadow_router=True, data_dir=tmp_path / "data")
+    )
     try:
         assert engine.k == 4
         summary = engine.generate([5, 6, 7], GenerationConfig(max_tokens=16)).summary
@@ -38,15 +46,20 @@ def test_trained_heads_beat_chance(checkpoint_dir, tmp_path):
         engine.close()
 
 
-def test_cli_train_heads(checkpoint_dir, tmp_path, capsys):
+def test_cli_train_heads(checkpoint_dir, tmp_path, capsys, monkeypatch):
     model_dir = tmp_path / "model"
     shutil.copytree(checkpoint_dir("bailing_moe"), model_dir)
+    monkeypatch.setenv("EDGE0_DATA_DIR", str(tmp_path / "data"))
     text = tmp_path / "text.txt"
     text.write_text(_text()[:60_000])
+    adapters = tmp_path / "adapters"
     args = ["train", "heads", str(model_dir), "--k", "2", "--text", str(text), "--steps", "20"]
-    assert main(args + ["--max-tokens", "4000"]) == 0
+    assert main(args + ["--max-tokens", "4000", "--adapters", str(adapters)]) == 0
     printed = capsys.readouterr().out
     assert "held-out recall@2" in printed
-    assert (model_dir / "prerouter_k2.safetensors").exists()
+    assert (adapters / "prerouter_k2.safetensors").exists()
+    assert not list(model_dir.glob("prerouter_*")) and not (tmp_path / "data").exists()
     assert main(["info", str(model_dir)]) == 0
-    assert "K=2: prerouter" in capsys.readouterr().out
+    assert "K=2: prerouter" not in capsys.readouterr().out  # not in the search without --adapters
+    assert main(["info", str(model_dir), "--adapters", str(adapters)]) == 0
+    assert "K=2: prerouter (quality not recovered, --adapters folder" in capsys.readouterr().out

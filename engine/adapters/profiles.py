@@ -1,19 +1,26 @@
-"""K profiles: the routing widths a model directory has adapters for.
+"""K profiles: the routing widths a model has adapters for.
 
-A profile is a pair of files next to the checkpoint, `prerouter_k{K}.safetensors` and
+A profile is a pair of files in one adapter folder, `prerouter_k{K}.safetensors` and
 `lora_k{K}.safetensors`. The reference implementation's `prerouter_<name>.safetensors` (with K in
 its metadata) and `lora_<name>.safetensors` are read too. Switching K swaps these files, never the
 base.
+
+`search_profiles` looks through every adapter folder of a model (`locations.py`: `--adapters`
+folders, the model directory, the automatic folder). A K is taken whole from the first folder that
+has it, heads and LoRA together (a LoRA is trained on the student path of particular heads, so the
+two are never paired across folders); the same K in a later folder is shadowed.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..checkpoint.index import read_safetensors
+from ..config import EngineConfig
 from ..errors import Edge0Error
+from .locations import MODEL, AdapterFolder, search_folders
 from .metadata import flat_metadata, metadata_int
 
 
@@ -22,9 +29,33 @@ class AdapterFiles:
     k: int
     prerouter: Path | None
     lora: Path | None
+    origin: str = MODEL  # the folder it was found in: "--adapters", "model" or "auto"
 
 
-def discover_profiles(model_dir: Path) -> dict[int, AdapterFiles]:
+@dataclass
+class ProfileSearch:
+    """Every adapter folder of a model and the K profiles found in them."""
+
+    folders: list[AdapterFolder]
+    profiles: dict[int, AdapterFiles]  # K -> the profile used (from the first folder that has K)
+    shadowed: list[AdapterFiles] = field(default_factory=list)  # the same K in later folders
+
+
+def search_profiles(model_dir: Path, fingerprint: str, config: EngineConfig) -> ProfileSearch:
+    """The K profiles of the model in `model_dir`, over its whole adapter search path."""
+    folders = search_folders(Path(model_dir), fingerprint, config.adapter_dirs, config.data_dir)
+    search = ProfileSearch(folders, {})
+    for folder in folders:
+        for k, files in sorted(discover_profiles(folder.path, folder.origin).items()):
+            if k in search.profiles:
+                search.shadowed.append(files)
+            else:
+                search.profiles[k] = files
+    return search
+
+
+def discover_profiles(model_dir: Path, origin: str = MODEL) -> dict[int, AdapterFiles]:
+    """The K profiles of one adapter folder (the model directory by default)."""
     profiles: dict[int, AdapterFiles] = {}
     for prerouter in sorted(model_dir.glob("prerouter_*.safetensors")):
         suffix = prerouter.name[len("prerouter_") : -len(".safetensors")]
@@ -45,12 +76,12 @@ def discover_profiles(model_dir: Path) -> dict[int, AdapterFiles]:
                 f"{prerouter}: a second prerouter for K={k} ({profiles[k].prerouter.name})"
             )
         lora = model_dir / f"lora_{suffix}.safetensors"
-        profiles[k] = AdapterFiles(k, prerouter, lora if lora.exists() else None)
+        profiles[k] = AdapterFiles(k, prerouter, lora if lora.exists() else None, origin)
     for lora in sorted(model_dir.glob("lora_k*.safetensors")):
         match = re.fullmatch(r"lora_k(\d+)\.safetensors", lora.name)
         if match and int(match.group(1)) not in profiles:
             k = int(match.group(1))
             if k < 1:
                 raise Edge0Error(f"{lora}: K={k} is not a routing width (at least 1)")
-            profiles[k] = AdapterFiles(k, None, lora)
+            profiles[k] = AdapterFiles(k, None, lora, origin)
     return profiles

@@ -26,7 +26,7 @@ from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_p
 from mlx_lm.sample_utils import make_sampler
 
 from ..adapters.lora import AppliedLoRA, load_lora
-from ..adapters.profiles import AdapterFiles, discover_profiles
+from ..adapters.profiles import AdapterFiles, ProfileSearch, search_profiles
 from ..checkpoint.families import set_top_k
 from ..checkpoint.index import base_fingerprint
 from ..config import EngineConfig, GenerationConfig
@@ -101,7 +101,11 @@ class Engine:
         self.tokenizer = self.loaded.tokenizer
         self.routing = self.loaded.routing
         self.fingerprint = base_fingerprint(self.loaded.index)
-        self.adapters: dict[int, AdapterFiles] = discover_profiles(self.model_dir)
+        # K profiles over the adapter search: --adapters folders, the model dir, the auto folder.
+        self.adapter_search: ProfileSearch = search_profiles(
+            self.model_dir, self.fingerprint, self.config
+        )
+        self.adapters: dict[int, AdapterFiles] = self.adapter_search.profiles
         self.memory = MemorySampler(
             self.loaded.index.expert_file_ranges(), self.config.page_cache_sample_share
         )

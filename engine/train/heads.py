@@ -1,39 +1,63 @@
-"""Phase 1: distill prerouter heads from a model's own routers. Works for any supported model.
+"""Phase 1: distill prerouter heads from a model's own routers, on the machine that runs it.
 
-    edge0 train heads MODEL --k K --text FILE [--out FILE] [--start-layer N] [--steps N]
+    edge0 train heads MODEL --k K [--text FILE] [--out FILE] [--adapters DIR] [--expert-cache SIZE]
 
-1. Collect: run the resident model over the text (teacher forcing, fixed-length windows) and record,
-   for every MoE layer, its MoE input x and its router logits at every position.
-2. Build features: for owner N at token t, z = [x_N,t; onehot_K(A_N,t); onehot_K(A_N,t-1)], where A
-   are the true router's top-K sets; the target is layer N+1's router logits at token t+1.
-3. Train all heads at once (stacked, AdamW). linear_init starts as layer N+1's dequantized router
-   weights on the hidden part (zeros on the one-hots) and fc2 starts at zero, so training starts
-   from "apply the next layer's router to this layer's state" and the MLP learns the correction.
-   Loss: soft cross-entropy between the routing distributions (what top-K ranking needs) plus a
-   small logit MSE (the combine weights read absolute scores).
-4. Report held-out recall@K per owner (through the family's routing function) and save.
+1. Collect (`collect.py`): run the model in on-demand mode, the experts streamed in bounded memory,
+   over the text in fixed-length windows (teacher forcing), and record every MoE layer's input x
+   and router logits into memory-mapped arrays on disk, window by window.
+2. Train all heads at once (stacked, AdamW) on mini-batches read from those arrays. For owner N at
+   token t the features are z = [x_N,t; onehot_K(A_N,t); onehot_K(A_N,t-1)], where A are the true
+   router's top-K sets (`routing.prerouter.head_features`), built per batch; the target is layer
+   N+1's router logits at token t+1. linear_init starts as layer N+1's dequantized router weights on
+   the hidden part (zeros on the one-hots) and fc2 starts at zero, so training starts from "apply
+   the next layer's router to this layer's state" and the MLP learns the correction. Loss: soft
+   cross-entropy between the routing distributions (what top-K ranking needs) plus a small logit
+   MSE (the combine weights read absolute scores).
+3. Report held-out recall@K per owner (through the family's routing function; the first windows
+   are held out), and that of the heads the model already has for K, on the same windows; save.
+
+Everything lands in the adapter folder: `--adapters DIR`, else the model's automatic folder
+(`adapters/locations.py`); the traces and the training state in its `work/` folder. Both stages
+resume: a rerun of the same command continues after the last complete window, and from the last
+saved training step. The traces do not depend on K: every K of the same text reuses them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
-import mlx.optimizers as optim
 import numpy as np
 
+from ..adapters.locations import auto_adapter_dir
+from ..adapters.profiles import search_profiles
 from ..checkpoint.index import base_fingerprint
-from ..config import EngineConfig
+from ..config import EngineConfig, format_bytes
 from ..errors import Edge0Error
 from ..routing.functions import RoutingSpec, route
 from ..routing.moe_block import ops_for
-from ..routing.prerouter import PrerouterHeads, head_forward, save_prerouter, sequence_features
-from ..runtime.loader import load, quiet_load_tokenizer
+from ..routing.prerouter import (
+    PrerouterHeads,
+    head_features,
+    head_forward,
+    load_profile_heads,
+    save_prerouter,
+    sequence_features,
+)
+from ..runtime.loader import LoadedModel, load
+from .collect import TraceFiles, check_windows, collect_traces, describe, token_windows, trace_key
+from .corpus import DEFAULT_HEADS_CORPUS, default_heads_tokens
 from .data import corpus_tokens
+from .run import Log, TrainingRun, training_progress
+
+# Held-out windows evaluated per forward of the heads.
+EVAL_WINDOWS = 8
 
 
 @dataclass
@@ -50,86 +74,42 @@ class TrainHeadsConfig:
     weight_decay: float = 0.01
     mse_weight: float = 0.1
     seed: int = 0
+    grad_clip: float = 1e6  # in effect none: the loss is smooth (shared loop of every phase)
+    checkpoint_every: int = 50  # steps between saved training states
+    log_every: int = 50
 
 
 @dataclass
-class LayerTrace:
-    """One MoE layer over the collected positions."""
+class Routing:
+    """What the heads' features and targets need of the model's routers."""
 
-    x: np.ndarray  # [positions, H] MoE inputs
-    logits: np.ndarray  # [positions, E] router logits
+    spec: RoutingSpec
+    k: int
+    experts: int
+    biases: dict[int, mx.array | None]  # per MoE layer (group routers' expert bias)
 
-
-class _Capture(nn.Module):
-    """Wraps a stock MoE block to record its input and its router logits, then runs it."""
-
-    def __init__(self, block: nn.Module, ops, sink: list) -> None:
-        super().__init__()
-        self.block = block
-        self._ops = ops
-        self._sink = sink
-
-    def __call__(self, x: mx.array) -> mx.array:
-        self._sink.append((x, self._ops.gate_logits(self.block, x)))
-        return self.block(x)
+    def top_k(self, logits: np.ndarray, layer: int) -> np.ndarray:
+        """The router's top-K sets [..., K] (int32) for logits [..., E] of `layer`."""
+        inds, _ = route(mx.array(logits), self.spec, self.k, self.biases[layer])
+        return np.array(inds).astype(np.int32)
 
 
-def collect(model_dir: Path, tokens: list[int], config: TrainHeadsConfig):
-    """Run the resident model over `tokens`; return (loaded model, traces per MoE layer)."""
-    loaded = load(model_dir, EngineConfig(mode="resident"))
+# -- the model's side: routers, initial heads --------------------------------------------------------
+
+
+def routing_of(loaded: LoadedModel, k: int) -> Routing:
+    blocks = {site.layer: site.parent for site in loaded.sites}  # the family's own blocks
     ops = ops_for(loaded.family.router)
-    sinks: dict[int, list] = {}
-    for site in loaded.sites:
-        sinks[site.layer] = []
-        setattr(
-            site.decoder_layer, site.block_attribute, _Capture(site.parent, ops, sinks[site.layer])
-        )
-    windows = [
-        tokens[i : i + config.window]
-        for i in range(0, len(tokens) - config.window + 1, config.window)
-    ]
-    if len(windows) < 2:
-        raise Edge0Error(f"the text is too short: need at least {2 * config.window} tokens")
-    xs = {layer: [] for layer in sinks}
-    logits = {layer: [] for layer in sinks}
-    for window in windows:
-        loaded.model(mx.array(window)[None])
-        for layer, sink in sinks.items():
-            x, lg = sink.pop()
-            mx.eval(x, lg)
-            xs[layer].append(np.array(x[0].astype(mx.float32)))
-            logits[layer].append(np.array(lg[0].astype(mx.float32)))
-    for site in loaded.sites:  # put the stock blocks back
-        setattr(site.decoder_layer, site.block_attribute, site.parent)
-    traces = {
-        layer: LayerTrace(np.stack(xs[layer]), np.stack(logits[layer])) for layer in sinks
-    }  # [windows, T, H] and [windows, T, E]
-    return loaded, traces
+    spec = ops.spec(blocks[min(blocks)])
+    biases = {layer: ops.expert_bias(block) for layer, block in blocks.items()}
+    return Routing(spec, k, loaded.num_experts, biases)
 
 
-def top_k_sets(logits: np.ndarray, spec: RoutingSpec, k: int, bias: mx.array | None) -> np.ndarray:
-    inds, _ = route(mx.array(logits), spec, k, bias)
-    return np.array(inds)
-
-
-def build_features(traces, owners, spec, biases, k, experts):
-    """Features [owners, samples, H+2E] and targets [owners, samples, E], window by window."""
-    features, targets = [], []
-    for owner in owners:
-        trace, nxt = traces[owner], traces[owner + 1]
-        sets = top_k_sets(trace.logits, spec, k, biases[owner])  # [W, T, k]
-        z = sequence_features(mx.array(trace.x), mx.array(sets), experts)
-        z = np.array(z)[:, :-1]  # token t = 0 .. T-2
-        features.append(z)
-        targets.append(nxt.logits[:, 1:])  # layer N+1 at token t+1
-    return np.stack(features), np.stack(targets)  # [n, W, T-1, D] / [n, W, T-1, E]
-
-
-def init_heads(loaded, owners, k, inner, seed) -> PrerouterHeads:
+def init_heads(loaded: LoadedModel, owners: list[int], k: int, inner: int, seed: int):
     mx.random.seed(seed)
     hidden, experts = loaded.hidden, loaded.num_experts
     width = hidden + 2 * experts
-    blocks = {site.layer: site.parent for site in loaded.sites}
+    blocks = {site.layer: site.parent for site in loaded.sites}  # the family's own blocks
     ops = ops_for(loaded.family.router)
     linear_init = []
     for owner in owners:
@@ -138,7 +118,9 @@ def init_heads(loaded, owners, k, inner, seed) -> PrerouterHeads:
     n = len(owners)
     fc1 = mx.random.normal((n, inner, width)) * (1.0 / math.sqrt(width))
     fc2 = mx.zeros((n, experts, inner))
-    return PrerouterHeads(None, k, list(owners), hidden, experts, fc1, fc2, mx.stack(linear_init))
+    heads = PrerouterHeads(None, k, list(owners), hidden, experts, fc1, fc2, mx.stack(linear_init))
+    mx.eval(heads.fc1, heads.fc2, heads.linear_init)
+    return heads
 
 
 def router_weight(linear: nn.Module) -> mx.array:
@@ -154,90 +136,289 @@ def router_weight(linear: nn.Module) -> mx.array:
     return linear.weight
 
 
-def recall_at_k(pred_logits, target_logits, spec, k, bias) -> float:
-    pred = top_k_sets(pred_logits, spec, k, bias).reshape(-1, k)
-    true = top_k_sets(target_logits, spec, k, bias).reshape(-1, k)
-    hits = sum(len(set(p) & set(t)) for p, t in zip(pred.tolist(), true.tolist()))
-    return hits / true.size
+class HeadStack(nn.Module):
+    """The heads being trained, as a module (for the optimizer and the saved training state)."""
+
+    def __init__(self, heads: PrerouterHeads) -> None:
+        super().__init__()
+        self.fc1, self.fc2, self.linear_init = heads.fc1, heads.fc2, heads.linear_init
+
+    def __call__(self, z: mx.array) -> mx.array:
+        return head_forward(self.fc1, self.fc2, self.linear_init, z)
+
+
+@dataclass
+class _Trainee:
+    """What the shared training loop (`run.TrainingRun`) needs to know of what it trains."""
+
+    model: nn.Module
+    fingerprint: str
+
+
+# -- mini-batches from the traces ---------------------------------------------------------------------
+
+
+def batch(
+    traces: TraceFiles, owners: list[int], windows: np.ndarray, positions: np.ndarray, routing
+) -> tuple[mx.array, mx.array]:
+    """Features [n, B, H+2E] and targets [n, B, E] of owners at (window, position) pairs, read from
+    the traces for this batch only. A position is a token t <= T-2 (its target is at t+1)."""
+    features, targets = [], []
+    first = positions == 0
+    for owner in owners:
+        x = traces.read("x", owner, windows, positions)
+        sets = routing.top_k(traces.read("logits", owner, windows, positions), owner)
+        before = routing.top_k(
+            traces.read("logits", owner, windows, np.maximum(positions - 1, 0)), owner
+        )
+        before[first] = -1  # no token before the window's first: A_{t-1} unknown
+        features.append(
+            head_features(mx.array(x), mx.array(sets), mx.array(before), routing.experts)
+        )
+        targets.append(mx.array(traces.read("logits", owner + 1, windows, positions + 1)))
+    return mx.stack(features), mx.stack(targets)
+
+
+def sample_positions(rng: np.random.Generator, held: int, windows: int, window: int, size: int):
+    """`size` (window, position) pairs drawn from the training windows (those after `held`)."""
+    samples = (windows - held) * (window - 1)
+    flat = rng.integers(0, samples, size=min(size, samples))
+    return held + flat // (window - 1), flat % (window - 1)
+
+
+def recall_hits(pred: np.ndarray, target: np.ndarray, routing: Routing, consumer: int) -> int:
+    """Experts of the predicted top-K sets that are also in the true ones, over every row."""
+    pred_sets = routing.top_k(pred, consumer).reshape(-1, routing.k)
+    true_sets = routing.top_k(target, consumer).reshape(-1, routing.k)
+    chosen = np.zeros((len(true_sets), routing.experts), dtype=bool)
+    rows = np.arange(len(true_sets))[:, None]
+    chosen[rows, true_sets] = True
+    return int(chosen[rows, pred_sets].sum())
+
+
+def heldout_recalls(
+    traces: TraceFiles,
+    owners: list[int],
+    held: int,
+    forward: Callable[[mx.array], mx.array],
+    routing: Routing,
+) -> dict[int, float]:
+    """Held-out recall@K per owner of heads `forward` ([n, M, H+2E] -> [n, M, E]) over the first
+    `held` windows, EVAL_WINDOWS at a time."""
+    hits = dict.fromkeys(owners, 0)
+    total = 0
+    for start in range(0, held, EVAL_WINDOWS):
+        ws = slice(start, min(held, start + EVAL_WINDOWS))
+        features, targets = [], []
+        for owner in owners:
+            x = traces.read("x", owner, ws)  # [c, T, H]
+            sets = routing.top_k(traces.read("logits", owner, ws), owner)
+            z = sequence_features(mx.array(x), mx.array(sets), routing.experts)[:, :-1]
+            features.append(z.reshape(-1, z.shape[-1]))
+            targets.append(traces.read("logits", owner + 1, ws)[:, 1:].reshape(-1, routing.experts))
+        pred = np.array(forward(mx.stack(features)))
+        for i, owner in enumerate(owners):
+            hits[owner] += recall_hits(pred[i], targets[i], routing, owner + 1)
+        total += targets[0].shape[0] * routing.k
+    return {owner: hits[owner] / total for owner in owners}
+
+
+# -- the phase ------------------------------------------------------------------------------------------
 
 
 def train_heads(
     model_dir: str | Path,
-    text: str,
+    text: str | None,
     config: TrainHeadsConfig,
     out: Path | None = None,
-    progress=print,
+    progress: Log = print,
+    engine_config: EngineConfig | None = None,
+    adapters_dir: Path | None = None,
+    bar: bool = False,
+    on_window: Callable | None = None,
 ) -> tuple[Path, dict[int, float]]:
-    """Train heads for K=config.k on `text`; save them; return (path, held-out recall@K per owner)."""
+    """Train heads for K=config.k on `text` (None: the default corpus, `corpus.py`); save them;
+    return (path, held-out recall@K per owner). `engine_config` sets the expert cache and the
+    data folder (the model always runs on-demand); `adapters_dir` replaces the automatic adapter
+    folder; `on_window(i, captured)` sees each collected window (tests)."""
     model_dir = Path(model_dir)
-    np.random.seed(config.seed)
-    started = time.perf_counter()
-
-    # -- 1. collect -------------------------------------------------------------------------------
-    tokenizer = quiet_load_tokenizer(model_dir, None)
-    tokens = corpus_tokens(tokenizer, text, config.max_tokens).tolist()
-    loaded, traces = collect(model_dir, tokens, config)
-    moe_layers = sorted(traces)
-    start = config.start_layer if config.start_layer is not None else moe_layers[1]
-    owners = [n for n in moe_layers if n + 1 in traces and n + 1 >= start]
-    if not owners:
-        raise Edge0Error(f"no owner layers: start layer {start} leaves no MoE layer to predict")
-    if not 1 <= config.k <= loaded.num_experts:
-        raise Edge0Error(f"K={config.k} must be between 1 and {loaded.num_experts}")
-    blocks = {site.layer: site.parent for site in loaded.sites}
-    ops = ops_for(loaded.family.router)
-    spec = ops.spec(blocks[moe_layers[0]])
-    biases = {layer: ops.expert_bias(blocks[layer]) for layer in moe_layers}
-    progress(
-        f"collected {len(tokens)} tokens over {len(moe_layers)} MoE layers in "
-        f"{time.perf_counter() - started:.1f} s; training {len(owners)} heads (owners {owners[0]}..{owners[-1]})"
+    engine_config = dataclasses.replace(
+        engine_config or EngineConfig(), mode="on-demand", k=None, shadow_router=False
     )
+    started = time.perf_counter()
+    loaded = load(model_dir, engine_config)
+    try:
+        fingerprint = base_fingerprint(loaded.index)
+        if not 1 <= config.k <= loaded.num_experts:
+            raise Edge0Error(f"K={config.k} must be between 1 and {loaded.num_experts}")
+        loaded.store.check_budget(loaded.top_k)
+        folder = (
+            Path(adapters_dir)
+            if adapters_dir
+            else auto_adapter_dir(fingerprint, engine_config.data_dir)
+        )
+        work = make_folder(folder) / "work"
 
-    # -- 2. features -------------------------------------------------------------------------------
-    z, y = build_features(traces, owners, spec, biases, config.k, loaded.num_experts)
-    windows = z.shape[1]
-    held = max(1, int(round(windows * config.holdout)))
-    z_train = z[:, held:].reshape(len(owners), -1, z.shape[-1])
-    y_train = y[:, held:].reshape(len(owners), -1, y.shape[-1])
-    z_test, y_test = z[:, :held], y[:, :held]
+        # -- 1. collect -----------------------------------------------------------------------------
+        if text is None:
+            progress(f"text: the default corpus, {DEFAULT_HEADS_CORPUS}")
+            tokens = default_heads_tokens(loaded.tokenizer, config.max_tokens, model_dir)
+        else:
+            tokens = corpus_tokens(loaded.tokenizer, text, config.max_tokens)
+        windows = token_windows(tokens, config.window)
+        check_windows(windows, config.window)
+        key = trace_key(fingerprint, windows)
+        moe_layers = sorted(site.layer for site in loaded.sites)
+        start = config.start_layer
+        if start is None:  # the first MoE layer routes by its router: it has no owner before it
+            start = moe_layers[1] if len(moe_layers) > 1 else moe_layers[0]
+        owners = [n for n in moe_layers if n + 1 in moe_layers and n + 1 >= start]
+        if not owners:
+            raise Edge0Error(f"no owner layers: start layer {start} leaves no MoE layer to predict")
+        with training_progress(bar) as bars:
+            traces = collect_traces(loaded, windows, work / f"traces-{key}", bars, on_window)
+        progress(
+            f"collected {describe(traces.shape)} in {time.perf_counter() - started:.1f} s "
+            f"(expert cache {format_bytes(engine_config.expert_cache_bytes)}); "
+            f"training {len(owners)} heads (owners {owners[0]}..{owners[-1]})"
+        )
+        routing = routing_of(loaded, config.k)
+        heads = init_heads(loaded, owners, config.k, config.inner, config.seed)
+        baseline = existing_heads(model_dir, fingerprint, engine_config, loaded, config.k)
+    finally:
+        loaded.store.close()  # the model's part is done; its reader threads and pool go
+    del loaded
 
-    # -- 3. train ----------------------------------------------------------------------------------
-    heads = init_heads(loaded, owners, config.k, config.inner, config.seed)
-    params = {"fc1": heads.fc1, "fc2": heads.fc2, "linear_init": heads.linear_init}
+    # -- 2. train -----------------------------------------------------------------------------------
+    held = max(1, int(round(traces.shape.windows * config.holdout)))
+    if held >= traces.shape.windows:
+        raise Edge0Error(f"holdout {config.holdout} leaves no windows to train on")
+    stack = fit_heads(
+        traces,
+        owners,
+        routing,
+        heads,
+        config,
+        work / f"heads-k{config.k}-{key}",
+        fingerprint,
+        held,
+        progress,
+        bar,
+    )
+    heads.fc1, heads.fc2, heads.linear_init = stack.fc1, stack.fc2, stack.linear_init
 
-    def forward(p, zb):
-        return head_forward(p["fc1"], p["fc2"], p["linear_init"], zb)
-
-    def loss_fn(p, zb, yb):
-        pred = forward(p, zb)
-        soft = -(mx.softmax(yb, axis=-1) * nn.log_softmax(pred, axis=-1)).sum(-1).mean()
-        return soft + config.mse_weight * ((pred - yb) ** 2).mean()
-
-    optimizer = optim.AdamW(learning_rate=config.lr, weight_decay=config.weight_decay)
-    grad_fn = mx.value_and_grad(loss_fn)
-    samples = z_train.shape[1]
-    for step in range(1, config.steps + 1):
-        idx = mx.array(np.random.randint(0, samples, size=min(config.batch, samples)))
-        loss, grads = grad_fn(params, mx.array(z_train)[:, idx], mx.array(y_train)[:, idx])
-        optimizer.update(params, grads)
-        mx.eval(params, optimizer.state, loss)
-        if step == 1 or step % max(1, config.steps // 10) == 0 or step == config.steps:
-            progress(f"step {step}/{config.steps}  loss {loss.item():.4f}")
-    heads.fc1, heads.fc2, heads.linear_init = params["fc1"], params["fc2"], params["linear_init"]
-
-    # -- 4. evaluate and save ------------------------------------------------------------------------
-    pred = np.array(forward(params, mx.array(z_test.reshape(len(owners), -1, z.shape[-1]))))
-    recalls = {}
-    for i, owner in enumerate(owners):
-        target = y_test[i].reshape(-1, y.shape[-1])
-        recalls[owner] = recall_at_k(pred[i], target, spec, config.k, biases[owner + 1])
-    chance = config.k / loaded.num_experts
+    # -- 3. evaluate and save -------------------------------------------------------------------------
+    recalls = heldout_recalls(traces, owners, held, stack, routing)
     for owner, r in recalls.items():
         progress(
             f"  head of layer {owner:3d} -> layer {owner + 1:3d}: held-out recall@{config.k} {r:.3f}"
         )
-    progress(f"mean recall@{config.k} {np.mean(list(recalls.values())):.3f} (chance {chance:.3f})")
-    out = out or model_dir / f"prerouter_k{config.k}.safetensors"
-    save_prerouter(out, heads, start, base_fingerprint(loaded.index))
+    chance = config.k / routing.experts
+    mean = float(np.mean(list(recalls.values())))
+    progress(f"mean recall@{config.k} {mean:.3f} (chance {chance:.3f})")
+    if baseline is not None:
+        found = heldout_recalls(traces, baseline.owners, held, heads_forward(baseline), routing)
+        progress(
+            f"the heads found before for K={config.k} ({baseline.path}): mean recall@{config.k} "
+            f"{np.mean(list(found.values())):.3f} on the same held-out windows"
+        )
+    out = Path(out) if out is not None else folder / f"prerouter_k{config.k}.safetensors"
+    save_prerouter(make_folder(out.parent) / out.name, heads, start, fingerprint)
     progress(f"wrote {out}")
+    if note := shadow_note(model_dir, fingerprint, engine_config, config.k, out):
+        progress(note)
     return out, recalls
+
+
+def fit_heads(
+    traces: TraceFiles,
+    owners: list[int],
+    routing: Routing,
+    heads: PrerouterHeads,
+    config: TrainHeadsConfig,
+    state_dir: Path,
+    fingerprint: str,
+    held: int,
+    log: Log = print,
+    bar: bool = False,
+    on_step: Callable[[int], None] | None = None,
+) -> HeadStack:
+    """Train the stacked heads on mini-batches streamed from the traces; resumes from the state in
+    `state_dir` (shared loop: `run.TrainingRun`). The batch of a step is a function of the seed and
+    the step, so a resumed run trains exactly as an uninterrupted one."""
+    shape = traces.shape
+    stack = HeadStack(heads)
+
+    def loss_fn(z, y):
+        pred = stack(z)
+        soft = -(mx.softmax(y, axis=-1) * nn.log_softmax(pred, axis=-1)).sum(-1).mean()
+        return soft + config.mse_weight * ((pred - y) ** 2).mean()
+
+    def heldout_loss() -> float:
+        rng = np.random.default_rng([config.seed, 0])  # steps count from 1: 0 is the held-out draw
+        flat = rng.integers(0, held * (shape.window - 1), size=config.batch)
+        w, t = flat // (shape.window - 1), flat % (shape.window - 1)
+        return loss_fn(*batch(traces, owners, w, t, routing)).item()
+
+    run = TrainingRun(state_dir, _Trainee(stack, fingerprint), config, loss_fn, heldout_loss, log)
+    with training_progress(bar) as bars:
+        task = bars.add_task("train", total=config.steps, completed=run.done, status="")
+        for step in range(run.done + 1, config.steps + 1):
+            rng = np.random.default_rng([config.seed, step])
+            w, t = sample_positions(rng, held, shape.windows, shape.window, config.batch)
+            loss = run.step(step, *batch(traces, owners, w, t, routing))
+            bars.update(task, advance=1, status=f"loss {loss:.4f}")
+            if on_step is not None:
+                on_step(step)
+    return stack
+
+
+# -- the heads the model already has --------------------------------------------------------------------
+
+
+def existing_heads(
+    model_dir: Path, fingerprint: str, engine_config: EngineConfig, loaded: LoadedModel, k: int
+) -> PrerouterHeads | None:
+    """The heads the model's adapter search finds for K (to compare on the same held-out windows),
+    or None; a file that does not load is skipped (it is being replaced)."""
+    files = search_profiles(model_dir, fingerprint, engine_config).profiles.get(k)
+    if files is None or files.prerouter is None:
+        return None
+    try:
+        return load_profile_heads(
+            files.prerouter,
+            loaded.num_layers,
+            loaded.hidden,
+            loaded.num_experts,
+            fingerprint,
+            k,
+            {site.layer for site in loaded.sites},
+            mx.float32,
+        )
+    except Edge0Error:
+        return None
+
+
+def heads_forward(heads: PrerouterHeads) -> Callable[[mx.array], mx.array]:
+    return lambda z: head_forward(heads.fc1, heads.fc2, heads.linear_init, z)
+
+
+def shadow_note(
+    model_dir: Path, fingerprint: str, engine_config: EngineConfig, k: int, out: Path
+) -> str | None:
+    """A note when the search would serve another file for K than the one just written."""
+    found = search_profiles(model_dir, fingerprint, engine_config).profiles.get(k)
+    if found is None or found.prerouter is None or found.prerouter.resolve() == out.resolve():
+        return None
+    return (
+        f"note: K={k} is served from {found.prerouter} ({found.origin} folder), which comes first "
+        f"in the adapter search; use --adapters {out.parent} to serve the heads just written"
+    )
+
+
+def make_folder(folder: Path) -> Path:
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise Edge0Error(f"{folder}: cannot make the adapter folder ({e.strerror or e})") from None
+    return folder
