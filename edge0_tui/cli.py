@@ -428,6 +428,11 @@ def summary_line(s: dict) -> str:
         )
         if "shadow_recall" in s:
             prerouter += f", recall {s['shadow_recall']:.2f}"
+    if "prefetch_hit_rate" in s:
+        prerouter = (
+            f" | prefetch: {s['median_prefetch_issued']:.0f} reads ahead/step, "
+            f"{s['prefetch_hit_rate']:.0%} of routed experts were read ahead"
+        )
     return (
         f"[{s['prompt_tokens']} prompt tokens, TTFT {s['ttft_ms']:.0f} ms, "
         f"prefill {s['prefill_tok_per_s']:.1f} tok/s | decode {s['decode_tok_per_s']:.2f} tok/s, "

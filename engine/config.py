@@ -12,7 +12,10 @@ from pathlib import Path
 
 from .errors import Edge0Error
 
-MODES = ("resident", "on-demand", "prerouter")
+MODES = ("resident", "on-demand", "prerouter", "prefetch")
+# Modes that run the prerouter heads: prerouter routes by their predictions, prefetch only reads
+# them ahead (the true router routes: output identical to on-demand).
+HEAD_MODES = ("prerouter", "prefetch")
 EVICTION_POLICIES = ("lfu-aging", "lru")
 
 _SIZE_UNITS = {

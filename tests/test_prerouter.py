@@ -253,7 +253,7 @@ def test_k_request_between_steps_from_another_thread(profiled):
 def test_mode_switch_and_on_demand_uses_no_predictions(profiled):
     engine = Engine(profiled("qwen3_moe"), EngineConfig(mode="on-demand"))
     try:
-        assert engine.modes() == ["on-demand", "prerouter"]
+        assert engine.modes() == ["on-demand", "prerouter", "prefetch"]
         result = engine.generate([1, 2, 3], GREEDY)
         assert all(s.predicted == 0 and s.prefetch_issued == 0 for s in result.steps)
         engine.request_mode("prerouter")
@@ -408,3 +408,67 @@ def test_heads_of_self_routed_owners_start_their_reads_a_step_early(profiled):
         for owner in owners:
             assert flushed[owner + 1] == used[owner + 1]
     assert result.summary["dropped"] == 0
+
+
+def test_prefetch_reads_predictions_ahead_and_keeps_the_true_routing(profiled, family):
+    """Prefetch mode: the heads' predictions are only read ahead; every layer routes by its own
+    router, so the tokens are the on-demand tokens, and the steps say how many routed experts
+    had been read ahead."""
+    model_dir = profiled(family)
+    tokens = {}
+    for mode in ("on-demand", "prefetch"):
+        engine = Engine(model_dir, EngineConfig(mode=mode, k=4, expert_cache_bytes=60_000))
+        try:
+            assert "prefetch" in engine.modes()
+            result = engine.generate([5, 9, 13, 17], GREEDY)
+        finally:
+            engine.close()
+        tokens[mode] = result.tokens
+        decode = [s for s in result.steps if s.phase == "decode"]
+        if mode == "prefetch":
+            assert all(s.predicted == 0 for s in decode)  # nothing routed by a prediction
+            assert sum(s.prefetch_issued for s in decode) > 0
+            rates = [s.prefetch_hit_rate for s in decode]
+            assert all(r is not None and 0.0 <= r <= 1.0 for r in rates)
+            assert 0.0 <= result.summary["prefetch_hit_rate"] <= 1.0
+            issued = sum(s.prefetch_issued for s in decode)
+            assert sum(s.prefetch_in_time + s.prefetch_late for s in decode) <= issued
+    assert len(tokens["on-demand"]) >= 8
+    assert tokens["prefetch"] == tokens["on-demand"]
+
+
+def test_prefetch_hit_rate_is_the_overlap_of_reads_ahead_and_routing(profiled):
+    """The hit rate a step reports is the share of the experts its consumer layers' routers chose
+    that the previous flush had predicted (and so read ahead)."""
+    engine = Engine(profiled("qwen3_moe"), EngineConfig(mode="prefetch", k=4))
+    staged_sets, chosen_sets = [], []
+    try:
+        state = engine.routing
+        flush = state.flush
+
+        def recording_flush():
+            out = flush()
+            staged_sets.append({layer: set(v.tolist()) for layer, v in out.items()})
+            return out
+
+        state.flush = recording_flush
+
+        def on_token(token, step):
+            chosen_sets.append(
+                {
+                    layer: set(block.switch_mlp.last_routed.reshape(-1).tolist())
+                    for layer, block in engine.loaded.blocks.items()
+                }
+            )
+
+        result = engine.generate([1, 2, 3], GenerationConfig(max_tokens=8), on_token=on_token)
+    finally:
+        engine.close()
+    decode = [s for s in result.steps if s.phase == "decode"]
+    # Flush 0 (after the prompt's first chunk) predicted the forward on the last prompt token,
+    # which produced token 0; flush i + 1 predicted decode step i, which produced token i + 1.
+    assert len(decode) >= 4
+    for step, staged, chosen in zip(decode, staged_sets[1:], chosen_sets[1:]):
+        hits = sum(len(staged[layer] & chosen[layer]) for layer in staged)
+        routed = sum(len(chosen[layer]) for layer in staged)
+        assert step.prefetch_hit_rate == hits / routed

@@ -234,7 +234,11 @@ async def test_mode_switch_mid_reply_brings_the_prerouter_and_its_k(model, tmp_p
     app = make_app(with_heads, tmp_path, LONG)
     async with app.run_test(size=SIZE) as pilot:
         await ready(app, pilot)
-        assert app.chat_screen.query_one(RoutingSelector).modes == ["on-demand", "prerouter"]
+        assert app.chat_screen.query_one(RoutingSelector).modes == [
+            "on-demand",
+            "prerouter",
+            "prefetch",
+        ]
         await send(app, pilot, "switch while I talk")
         await reply_streaming(app, pilot)
 

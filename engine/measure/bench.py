@@ -36,7 +36,7 @@ from .memory_cgroup import MemoryCgroup
 from .read_limit import ReadLimitCgroup, block_device
 
 DEFAULT_PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
-ARMS = ("resident", "on-demand", "prerouter", "compute-only")
+ARMS = ("resident", "on-demand", "prerouter", "prefetch", "compute-only")
 # The compute-only arm streams like the others but has every expert resident before the replay (no
 # RAM or read limit, no eviction: it reads nothing). Its step is the compute a streamed step cannot
 # go below, one term of the overlap limit.

@@ -28,6 +28,8 @@ class RoutingCounters:
     dropped: int = 0  # routed experts that were not in the staged set (must stay 0)
     shadow_hits: int = 0  # with the shadow router: predicted experts the true router also chose
     shadow_total: int = 0
+    prefetch_hits: int = 0  # prefetch mode: routed experts of consumer layers that were predicted
+    prefetch_routed: int = 0  # prefetch mode: routed experts of consumer layers
 
 
 class RoutingState:
@@ -37,6 +39,7 @@ class RoutingState:
         self.blocks = blocks  # layer -> RoutedMoE
         self.float_dtype = float_dtype
         self.heads: PrerouterHeads | None = None
+        self.route_by_predictions = True
         self.shadow_router = False
         self.tracer: Tracer = NO_TRACE
         self.counters = RoutingCounters()
@@ -57,14 +60,18 @@ class RoutingState:
         self._owner_now: dict[int, np.ndarray] = {}
         self._owner_before: dict[int, np.ndarray | None] = {}
 
-    def set_heads(self, heads: PrerouterHeads | None) -> None:
-        """Heads whose every owner's next layer is a MoE layer here (see `keep_owners`)."""
+    def set_heads(self, heads: PrerouterHeads | None, route_by_predictions: bool = True) -> None:
+        """Heads whose every owner's next layer is a MoE layer here (see `keep_owners`). With
+        `route_by_predictions` False (prefetch mode) the predictions are only read ahead: every
+        layer routes by its own router."""
         self.heads = heads
+        self.route_by_predictions = route_by_predictions
         self._owners = set(heads.owners) if heads is not None else set()
         consumers = {owner + 1 for owner in self._owners}
         # Owners that route by their own router: their routing is on the host as soon as they
         # run, so their heads run right then (see `executed`), a whole step before the flush.
-        self._early_owners = self._owners - consumers
+        # In prefetch mode that is every owner.
+        self._early_owners = self._owners - consumers if route_by_predictions else self._owners
         self.reset()
 
     def begin_step(self) -> RoutingCounters:
@@ -74,9 +81,13 @@ class RoutingState:
     # -- called by the blocks during the forward ---------------------------------------------------
 
     def prediction_for(self, layer: int) -> tuple[np.ndarray, mx.array] | None:
-        return self._predictions.get(layer)
+        return self._predictions.get(layer) if self.route_by_predictions else None
 
     def executed(self, layer: int, x: mx.array, routed: np.ndarray) -> None:
+        if not self.route_by_predictions and layer in self._staged:
+            chosen = set(routed.reshape(-1).tolist())
+            self.counters.prefetch_hits += len(chosen & self._staged[layer])
+            self.counters.prefetch_routed += len(chosen)
         if layer not in self._owners:
             return
         per_token = routed.reshape(-1, routed.shape[-1])
@@ -112,7 +123,9 @@ class RoutingState:
             self._predictions, self._staged, self._next = {}, {}, {}
             return {}
         done = {consumer - 1 for consumer in self._next}
-        self._predict([o for o in heads.owners if o not in done])
+        remaining = [o for o in heads.owners if o not in done]
+        if remaining:  # in prefetch mode every head ran early
+            self._predict(remaining)
         self._predictions, self._next = self._next, {}
         self._staged = {layer: frozenset(p[0].tolist()) for layer, p in self._predictions.items()}
         return {layer: p[0] for layer, p in self._predictions.items()}

@@ -29,7 +29,7 @@ from ..adapters.lora import AppliedLoRA, load_lora
 from ..adapters.profiles import AdapterFiles, ProfileSearch, search_profiles
 from ..checkpoint.families import set_top_k
 from ..checkpoint.index import base_fingerprint
-from ..config import EngineConfig, GenerationConfig
+from ..config import HEAD_MODES, EngineConfig, GenerationConfig
 from ..errors import Edge0Error
 from ..experts.store import LoadCounters
 from ..routing.prerouter import PrerouterHeads, load_profile_heads
@@ -151,16 +151,16 @@ class Engine:
         if self.mode == "resident":
             return ["resident"]
         has_heads = any(p.prerouter for p in self.profiles())
-        return ["on-demand", "prerouter"] if has_heads else ["on-demand"]
+        return ["on-demand", *HEAD_MODES] if has_heads else ["on-demand"]
 
     def _default_k(self, mode: str) -> int:
         native = self.loaded.top_k
-        if mode != "prerouter":
+        if mode not in HEAD_MODES:
             return native
         with_heads = [p.k for p in self.profiles() if p.prerouter]
         if not with_heads:
             raise Edge0Error(
-                f"{self.model_dir}: prerouter mode needs prerouter_k<K>.safetensors files; "
+                f"{self.model_dir}: {mode} mode needs prerouter_k<K>.safetensors files; "
                 "train them with `edge0 train heads`"
             )
         return min(with_heads, key=lambda k: (abs(k - native), k))
@@ -170,7 +170,7 @@ class Engine:
         if profile is None:
             choices = ", ".join(str(p.k) for p in self.profiles())
             raise Edge0Error(f"K={k} is not available for this model (choose {choices})")
-        if mode == "prerouter" and not profile.prerouter:
+        if mode in HEAD_MODES and not profile.prerouter:
             with_heads = ", ".join(str(p.k) for p in self.profiles() if p.prerouter) or "none"
             raise Edge0Error(f"no prerouter heads for K={k} (heads exist for K: {with_heads})")
         if self.store is not None:
@@ -197,15 +197,15 @@ class Engine:
         return next(p for p in self.profiles() if p.k == k)
 
     def request_mode(self, mode: str) -> KProfile:
-        """Switch between on-demand and prerouter; safe from any thread, applied before the next step.
-        Returns the profile that will be used (prerouter mode may need another K, one with heads)."""
+        """Switch between on-demand, prerouter and prefetch; safe from any thread, applied before the
+        next step. Returns the profile that will be used (a mode with heads may need another K)."""
         if mode not in self.modes():
             raise Edge0Error(
                 f"mode {mode!r} is not available here (choose {', '.join(self.modes())})"
             )
         with self._lock:
             k = self._requested.get("k", self.k)
-        if mode == "prerouter" and not any(p.k == k and p.prerouter for p in self.profiles()):
+        if mode in HEAD_MODES and not any(p.k == k and p.prerouter for p in self.profiles()):
             k = self._default_k(mode)
         self._check_k(k, mode)
         with self._lock:
@@ -242,9 +242,11 @@ class Engine:
                 set_top_k(site.parent, k)
         else:
             self.routing.k = k
-            heads = self._load_heads(k) if mode == "prerouter" else None
-            self.routing.set_heads(heads)
-            predicted = {owner + 1 for owner in heads.owners} if heads is not None else set()
+            heads = self._load_heads(k) if mode in HEAD_MODES else None
+            self.routing.set_heads(heads, route_by_predictions=mode == "prerouter")
+            predicted = set()
+            if heads is not None and mode == "prerouter":
+                predicted = {owner + 1 for owner in heads.owners}
             self_routed = set(self.loaded.blocks) - predicted if predicted else set()
             self.store.pool.kept_layers = frozenset(self_routed)
             files = self.adapters.get(k)

@@ -62,6 +62,7 @@ class StepMetrics:
     prefetch_late: int = 0
     dropped: int = 0  # routed experts missing from the staged set: 0 by construction
     shadow_recall: float | None = None  # recall@K of predictions against the true routers
+    prefetch_hit_rate: float | None = None  # prefetch: share of routed experts read ahead
     nonfinite_repaired: int = 0  # hidden values the numerical guard zeroed or clipped
     flush_ms: float = 0.0  # the prerouter head flush and issuing its reads
 
@@ -87,6 +88,8 @@ class StepMetrics:
             routed = {"predicted": routing.predicted, "dropped": routing.dropped}
             if routing.shadow_total:
                 routed["shadow_recall"] = routing.shadow_hits / routing.shadow_total
+            if routing.prefetch_routed:
+                routed["prefetch_hit_rate"] = routing.prefetch_hits / routing.prefetch_routed
         return cls(
             phase=phase,
             tokens=tokens,
@@ -191,6 +194,9 @@ def summarize(steps: list[StepMetrics], prompt_tokens: int) -> dict:
     recalls = [s.shadow_recall for s in decode if s.shadow_recall is not None]
     if recalls:
         summary["shadow_recall"] = statistics.mean(recalls)
+    hit_rates = [s.prefetch_hit_rate for s in decode if s.prefetch_hit_rate is not None]
+    if hit_rates:
+        summary["prefetch_hit_rate"] = statistics.mean(hit_rates)
     for name in (
         "wall_ms",
         "blocked_ms",
