@@ -32,7 +32,7 @@ from ..checkpoint.index import base_fingerprint
 from ..config import HEAD_MODES, EngineConfig, GenerationConfig
 from ..errors import Edge0Error
 from ..experts.store import LoadCounters
-from ..routing.prerouter import PrerouterHeads, load_profile_heads
+from ..routing.prerouter import PrerouterHeads
 from ..trace import NO_TRACE, Tracer
 from .loader import LoadedModel, load, render_chat_template
 from .metrics import MemorySampler, StepMetrics, summarize
@@ -259,17 +259,7 @@ class Engine:
         self.store.stage(layer, experts.tolist())
 
     def _load_heads(self, k: int) -> PrerouterHeads:
-        loaded = self.loaded
-        return load_profile_heads(
-            self.adapters[k].prerouter,
-            loaded.num_layers,
-            loaded.hidden,
-            loaded.num_experts,
-            self.fingerprint,
-            k,
-            set(loaded.blocks),
-            loaded.float_dtype or mx.float32,
-        )
+        return self.loaded.load_heads(self.adapters[k].prerouter, self.fingerprint, k)
 
     # -- text ----------------------------------------------------------------------------------------
 

@@ -32,6 +32,7 @@ from ..errors import Edge0Error
 from ..experts.store import ExpertStore
 from ..experts.switch_glu import StreamingSwitchGLU, projection_specs
 from ..routing.moe_block import RoutedMoE, ops_for
+from ..routing.prerouter import PrerouterHeads, load_profile_heads
 from ..routing.state import RoutingState
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
@@ -82,6 +83,23 @@ class LoadedModel:
     num_experts: int
     routing: RoutingState | None  # None in resident mode (stock mlx-lm blocks route themselves)
     blocks: dict[int, RoutedMoE]  # layer -> the engine-routed MoE block (empty in resident mode)
+
+    def load_heads(
+        self, path: Path, fingerprint: str, k: int, dtype: mx.Dtype | None = None
+    ) -> PrerouterHeads:
+        """A prerouter file's heads for this model, checked against it (the engine, the student
+        path and phase 1's comparison all load heads this one way); weights in `dtype`, by
+        default the compute dtype."""
+        return load_profile_heads(
+            path,
+            self.num_layers,
+            self.hidden,
+            self.num_experts,
+            fingerprint,
+            k,
+            {site.layer for site in self.sites},
+            dtype or self.float_dtype or mx.float32,
+        )
 
 
 def compute_dtype(config: EngineConfig) -> mx.Dtype | None:

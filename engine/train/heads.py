@@ -46,7 +46,6 @@ from ..routing.prerouter import (
     PrerouterHeads,
     head_features,
     head_forward,
-    load_profile_heads,
     save_prerouter,
     sequence_features,
 )
@@ -385,16 +384,7 @@ def existing_heads(
     if files is None or files.prerouter is None:
         return None
     try:
-        return load_profile_heads(
-            files.prerouter,
-            loaded.num_layers,
-            loaded.hidden,
-            loaded.num_experts,
-            fingerprint,
-            k,
-            {site.layer for site in loaded.sites},
-            mx.float32,
-        )
+        return loaded.load_heads(files.prerouter, fingerprint, k, mx.float32)
     except Edge0Error:
         return None
 

@@ -46,7 +46,6 @@ from ..routing.moe_block import RoutedMoE, ops_for
 from ..routing.prerouter import (
     PrerouterHeads,
     head_forward,
-    load_profile_heads,
     sequence_features,
 )
 from ..runtime.loader import LoadedModel, load
@@ -238,16 +237,7 @@ def _profile_heads(model_dir: Path, loaded: LoadedModel, k: int, fingerprint: st
         raise Edge0Error(
             f"{model_dir}: no prerouter heads for K={k}; train them with `edge0 train heads`"
         )
-    return load_profile_heads(
-        files.prerouter,
-        loaded.num_layers,
-        loaded.hidden,
-        loaded.num_experts,
-        fingerprint,
-        k,
-        {site.layer for site in loaded.sites},
-        loaded.float_dtype or mx.float32,
-    )
+    return loaded.load_heads(files.prerouter, fingerprint, k)
 
 
 def _fresh_lora(model: nn.Module, init: LoRAInit) -> LoRAAdapter:
