@@ -134,3 +134,20 @@ def test_a_small_miss_is_read_by_the_thread_that_waits_for_it():
         assert miss.result() == threading.current_thread().name
     finally:
         queue.shutdown()
+
+
+def test_a_small_miss_waited_on_by_result_alone_is_read_not_hung():
+    # A caller that only calls `result()` (no help_until) must still get the read: before, the
+    # future waited for a reader that was never woken, and the test suite hung in CI.
+    queue = ReadQueue(threads=2, name="test-read")
+    got: list[str] = []
+    try:
+        time.sleep(0.05)  # both readers idle
+        miss = queue.submit(NOW, lambda: threading.current_thread().name, wake=False)
+        waiter = threading.Thread(target=lambda: got.append(miss.result()), name="waiter")
+        waiter.start()
+        waiter.join(timeout=10)
+        assert not waiter.is_alive(), "result() hung on a read no reader was woken for"
+        assert got == ["waiter"]
+    finally:
+        queue.shutdown()

@@ -323,9 +323,10 @@ class ReadQueue:
             thread.start()
 
     def submit(self, priority: tuple, fn, *args, wake: bool = True) -> Future:
-        """Queue `fn(*args)`. With `wake=False` no idle reader is woken for it: the submitter
-        runs it itself in `help_until` (or a busy reader takes it first)."""
-        future: Future = Future()
+        """Queue `fn(*args)`. With `wake=False` no idle reader is woken for it: whoever waits for
+        it runs it (`help_until`, or the future's own `result`), unless a busy reader takes it
+        first."""
+        future: Future = _QueuedFuture(self)
         with self._ready:
             if self._closed:
                 raise RuntimeError("the expert reader is closed")
@@ -381,6 +382,26 @@ class ReadQueue:
             self._ready.notify_all()
         for thread in self._threads:
             thread.join()
+
+
+class _QueuedFuture(Future):
+    """A queued read's future. Waiting on it without a timeout first runs the urgent reads on the
+    waiting thread: a read queued with `wake=False` has no reader woken for it, and a plain
+    `Future.result()` on it would wait forever."""
+
+    def __init__(self, queue: ReadQueue) -> None:
+        super().__init__()
+        self._queue = queue
+
+    def result(self, timeout: float | None = None):
+        if timeout is None:
+            self._queue.help_until(self)
+        return super().result(timeout)
+
+    def exception(self, timeout: float | None = None):
+        if timeout is None:
+            self._queue.help_until(self)
+        return super().exception(timeout)
 
 
 def _run(item: tuple) -> None:
