@@ -213,7 +213,7 @@ def test_k_switch_mid_conversation_equals_fresh_engine(profiled):
         ]
         start = time.perf_counter()
         engine.request_k(4)
-        engine._apply_requests()  # what the next step does first
+        engine.apply_requests()  # what the next step does first
         swap_s = time.perf_counter() - start
         assert engine.k == 4 and engine.lora.adapter.k == 4
         second = engine.generate(engine.encode_chat(history), GREEDY)
@@ -472,3 +472,18 @@ def test_prefetch_hit_rate_is_the_overlap_of_reads_ahead_and_routing(profiled):
         hits = sum(len(staged[layer] & chosen[layer]) for layer in staged)
         routed = sum(len(chosen[layer]) for layer in staged)
         assert step.prefetch_hit_rate == hits / routed
+
+
+def test_a_switch_whose_files_cannot_be_read_keeps_the_profile_that_stood(profiled):
+    model_dir = profiled("qwen3_moe", ks=(2, 4))
+    engine = Engine(model_dir, EngineConfig(mode="prerouter", k=2))
+    try:
+        (model_dir / "lora_k4.safetensors").write_bytes(b"not a safetensors file")
+        engine.request_k(4)
+        with pytest.raises(Edge0Error, match="lora_k4"):
+            engine.apply_requests()
+        # Nothing half-applied: the K=2 heads and LoRA still route and run.
+        assert engine.k == 2 and engine.lora is not None and engine.lora.adapter.k == 2
+        assert {s.k for s in engine.generate([11, 400, 97], GREEDY).steps} == {2}
+    finally:
+        engine.close()

@@ -224,7 +224,10 @@ class Engine:
         with self._lock:
             return self._requested.get("k", self.k), self._requested.get("mode", self.mode)
 
-    def _apply_requests(self) -> None:
+    def apply_requests(self) -> None:
+        """Apply the requested K and mode now. Every step does this first; an idle caller (the
+        app, between replies) calls it from the engine's thread so a switch shows at once.
+        Raises Edge0Error when the new profile's files cannot be read (the old one stays)."""
         with self._lock:
             requested, self._requested = self._requested, {}
         k = requested.get("k", self.k)
@@ -233,7 +236,15 @@ class Engine:
             self._apply_profile(k, mode)
 
     def _apply_profile(self, k: int, mode: str) -> None:
-        """Route with width k in `mode`: swap heads and LoRA files, never the base or the pool."""
+        """Route with width k in `mode`: swap heads and LoRA files, never the base or the pool.
+        The files are read before anything changes, so a file that cannot be read leaves the
+        profile that stood."""
+        heads = adapter = None
+        if self.routing is not None:
+            heads = self._load_heads(k) if mode in HEAD_MODES else None
+            files = self.adapters.get(k)
+            if mode == "prerouter" and self.config.lora and files is not None and files.lora:
+                adapter = load_lora(files.lora, self.fingerprint)
         if self.lora is not None:
             self.lora.remove()
             self.lora = None
@@ -242,16 +253,13 @@ class Engine:
                 set_top_k(site.parent, k)
         else:
             self.routing.k = k
-            heads = self._load_heads(k) if mode in HEAD_MODES else None
             self.routing.set_heads(heads, route_by_predictions=mode == "prerouter")
             predicted = set()
             if heads is not None and mode == "prerouter":
                 predicted = {owner + 1 for owner in heads.owners}
             self_routed = set(self.loaded.blocks) - predicted if predicted else set()
             self.store.pool.kept_layers = frozenset(self_routed)
-            files = self.adapters.get(k)
-            if mode == "prerouter" and self.config.lora and files is not None and files.lora:
-                adapter = load_lora(files.lora, self.fingerprint)
+            if adapter is not None:
                 self.lora = AppliedLoRA(self.model, adapter, self.loaded.float_dtype)
         self.k, self.mode = k, mode
 
@@ -338,7 +346,7 @@ class Engine:
         if gen.seed is not None:
             mx.random.seed(gen.seed)
         sampler = make_sampler(gen.temperature, top_p=gen.top_p, top_k=gen.top_k)
-        self._apply_requests()
+        self.apply_requests()
         profile = (self.k, self.mode)
         cache, reused = self._take_prompt_cache(prompt_tokens, profile)
         self._reset_request_state()
@@ -430,7 +438,7 @@ class Engine:
     ) -> mx.array | None:
         """One forward pass. Returns the last position's logits for a one-token forward; a prefill
         chunk evaluates only the cache. `flush` runs the prerouter heads for the next step."""
-        self._apply_requests()
+        self.apply_requests()
         start = time.perf_counter()
         tracer = self.tracer
         routing_counters = self.routing.begin_step() if self.routing is not None else None
