@@ -11,22 +11,29 @@ from collections.abc import Iterable
 from functools import partial
 from pathlib import Path
 
-from platformdirs import user_cache_path, user_data_path
+from platformdirs import user_cache_path, user_data_path, user_downloads_path
 from textual.app import App, SystemCommand
 from textual.binding import Binding
 from textual.notifications import SeverityLevel
 from textual.screen import Screen
 
-from engine import EngineConfig, GenerationConfig
+from engine import MODES, EngineConfig, GenerationConfig
 
 from .chat_store import ChatStore
 from .engine_session import EngineSession
 from .model_source import DEMO
 from .sanitize import sanitize
-from .screens.chat import ChatScreen
+from .screens.chat import ChatScreen, mode_unavailable
 from .widgets.routing_selector import RoutingSelector
 
 DEFAULT_SETTINGS = GenerationConfig(max_tokens=512, temperature=0.7, top_p=0.9)
+
+
+def screenshot_folder(data_dir: Path) -> Path:
+    """Where the palette's Screenshot saves: the Downloads folder, or edge0's data folder where
+    there is no Downloads folder."""
+    downloads = user_downloads_path()
+    return downloads if downloads.is_dir() else data_dir
 
 
 class Edge0App(App[None]):
@@ -110,6 +117,19 @@ class Edge0App(App[None]):
             markup=markup,
         )
 
+    def deliver_screenshot(
+        self,
+        filename: str | None = None,
+        path: str | None = None,
+        time_format: str | None = None,
+    ) -> str | None:
+        # Textual saves into the Downloads folder and fails where there is none (a server, a
+        # container): then into edge0's data folder, next to the chats. The notification that
+        # follows names the file.
+        return super().deliver_screenshot(
+            filename, path or str(screenshot_folder(self.store.path.parent)), time_format
+        )
+
     def action_toggle_keys(self) -> None:
         if self.screen.query("HelpPanel"):
             self.action_hide_help_panel()
@@ -127,7 +147,18 @@ class Edge0App(App[None]):
             yield SystemCommand("Stop the reply", "Stop writing (escape)", chat.action_stop_reply)
         yield SystemCommand("Settings", "Temperature, top-p, max tokens (f2)", chat.action_settings)
         yield SystemCommand("Copy the last reply", "To the clipboard (f3)", chat.action_copy_reply)
+        yield from self._switch_commands(chat)
+
+    def _switch_commands(self, chat: ChatScreen) -> Iterable[SystemCommand]:
+        """K and mode, findable by "K", "mode" or a mode's name; a mode this engine cannot run
+        here is listed too, saying why, so that searching for it is not a dead end."""
+        if not chat.ready:
+            return
         routing = chat.query_one(RoutingSelector)
+        yield SystemCommand("Next K", "Cycle the routing width K (f4, k)", chat.action_next_k)
+        yield SystemCommand(
+            "Next mode", "Cycle the expert-loading mode (f5, m)", chat.action_next_mode
+        )
         for profile in routing.profiles:
             note = "" if profile.recovered else " (quality not recovered)"
             yield SystemCommand(
@@ -135,7 +166,17 @@ class Edge0App(App[None]):
                 f"Route each token to {profile.k} experts{note}",
                 partial(chat.choose_k, profile.k),
             )
-        for mode in routing.modes:
-            yield SystemCommand(
-                f"Expert loading: {mode}", f"Switch to {mode} mode", partial(chat.choose_mode, mode)
-            )
+        for mode in MODES:
+            if mode in routing.modes:
+                yield SystemCommand(
+                    f"Mode: {mode}",
+                    f"Expert loading: switch to {mode} mode",
+                    partial(chat.choose_mode, mode),
+                )
+            else:
+                why = mode_unavailable(mode)
+                yield SystemCommand(
+                    f"Mode: {mode} (not available)",
+                    why,
+                    partial(chat.notify, why, title=f"{mode} mode", severity="warning"),
+                )

@@ -79,20 +79,40 @@ def _adapter_dirs(specs: list[str]) -> tuple[Path, ...]:
     return dirs
 
 
+def _version() -> str:
+    """The installed package's version (a source tree that is not installed has none)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("edge0")
+    except PackageNotFoundError:
+        return "(not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="edge0",
         description="Run Mixture-of-Experts models whose experts stream from disk.",
     )
+    parser.add_argument("--version", action="version", version=f"edge0 {_version()}")
     # No command runs `chat`.
     commands = parser.add_subparsers(dest="command", required=False)
 
     gen = commands.add_parser("generate", help="generate text from a prompt, with per-step metrics")
     gen.add_argument("model", type=Path, help="local mlx-lm checkpoint directory")
     gen.add_argument(
-        "--prompt", type=_utf8, required=True, help="raw text, encoded as is (see --chat)"
+        "--prompt",
+        type=_utf8,
+        required=True,
+        help="the user's message, wrapped in the model's chat template when it has one (as "
+        "mlx_lm.generate does; see --raw)",
     )
-    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    template = gen.add_mutually_exclusive_group()
+    template.add_argument(
+        "--raw", action="store_true", help="encode the prompt as is, without the chat template"
+    )
+    # The default since the chat template became the default; kept so that scripts still run.
+    template.add_argument("--chat", action="store_true", help=argparse.SUPPRESS)
     gen.add_argument("--max-tokens", type=int, default=64, help="at least 1")
     gen.add_argument("--temp", type=float, default=0.0, help="0 is greedy")
     gen.add_argument("--top-p", type=float, default=1.0)
@@ -353,7 +373,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         _print_warnings(engine.warnings)
         if note := engine.quality_note():
             print(f"edge0: note: {note}", file=sys.stderr)
-        prompt = engine.encode(args.prompt, chat=args.chat)
+        # Like mlx_lm.generate: the chat template when the tokenizer has one, unless --raw.
+        chat = not args.raw and engine.tokenizer.has_chat_template
+        prompt = engine.encode(args.prompt, chat=chat)
         printed = 0
 
         def stream(token: int, step) -> None:
@@ -712,6 +734,10 @@ def _quick_heads(model: Path, k: int) -> None:
 def cmd_chat(args: argparse.Namespace) -> int:
     # Imported here so that the other commands never import Textual.
     from edge0_tui.app import Edge0App
+    from edge0_tui.model_source import check_model
+
+    # A model that cannot be opened is a one-line error here, not a notification in an app.
+    check_model(args.model)
 
     # The demo model's experts are ~13 MB in all: a 4 MB budget makes the memory wall visible.
     default_cache = "4M" if args.model == "demo" else "1G"

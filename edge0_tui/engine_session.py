@@ -8,7 +8,8 @@ The UI thread talks to that thread only through this object:
 - `submit` queues a reply; `stop_reply` and `shutdown` set events that the engine checks after
   every token (through `should_stop`), so a reply stops within one decode step;
 - `request_k` / `request_mode` call the engine's thread-safe request methods, which take effect
-  before the engine's next step, so they work in the middle of a reply;
+  before the engine's next step, so they work in the middle of a reply; they also queue an
+  `APPLY_SWITCH`, so that an idle engine applies the switch at once instead of at the next reply;
 - `metrics` is a frozen snapshot the engine thread replaces after every token, and the UI reads.
 The engine thread answers with the messages in `edge0_tui.messages`, posted, never awaited.
 """
@@ -44,6 +45,7 @@ from .messages import (
     ReplyFailed,
     ReplyFinished,
     ReplyText,
+    SwitchFailed,
 )
 from .model_source import resolve_adapters, resolve_model
 from .sanitize import sanitize
@@ -59,6 +61,14 @@ Post = Callable[[Message], object]
 class ReplyRequest:
     messages: list[dict]  # the whole conversation, `role`/`content` dicts
     generation: GenerationConfig
+
+
+class _ApplySwitch:
+    """Queued after a K or mode request: the engine thread applies the switch when it gets here
+    (a reply in between applies it at its first step, and this finds nothing left to do)."""
+
+
+APPLY_SWITCH = _ApplySwitch()
 
 
 class SessionClosed(Exception):
@@ -83,7 +93,7 @@ class EngineSession:
         self.metrics = LiveMetrics()
         # Set once the engine thread has closed the engine and is about to return.
         self.closed = threading.Event()
-        self._requests: queue.Queue[ReplyRequest | None] = queue.Queue()
+        self._requests: queue.Queue[ReplyRequest | _ApplySwitch | None] = queue.Queue()
         self._stop_reply = threading.Event()
         self._quit = threading.Event()
         self._worker_cancelled: Callable[[], bool] = lambda: False
@@ -103,13 +113,16 @@ class EngineSession:
         """Switch routing width; applied before the engine's next step. Raises Edge0Error."""
         if self.engine is None:
             raise Edge0Error("the model is not loaded")
-        return self.engine.request_k(k)
+        profile = self.engine.request_k(k)
+        self._requests.put(APPLY_SWITCH)
+        return profile
 
     def request_mode(self, mode: str) -> None:
         """Switch expert-loading mode; applied before the engine's next step. Raises Edge0Error."""
         if self.engine is None:
             raise Edge0Error("the model is not loaded")
         self.engine.request_mode(mode)
+        self._requests.put(APPLY_SWITCH)
 
     def shutdown(self) -> None:
         """Make the engine thread stop its reply, close the engine and return. Does not wait."""
@@ -136,7 +149,10 @@ class EngineSession:
                     continue
                 if request is None:
                     break
-                self._reply(engine, request, post)  # reports its own Edge0Errors
+                if isinstance(request, _ApplySwitch):
+                    self._apply_switch(engine, post)
+                else:
+                    self._reply(engine, request, post)  # reports its own Edge0Errors
         except Edge0Error as e:  # the model could not be prepared or loaded
             post(EngineFailed(str(e)))
         except SessionClosed:
@@ -174,6 +190,18 @@ class EngineSession:
         notices = [n for n in (source.notice, engine.quality_note()) if n]
         post(EngineReady(source.name, engine.info(), engine.profiles(), engine.modes(), notices))
         return engine
+
+    def _apply_switch(self, engine: Engine, post: Post) -> None:
+        """Apply a requested K or mode now, while idle: what the engine does before its next step."""
+        error: str | None = None
+        try:
+            engine.apply_requests()
+        except Edge0Error as e:  # e.g. a heads file that cannot be read
+            error = str(e)
+        # Published before the message, so the screen reads the K and mode that stand.
+        self.metrics = dataclasses.replace(self.metrics, k=engine.k, mode=engine.mode)
+        if error is not None:
+            post(SwitchFailed(error))
 
     def _reply(self, engine: Engine, request: ReplyRequest, post: Post) -> None:
         reply = _ReplyStream(engine, self, post)

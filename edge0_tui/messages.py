@@ -64,3 +64,10 @@ class ReplyFailed(Message, bubble=False):
     error: str
     text: str
     nonfinite_repaired: int = 0
+
+
+@dataclass
+class SwitchFailed(Message, bubble=False):
+    """A K or mode switch the engine accepted could not be applied (the engine keeps the old)."""
+
+    error: str

@@ -96,6 +96,35 @@ def resolve_model(
         raise Edge0Error(f"no local directory {spec}; {e}") from None
 
 
+def check_model(spec: str, offline: bool = False) -> None:
+    """Raise Edge0Error when MODEL cannot be opened, before the app starts: a local folder that
+    holds no checkpoint, a path that does not exist, a name that is no repo id, or a Hub repo
+    with no cached copy while offline (`offline` or HF_HUB_OFFLINE). Reads no weights and
+    downloads nothing: the app downloads a repo it can reach, with progress."""
+    if spec == DEMO:
+        return
+    local = Path(spec).expanduser()
+    if local.exists():
+        from engine import check_checkpoint
+
+        check_checkpoint(local)  # the engine's own words: "config.json: missing (not an ...)"
+        return
+    if _names_a_path(spec):
+        raise Edge0Error(_missing_path(spec, local))
+    if not is_hub_id(spec):
+        raise Edge0Error(
+            f"{spec!r}: no local directory of that name, and not a Hugging Face model id "
+            "(owner/name: letters, digits, '-', '_', '.')"
+        )
+    from huggingface_hub import constants
+
+    if offline or constants.HF_HUB_OFFLINE:
+        try:
+            download_from_hub(spec, lambda *_: None, offline=True)
+        except Edge0Error as e:
+            raise Edge0Error(f"no local directory {spec}; {e}") from None
+
+
 def resolve_adapters(
     spec: str,
     on_progress: ProgressCallback,

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import importlib
 
-from .config import MODES, EngineConfig, GenerationConfig, format_bytes, parse_size
+from .config import HEAD_MODES, MODES, EngineConfig, GenerationConfig, format_bytes, parse_size
 from .errors import Edge0Error
 from .trace import NO_TRACE, Tracer
 
@@ -29,9 +29,11 @@ _ON_FIRST_USE = {
     "KProfile": "engine.runtime.generation",
     "release_thread_streams": "engine.runtime.generation",
     "StepMetrics": "engine.runtime.metrics",
+    "check_checkpoint": "engine.runtime.loader",
 }
 
 __all__ = [
+    "HEAD_MODES",
     "MODES",
     "Edge0Error",
     "NO_TRACE",

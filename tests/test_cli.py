@@ -57,13 +57,26 @@ def test_generate_is_seeded_and_resident_agrees(checkpoint_dir, capsys):
     assert outputs[0] == outputs[1] == outputs[2]
 
 
-def test_chat_template_applied(checkpoint_dir, capsys):
+def test_chat_template_applied_by_default_raw_on_request(checkpoint_dir, capsys):
     model = str(checkpoint_dir("qwen3_moe"))
-    assert main(["generate", model, "--prompt", "hi", "--chat", "--max-tokens", "2", "--json"]) == 0
-    with_chat = json.loads(capsys.readouterr().out)["prompt_tokens"]
-    assert main(["generate", model, "--prompt", "hi", "--max-tokens", "2", "--json"]) == 0
-    raw = json.loads(capsys.readouterr().out)["prompt_tokens"]
-    assert len(with_chat) > len(raw)
+    common = ["generate", model, "--prompt", "hi", "--max-tokens", "2", "--json"]
+    prompts = []
+    for extra in ([], ["--chat"], ["--raw"]):  # --chat: the default, still accepted
+        assert main(common + extra) == 0
+        prompts.append(json.loads(capsys.readouterr().out)["prompt_tokens"])
+    default, chat, raw = prompts
+    assert default == chat and len(default) > len(raw)
+
+
+def test_version():
+    out = _run("--version")
+    assert out.returncode == 0 and out.stdout.startswith("edge0 ")
+
+
+def test_raw_and_chat_together_are_one_line_error(checkpoint_dir):
+    out = _run("generate", str(checkpoint_dir()), "--prompt", "x", "--raw", "--chat")
+    assert out.returncode == 2 and out.stderr.startswith("edge0: error: ")
+    assert out.stderr.count("\n") == 1
 
 
 @pytest.mark.parametrize(

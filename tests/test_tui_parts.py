@@ -240,6 +240,7 @@ def launched(monkeypatch) -> list:
 
 def test_edge0_without_arguments_opens_the_demo_chat(launched, tmp_path, monkeypatch):
     monkeypatch.setattr("edge0_tui.app.user_data_path", lambda name: tmp_path / name)
+    monkeypatch.delenv("EDGE0_DATA_DIR")  # set for every test (conftest): here, the default
     assert cli.main([]) == 0
     (app,) = launched
     assert app.session.model == "demo"
@@ -247,11 +248,12 @@ def test_edge0_without_arguments_opens_the_demo_chat(launched, tmp_path, monkeyp
     assert app.store.path == tmp_path / "edge0" / "chats.sqlite3"
 
 
-def test_edge0_chat_passes_its_options(launched, tmp_path):
-    args = ["chat", str(tmp_path), "--expert-cache", "2M", "--data-dir", str(tmp_path / "d")]
+def test_edge0_chat_passes_its_options(launched, checkpoint_dir, tmp_path):
+    model = str(checkpoint_dir())
+    args = ["chat", model, "--expert-cache", "2M", "--data-dir", str(tmp_path / "d")]
     assert cli.main(args) == 0
     (app,) = launched
-    assert app.session.model == str(tmp_path)
+    assert app.session.model == model
     assert app.session.engine_config.expert_cache_bytes == 2 << 20
     assert app.store.path == tmp_path / "d" / "chats.sqlite3"
 
@@ -265,3 +267,24 @@ def test_generate_never_imports_textual(checkpoint_dir):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stderr.strip().endswith("False")
+
+
+@pytest.mark.parametrize(
+    "model, message",
+    [
+        ("{tmp}", "config.json: missing (not an mlx-lm checkpoint directory?)"),
+        ("{tmp}/nothing/here", "no such local directory"),
+        ("nobody/no-such-model", "offline, and no complete copy is cached"),
+    ],
+)
+def test_edge0_chat_on_a_model_that_cannot_open_fails_before_the_app(
+    launched, tmp_path, monkeypatch, capsys, model, message
+):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "hub"))
+    assert cli.main(["chat", model.format(tmp=tmp_path)]) == 2
+    assert not launched  # the app never started
+    err = capsys.readouterr().err
+    assert err.startswith("edge0: error: ") and message in err and err.count("\n") == 1

@@ -19,7 +19,7 @@ from textual.timer import Timer
 from textual.widgets import Footer, Header
 from textual.worker import Worker, WorkerState, get_current_worker
 
-from engine import Edge0Error, GenerationConfig
+from engine import HEAD_MODES, Edge0Error, GenerationConfig
 
 from ..chat_store import ChatHandle, ChatMessage, ChatStore, chat_title
 from ..engine_session import EngineSession, ReplyRequest
@@ -31,6 +31,7 @@ from ..messages import (
     ReplyFailed,
     ReplyFinished,
     ReplyText,
+    SwitchFailed,
 )
 from ..system_memory import SystemMemory, read_system_memory
 from ..widgets.conversation import AssistantTurn, Conversation
@@ -45,12 +46,25 @@ from .settings import SettingsScreen
 
 # How often the panels read the engine's metrics snapshot (4-10 Hz reads as live).
 PANEL_REFRESH_HZ = 6
+# How long the notices shown once the model is loaded stay: toasts sit over the side panel's
+# K and mode selectors, so not for long (the demo's notice is one sentence).
+STARTUP_NOTICE_S = 8
+# The switch keys, listed before every other key in the footer and the keys panel (F1).
+SWITCH_BINDING_IDS = ("chat.next_k", "chat.next_mode")
 
 
 class ChatScreen(Screen):
     # Below 110 columns the side panel narrows, so an 80-column terminal still has room to chat.
     HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (110, "-wide")]
     BINDINGS = [
+        # F4/F5 work while typing (the prompt consumes letters and digits); k, m and 2/4/8 work
+        # when the prompt does not have the focus (Tab or a click away from it). Textual leaves
+        # keys the focused prompt would type out of the footer and keys panel by itself.
+        Binding("f4,k", "next_k", "Next K", id="chat.next_k"),
+        Binding("f5,m", "next_mode", "Next mode", id="chat.next_mode"),
+        Binding("2", "pick_k(2)", "K=2", show=False),
+        Binding("4", "pick_k(4)", "K=4", show=False),
+        Binding("8", "pick_k(8)", "K=8", show=False),
         Binding("escape", "stop_reply", "Stop reply", id="chat.stop"),
         Binding("ctrl+n", "new_chat", "New chat", id="chat.new"),
         Binding("ctrl+o", "open_chat", "Chats", id="chat.open"),
@@ -88,6 +102,18 @@ class ChatScreen(Screen):
                 yield RoutingSelector(id="routing")
         yield StatusLine(id="status")
         yield Footer()
+
+    @property
+    def active_bindings(self):
+        # Textual lists the focused widget's keys first (the prompt's Send, New line): the K and
+        # mode keys, the reason to have this app, come before them in the footer and F1 panel.
+        bindings = super().active_bindings
+        first = {
+            key: active
+            for key, active in bindings.items()
+            if active.binding.id in SWITCH_BINDING_IDS
+        }
+        return {**first, **bindings}
 
     def notify(
         self,
@@ -149,7 +175,7 @@ class ChatScreen(Screen):
         self.state = "ready"
         self._dismiss_loading()
         for notice in event.notices:
-            self.notify(notice, severity="warning", timeout=20)
+            self.notify(notice, severity="warning", timeout=STARTUP_NOTICE_S)
         self.refresh_panels()
 
     def on_engine_failed(self, event: EngineFailed) -> None:
@@ -168,8 +194,8 @@ class ChatScreen(Screen):
     # -- a reply -----------------------------------------------------------------------------------
 
     async def on_prompt_input_submitted(self, event: PromptInput.Submitted) -> None:
-        if await self.send(event.text):
-            event.prompt.clear()
+        if not await self.send(event.text):
+            event.prompt.give_back(event.text)
 
     async def send(self, text: str) -> bool:
         """Start a reply to `text`; False (and a notification) when one cannot start now."""
@@ -245,6 +271,10 @@ class ChatScreen(Screen):
     # -- actions -----------------------------------------------------------------------------------
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        if action in ("next_k", "next_mode", "pick_k") and not self.ready:
+            return False  # nothing to switch before the model is loaded
+        if action == "pick_k":
+            return parameters[0] in self._k_choices()  # only the K this model offers
         if action == "stop_reply":
             return self.reply is not None  # only shown while a reply is written
         if action in ("new_chat", "open_chat"):
@@ -330,6 +360,37 @@ class ChatScreen(Screen):
     def mode_chosen(self, event: RoutingSelector.ModeChosen) -> None:
         self.choose_mode(event.mode)
 
+    def action_next_k(self) -> None:
+        """The next K after the one asked for, among those the mode that will run can use."""
+        choices = self._k_choices()
+        if choices:
+            self.choose_k(_after(choices, self.pending_k or self.session.metrics.k))
+
+    def action_pick_k(self, k: int) -> None:
+        self.choose_k(k)
+
+    def action_next_mode(self) -> None:
+        modes = self.query_one(RoutingSelector).modes
+        if len(modes) > 1:
+            self.choose_mode(_after(modes, self.pending_mode or self.session.metrics.mode))
+        elif modes:
+            other = "prerouter" if modes[0] == "on-demand" else "on-demand"
+            self.notify(f"{modes[0]} is the only mode offered here: {mode_unavailable(other)}")
+
+    def _k_choices(self) -> list[int]:
+        """The K the mode that will run can use: those with prerouter heads in a head mode."""
+        mode = self.pending_mode or self.session.metrics.mode
+        profiles = self.query_one(RoutingSelector).profiles
+        return [p.k for p in profiles if p.prerouter or mode not in HEAD_MODES]
+
+    @on(SwitchFailed)
+    def switch_failed(self, event: SwitchFailed) -> None:
+        self.notify(event.error, title="cannot switch", severity="error")
+        metrics = self.session.metrics  # the K and mode that still stand
+        self.pending_k = self.pending_mode = None
+        self.query_one(RoutingSelector).select(k=metrics.k, mode=metrics.mode)
+        self.refresh_panels()
+
     def choose_k(self, k: int) -> None:
         """Switch routing width, mid-reply too: the engine applies it before its next step."""
         selector = self.query_one(RoutingSelector)
@@ -392,6 +453,28 @@ class ChatScreen(Screen):
                 unsaved=self.store.unsaved,
             )
         )
+
+
+def mode_unavailable(mode: str) -> str:
+    """Why `mode` is not offered by the running engine, and what to do about it."""
+    if mode == "resident":
+        return (
+            "resident mode loads every expert into memory at start: run "
+            "`edge0 chat MODEL --mode resident`"
+        )
+    if mode in HEAD_MODES:
+        return (
+            f"{mode} mode needs prerouter heads for this model: train them with "
+            "`edge0 train heads MODEL --k K`, or pass `--adapters DIR|REPO_ID`"
+        )
+    return f"{mode} mode is not available while the model runs resident: restart without --mode"
+
+
+def _after(choices: list, current: object) -> object:
+    """The choice after `current`, wrapping round (the first one when `current` is not offered)."""
+    if current not in choices:
+        return choices[0]
+    return choices[(choices.index(current) + 1) % len(choices)]
 
 
 def _one_line(error: BaseException | None) -> str:

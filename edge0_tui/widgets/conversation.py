@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from markdown_it import MarkdownIt
 from textual.app import ComposeResult
 from textual.containers import Vertical, VerticalScroll
 from textual.widgets import Label, Markdown, Static
@@ -29,6 +30,23 @@ def ending(stopped_by: str | None, nonfinite_repaired: int = 0) -> str:
     return " · ".join(p for p in parts if p)
 
 
+def reply_parser() -> MarkdownIt:
+    """Textual's Markdown parser, with every newline of the model's text a line break: verse and
+    lists written line by line keep their lines (plain Markdown joins them into one paragraph).
+    markdown-it's `breaks` option acts only in its HTML renderer, so the soft breaks are turned
+    into hard ones in the token stream that Textual's Markdown widget reads."""
+    parser = MarkdownIt("gfm-like")
+    parser.core.ruler.push("hard_breaks", _hard_breaks)
+    return parser
+
+
+def _hard_breaks(state) -> None:
+    for token in state.tokens:
+        for child in token.children or ():
+            if child.type == "softbreak":
+                child.type = "hardbreak"
+
+
 class UserTurn(Static):
     """What the user wrote, shown as typed (no Markdown, no markup)."""
 
@@ -47,11 +65,18 @@ class AssistantTurn(Vertical):
 
     def compose(self) -> ComposeResult:
         # Links in model output must not open a browser on a stray click.
-        yield Markdown(self.text, open_links=False)
-        yield Label(ending(self._stopped_by), markup=False, classes="ending")
+        yield Markdown(self.text, open_links=False, parser_factory=reply_parser)
+        yield Label("", markup=False, classes="ending")
 
     def on_mount(self) -> None:
         self.set_class(self._stopped_by is None and not self.text, "-writing")
+        self._show_ending(ending(self._stopped_by))
+
+    def _show_ending(self, line: str) -> None:
+        # A normal end says nothing: no empty line under the reply either.
+        label = self.query_one(".ending", Label)
+        label.update(line)
+        label.display = bool(line)
 
     async def append(self, text: str) -> None:
         """Add streamed text at the end. Markdown.get_stream merges writes that arrive faster than
@@ -71,7 +96,7 @@ class AssistantTurn(Vertical):
             self._stream = None
         self.text = text
         await self.query_one(Markdown).update(text)
-        self.query_one(".ending", Label).update(ending(stopped_by, nonfinite_repaired))
+        self._show_ending(ending(stopped_by, nonfinite_repaired))
         self.set_class(nonfinite_repaired > 0, "-repaired")
         self.remove_class("-writing")
 

@@ -149,8 +149,13 @@ def routed_top_k(config: dict) -> int:
     return _positive_int(value) or 0
 
 
-def load(model_dir: str | Path, config: EngineConfig) -> LoadedModel:
-    model_dir = Path(model_dir)
+def check_checkpoint(model_dir: str | Path) -> None:
+    """Raise Edge0Error for a directory `load` would refuse before building anything: config,
+    family, tokenizer and shard files, shard headers, config sizes. Reads headers, no weights."""
+    _checked(Path(model_dir))
+
+
+def _checked(model_dir: Path) -> tuple[dict, Family, CheckpointIndex]:
     model_config = read_config(model_dir)
     if "model_file" in model_config:
         raise Edge0Error(
@@ -163,6 +168,12 @@ def load(model_dir: str | Path, config: EngineConfig) -> LoadedModel:
     index.check_stacked_experts()
     shapes = {name: entry.shape for name, entry in index.tensors.items()}
     check_config_sizes(model_config, shapes, str(model_dir / "config.json"))
+    return model_config, family, index
+
+
+def load(model_dir: str | Path, config: EngineConfig) -> LoadedModel:
+    model_dir = Path(model_dir)
+    model_config, family, index = _checked(model_dir)
 
     model, model_config = _build_model(model_dir, model_config, index.shards)
     _check_dtypes(model, index, model_dir)
