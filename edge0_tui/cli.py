@@ -30,6 +30,20 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _page_cache(text: str) -> int | None:
+    """--page-cache: a SIZE, or off (the OS decides what stays cached)."""
+    if text.strip().lower() in ("off", "none"):
+        return None
+    return _size(text)
+
+
+PAGE_CACHE_HELP = (
+    "at most SIZE of the checkpoint's expert bytes stay in the OS page cache (the least recently "
+    "read are dropped; on macOS expert reads bypass the cache): a memory wall on a machine whose "
+    "RAM holds the checkpoint; off lets the OS decide"
+)
+
+
 def _utf8(text: str) -> str:
     """Command-line text as given. Python hands over bytes that are not UTF-8 as surrogate escapes
     (U+DC80..U+DCFF), which the tokenizer cannot encode: refuse them here, naming the byte."""
@@ -121,6 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--mode", choices=MODES, default="on-demand")
     gen.add_argument(
         "--expert-cache", type=_size, default="1G", help="routed-expert budget, e.g. 400K, 512M, 2G"
+    )
+    gen.add_argument(
+        "--page-cache", type=_page_cache, default=None, metavar="SIZE|off", help=PAGE_CACHE_HELP
     )
     gen.add_argument("--eviction", choices=("lfu-aging", "lru"), default="lfu-aging")
     gen.add_argument("--k", type=int, default=None, help="routing width (default: the model's)")
@@ -334,7 +351,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--expert-cache",
         type=_size,
         default=None,
-        help="routed-expert budget, e.g. 512M, 2G (default 1G; 8M for demo, to show the wall)",
+        help="routed-expert budget, e.g. 512M, 2G (default 1G; 4M for demo, to show the wall)",
+    )
+    chat.add_argument(
+        "--page-cache",
+        type=_page_cache,
+        default=argparse.SUPPRESS,  # absent: the per-model default below
+        metavar="SIZE|off",
+        help=PAGE_CACHE_HELP + " (default: off; 4M for demo)",
     )
     chat.add_argument("--mode", choices=MODES, default="on-demand")
     _add_adapters(chat)
@@ -354,6 +378,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     config = EngineConfig(
         mode=args.mode,
         expert_cache_bytes=args.expert_cache,
+        page_cache_bytes=args.page_cache,
         eviction=args.eviction,
         k=args.k,
         lora=not args.no_lora,
@@ -739,12 +764,18 @@ def cmd_chat(args: argparse.Namespace) -> int:
     # A model that cannot be opened is a one-line error here, not a notification in an app.
     check_model(args.model)
 
-    # The demo model's experts are ~13 MB in all: a 4 MB budget makes the memory wall visible.
-    default_cache = "4M" if args.model == "demo" else "1G"
+    # The demo model's experts are ~13 MB in all and its file fits any page cache: a 4 MB expert
+    # cache and a 4 MB page-cache budget make the memory wall visible (cold reads every step).
+    demo = args.model == "demo"
+    default_cache = "4M" if demo else "1G"
+    page_cache = getattr(args, "page_cache", "default")
+    if page_cache == "default":
+        page_cache = parse_size("4M") if demo and args.mode != "resident" else None
     data_dir = args.data_dir or _data_dir()  # one folder for chats and trained adapters
     config = EngineConfig(
         mode=args.mode,
         expert_cache_bytes=args.expert_cache or parse_size(default_cache),
+        page_cache_bytes=page_cache,
         adapter_dirs=tuple(args.adapters),  # the session fetches Hub repos on its thread
         data_dir=data_dir,
     )

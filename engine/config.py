@@ -91,6 +91,10 @@ class EngineConfig:
     hidden_guard: bool = True
     # Clip hidden states to +-this; None clips only overflow (the dtype's largest finite value).
     hidden_clip: float | None = None
+    # At most this many of the checkpoint's expert bytes stay in the OS page cache (the least
+    # recently read are dropped; on macOS reads bypass the cache); None: the OS decides. A memory
+    # wall on a machine whose RAM holds the whole checkpoint (the demo).
+    page_cache_bytes: int | None = None
     # Page-cache residency of the expert tensors is sampled so that it costs at most this share of
     # step time.
     page_cache_sample_share: float = 0.02
@@ -111,6 +115,13 @@ class EngineConfig:
             )
         if not 0.0 < self.whole_layer_fraction <= 1.0:
             raise Edge0Error("whole_layer_fraction must be in (0, 1]")
+        if self.page_cache_bytes is not None and self.page_cache_bytes < 0:
+            raise Edge0Error("page_cache_bytes must be 0 or more (None: no budget)")
+        if self.page_cache_bytes is not None and self.mode == "resident":
+            raise Edge0Error(
+                "a page-cache budget needs a streaming mode: resident mode reads every expert "
+                "into memory at start"
+            )
         if self.prefill_chunk < 1 or self.reader_threads < 1:
             raise Edge0Error("prefill_chunk and reader_threads must be at least 1")
 

@@ -248,6 +248,17 @@ def test_edge0_without_arguments_opens_the_demo_chat(launched, tmp_path, monkeyp
     assert app.store.path == tmp_path / "edge0" / "chats.sqlite3"
 
 
+def test_the_demo_chat_has_a_page_cache_budget_and_others_none(launched, checkpoint_dir):
+    assert cli.main(["chat"]) == 0
+    assert launched[-1].session.engine_config.page_cache_bytes == 4 << 20  # the wall, visible
+    assert cli.main(["chat", "demo", "--page-cache", "off"]) == 0
+    assert launched[-1].session.engine_config.page_cache_bytes is None
+    assert cli.main(["chat", str(checkpoint_dir()), "--page-cache", "2M"]) == 0
+    assert launched[-1].session.engine_config.page_cache_bytes == 2 << 20
+    assert cli.main(["chat", str(checkpoint_dir())]) == 0
+    assert launched[-1].session.engine_config.page_cache_bytes is None
+
+
 def test_edge0_chat_passes_its_options(launched, checkpoint_dir, tmp_path):
     model = str(checkpoint_dir())
     args = ["chat", model, "--expert-cache", "2M", "--data-dir", str(tmp_path / "d")]

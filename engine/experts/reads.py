@@ -13,6 +13,7 @@ its work on the engine's thread: readers fill NumPy buffers, and `to_mlx` turns 
 from __future__ import annotations
 
 import errno
+import fcntl
 import heapq
 import itertools
 import os
@@ -111,6 +112,7 @@ class ExpertReader:
         threads: int = 4,
         widen_to_float32: bool = False,
         build_arrays: bool = False,
+        bypass_page_cache: bool = False,
         tracer: Tracer = NO_TRACE,
     ) -> None:
         self.index = index
@@ -126,8 +128,14 @@ class ExpertReader:
         # Two descriptors per shard, so the kernel's readahead serves each access pattern: none for
         # scattered expert reads (readahead would pull neighbouring experts in and hide cold reads),
         # aggressive for whole-layer reads.
-        self._expert_fds = {shard: _open(shard, "POSIX_FADV_RANDOM") for shard in index.shards}
-        self._layer_fds = {shard: _open(shard, "POSIX_FADV_SEQUENTIAL") for shard in index.shards}
+        # `bypass_page_cache`: macOS's F_NOCACHE, its stand-in for a page-cache budget.
+        self._expert_fds = {
+            shard: _open(shard, "POSIX_FADV_RANDOM", bypass_page_cache) for shard in index.shards
+        }
+        self._layer_fds = {
+            shard: _open(shard, "POSIX_FADV_SEQUENTIAL", bypass_page_cache)
+            for shard in index.shards
+        }
         self._residency = {shard: FileResidency(shard) for shard in index.shards}
         self._plans: dict[int, list[_TensorPlan]] = {}
         self._local = threading.local()
@@ -450,10 +458,12 @@ def _joined(parts: list[Future[ReadResult]]) -> Future[ReadResult]:
     return joined
 
 
-def _open(path: Path, advice: str) -> int:
+def _open(path: Path, advice: str, bypass_page_cache: bool = False) -> int:
     fd = os.open(path, os.O_RDONLY)
     if hasattr(os, "posix_fadvise"):  # Linux; macOS has no fadvise
         os.posix_fadvise(fd, 0, 0, getattr(os, advice))
+    if bypass_page_cache and hasattr(fcntl, "F_NOCACHE"):  # macOS: reads skip the page cache
+        fcntl.fcntl(fd, fcntl.F_NOCACHE, 1)
     return fd
 
 

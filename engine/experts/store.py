@@ -18,6 +18,7 @@ from ..checkpoint.index import DTYPE_SIZES, CheckpointIndex
 from ..config import EngineConfig, format_bytes
 from ..errors import Edge0Error
 from ..trace import NO_TRACE, Tracer
+from .page_cache_budget import CAN_EVICT_RANGES, PageCacheBudget
 from .pool import ExpertKey, ExpertPool, ResidentExpert
 from .reads import ExpertReader, ReadResult, to_mlx
 
@@ -38,6 +39,7 @@ class LoadCounters:
     prefetch_issued: int = 0  # expert reads issued ahead for this step (prerouter)
     prefetch_in_time: int = 0  # of those, already read when the layer needed them
     prefetch_late: int = 0  # of those, still being read when the layer needed them (blocked)
+    page_cache_evicted_bytes: int = 0  # expert bytes dropped from the page cache (its budget)
 
 
 class ExpertStore:
@@ -58,8 +60,12 @@ class ExpertStore:
             config.reader_threads,
             widen_to_float32=float_dtype == mx.float32,
             build_arrays=on_cpu,
+            # Without range eviction (macOS), a page-cache budget means reads bypass the cache.
+            bypass_page_cache=config.page_cache_bytes is not None and not CAN_EVICT_RANGES,
             tracer=tracer,
         )
+        # Set by the loader once the resident weights are read (`set_page_cache_budget`).
+        self.page_cache: PageCacheBudget | None = None
         self.pool = ExpertPool(config.expert_cache_bytes, config.eviction)
         self.counters = LoadCounters()
         self._moe_layers = sorted(index.layers)
@@ -70,6 +76,20 @@ class ExpertStore:
         # When a list, every fetch appends (step, layer, experts): the routing trace that the eviction
         # benchmark replays.
         self.trace: list[tuple[int, int, list[int]]] | None = None
+
+    def set_page_cache_budget(self, budget_bytes: int | None) -> None:
+        """Keep at most `budget_bytes` of expert bytes in the OS page cache (None: no budget).
+        A new budget starts cold: every expert page is dropped first."""
+        if budget_bytes is None:
+            if self.page_cache is not None:
+                self.page_cache.close()
+            self.page_cache = None
+            return
+        if self.page_cache is None:
+            self.page_cache = PageCacheBudget(self.index, budget_bytes)
+            self.page_cache.evict_all()
+        else:
+            self.page_cache.set_budget(budget_bytes)
 
     def trace_to(self, tracer: Tracer) -> None:
         """Record reads and blocked waits in `tracer` from now on."""
@@ -108,6 +128,7 @@ class ExpertStore:
             if future.exception() is None:
                 self._account(future.result())  # a read already issued still cost its bytes
         self.pool.pinned.clear()
+        self._enforce_page_cache()
         return self.counters
 
     def reset(self) -> None:
@@ -130,6 +151,8 @@ class ExpertStore:
                     layer, expert, ahead=True, step=self.pool.step + 1
                 )
                 self._issued_for_next_step += 1
+                if self.page_cache is not None:  # in the cache once read, used or not
+                    self.page_cache.note_read(layer, expert)
 
     def load_all(self) -> None:
         """Read every expert into the pool (budget permitting): for the bench's compute-only arm,
@@ -204,6 +227,7 @@ class ExpertStore:
         self._account(result)
         self.counters.whole_layer_reads += 1
         self.counters.whole_layer_bytes += result.nbytes
+        self._enforce_page_cache()  # a prefill reads layer after layer: keep the wall as it goes
         self.counters.blocked_ms += (time.perf_counter() - start) * 1e3
 
         # The previous layer's buffers are released once its output is computed; at most this
@@ -220,10 +244,17 @@ class ExpertStore:
         self.counters.bytes_read += result.nbytes
         self.counters.cold_bytes += result.cold_bytes
         self.counters.read_ms += result.wall_ms
+        if self.page_cache is not None:
+            self.page_cache.note_read(result.layer, result.expert)
+
+    def _enforce_page_cache(self) -> None:
+        if self.page_cache is not None:
+            self.counters.page_cache_evicted_bytes += self.page_cache.enforce()
 
     def close(self) -> None:
         self._pending_layers.clear()
         self.reader.close()
+        self.set_page_cache_budget(None)
         self.pool.clear()
 
 

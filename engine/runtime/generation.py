@@ -212,6 +212,16 @@ class Engine:
             self._requested.update(mode=mode, k=k)
         return next(p for p in self.profiles() if p.k == k)
 
+    def request_page_cache(self, budget_bytes: int | None) -> None:
+        """Set the page-cache budget of the checkpoint's experts (None: the OS decides); safe from
+        any thread, applied before the next step. A new budget starts cold."""
+        if self.store is None:
+            raise Edge0Error("a page-cache budget needs a streaming mode (experts are resident)")
+        if budget_bytes is not None and budget_bytes < 0:
+            raise Edge0Error(f"page-cache budget {budget_bytes} must be 0 or more")
+        with self._lock:
+            self._requested["page_cache"] = budget_bytes
+
     def kv_cache_bytes(self) -> int:
         """Bytes of the conversation's KV cache kept for the next turn (0 when none is kept)."""
         if self._prompt_cache is None:
@@ -230,6 +240,8 @@ class Engine:
         Raises Edge0Error when the new profile's files cannot be read (the old one stays)."""
         with self._lock:
             requested, self._requested = self._requested, {}
+        if "page_cache" in requested:
+            self.store.set_page_cache_budget(requested["page_cache"])
         k = requested.get("k", self.k)
         mode = requested.get("mode", self.mode)
         if (k, mode) != (self.k, self.mode):

@@ -215,6 +215,10 @@ def load(model_dir: str | Path, config: EngineConfig) -> LoadedModel:
     if float_dtype is not None:
         model.set_dtype(float_dtype)
     mx.eval(model.parameters())
+    if store is not None and config.page_cache_bytes is not None:
+        # Only now: reading the resident weights above pulled neighbouring expert pages in
+        # (readahead), and a budget starts by dropping every expert page.
+        store.set_page_cache_budget(config.page_cache_bytes)
     return LoadedModel(
         model,
         tokenizer,

@@ -65,6 +65,7 @@ class StepMetrics:
     prefetch_hit_rate: float | None = None  # prefetch: share of routed experts read ahead
     nonfinite_repaired: int = 0  # hidden values the numerical guard zeroed or clipped
     flush_ms: float = 0.0  # the prerouter head flush and issuing its reads
+    page_cache_evicted_mib: float = 0.0  # expert pages dropped to keep the page-cache budget
 
     @classmethod
     def build(
@@ -113,6 +114,7 @@ class StepMetrics:
             prefetch_late=counters.prefetch_late,
             nonfinite_repaired=nonfinite_repaired,
             flush_ms=flush_ms,
+            page_cache_evicted_mib=counters.page_cache_evicted_bytes / MIB,
             **routed,
         )
 
