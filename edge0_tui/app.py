@@ -17,11 +17,12 @@ from textual.binding import Binding
 from textual.notifications import SeverityLevel
 from textual.screen import Screen
 
-from engine import MODES, EngineConfig, GenerationConfig
+from engine import MODES, Edge0Error, EngineConfig, GenerationConfig
 
 from .chat_store import ChatStore
 from .engine_session import EngineSession
 from .model_source import DEMO
+from .preferences import KeptPreferences
 from .sanitize import sanitize
 from .screens.chat import ChatScreen, mode_unavailable
 from .widgets.routing_selector import RoutingSelector
@@ -49,9 +50,11 @@ class Edge0App(App[None]):
         cache_dir: str | Path | None = None,
         settings: GenerationConfig | None = None,
         offline: bool = False,
+        preferences: KeptPreferences | None = None,
     ) -> None:
         """`model`: "demo", a checkpoint directory or a Hugging Face repo id. `data_dir` holds the
-        chat database (default: the platform's user data directory); `cache_dir` the demo model."""
+        chat database (default: the platform's user data directory); `cache_dir` the demo model.
+        `preferences`: the model's stored choices, saved as they change (None: nothing kept)."""
         super().__init__()
         self.store = ChatStore(Path(data_dir) if data_dir else user_data_path("edge0"))
         self.session = EngineSession(
@@ -60,8 +63,22 @@ class Edge0App(App[None]):
             Path(cache_dir) if cache_dir else user_cache_path("edge0"),
             offline=offline,
         )
+        self.preferences = preferences
+        if preferences is not None and settings is None:
+            settings = preferences.current.generation
         self.chat_screen = ChatScreen(self.session, self.store, settings or DEFAULT_SETTINGS)
+        if preferences is not None:
+            self.chat_screen.system_prompt = preferences.current.system_prompt
         self._warned_unsaved = False
+
+    def remember(self, **changes) -> None:
+        """Keep what the user chose for this model (sampling, K, mode, budgets) for next time."""
+        if self.preferences is None:
+            return
+        try:
+            self.preferences.update(**changes)
+        except Edge0Error as e:  # kept for this run; said once per failure
+            self.chat_screen.notify(str(e), title="settings not kept", severity="warning")
 
     def get_default_screen(self) -> Screen:
         return self.chat_screen

@@ -30,10 +30,10 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def _page_cache(text: str) -> int | None:
-    """--page-cache: a SIZE, or off (the OS decides what stays cached)."""
+def _page_cache(text: str) -> int | str:
+    """--page-cache: a SIZE, or "off" (the OS decides what stays cached)."""
     if text.strip().lower() in ("off", "none"):
-        return None
+        return "off"
     return _size(text)
 
 
@@ -59,6 +59,7 @@ def _utf8(text: str) -> str:
 
 # edge0's user data folder (trained adapters, chats) when set; read here, at the top, only.
 DATA_DIR_ENV = "EDGE0_DATA_DIR"
+CONFIG_DIR_ENV = "EDGE0_CONFIG_DIR"
 ADAPTERS_HELP = (
     "an adapter folder or a Hugging Face repo id (owner/name: only its prerouter_*/lora_* files "
     "are downloaded), searched for K profiles before the model folder and the automatic folder; "
@@ -70,6 +71,12 @@ def _add_adapters(parser: argparse.ArgumentParser, help: str = ADAPTERS_HELP) ->
     parser.add_argument(
         "--adapters", action="append", default=[], metavar="DIR|REPO_ID", type=_utf8, help=help
     )
+
+
+def _config_dir() -> Path | None:
+    """edge0's user config folder (kept settings) from EDGE0_CONFIG_DIR; None: the platform's."""
+    value = os.environ.get(CONFIG_DIR_ENV)
+    return Path(value).expanduser() if value else None
 
 
 def _data_dir() -> Path | None:
@@ -360,7 +367,9 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SIZE|off",
         help=PAGE_CACHE_HELP + " (default: off; 4M for demo)",
     )
-    chat.add_argument("--mode", choices=MODES, default="on-demand")
+    chat.add_argument(
+        "--mode", choices=MODES, default=None, help="default: the last one used, else on-demand"
+    )
     _add_adapters(chat)
     chat.add_argument(
         "--data-dir",
@@ -378,7 +387,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     config = EngineConfig(
         mode=args.mode,
         expert_cache_bytes=args.expert_cache,
-        page_cache_bytes=args.page_cache,
+        page_cache_bytes=None if args.page_cache == "off" else args.page_cache,
         eviction=args.eviction,
         k=args.k,
         lora=not args.no_lora,
@@ -758,28 +767,45 @@ def _quick_heads(model: Path, k: int) -> None:
 
 def cmd_chat(args: argparse.Namespace) -> int:
     # Imported here so that the other commands never import Textual.
-    from edge0_tui.app import Edge0App
+    from platformdirs import user_config_path
+
+    from edge0_tui.app import DEFAULT_SETTINGS, Edge0App
     from edge0_tui.model_source import check_model
+    from edge0_tui.preferences import KeptPreferences, PreferenceStore, model_key
 
     # A model that cannot be opened is a one-line error here, not a notification in an app.
     check_model(args.model)
 
+    # What the user chose for this model last time; the command line wins for this run.
+    store = PreferenceStore(_config_dir() or user_config_path("edge0"))
+    kept = KeptPreferences(
+        store,
+        model_key(args.model),
+        store.load(model_key(args.model), DEFAULT_SETTINGS),
+        mode_from_command_line=args.mode is not None,
+    )
+    stored = kept.current
     # The demo model's experts are ~13 MB in all and its file fits any page cache: a 4 MB expert
     # cache and a 4 MB page-cache budget make the memory wall visible (cold reads every step).
     demo = args.model == "demo"
-    default_cache = "4M" if demo else "1G"
-    page_cache = getattr(args, "page_cache", "default")
-    if page_cache == "default":
-        page_cache = parse_size("4M") if demo and args.mode != "resident" else None
+    mode = args.mode or "on-demand"  # a kept mode is applied once the model is loaded
+    expert_cache = (
+        args.expert_cache or stored.expert_cache_bytes or parse_size("4M" if demo else "1G")
+    )
+    page_cache = getattr(args, "page_cache", stored.page_cache)
+    if mode == "resident" and not hasattr(args, "page_cache"):
+        page_cache = "off"  # every expert is read into memory at start: no page cache to budget
+    if page_cache is None:  # neither given nor kept
+        page_cache = parse_size("4M") if demo and mode != "resident" else "off"
     data_dir = args.data_dir or _data_dir()  # one folder for chats and trained adapters
     config = EngineConfig(
-        mode=args.mode,
-        expert_cache_bytes=args.expert_cache or parse_size(default_cache),
-        page_cache_bytes=page_cache,
+        mode=mode,
+        expert_cache_bytes=expert_cache,
+        page_cache_bytes=None if page_cache == "off" else page_cache,
         adapter_dirs=tuple(args.adapters),  # the session fetches Hub repos on its thread
         data_dir=data_dir,
     )
-    Edge0App(model=args.model, engine_config=config, data_dir=data_dir).run()
+    Edge0App(model=args.model, engine_config=config, data_dir=data_dir, preferences=kept).run()
     return 0
 
 

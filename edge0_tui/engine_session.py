@@ -117,11 +117,20 @@ class EngineSession:
         self._requests.put(APPLY_SWITCH)
         return profile
 
-    def request_mode(self, mode: str) -> None:
-        """Switch expert-loading mode; applied before the engine's next step. Raises Edge0Error."""
+    def request_mode(self, mode: str) -> KProfile:
+        """Switch expert-loading mode; applied before the engine's next step. Returns the profile
+        that will be used (a mode with heads may bring another K). Raises Edge0Error."""
         if self.engine is None:
             raise Edge0Error("the model is not loaded")
-        self.engine.request_mode(mode)
+        profile = self.engine.request_mode(mode)
+        self._requests.put(APPLY_SWITCH)
+        return profile
+
+    def request_page_cache(self, budget_bytes: int | None) -> None:
+        """Set the experts' page-cache budget (None: off); applied at once when idle."""
+        if self.engine is None:
+            raise Edge0Error("the model is not loaded")
+        self.engine.request_page_cache(budget_bytes)
         self._requests.put(APPLY_SWITCH)
 
     def shutdown(self) -> None:

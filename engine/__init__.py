@@ -18,7 +18,15 @@ from __future__ import annotations
 
 import importlib
 
-from .config import HEAD_MODES, MODES, EngineConfig, GenerationConfig, format_bytes, parse_size
+from .config import (
+    HEAD_MODES,
+    MAX_SEED,
+    MODES,
+    EngineConfig,
+    GenerationConfig,
+    format_bytes,
+    parse_size,
+)
 from .errors import Edge0Error
 from .trace import NO_TRACE, Tracer
 
@@ -34,6 +42,7 @@ _ON_FIRST_USE = {
 
 __all__ = [
     "HEAD_MODES",
+    "MAX_SEED",
     "MODES",
     "Edge0Error",
     "NO_TRACE",

@@ -38,4 +38,6 @@ def private_data_dir(tmp_path_factory, monkeypatch):
     data = tmp_path_factory.mktemp("edge0-data")
     monkeypatch.setattr(locations, "default_data_dir", lambda: data)
     monkeypatch.setenv("EDGE0_DATA_DIR", str(data))
+    # Kept settings too: the app never reads or writes the real user config folder.
+    monkeypatch.setenv("EDGE0_CONFIG_DIR", str(tmp_path_factory.mktemp("edge0-config")))
     return data

@@ -35,6 +35,7 @@ from edge0_tui import chat_store, model_source
 from edge0_tui.app import Edge0App
 from edge0_tui.chat_store import ChatMessage, ChatStore
 from edge0_tui.model_source import download_from_hub, resolve_model
+from edge0_tui.preferences import ModelPreferences
 from edge0_tui.sanitize import sanitize
 from edge0_tui.screens.chat_list import ChatListScreen
 from edge0_tui.screens.settings import SettingsScreen
@@ -436,10 +437,12 @@ class _SettingsHost(App[None]):
 
     def __init__(self) -> None:
         super().__init__()
-        self.saved: list[GenerationConfig | None] = []
+        self.saved: list[ModelPreferences | None] = []
 
     def on_mount(self) -> None:
-        self.push_screen(SettingsScreen(GenerationConfig(max_tokens=64)), self.saved.append)
+        self.push_screen(
+            SettingsScreen(ModelPreferences(GenerationConfig(max_tokens=64))), self.saved.append
+        )
 
 
 @pytest.mark.parametrize(

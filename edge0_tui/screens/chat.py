@@ -8,6 +8,7 @@ reads the engine's latest metrics snapshot.
 from __future__ import annotations
 
 import sqlite3
+from dataclasses import replace
 
 from textual import on, work
 from textual.app import ComposeResult
@@ -33,6 +34,7 @@ from ..messages import (
     ReplyText,
     SwitchFailed,
 )
+from ..preferences import ModelPreferences
 from ..system_memory import SystemMemory, read_system_memory
 from ..widgets.conversation import AssistantTurn, Conversation
 from ..widgets.memory_bar import MemoryBreakdown
@@ -77,6 +79,7 @@ class ChatScreen(Screen):
         self.session = session
         self.store = store
         self.settings = settings
+        self.system_prompt = ""  # from the model's preferences once mounted; "" sends none
         self.chat: ChatHandle | None = None  # None until the chat's first message
         self.messages: list[ChatMessage] = []
         self.reply: AssistantTurn | None = None  # the reply being written, if any
@@ -176,7 +179,28 @@ class ChatScreen(Screen):
         self._dismiss_loading()
         for notice in event.notices:
             self.notify(notice, severity="warning", timeout=STARTUP_NOTICE_S)
+        self._apply_kept_choices(event)
         self.refresh_panels()
+
+    def _apply_kept_choices(self, event: EngineReady) -> None:
+        """The K and mode this model ran with last time, unless the command line chose a mode.
+        One that this model no longer offers (its adapters moved) is said and skipped."""
+        kept = self.app.preferences
+        if kept is None:
+            return
+        if kept.store.warning:
+            self.notify(kept.store.warning, title="settings file", severity="warning")
+        wanted = kept.current
+        if wanted.mode and not kept.mode_from_command_line and wanted.mode != event.info["mode"]:
+            if wanted.mode in event.modes:
+                self.choose_mode(wanted.mode, remember=False)
+            else:
+                self.notify(f"the {wanted.mode} mode kept for this model is not available now")
+        if wanted.k and wanted.k != event.info["k"]:
+            if wanted.k in self._k_choices():
+                self.choose_k(wanted.k, remember=False)
+            else:
+                self.notify(f"K={wanted.k}, kept for this model, is not offered now")
 
     def on_engine_failed(self, event: EngineFailed) -> None:
         self._load_failed(event.error)
@@ -210,6 +234,8 @@ class ChatScreen(Screen):
         await conversation.add_user_turn(message.content)
         self.reply = await conversation.add_reply()
         prompt = [m.as_prompt() for m in self.messages]
+        if self.system_prompt:
+            prompt.insert(0, {"role": "system", "content": self.system_prompt})
         self.session.submit(ReplyRequest(prompt, self.settings))
         self.state = "writing…"
         self.refresh_bindings()
@@ -324,16 +350,37 @@ class ChatScreen(Screen):
         self.query_one(PromptInput).focus()
 
     def action_settings(self) -> None:
-        def saved(settings: GenerationConfig | None) -> None:
-            if settings is not None:
-                self.settings = settings
-                self.notify(
-                    f"temperature {settings.temperature}, top-p {settings.top_p}, "
-                    f"max tokens {settings.max_tokens}",
-                    title="settings saved",
-                )
+        kept = self.app.preferences
+        current = kept.current if kept is not None else ModelPreferences()
+        current = replace(current, generation=self.settings, system_prompt=self.system_prompt)
 
-        self.app.push_screen(SettingsScreen(self.settings), saved)
+        def saved(chosen: ModelPreferences | None) -> None:
+            if chosen is None:
+                return
+            self.settings, self.system_prompt = chosen.generation, chosen.system_prompt
+            if chosen.page_cache is not None and chosen.page_cache != current.page_cache:
+                self._set_page_cache(chosen.page_cache)
+            self.app.remember(
+                generation=chosen.generation,
+                system_prompt=chosen.system_prompt,
+                expert_cache_bytes=chosen.expert_cache_bytes,
+                page_cache=chosen.page_cache,
+            )
+            settings = chosen.generation
+            self.notify(
+                f"temperature {settings.temperature}, top-p {settings.top_p}, "
+                f"max tokens {settings.max_tokens}",
+                title="settings saved",
+            )
+
+        running_cache = self.session.engine_config.expert_cache_bytes
+        self.app.push_screen(SettingsScreen(current, running_cache), saved)
+
+    def _set_page_cache(self, page_cache: int | str) -> None:
+        try:
+            self.session.request_page_cache(None if page_cache == "off" else page_cache)
+        except Edge0Error as e:
+            self.notify(str(e), title="page-cache budget", severity="error")
 
     def action_copy_reply(self) -> None:
         replies = [m.content for m in self.messages if m.role == "assistant"]
@@ -391,7 +438,7 @@ class ChatScreen(Screen):
         self.query_one(RoutingSelector).select(k=metrics.k, mode=metrics.mode)
         self.refresh_panels()
 
-    def choose_k(self, k: int) -> None:
+    def choose_k(self, k: int, remember: bool = True) -> None:
         """Switch routing width, mid-reply too: the engine applies it before its next step."""
         selector = self.query_one(RoutingSelector)
         try:
@@ -402,6 +449,8 @@ class ChatScreen(Screen):
             return
         selector.select(k=k)  # when chosen from the palette
         self.pending_k = None if k == self.session.metrics.k else k
+        if remember:
+            self.app.remember(k=k)
         if not profile.recovered:
             self.notify(
                 f"quality not recovered at K={k}: no trained adapter for it, so the model's own "
@@ -410,16 +459,18 @@ class ChatScreen(Screen):
             )
         self.refresh_panels()
 
-    def choose_mode(self, mode: str) -> None:
+    def choose_mode(self, mode: str, remember: bool = True) -> None:
         selector = self.query_one(RoutingSelector)
         try:
-            self.session.request_mode(mode)
+            profile = self.session.request_mode(mode)
         except Edge0Error as e:
             self.notify(str(e), severity="error")
             selector.select(mode=self.pending_mode or self.session.metrics.mode)
             return
         selector.select(mode=mode)
         self.pending_mode = None if mode == self.session.metrics.mode else mode
+        if remember:
+            self.app.remember(mode=mode, k=profile.k)
         self.refresh_panels()
 
     # -- the panels --------------------------------------------------------------------------------

@@ -1,7 +1,9 @@
-"""Settings: how replies are sampled (temperature, top-p, max tokens).
+"""Settings: how replies are sampled (temperature, top-p, max tokens, seed), the system prompt,
+and the memory budgets (expert cache, page cache). They are kept per model (`preferences`).
 
-A value out of range (NaN, inf, a negative temperature, top-p outside (0, 1], max tokens below 1) is
-refused in the dialog itself, naming the field and what it accepts; the dialog stays open.
+A value out of range (NaN, inf, a negative temperature, top-p outside (0, 1], max tokens below 1, a
+size that is not one) is refused in the dialog itself, naming the field and what it accepts; the
+dialog stays open.
 """
 
 from __future__ import annotations
@@ -12,11 +14,14 @@ from dataclasses import dataclass, replace
 from textual import on
 from textual.app import ComposeResult
 from textual.binding import Binding
-from textual.containers import Horizontal, Vertical
+from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label
 
-from engine import Edge0Error, GenerationConfig
+from engine import MAX_SEED, Edge0Error, format_bytes, parse_size
+
+from ..preferences import MAX_SYSTEM_PROMPT_CHARS, ModelPreferences
+from ..sanitize import sanitize
 
 
 @dataclass(frozen=True)
@@ -49,18 +54,30 @@ FIELDS = (
 )
 
 
-class SettingsScreen(ModalScreen[GenerationConfig | None]):
-    """Dismissed with the new settings, or None when cancelled."""
+class SettingsScreen(ModalScreen[ModelPreferences | None]):
+    """Dismissed with the new preferences, or None when cancelled."""
 
     BINDINGS = [Binding("escape", "dismiss(None)", "Cancel", id="settings.cancel")]
 
-    def __init__(self, settings: GenerationConfig) -> None:
+    def __init__(self, preferences: ModelPreferences, expert_cache_bytes: int = 0) -> None:
+        """`expert_cache_bytes`: the budget running now, shown when none is stored."""
         super().__init__()
-        self.settings = settings
+        self.preferences = preferences
+        self.settings = preferences.generation
+        self.expert_cache_bytes = preferences.expert_cache_bytes or expert_cache_bytes
 
     def compose(self) -> ComposeResult:
         with Vertical(id="dialog"):
             yield Label("Settings", classes="dialog-title")
+            yield from self._field_widgets()
+            yield Label("", id="error", classes="dialog-error", markup=False)
+            with Horizontal(classes="dialog-buttons"):
+                yield Button("Save", variant="primary", id="save")
+                yield Button("Cancel", id="cancel")
+
+    def _field_widgets(self) -> ComposeResult:
+        # In a scroll of their own: on a short terminal the buttons stay in view.
+        with VerticalScroll(id="settings-fields"):
             for field in FIELDS:
                 yield Label(f"{field.label}, {field.minimum} to {field.maximum}")
                 yield Input(
@@ -68,6 +85,22 @@ class SettingsScreen(ModalScreen[GenerationConfig | None]):
                     type="integer" if field.kind is int else "number",
                     id=field.name,
                 )
+            seed = self.settings.seed
+            yield Label("seed (empty: a new one every reply)")
+            yield Input("" if seed is None else str(seed), type="integer", id="seed")
+            yield Label("system prompt (empty: none)")
+            yield Input(
+                self.preferences.system_prompt,
+                max_length=MAX_SYSTEM_PROMPT_CHARS,
+                id="system_prompt",
+            )
+            yield Label("expert cache, e.g. 512M or 2G (applies at the next start)")
+            cache = self.expert_cache_bytes
+            yield Input(format_bytes(cache) if cache else "", id="expert_cache")
+            yield Label("page-cache budget for the experts, e.g. 4M, or off (applies now)")
+            page_cache = self.preferences.page_cache
+            shown = "" if page_cache is None else page_cache
+            yield Input(shown if isinstance(shown, str) else format_bytes(shown), id="page_cache")
             yield Label("", id="error", classes="dialog-error", markup=False)
             with Horizontal(classes="dialog-buttons"):
                 yield Button("Save", variant="primary", id="save")
@@ -90,11 +123,45 @@ class SettingsScreen(ModalScreen[GenerationConfig | None]):
                 return
             values[field.name] = value
         try:
+            values["seed"] = self._seed_value()
             settings = replace(self.settings, **values)
-        except Edge0Error as e:  # the engine's own check of a GenerationConfig, where it has one
+            extras = {
+                "system_prompt": sanitize(self.query_one("#system_prompt", Input).value.strip()),
+                "expert_cache_bytes": self._size_value("expert_cache", "expert cache", off=False),
+                "page_cache": self._size_value("page_cache", "page-cache budget", off=True),
+            }
+        except Edge0Error as e:  # the engine's own checks, or a size that is not one
             self.refuse(str(e))
             return
-        self.dismiss(settings)
+        self.dismiss(replace(self.preferences, generation=settings, **extras))
+
+    def _seed_value(self) -> int | None:
+        box = self.query_one("#seed", Input)
+        text = box.value.strip()
+        if not text:
+            return None
+        if not text.isdigit() or int(text) > MAX_SEED:
+            box.focus()
+            raise Edge0Error(f"seed must be a whole number from 0 to {MAX_SEED}, not {text!r}")
+        return int(text)
+
+    def _size_value(self, box_id: str, name: str, off: bool) -> int | str | None:
+        """A size box's value: bytes, "off" where allowed, None when left empty."""
+        box = self.query_one(f"#{box_id}", Input)
+        text = box.value.strip()
+        if not text:
+            return None
+        if off and text.lower() == "off":
+            return "off"
+        try:
+            value = parse_size(text)
+        except Edge0Error:
+            value = -1
+        if value < 0 or (value == 0 and not off):  # a page-cache budget of 0 is a wall too
+            box.focus()
+            accepted = "a size such as 4M or 2G" + (", or off" if off else "")
+            raise Edge0Error(f"{name} must be {accepted}, not {text!r}")
+        return value
 
     def refuse(self, reason: str) -> None:
         """Say in the dialog why the settings cannot be saved."""

@@ -1,0 +1,191 @@
+"""What the user chose, kept per model: sampling, system prompt, K, mode, cache budgets.
+
+One JSON file in the user config folder (`platformdirs.user_config_path("edge0")/models.json`),
+keyed by the model as the user named it (a resolved local path, a Hugging Face repo id, "demo").
+Options given on the command line win over stored ones for that run.
+
+The file is the user's, and treated as hostile like every file: one that is too big, not a regular
+file, not JSON or holding values out of range is ignored (field by field where it can be) with a
+one-line warning, never a traceback, and rewritten whole on the next save. Writes go to a temp
+file renamed into place, so a crash leaves the old file or the new one. Private like the chats:
+the folder 0700, the file 0600.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import tempfile
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from engine import MODES, Edge0Error, GenerationConfig
+
+from .chat_store import PRIVATE_DIR, PRIVATE_FILE
+from .model_source import DEMO
+from .sanitize import sanitize
+
+FILE_NAME = "models.json"
+# A preferences file is a few hundred bytes a model: anything near this is not ours.
+MAX_FILE_BYTES = 1 << 20
+MAX_SYSTEM_PROMPT_CHARS = 16_000
+_GENERATION_FIELDS = ("temperature", "top_p", "max_tokens", "seed")
+
+
+@dataclass(frozen=True)
+class ModelPreferences:
+    """A model's stored choices. None: not chosen (the model's or the command's default)."""
+
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    system_prompt: str = ""
+    k: int | None = None
+    mode: str | None = None
+    expert_cache_bytes: int | None = None
+    # Set when stored: the budget in bytes, or "off"; None: the model's default.
+    page_cache: int | str | None = None
+
+    def as_json(self) -> dict:
+        out = {name: getattr(self.generation, name) for name in _GENERATION_FIELDS}
+        out.update(
+            system_prompt=self.system_prompt,
+            k=self.k,
+            mode=self.mode,
+            expert_cache_bytes=self.expert_cache_bytes,
+            page_cache=self.page_cache,
+        )
+        return {key: value for key, value in out.items() if value is not None}
+
+
+class PreferenceStore:
+    """The preferences file. `warning` says why stored values were ignored, for the app to show."""
+
+    def __init__(self, folder: Path) -> None:
+        self.path = folder / FILE_NAME
+        self.warning: str | None = None
+
+    def load(self, model: str, defaults: GenerationConfig) -> ModelPreferences:
+        """`model`'s preferences over `defaults`; what cannot be read is left at its default."""
+        stored = self._read_all().get(model)
+        if stored is None:
+            return ModelPreferences(generation=defaults)
+        if not isinstance(stored, dict):
+            self._warn(f"the entry for {model!r} is not an object")
+            return ModelPreferences(generation=defaults)
+        return self._parse(stored, defaults)
+
+    def save(self, model: str, preferences: ModelPreferences) -> None:
+        """Store `model`'s preferences (others kept). Raises Edge0Error when the file cannot be
+        written; the app shows it and carries on."""
+        everything = self._read_all()
+        everything[model] = preferences.as_json()
+        folder = self.path.parent
+        try:
+            folder.mkdir(parents=True, exist_ok=True, mode=PRIVATE_DIR)
+            os.chmod(folder, PRIVATE_DIR)
+            fd, temp = tempfile.mkstemp(dir=folder, prefix=".models-", suffix=".json")
+            try:
+                with os.fdopen(fd, "w", encoding="utf-8") as out:
+                    json.dump({"version": 1, "models": everything}, out, indent=2)
+                os.chmod(temp, PRIVATE_FILE)
+                os.replace(temp, self.path)
+            except BaseException:
+                os.unlink(temp)
+                raise
+        except OSError as e:
+            raise Edge0Error(f"{self.path}: cannot save the settings ({e.strerror or e})") from None
+
+    # -- reading a hostile file --------------------------------------------------------------------
+
+    def _read_all(self) -> dict:
+        try:
+            info = self.path.lstat()
+        except FileNotFoundError:
+            return {}
+        except OSError as e:
+            return self._warn(f"cannot read ({e.strerror or e})")
+        if not stat.S_ISREG(info.st_mode):
+            return self._warn("not a regular file")
+        if info.st_size > MAX_FILE_BYTES:
+            return self._warn(f"{info.st_size} bytes, more than a settings file holds")
+        try:
+            data = json.loads(self.path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+            return self._warn(f"not valid JSON ({type(e).__name__})")
+        models = data.get("models") if isinstance(data, dict) else None
+        if not isinstance(models, dict):
+            return self._warn('no "models" object')
+        return models
+
+    def _parse(self, stored: dict, defaults: GenerationConfig) -> ModelPreferences:
+        generation = defaults
+        for name in _GENERATION_FIELDS:
+            if name in stored:
+                try:
+                    generation = replace(generation, **{name: stored[name]})
+                except (Edge0Error, TypeError) as e:
+                    self._warn(f"{name}: {e}")
+        prefs = ModelPreferences(generation=generation)
+        prompt = stored.get("system_prompt", "")
+        if isinstance(prompt, str) and len(prompt) <= MAX_SYSTEM_PROMPT_CHARS:
+            prefs = replace(prefs, system_prompt=sanitize(prompt))
+        else:
+            self._warn("system_prompt: not a text of at most 16,000 characters")
+        k = stored.get("k")
+        if k is not None:
+            if _is_int(k) and 1 <= k <= 1024:
+                prefs = replace(prefs, k=k)
+            else:
+                self._warn(f"k: {k!r} is not a routing width")
+        mode = stored.get("mode")
+        if mode is not None:
+            if mode in MODES:
+                prefs = replace(prefs, mode=mode)
+            else:
+                self._warn(f"mode: {mode!r} is not one of {', '.join(MODES)}")
+        cache = stored.get("expert_cache_bytes")
+        if cache is not None:
+            if _is_int(cache) and cache > 0:
+                prefs = replace(prefs, expert_cache_bytes=cache)
+            else:
+                self._warn(f"expert_cache_bytes: {cache!r} is not a positive number of bytes")
+        page_cache = stored.get("page_cache")
+        if page_cache is not None:
+            if page_cache == "off" or (_is_int(page_cache) and page_cache >= 0):
+                prefs = replace(prefs, page_cache=page_cache)
+            else:
+                self._warn(f"page_cache: {page_cache!r} is neither a number of bytes nor 'off'")
+        return prefs
+
+    def _warn(self, why: str) -> dict:
+        self.warning = f"{self.path}: {sanitize(why)[:200]}; using the defaults there"
+        return {}
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def model_key(model: str) -> str:
+    """The name preferences are stored under: a local folder by its absolute path (the same
+    model named two ways shares them), anything else as given."""
+    if model == DEMO:
+        return DEMO
+    local = Path(model).expanduser()
+    return str(local.resolve()) if local.is_dir() else model
+
+
+@dataclass
+class KeptPreferences:
+    """One model's preferences as the app runs: what was loaded, and each change saved at once."""
+
+    store: PreferenceStore
+    model: str  # the key (`model_key`)
+    current: ModelPreferences
+    # Chosen on the command line for this run: the stored K and mode are not applied over them.
+    mode_from_command_line: bool = False
+
+    def update(self, **changes) -> None:
+        """Change and save. Raises Edge0Error when the file cannot be written (kept in memory)."""
+        self.current = replace(self.current, **changes)
+        self.store.save(self.model, self.current)

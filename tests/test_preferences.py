@@ -1,0 +1,164 @@
+"""Kept settings: what the user chose for a model (sampling, system prompt, K, mode, budgets) comes
+back on the next start, and a hostile preferences file is a warning, never a traceback."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from dataclasses import replace
+
+import pytest
+from test_tui_app import SHORT, SIZE, ready, reply_done, send, status_text, wait_until
+
+from edge0_tui import cli
+from edge0_tui.app import Edge0App
+from edge0_tui.preferences import (
+    FILE_NAME,
+    KeptPreferences,
+    ModelPreferences,
+    PreferenceStore,
+    model_key,
+)
+from edge0_tui.screens.settings import SettingsScreen
+from engine import EngineConfig, GenerationConfig
+
+
+@pytest.fixture
+def model(checkpoint_dir):
+    return checkpoint_dir("qwen3_moe", "tiny")
+
+
+def test_preferences_round_trip_privately(tmp_path):
+    store = PreferenceStore(tmp_path / "config")
+    chosen = ModelPreferences(
+        GenerationConfig(temperature=0.3, top_p=0.8, max_tokens=99, seed=7),
+        system_prompt="Answer in verse.",
+        k=2,
+        mode="prerouter",
+        expert_cache_bytes=8 << 20,
+        page_cache="off",
+    )
+    store.save("demo", chosen)
+    store.save("/models/other", ModelPreferences(k=8))  # a second model keeps its own
+    again = PreferenceStore(tmp_path / "config")
+    assert again.load("demo", GenerationConfig()) == chosen
+    assert again.load("/models/other", GenerationConfig()).k == 8
+    assert again.load("never-seen", SHORT) == ModelPreferences(SHORT)
+    assert again.warning is None
+    assert stat.S_IMODE((tmp_path / "config").stat().st_mode) == 0o700
+    assert stat.S_IMODE((tmp_path / "config" / FILE_NAME).stat().st_mode) == 0o600
+
+
+def test_the_same_folder_named_two_ways_shares_its_preferences(model, monkeypatch):
+    monkeypatch.chdir(model.parent)
+    assert model_key(model.name) == model_key(str(model)) == str(model.resolve())
+    assert model_key("demo") == "demo" and model_key("owner/repo") == "owner/repo"
+
+
+@pytest.mark.parametrize(
+    "content, warning",
+    [
+        (b"{not json", "not valid JSON"),
+        (b"[1, 2]", 'no "models" object'),
+        (b'{"models": {"demo": 5}}', "not an object"),
+        (b'{"models": {"demo": {"temperature": "hot"}}}', "temperature"),
+        (b'{"models": {"demo": {"top_p": 7}}}', "top_p"),
+        (b'{"models": {"demo": {"k": -1}}}', "routing width"),
+        (b'{"models": {"demo": {"mode": "warp"}}}', "mode"),
+        (b'{"models": {"demo": {"expert_cache_bytes": 1e999}}}', "expert_cache_bytes"),
+        (b'{"models": {"demo": {"page_cache": "\\u001b]0;pwned\\u0007"}}}', "page_cache"),
+        (b"\xff\xfe garbage", "not valid JSON"),
+        (b"[" * 100_000, "not valid JSON"),
+    ],
+)
+def test_a_hostile_preferences_file_is_a_warning_and_the_defaults(tmp_path, content, warning):
+    (tmp_path / FILE_NAME).write_bytes(content)
+    store = PreferenceStore(tmp_path)
+    loaded = store.load("demo", SHORT)
+    assert loaded.generation == SHORT and loaded.k is None and loaded.mode is None
+    assert store.warning is not None and warning in store.warning and "\x1b" not in store.warning
+    store.save("demo", replace(loaded, k=4))  # the next save writes a good file
+    assert PreferenceStore(tmp_path).load("demo", SHORT).k == 4
+
+
+def test_a_huge_or_special_preferences_file_is_not_read(tmp_path):
+    (tmp_path / FILE_NAME).write_bytes(b" " * (2 << 20))
+    store = PreferenceStore(tmp_path)
+    assert store.load("demo", SHORT) == ModelPreferences(SHORT) and "bytes" in store.warning
+    (tmp_path / FILE_NAME).unlink()
+    os.mkfifo(tmp_path / FILE_NAME)  # would block a plain open forever
+    store = PreferenceStore(tmp_path)
+    assert store.load("demo", SHORT) == ModelPreferences(SHORT)
+    assert "not a regular file" in store.warning
+
+
+def _app(model, data_dir, kept: KeptPreferences) -> Edge0App:
+    return Edge0App(
+        model=str(model),
+        engine_config=EngineConfig(expert_cache_bytes=200_000),
+        data_dir=data_dir,
+        cache_dir=data_dir / "cache",
+        preferences=kept,
+    )
+
+
+def _kept(store: PreferenceStore, model) -> KeptPreferences:
+    key = model_key(str(model))
+    return KeptPreferences(store, key, store.load(key, SHORT))
+
+
+async def test_choices_made_in_the_app_come_back_on_the_next_start(model, tmp_path):
+    store = PreferenceStore(tmp_path / "config")
+    app = _app(model, tmp_path, _kept(store, model))
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(app, pilot)
+        await pilot.press("f4")  # K 4 -> 8
+        await wait_until(pilot, lambda: "K 8  " in status_text(app), "K=8 applied")
+        await pilot.press("f2")
+        assert isinstance(app.screen, SettingsScreen)
+        app.screen.query_one("#temperature").value = "0"
+        app.screen.query_one("#seed").value = "11"
+        app.screen.query_one("#system_prompt").value = "You are terse."
+        app.screen.query_one("#page_cache").value = "1M"
+        await pilot.click("#save")
+        await pilot.pause()
+        assert not isinstance(app.screen, SettingsScreen)
+        # The page-cache budget applies at once, not at the next start.
+        await wait_until(
+            pilot, lambda: app.session.engine.store.page_cache is not None, "the budget"
+        )
+        assert app.session.engine.store.page_cache.budget_bytes == 1 << 20
+        # The system prompt goes first in what the engine is sent.
+        sent = []
+        submit = app.session.submit
+        app.session.submit = lambda request: (sent.append(request), submit(request))
+        await send(app, pilot, "hello")
+        await reply_done(app, pilot)
+        assert sent[0].messages[0] == {"role": "system", "content": "You are terse."}
+        assert sent[0].generation.seed == 11
+
+    kept = json.loads((tmp_path / "config" / FILE_NAME).read_text())["models"]
+    assert kept[model_key(str(model))]["k"] == 8
+
+    app = _app(model, tmp_path, _kept(PreferenceStore(tmp_path / "config"), model))
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(app, pilot)
+        await wait_until(pilot, lambda: app.session.engine.k == 8, "the kept K=8")
+        screen = app.chat_screen
+        assert screen.settings.seed == 11 and screen.settings.temperature == 0
+        assert screen.system_prompt == "You are terse."
+
+
+def test_cli_chat_uses_kept_budgets_unless_given(checkpoint_dir, monkeypatch):
+    launched = []
+    monkeypatch.setattr(Edge0App, "run", lambda self: launched.append(self))
+    model = str(checkpoint_dir())
+    store = PreferenceStore(cli._config_dir())
+    store.save(model_key(model), ModelPreferences(expert_cache_bytes=3 << 20, page_cache=2 << 20))
+    assert cli.main(["chat", model]) == 0
+    config = launched[-1].session.engine_config
+    assert config.expert_cache_bytes == 3 << 20 and config.page_cache_bytes == 2 << 20
+    assert cli.main(["chat", model, "--expert-cache", "5M", "--page-cache", "off"]) == 0
+    config = launched[-1].session.engine_config
+    assert config.expert_cache_bytes == 5 << 20 and config.page_cache_bytes is None
