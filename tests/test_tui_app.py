@@ -152,7 +152,7 @@ async def test_reply_streams_and_panels_show_speed_and_memory(model, tmp_path):
         segments = {
             s.name: s.nbytes for s in app.chat_screen.query_one(MemoryBar).breakdown.segments
         }
-        assert segments["MLX active"] > 0 and segments["free"] > 0
+        assert segments["MLX, not reclaimable"] > 0 and segments["rest of edge0"] > 0
 
         await pilot.press("f3")  # copy the last reply
         assert app.clipboard == reply.content
@@ -476,11 +476,23 @@ def fixed_metrics() -> LiveMetrics:
     )
 
 
-async def test_main_screen_snapshot(model, tmp_path):
-    """The main screen, with a saved conversation and fixed metrics, matches the stored SVG.
+@pytest.mark.parametrize(
+    "size, snapshot, panels",
+    [
+        (SIZE, SNAPSHOT, False),
+        ((80, 24), SNAPSHOT.with_name("tui_compact_80x24.svg"), False),
+        ((80, 24), SNAPSHOT.with_name("tui_compact_80x24_panels.svg"), True),
+        ((160, 48), SNAPSHOT.with_name("tui_wide_160x48.svg"), False),
+    ],
+    ids=["120x40", "80x24", "80x24-panels", "160x48"],
+)
+async def test_main_screen_snapshot(model, tmp_path, size, snapshot, panels):
+    """The main screen, with a saved conversation and fixed metrics, matches the stored SVG: at
+    the default size, at 80x24 (the compact layout: the wall in one line; F6: the panels) and at
+    160x48.
 
-    Set EDGE0_UPDATE_SNAPSHOTS=1 to rewrite the golden file after an intended change (and look at
-    it before committing). A mismatch leaves the new rendering next to the test's tmp_path.
+    Set EDGE0_UPDATE_SNAPSHOTS=1 to rewrite the golden files after an intended change (and look at
+    them before committing). A mismatch leaves the new rendering next to the test's tmp_path.
     """
     store = ChatStore(tmp_path)
     chat_id = store.create_chat("What is the memory wall?", "qwen3_moe-tiny")
@@ -493,23 +505,29 @@ async def test_main_screen_snapshot(model, tmp_path):
     store.close()
 
     app = make_app(model, tmp_path)
-    async with app.run_test(size=SIZE) as pilot:
+    async with app.run_test(size=size) as pilot:
         await ready(app, pilot)
         screen = app.chat_screen
         screen.panel_timer.pause()  # freeze: nothing time-dependent is drawn after this
         await screen.open_chat(chat_id)
         screen.query_one(PromptInput).cursor_blink = False
+        if panels:
+            await pilot.press("f6")
         screen.show_panels(fixed_metrics(), SystemMemory(32 << 30, 12 << 30, "RAM"))
         await pilot.pause()
+        assert screen.compact == (size[0] < 100 or size[1] < 30)
+        # K, mode and the state stay in the status line at every size.
+        line = str(screen.query_one(StatusLine).render())
+        assert "K 4" in line and "on-demand" in line and "ready" in line, line
         svg = app.export_screenshot(title="edge0")
 
     if os.environ.get("EDGE0_UPDATE_SNAPSHOTS") == "1":
-        SNAPSHOT.parent.mkdir(exist_ok=True)
-        SNAPSHOT.write_text(svg)
-    expected = SNAPSHOT.read_text() if SNAPSHOT.exists() else ""
+        snapshot.parent.mkdir(exist_ok=True)
+        snapshot.write_text(svg)
+    expected = snapshot.read_text() if snapshot.exists() else ""
     if svg != expected:
-        (tmp_path / SNAPSHOT.name).write_text(svg)
+        (tmp_path / snapshot.name).write_text(svg)
         raise AssertionError(
-            f"the main screen changed; new rendering at {tmp_path / SNAPSHOT.name}. "
+            f"the main screen changed; new rendering at {tmp_path / snapshot.name}. "
             "If intended, rerun with EDGE0_UPDATE_SNAPSHOTS=1."
         )

@@ -13,7 +13,7 @@ from edge0_tui import cli
 from edge0_tui.chat_store import ChatMessage, ChatStore, chat_title
 from edge0_tui.live_metrics import LiveMetrics
 from edge0_tui.model_source import DEMO, download_from_hub, resolve_model
-from edge0_tui.system_memory import SystemMemory, cgroup_memory, read_system_memory
+from edge0_tui.system_memory import SystemMemory, cgroup_memory, read_linux_memory
 from edge0_tui.widgets.memory_bar import MemoryBreakdown, bar_cells
 from engine.errors import Edge0Error
 from engine.runtime.metrics import StepMetrics
@@ -105,12 +105,31 @@ def test_cgroup_v1_unlimited_is_no_limit(tmp_path):
 
 def test_system_memory_total_is_the_cgroup_limit_when_lower(tmp_path):
     proc, root = tmp_path / "proc", tmp_path / "cgroup"
-    _write(proc / "meminfo", "MemTotal: 16777216 kB\nMemFree: 1 kB\nMemAvailable: 10485760 kB\n")
+    _write(
+        proc / "meminfo",
+        "MemTotal: 16777216 kB\nMemFree: 1048576 kB\nMemAvailable: 10485760 kB\n"
+        "Cached: 7340032 kB\nActive(file): 2097152 kB\nInactive(file): 4194304 kB\n",
+    )
     _write(proc / "self" / "cgroup", "0::/\n")
-    assert read_system_memory(proc, root) == SystemMemory(16 * GIB, 6 * GIB, "RAM")
+    # The file cache is the file LRU (6 GiB), not "Cached" (7 GiB, shmem included).
+    assert read_linux_memory(proc, root) == SystemMemory(16 * GIB, 6 * GIB, "RAM", 6 * GIB, GIB)
     _write(root / "memory.max", f"{4 * GIB}\n")
     _write(root / "memory.current", f"{GIB}\n")
-    assert read_system_memory(proc, root) == SystemMemory(4 * GIB, GIB, "cgroup v2 limit")
+    assert read_linux_memory(proc, root) == SystemMemory(
+        4 * GIB, GIB, "cgroup v2 limit", None, 3 * GIB
+    )
+    _write(root / "memory.stat", f"anon 1\nactive_file {GIB // 4}\ninactive_file {GIB // 4}\n")
+    assert read_linux_memory(proc, root) == SystemMemory(
+        4 * GIB, 3 * GIB // 4, "cgroup v2 limit", GIB // 2, 3 * GIB
+    )
+
+
+def test_system_memory_without_file_lru_uses_cached(tmp_path):
+    _write(
+        tmp_path / "meminfo", "MemTotal: 8388608 kB\nMemAvailable: 4194304 kB\nCached: 1048576 kB\n"
+    )
+    memory = read_linux_memory(tmp_path, tmp_path / "cgroup")
+    assert (memory.used_bytes, memory.file_cache_bytes, memory.free_bytes) == (4 * GIB, GIB, None)
 
 
 def _step(**figures) -> StepMetrics:
@@ -138,23 +157,23 @@ def _step(**figures) -> StepMetrics:
     return StepMetrics(**{**defaults, **figures})
 
 
-def test_memory_breakdown_adds_up_to_the_total():
-    step = _step(mlx_active_bytes=2 * GIB, mlx_cache_bytes=GIB, page_cache_expert_bytes=3 * GIB)
+def test_memory_breakdown_is_edge0s_memory_by_reclaimability():
+    step = _step(
+        mlx_active_bytes=2 * GIB,
+        mlx_cache_bytes=GIB,
+        page_cache_expert_bytes=3 * GIB,
+        rss_bytes=4 * GIB,
+    )
     metrics = LiveMetrics(last_step=step)
-    parts = MemoryBreakdown.of(metrics, SystemMemory(16 * GIB, 7 * GIB, "RAM")).segments
-    sizes = {s.name: s.nbytes for s in parts}
-    # MLX's 3 GiB are part of the 7 GiB used: 4 GiB are someone else's.
-    assert sizes == {
-        "MLX active": 2 * GIB,
-        "MLX cache": GIB,
-        "checkpoint in page cache": 3 * GIB,
-        "other used": 4 * GIB,
-        "free": 6 * GIB,
+    breakdown = MemoryBreakdown.of(metrics, SystemMemory(16 * GIB, 7 * GIB, "RAM"))
+    # MLX's 3 GiB are part of the 4 GiB RSS: 1 GiB is the rest of the process.
+    assert {s.name: s.nbytes for s in breakdown.segments} == {
+        "MLX, not reclaimable": 3 * GIB,
+        "checkpoint, reclaimable": 3 * GIB,
+        "rest of edge0": GIB,
     }
-    # Probes taken at different moments can disagree: the parts still never pass the total.
-    crowded = MemoryBreakdown.of(metrics, SystemMemory(8 * GIB, 8 * GIB, "RAM")).segments
-    assert sum(s.nbytes for s in crowded) == 8 * GIB
-    assert {s.name: s.nbytes for s in crowded}["free"] == 0
+    assert breakdown.own_bytes == 7 * GIB
+    assert breakdown.system.total_bytes == 16 * GIB  # the machine is text, not a bar segment
 
 
 def test_bar_cells_are_proportional_and_fill_the_width():
@@ -299,3 +318,25 @@ def test_edge0_chat_on_a_model_that_cannot_open_fails_before_the_app(
     assert not launched  # the app never started
     err = capsys.readouterr().err
     assert err.startswith("edge0: error: ") and message in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("width", [None, 120, 80, 60, 40])
+def test_the_status_line_fits_and_keeps_k_mode_and_state(width):
+    from edge0_tui.widgets.status_line import Status
+
+    status = Status(
+        model="/home/someone/models/Qwen3-30B-A3B-Instruct-2507-4bit",
+        state="writing…",
+        k=4,
+        pending_k=8,
+        mode="prerouter",
+        context_tokens=1234,
+        peak_memory_bytes=3 << 30,
+    )
+    line = status.line(width)
+    assert width is None or len(line) <= width
+    assert "K 4 → 8" in line and "prerouter" in line and "writing…" in line, line
+    if width is None:
+        assert "peak MLX" in line and "context 1234" in line
+    if width == 60:
+        assert "…" in line and line.split("  │  ")[0].endswith("4bit")  # the name's end tells

@@ -42,6 +42,7 @@ from ..widgets.metrics_panel import MetricsPanel
 from ..widgets.prompt import PromptInput
 from ..widgets.routing_selector import RoutingSelector
 from ..widgets.status_line import Status, StatusLine
+from ..widgets.wall_strip import WallStrip
 from .chat_list import ChatListScreen
 from .model_loading import ModelLoadingScreen
 from .settings import SettingsScreen
@@ -52,12 +53,15 @@ PANEL_REFRESH_HZ = 6
 # K and mode selectors, so not for long (the demo's notice is one sentence).
 STARTUP_NOTICE_S = 8
 # The switch keys, listed before every other key in the footer and the keys panel (F1).
-SWITCH_BINDING_IDS = ("chat.next_k", "chat.next_mode")
+SWITCH_BINDING_IDS = ("chat.next_k", "chat.next_mode", "chat.panels")
 
 
 class ChatScreen(Screen):
     # Below 110 columns the side panel narrows, so an 80-column terminal still has room to chat.
-    HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (110, "-wide")]
+    # Below 100 columns or 30 rows the side panels do not fit beside a readable chat: the compact
+    # layout shows the wall in one line above the prompt, and F6 swaps the chat for the panels.
+    HORIZONTAL_BREAKPOINTS = [(0, "-cramped"), (100, "-narrow"), (110, "-wide")]
+    VERTICAL_BREAKPOINTS = [(0, "-short"), (30, "-tall")]
     BINDINGS = [
         # F4/F5 work while typing (the prompt consumes letters and digits); k, m and 2/4/8 work
         # when the prompt does not have the focus (Tab or a click away from it). Textual leaves
@@ -72,6 +76,8 @@ class ChatScreen(Screen):
         Binding("ctrl+o", "open_chat", "Chats", id="chat.open"),
         Binding("f2", "settings", "Settings", id="chat.settings"),
         Binding("f3", "copy_reply", "Copy reply", id="chat.copy"),
+        # priority: the prompt (a TextArea) binds F6 to "select line".
+        Binding("f6", "toggle_panels", "Panels", id="chat.panels", priority=True),
     ]
 
     def __init__(self, session: EngineSession, store: ChatStore, settings: GenerationConfig):
@@ -99,6 +105,7 @@ class ChatScreen(Screen):
         with Horizontal(id="main"):
             with Vertical(id="chat"):
                 yield Conversation(id="conversation")
+                yield WallStrip(id="wall-strip")
                 yield PromptInput(id="prompt")
             with Vertical(id="side"):
                 yield MetricsPanel(id="metrics")
@@ -111,12 +118,12 @@ class ChatScreen(Screen):
         # Textual lists the focused widget's keys first (the prompt's Send, New line): the K and
         # mode keys, the reason to have this app, come before them in the footer and F1 panel.
         bindings = super().active_bindings
-        first = {
-            key: active
+        first = sorted(
+            (SWITCH_BINDING_IDS.index(active.binding.id), key)
             for key, active in bindings.items()
             if active.binding.id in SWITCH_BINDING_IDS
-        }
-        return {**first, **bindings}
+        )
+        return {**{key: bindings[key] for _, key in first}, **bindings}
 
     def notify(
         self,
@@ -382,6 +389,21 @@ class ChatScreen(Screen):
         except Edge0Error as e:
             self.notify(str(e), title="page-cache budget", severity="error")
 
+    @property
+    def compact(self) -> bool:
+        """True in the compact layout (a terminal under 100 columns or 30 rows)."""
+        return self.has_class("-cramped") or self.has_class("-short")
+
+    def action_toggle_panels(self) -> None:
+        """Compact layout: the full panels in place of the chat, and back. Elsewhere the panels
+        are always beside the chat, and this says so."""
+        if not self.compact:
+            self.notify("the panels are on the right; F6 swaps them with the chat when small")
+            return
+        self.toggle_class("-panels")
+        if not self.has_class("-panels"):
+            self.query_one(PromptInput).focus()
+
     def action_copy_reply(self) -> None:
         replies = [m.content for m in self.messages if m.role == "assistant"]
         if not replies:
@@ -487,6 +509,7 @@ class ChatScreen(Screen):
             # A mode switch may bring its own K (prerouter mode needs a K with trained heads).
             self.query_one(RoutingSelector).select(k=metrics.k)
         self.query_one(MetricsPanel).show(metrics, MemoryBreakdown.of(metrics, memory))
+        self.query_one(WallStrip).show(metrics)
         if self.ready:
             self.query_one(RoutingSelector).show_pending(
                 metrics.k, self.pending_k, self.pending_mode

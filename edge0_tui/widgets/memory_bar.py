@@ -1,9 +1,14 @@
-"""The memory bar: where the machine's memory is, split five ways, with a legend in bytes.
+"""The memory bar: edge0's own memory, split by what the OS can take back, with a legend in bytes.
 
-MLX active | MLX cache | checkpoint in page cache | other used | free. The first two are what MLX
-holds (the model's resident weights, experts and KV cache; freed buffers MLX keeps for reuse). The
-checkpoint's pages in the OS page cache are reclaimable: the kernel drops them under pressure, which
-is exactly when expert loads turn cold and slow. "Other used" is everything else not reclaimable.
+The bar's full width is edge0's memory, so a small model's figures are as visible as a large one's;
+the machine's total and use are text beneath it. Three parts:
+
+- not reclaimable: what MLX holds, active (weights, resident experts, KV cache) and cached (freed
+  buffers MLX keeps for reuse). On a Mac it is wired memory; on Linux, anonymous memory. Neither
+  goes back to the OS under pressure.
+- reclaimable: the checkpoint's bytes in the OS page cache. The OS drops them under pressure, which
+  is exactly when expert loads turn cold and slow.
+- the rest of edge0: the process's resident memory outside MLX (Python, the tokenizer, the UI).
 """
 
 from __future__ import annotations
@@ -18,45 +23,61 @@ from engine import format_bytes
 from ..live_metrics import LiveMetrics
 from ..system_memory import SystemMemory
 
+TOOLTIP = (
+    "edge0's memory. Not reclaimable: MLX's active memory and buffer cache (wired on a Mac). "
+    "Reclaimable: the checkpoint's pages in the OS page cache, dropped first under pressure. "
+    "Rest: the process's resident memory outside MLX. Below: the machine's total and use."
+)
+
 
 @dataclass(frozen=True)
 class MemorySegment:
     name: str
     nbytes: int
     style_class: str  # component class giving its colour
+    detail: str = ""  # a second legend line: what the figure is made of
 
 
 @dataclass(frozen=True)
 class MemoryBreakdown:
-    total_bytes: int
-    source: str  # "RAM" or the cgroup limit the total comes from
+    # edge0's own memory: the bar's full width is their sum.
     segments: tuple[MemorySegment, ...]
+    # The machine (or cgroup) edge0 runs in, shown as text beside the bar.
+    system: SystemMemory
+
+    @property
+    def own_bytes(self) -> int:
+        return sum(s.nbytes for s in self.segments)
 
     @classmethod
     def of(cls, metrics: LiveMetrics, system: SystemMemory) -> MemoryBreakdown:
         step = metrics.last_step
-        total = system.total_bytes
         active = step.mlx_active_bytes if step else 0
         cache = step.mlx_cache_bytes if step else 0
         checkpoint = step.page_cache_expert_bytes if step else 0
-        # MLX's memory is part of the system's used memory; the rest of it is "other". Clamp so
-        # the parts never add up past the total (the page cache figure and the used figure come
-        # from different probes at different moments).
-        other = max(0, (system.used_bytes or 0) - active - cache)
-        other = min(other, max(0, total - active - cache - checkpoint))
-        free = max(0, total - active - cache - checkpoint - other)
+        # MLX's buffers live in the process, so RSS counts them; the checkpoint is read with
+        # pread, not mapped, so its page cache is not in RSS. Clamp: the figures are read at
+        # slightly different moments.
+        rest = max(0, (step.rss_bytes if step else 0) - active - cache)
         segments = (
-            MemorySegment("MLX active", active, "memory-bar--mlx-active"),
-            MemorySegment("MLX cache", cache, "memory-bar--mlx-cache"),
-            MemorySegment("checkpoint in page cache", checkpoint, "memory-bar--checkpoint"),
-            MemorySegment("other used", other, "memory-bar--other"),
-            MemorySegment("free", free, "memory-bar--free"),
+            MemorySegment(
+                "MLX, not reclaimable",
+                active + cache,
+                "memory-bar--wired",
+                f"wired: active {format_bytes(active)}, cache {format_bytes(cache)}",
+            ),
+            MemorySegment("checkpoint, reclaimable", checkpoint, "memory-bar--reclaimable"),
+            MemorySegment("rest of edge0", rest, "memory-bar--rest"),
         )
-        return cls(total, system.source, segments)
+        return cls(segments, system)
 
 
 def bar_cells(sizes: list[int], width: int) -> list[int]:
-    """Split `width` cells in proportion to `sizes` (largest remainder: the cells add up)."""
+    """Split `width` cells in proportion to `sizes` (largest remainder: the cells add up).
+
+    A part too small for a whole cell still gets one, taken from the largest, so no figure in the
+    legend is missing from the bar.
+    """
     total = sum(sizes)
     if total <= 0 or width <= 0:
         return [0] * len(sizes)
@@ -65,31 +86,50 @@ def bar_cells(sizes: list[int], width: int) -> list[int]:
     by_remainder = sorted(range(len(sizes)), key=lambda i: exact[i] - cells[i], reverse=True)
     for i in by_remainder[: width - sum(cells)]:
         cells[i] += 1
+    for i, size in enumerate(sizes):
+        largest = max(range(len(cells)), key=lambda j: cells[j])
+        if size > 0 and cells[i] == 0 and cells[largest] > 1:
+            cells[i], cells[largest] = 1, cells[largest] - 1
     return cells
+
+
+def machine_lines(system: SystemMemory, own_bytes: int) -> tuple[str, str]:
+    """The two text lines under the legend: the machine's total, then its use."""
+    share = f" (edge0 {own_bytes / system.total_bytes:.0%})" if system.total_bytes else ""
+    total = f"of {format_bytes(system.total_bytes)} {system.source}{share}"
+    if system.used_bytes is None:
+        return total, "machine use unknown here"
+    used = f"used {format_bytes(system.used_bytes)}"
+    if system.file_cache_bytes is None:
+        return total, used
+    return total, f"{used}, file cache {format_bytes(system.file_cache_bytes)}"
 
 
 class MemoryBar(Widget):
     COMPONENT_CLASSES = {
-        "memory-bar--mlx-active",
-        "memory-bar--mlx-cache",
-        "memory-bar--checkpoint",
-        "memory-bar--other",
-        "memory-bar--free",
+        "memory-bar--wired",
+        "memory-bar--reclaimable",
+        "memory-bar--rest",
+        "memory-bar--empty",
+        "memory-bar--detail",
     }
+    # Red for what cannot be given back, green for what can: the three differ in every built-in
+    # theme (tests/test_memory_bar.py checks), where $warning and $accent do not.
     DEFAULT_CSS = """
     MemoryBar {
         height: auto;
-        & > .memory-bar--mlx-active { color: $error; }
-        & > .memory-bar--mlx-cache { color: $warning; }
-        & > .memory-bar--checkpoint { color: $accent; }
-        & > .memory-bar--other { color: $secondary; }
-        & > .memory-bar--free { color: $surface-lighten-2; }
+        & > .memory-bar--wired { color: $error; }
+        & > .memory-bar--reclaimable { color: $success; }
+        & > .memory-bar--rest { color: $primary; }
+        & > .memory-bar--empty { color: $text-muted; }
+        & > .memory-bar--detail { color: $text-muted; }
     }
     """
 
     def __init__(self, *, id: str | None = None) -> None:
         super().__init__(id=id)
         self.breakdown: MemoryBreakdown | None = None
+        self.tooltip = TOOLTIP
 
     def show(self, breakdown: MemoryBreakdown) -> None:
         if breakdown != self.breakdown:
@@ -100,20 +140,29 @@ class MemoryBar(Widget):
     def render(self) -> Text:
         if self.breakdown is None:
             return Text("…", style="dim")
+        width = self.size.width
         segments = self.breakdown.segments
         styles = [self.get_component_rich_style(s.style_class) for s in segments]
-        text = Text()
-        for cells, style in zip(bar_cells([s.nbytes for s in segments], self.size.width), styles):
+        detail_style = self.get_component_rich_style("memory-bar--detail")
+        # Long lines are cut, not wrapped: the legend keeps its height whatever the panel's width.
+        text = Text(no_wrap=True, overflow="ellipsis")
+        if self.breakdown.own_bytes == 0:
+            text.append("─" * width, self.get_component_rich_style("memory-bar--empty"))
+        for cells, style in zip(bar_cells([s.nbytes for s in segments], width), styles):
             text.append("█" * cells, style)
-        # "■ name" on the left, the size flush right: the legend fits whatever the panel's width.
-        name_width = max(8, self.size.width - 2 - 11)
         for segment, style in zip(segments, styles):
+            size = format_bytes(segment.nbytes)
+            # "■ name" on the left, the size flush right.
+            name_width = max(8, width - 3 - len(size))
             name = (
                 segment.name
                 if len(segment.name) <= name_width
                 else segment.name[: name_width - 1] + "…"
             )
             text.append("\n■ ", style)
-            text.append(f"{name:<{name_width}}{format_bytes(segment.nbytes):>11}")
-        text.append(f"\n  of {format_bytes(self.breakdown.total_bytes)} ({self.breakdown.source})")
+            text.append(f"{name:<{name_width}} {size}")
+            if segment.detail:
+                text.append(f"\n  {segment.detail}", detail_style)
+        for line in machine_lines(self.breakdown.system, self.breakdown.own_bytes):
+            text.append(f"\n  {line}")
         return text

@@ -32,7 +32,7 @@ class MetricsPanel(VerticalScroll):
         yield Label("cold pages (of bytes read)", classes="panel-title")
         yield ProgressBar(total=1.0, show_eta=False, id="cold-fraction")
         yield Label("", id="loads", classes="panel-value")
-        yield Label("memory", classes="panel-title")
+        yield Label("edge0's memory", classes="panel-title")
         yield MemoryBar(id="memory")
 
     def show(self, metrics: LiveMetrics, memory: MemoryBreakdown) -> None:

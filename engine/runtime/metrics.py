@@ -8,6 +8,7 @@ expert tensor), so it is re-sampled only as often as keeps it under a set share 
 
 from __future__ import annotations
 
+import ctypes
 import os
 import resource
 import statistics
@@ -123,13 +124,39 @@ class StepMetrics:
 
 
 def process_rss_bytes() -> int:
-    """Resident set size now (Linux), or the peak where only that is known (macOS)."""
+    """Resident set size now: /proc on Linux, proc_pidinfo on macOS; the peak as a last resort."""
     try:
         with open("/proc/self/statm") as f:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except OSError:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        return peak if sys.platform == "darwin" else peak * 1024
+        pass
+    if sys.platform == "darwin" and (current := _darwin_rss_bytes()) is not None:
+        return current
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
+
+
+_PROC_PIDTASKINFO = 4  # <sys/proc_info.h>
+
+
+def _darwin_rss_bytes() -> int | None:
+    """macOS: struct proc_taskinfo is 6 uint64 then 12 int32 (96 bytes); pti_resident_size is the
+    second uint64. One system call, no subprocess. Not run on a Mac here: any failure is None."""
+    try:
+        libc = ctypes.CDLL("/usr/lib/libSystem.B.dylib")
+        libc.proc_pidinfo.argtypes = [
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_uint64,
+            ctypes.c_void_p,
+            ctypes.c_int,
+        ]
+        libc.proc_pidinfo.restype = ctypes.c_int
+        info = (ctypes.c_uint64 * 12)()
+        filled = libc.proc_pidinfo(os.getpid(), _PROC_PIDTASKINFO, 0, info, ctypes.sizeof(info))
+    except (OSError, AttributeError):
+        return None
+    return int(info[1]) if filled == ctypes.sizeof(info) else None
 
 
 class MemorySampler:
