@@ -266,6 +266,10 @@ class _ReplyStream:
             context_tokens=self.prompt_tokens + len(self._tokens),
             peak_memory_bytes=max(previous.peak_memory_bytes, step.mlx_peak_bytes),
             last_step=step,
+            # The engine thread: the engine's own attribute is safe to read here.
+            last_prefill=self._engine.last_prefill
+            if step.phase == "prefill"
+            else previous.last_prefill,
             recent_steps=tuple(self._steps),
             recent_token_ms=tuple(self._token_ms),
         )

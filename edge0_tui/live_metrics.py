@@ -30,6 +30,9 @@ class LiveMetrics:
     peak_memory_bytes: int = 0
     # The latest forward (prefill or decode): the memory figures come from here.
     last_step: StepMetrics | None = None
+    # The latest reply's prefill (every prompt chunk up to the first token): its reads are shown
+    # apart from the decode figures, which a whole-layer prefill read would swamp.
+    last_prefill: StepMetrics | None = None
     # Decode steps only, newest last, at most HISTORY_STEPS, across replies.
     recent_steps: tuple[StepMetrics, ...] = ()
     # Wall time between consecutive decode tokens as the app saw them (forward, sampling and

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from adapters import write_random_profile
 from textual.pilot import Pilot
-from textual.widgets import Digits, Markdown, OptionList, RadioButton
+from textual.widgets import Digits, Label, Markdown, OptionList, RadioButton
 
 from edge0_tui.app import Edge0App
 from edge0_tui.chat_store import ChatMessage, ChatStore
@@ -153,6 +153,13 @@ async def test_reply_streams_and_panels_show_speed_and_memory(model, tmp_path):
             s.name: s.nbytes for s in app.chat_screen.query_one(MemoryBar).breakdown.segments
         }
         assert segments["MLX, not reclaimable"] > 0 and segments["rest of edge0"] > 0
+        # The prompt's reads, apart from decode's: the whole prefill, every chunk of it.
+        prefill = metrics.last_prefill
+        assert prefill is not None and prefill.phase == "prefill"
+        assert prefill.tokens == app.session.engine.last_prefill.tokens > 1
+        assert prefill.mib_read > 0
+        shown = str(app.chat_screen.query_one("#prefill", Label).content)
+        assert shown.startswith(f"prefill, {prefill.tokens} tokens: ") and "cold" in shown
 
         await pilot.press("f3")  # copy the last reply
         assert app.clipboard == reply.content

@@ -29,9 +29,10 @@ class MetricsPanel(VerticalScroll):
         yield Label("", id="blocked-ms", classes="panel-value")
         yield Sparkline([], id="blocked-ms-history")
         yield Label("", id="blocked-ms-range", classes="panel-note")
-        yield Label("cold pages (of bytes read)", classes="panel-title")
+        yield Label("cold pages, decode (of bytes read)", classes="panel-title")
         yield ProgressBar(total=1.0, show_eta=False, id="cold-fraction")
         yield Label("", id="loads", classes="panel-value")
+        yield Label("", id="prefill", classes="panel-note")
         yield Label("edge0's memory", classes="panel-title")
         yield MemoryBar(id="memory")
 
@@ -56,7 +57,19 @@ class MetricsPanel(VerticalScroll):
         self.query_one("#loads", Label).update(
             f"{metrics.loads_per_step:.1f} loads/step   {metrics.mib_per_step:.2f} MiB/step"
         )
+        self.query_one("#prefill", Label).update(prefill_line(metrics))
         self.query_one("#memory", MemoryBar).show(memory)
+
+
+def prefill_line(metrics: LiveMetrics) -> str:
+    """The last prompt's reads, apart from decode's: a prefill reads whole layers, cold or not."""
+    step = metrics.last_prefill
+    if step is None:
+        return "prefill: no prompt yet"
+    return (
+        f"prefill, {step.tokens} tokens: {step.mib_read:.1f} MiB, "
+        f"{step.cold_fraction:.0%} cold, blocked {step.blocked_ms:.0f} ms"
+    )
 
 
 def _range(values: list[float], unit: str) -> str:

@@ -35,7 +35,7 @@ from ..experts.store import LoadCounters
 from ..routing.prerouter import PrerouterHeads
 from ..trace import NO_TRACE, Tracer
 from .loader import LoadedModel, load, render_chat_template
-from .metrics import MemorySampler, StepMetrics, summarize
+from .metrics import MemorySampler, StepMetrics, merged, summarize
 from .numerics import HiddenGuard, guard_layers
 
 TokenCallback = Callable[[int, StepMetrics], None]
@@ -122,6 +122,7 @@ class Engine:
         self._lock = threading.Lock()
         self._requested: dict[str, object] = {}
         self._prompt_cache = None  # (KV cache, tokens it holds, (K, mode)) of the last reply
+        self.last_prefill: StepMetrics | None = None  # the latest prompt's forwards as one
         if self.routing is not None:
             self.routing.shadow_router = self.config.shadow_router
         self.guard = None
@@ -417,6 +418,7 @@ class Engine:
             last_chunk = start + chunk >= len(body)
             self._forward(body[start : start + chunk], cache, "prefill", steps, flush=last_chunk)
         logits = self._forward(prompt_tokens[-1:], cache, "prefill", steps)
+        self.last_prefill = merged(steps)  # the whole prompt's forwards, for live panels
         while True:
             with self.tracer.span("sample", "step"):
                 token = (

@@ -14,7 +14,7 @@ import resource
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -198,6 +198,29 @@ class MemorySampler:
     def close(self) -> None:
         for residency in self._residency.values():
             residency.close()
+
+
+def merged(steps: list[StepMetrics]) -> StepMetrics:
+    """Several forwards as one (a prompt's prefill chunks): counts and times added, the cold
+    fraction weighted by bytes, memory as after the last."""
+    last = steps[-1]
+    mib = sum(s.mib_read for s in steps)
+    loads = sum(s.loads for s in steps)
+    return replace(
+        last,
+        tokens=sum(s.tokens for s in steps),
+        wall_ms=sum(s.wall_ms for s in steps),
+        blocked_ms=sum(s.blocked_ms for s in steps),
+        loads=loads,
+        hits=sum(s.hits for s in steps),
+        mib_read=mib,
+        cold_fraction=sum(s.mib_read * s.cold_fraction for s in steps) / mib if mib else 0.0,
+        ms_per_load=sum(s.ms_per_load * s.loads for s in steps) / loads if loads else 0.0,
+        whole_layer_reads=sum(s.whole_layer_reads for s in steps),
+        whole_layer_mib=sum(s.whole_layer_mib for s in steps),
+        transient_peak_mib=max(s.transient_peak_mib for s in steps),
+        page_cache_evicted_mib=sum(s.page_cache_evicted_mib for s in steps),
+    )
 
 
 def summarize(steps: list[StepMetrics], prompt_tokens: int) -> dict:
