@@ -39,6 +39,7 @@ from engine import (
 
 from .live_metrics import HISTORY_STEPS, LiveMetrics
 from .messages import (
+    ContextCounted,
     EngineFailed,
     EngineReady,
     ModelProgress,
@@ -71,6 +72,15 @@ class _ApplySwitch:
 APPLY_SWITCH = _ApplySwitch()
 
 
+@dataclass(frozen=True)
+class _CountContext:
+    """Count the tokens of a reopened chat on the engine thread (the chat template renders there,
+    bounded in time, never on the UI thread)."""
+
+    chat_id: int
+    messages: list[dict]
+
+
 class SessionClosed(Exception):
     """Raised inside a long preparation step (a download) to abandon it when the app quits."""
 
@@ -93,7 +103,9 @@ class EngineSession:
         self.metrics = LiveMetrics()
         # Set once the engine thread has closed the engine and is about to return.
         self.closed = threading.Event()
-        self._requests: queue.Queue[ReplyRequest | _ApplySwitch | None] = queue.Queue()
+        self._requests: queue.Queue[ReplyRequest | _ApplySwitch | _CountContext | None] = (
+            queue.Queue()
+        )
         self._stop_reply = threading.Event()
         self._quit = threading.Event()
         self._worker_cancelled: Callable[[], bool] = lambda: False
@@ -125,6 +137,10 @@ class EngineSession:
         profile = self.engine.request_mode(mode)
         self._requests.put(APPLY_SWITCH)
         return profile
+
+    def count_context(self, chat_id: int, messages: list[dict]) -> None:
+        """Ask for a chat's context size; answered with `ContextCounted` (nothing on failure)."""
+        self._requests.put(_CountContext(chat_id, messages))
 
     def request_page_cache(self, budget_bytes: int | None) -> None:
         """Set the experts' page-cache budget (None: off); applied at once when idle."""
@@ -160,6 +176,12 @@ class EngineSession:
                     break
                 if isinstance(request, _ApplySwitch):
                     self._apply_switch(engine, post)
+                elif isinstance(request, _CountContext):
+                    try:
+                        tokens = len(engine.encode_chat(request.messages))
+                    except Edge0Error:
+                        continue  # the next reply reports the template's error
+                    post(ContextCounted(request.chat_id, tokens))
                 else:
                     self._reply(engine, request, post)  # reports its own Edge0Errors
         except Edge0Error as e:  # the model could not be prepared or loaded

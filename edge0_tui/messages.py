@@ -71,3 +71,11 @@ class SwitchFailed(Message, bubble=False):
     """A K or mode switch the engine accepted could not be applied (the engine keeps the old)."""
 
     error: str
+
+
+@dataclass
+class ContextCounted(Message, bubble=False):
+    """Tokens a reopened chat puts in the model's context (its messages through the template)."""
+
+    chat_id: int
+    tokens: int

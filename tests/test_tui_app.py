@@ -283,6 +283,13 @@ async def test_saved_chat_reopens_after_restart(model, tmp_path):
         assert [t.content for t in second.chat_screen.query(UserTurn)] == ["remember this question"]
         reopened = second.chat_screen.query(AssistantTurn).last().query_one(Markdown)
         assert reopened.source == saved_reply
+        # A reopened chat shows its context size: its messages through the chat template.
+        expected = len(
+            second.session.engine.encode_chat([m.as_prompt() for m in second.chat_screen.messages])
+        )
+        await wait_until(
+            pilot, lambda: f"context {expected} tokens" in status_text(second), "its context"
+        )
 
         await send(second, pilot, "and continue")
         await reply_done(second, pilot)
@@ -517,6 +524,7 @@ async def test_main_screen_snapshot(model, tmp_path, size, snapshot, panels):
         screen = app.chat_screen
         screen.panel_timer.pause()  # freeze: nothing time-dependent is drawn after this
         await screen.open_chat(chat_id)
+        await wait_until(pilot, lambda: screen.context_tokens, "the reopened chat's context")
         screen.query_one(PromptInput).cursor_blink = False
         if panels:
             await pilot.press("f6")

@@ -26,6 +26,7 @@ from ..chat_store import ChatHandle, ChatMessage, ChatStore, chat_title
 from ..engine_session import EngineSession, ReplyRequest
 from ..live_metrics import LiveMetrics
 from ..messages import (
+    ContextCounted,
     EngineFailed,
     EngineReady,
     ModelProgress,
@@ -240,10 +241,7 @@ class ChatScreen(Screen):
         conversation = self.query_one(Conversation)
         await conversation.add_user_turn(message.content)
         self.reply = await conversation.add_reply()
-        prompt = [m.as_prompt() for m in self.messages]
-        if self.system_prompt:
-            prompt.insert(0, {"role": "system", "content": self.system_prompt})
-        self.session.submit(ReplyRequest(prompt, self.settings))
+        self.session.submit(ReplyRequest(self._prompt(), self.settings))
         self.state = "writing…"
         self.refresh_bindings()
         return True
@@ -355,6 +353,19 @@ class ChatScreen(Screen):
         self.sub_title = self.chat.title
         await self.query_one(Conversation).show(self.messages)
         self.query_one(PromptInput).focus()
+        if self.ready:  # the status line shows it once the engine has counted
+            self.session.count_context(chat_id, self._prompt())
+
+    def on_context_counted(self, event: ContextCounted) -> None:
+        if self.chat is not None and self.chat.id == event.chat_id and self.reply is None:
+            self.context_tokens = event.tokens  # the panel timer's next tick shows it
+
+    def _prompt(self) -> list[dict]:
+        """What the engine is sent: the system prompt, then the chat's messages."""
+        prompt = [m.as_prompt() for m in self.messages]
+        if self.system_prompt:
+            prompt.insert(0, {"role": "system", "content": self.system_prompt})
+        return prompt
 
     def action_settings(self) -> None:
         kept = self.app.preferences
