@@ -204,6 +204,23 @@ class ChatStore:
         waiting = [message for chat, message in self._unsaved if chat.id == chat_id]
         return [ChatMessage(*row).cleaned() for row in rows] + waiting
 
+    def drop_last_reply(self, chat: ChatHandle) -> None:
+        """Forget the chat's last message, a reply about to be written again: the one still
+        waiting in memory if it is there, else the last one in the database."""
+        for i in range(len(self._unsaved) - 1, -1, -1):
+            if self._unsaved[i][0] is chat:
+                if self._unsaved[i][1].role == "assistant":
+                    del self._unsaved[i]
+                return
+        if chat.id is None:
+            return
+        with self._transaction():
+            self._db.execute(
+                "DELETE FROM messages WHERE id = (SELECT MAX(id) FROM messages WHERE chat_id = ?) "
+                "AND role = 'assistant'",
+                (chat.id,),
+            )
+
     def delete_chat(self, chat_id: int) -> None:
         with self._transaction():
             self._db.execute("DELETE FROM chats WHERE id = ?", (chat_id,))

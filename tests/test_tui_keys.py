@@ -231,3 +231,28 @@ async def test_a_reply_ends_without_blank_lines_and_keeps_its_line_breaks(model,
         # Two paragraphs (a blank line between) and the line that says how it ended.
         assert second.query_one(Markdown).outer_size.height == 3
         assert second.query_one(".ending").display
+
+
+async def test_ctrl_r_writes_the_last_reply_again_in_its_place(model, tmp_path):
+    app = make_app(model, tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(app, pilot)
+        screen = app.chat_screen
+        assert not screen.check_action("regenerate", ())  # nothing to write again yet
+        prompt = screen.query_one(PromptInput)
+        prompt.focus()
+        prompt.text = "tell me"
+        await pilot.press("enter")
+        first = await reply_done(app, pilot)
+        screen.settings = replace(screen.settings, temperature=1.0, seed=5)  # another reply
+        await pilot.press("ctrl+r")
+        await wait_until(pilot, lambda: screen.reply is not None or len(screen.messages) == 2, "")
+        again = await reply_done(app, pilot)
+        assert [m.role for m in screen.messages] == ["user", "assistant"]
+        assert len(screen.query(AssistantTurn)) == 1
+        chat_id = screen.chat_id
+    store = ChatStore(tmp_path)
+    saved = store.messages(chat_id)
+    store.close()
+    assert [m.role for m in saved] == ["user", "assistant"]
+    assert saved[-1].content == again.content and again.content != first.content

@@ -77,6 +77,7 @@ class ChatScreen(Screen):
         Binding("ctrl+o", "open_chat", "Chats", id="chat.open"),
         Binding("f2", "settings", "Settings", id="chat.settings"),
         Binding("f3", "copy_reply", "Copy reply", id="chat.copy"),
+        Binding("ctrl+r", "regenerate", "Regenerate", id="chat.regenerate"),
         # priority: the prompt (a TextArea) binds F6 to "select line".
         Binding("f6", "toggle_panels", "Panels", id="chat.panels", priority=True),
     ]
@@ -308,6 +309,9 @@ class ChatScreen(Screen):
             return parameters[0] in self._k_choices()  # only the K this model offers
         if action == "stop_reply":
             return self.reply is not None  # only shown while a reply is written
+        if action == "regenerate":  # the last message is a finished reply
+            last_is_reply = bool(self.messages) and self.messages[-1].role == "assistant"
+            return self.ready and self.reply is None and last_is_reply
         if action in ("new_chat", "open_chat"):
             return None if self.reply is not None else True  # dimmed while a reply is written
         return True
@@ -414,6 +418,23 @@ class ChatScreen(Screen):
         self.toggle_class("-panels")
         if not self.has_class("-panels"):
             self.query_one(PromptInput).focus()
+
+    async def action_regenerate(self) -> None:
+        """Write the last reply again (with the settings, K and mode that stand now)."""
+        if self.reply is not None or not self.messages or self.messages[-1].role != "assistant":
+            return
+        try:
+            self.store.drop_last_reply(self.chat)
+        except sqlite3.Error as e:  # locked past the busy timeout: keep the reply as it is
+            self.notify(f"cannot replace the reply now: {e}", severity="error")
+            return
+        self.messages.pop()
+        conversation = self.query_one(Conversation)
+        await conversation.drop_last_reply()
+        self.reply = await conversation.add_reply()
+        self.session.submit(ReplyRequest(self._prompt(), self.settings))
+        self.state = "writing…"
+        self.refresh_bindings()
 
     def action_copy_reply(self) -> None:
         replies = [m.content for m in self.messages if m.role == "assistant"]

@@ -115,6 +115,11 @@ class Conversation(VerticalScroll):
         await self.mount(reply)
         return reply
 
+    async def drop_last_reply(self) -> None:
+        replies = self.query(AssistantTurn)
+        if replies:
+            await replies.last().remove()
+
     async def show(self, messages: list[ChatMessage]) -> None:
         """Replace the turns with those of a saved chat."""
         await self.remove_children()
