@@ -182,12 +182,24 @@ class ChatStore:
         """Messages waiting to be written."""
         return len(self._unsaved)
 
-    def chats(self) -> list[ChatSummary]:
-        """Every chat, most recently updated first."""
+    def chats(self, matching: str = "") -> list[ChatSummary]:
+        """Every chat, most recently updated first; with `matching`, those whose title or any
+        message holds it (case-insensitive for ASCII letters, as SQLite's LIKE)."""
+        where, args = "", ()
+        if matching:
+            pattern = (
+                "%" + matching.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
+            )
+            where = (
+                "WHERE c.title LIKE ?1 ESCAPE '\\' OR EXISTS (SELECT 1 FROM messages s WHERE "
+                "s.chat_id = c.id AND s.content LIKE ?1 ESCAPE '\\') "
+            )
+            args = (pattern,)
         rows = self._db.execute(
             "SELECT c.id, c.title, c.model, c.updated_at, COUNT(m.id) FROM chats c "
-            "LEFT JOIN messages m ON m.chat_id = c.id GROUP BY c.id "
-            "ORDER BY c.updated_at DESC, c.id DESC"
+            f"LEFT JOIN messages m ON m.chat_id = c.id {where}GROUP BY c.id "
+            "ORDER BY c.updated_at DESC, c.id DESC",
+            args,
         ).fetchall()
         # Cleaned on the way out too: a database written by an older edge0 may hold raw text.
         return [
@@ -203,6 +215,10 @@ class ChatStore:
         ).fetchall()
         waiting = [message for chat, message in self._unsaved if chat.id == chat_id]
         return [ChatMessage(*row).cleaned() for row in rows] + waiting
+
+    def rename_chat(self, chat_id: int, title: str) -> None:
+        with self._transaction():
+            self._db.execute("UPDATE chats SET title = ? WHERE id = ?", (sanitize(title), chat_id))
 
     def drop_last_reply(self, chat: ChatHandle) -> None:
         """Forget the chat's last message, a reply about to be written again: the one still

@@ -22,7 +22,7 @@ from test_tui_app import (
 from textual import events
 from textual.fuzzy import Matcher
 from textual.keys import _character_to_key
-from textual.widgets import Markdown, RadioButton
+from textual.widgets import Label, Markdown, RadioButton
 from textual.widgets._footer import FooterKey
 
 from edge0_tui.app import Edge0App
@@ -256,3 +256,52 @@ async def test_ctrl_r_writes_the_last_reply_again_in_its_place(model, tmp_path):
     store.close()
     assert [m.role for m in saved] == ["user", "assistant"]
     assert saved[-1].content == again.content and again.content != first.content
+
+
+async def test_saved_chats_can_be_searched_renamed_and_deleted(model, tmp_path):
+    from textual.widgets import Input, OptionList
+
+    from edge0_tui.screens.chat_list import ChatListScreen, RenameScreen
+
+    store = ChatStore(tmp_path)
+    ids = {}
+    for title, words in [("kings", "the king sleeps"), ("fools", "a fool\x1b]0;x\x07 sings")]:
+        ids[title] = store.create_chat(title, "m")
+        store.add_message(ids[title], ChatMessage("user", words))
+    store.close()
+    app = make_app(model, tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(app, pilot)
+        await app.chat_screen.open_chat(ids["fools"])
+        await pilot.press("ctrl+o")
+        assert isinstance(app.screen, ChatListScreen)
+        listing = app.screen
+        assert listing.query_one(OptionList).option_count == 2
+        await pilot.press("slash")
+        await pilot.press(*"king")  # a word of a message, not of its title
+        await pilot.pause()
+        assert [c.title for c in listing.chats] == ["kings"]
+        listing.query_one("#chat-search", Input).value = ""
+        await pilot.pause()
+        listing.query_one(OptionList).focus()
+        listing.query_one(OptionList).highlighted = [c.id for c in listing.chats].index(
+            ids["fools"]
+        )
+        await pilot.press("f2")
+        assert isinstance(app.screen, RenameScreen)
+        app.screen.query_one("#new-title", Input).value = "wise fools"
+        await pilot.press("enter")
+        await pilot.pause()
+        assert app.screen is listing and "wise fools" in [c.title for c in listing.chats]
+        await pilot.press("delete")  # asks first
+        assert len(listing.chats) == 2
+        assert "Press Delete again" in str(listing.query_one("#chats-note", Label).content)
+        await pilot.press("delete")
+        await pilot.pause()
+        assert [c.title for c in listing.chats] == ["kings"]
+        await pilot.press("escape")
+        # The open chat was the one deleted: the screen starts a new chat.
+        await wait_until(pilot, lambda: app.chat_screen.chat is None, "a new chat")
+    store = ChatStore(tmp_path)
+    assert [c.title for c in store.chats()] == ["kings"]
+    store.close()

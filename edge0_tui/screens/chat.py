@@ -333,16 +333,19 @@ class ChatScreen(Screen):
         if self._refuse_while_writing():
             return
 
-        async def opened(chat_id: int | None) -> None:
+        async def closed(chat_id: int | None) -> None:
             if chat_id is not None:
                 await self.open_chat(chat_id)
+            elif self.chat is not None and self.chat.id is not None and not self._still_saved():
+                await self.action_new_chat()  # the open chat was deleted in the list
 
+        self.app.push_screen(ChatListScreen(self.store), closed)
+
+    def _still_saved(self) -> bool:
         try:
-            chats = self.store.chats()
-        except sqlite3.Error as e:
-            self.notify(f"cannot read the saved chats: {e}", severity="error")
-            return
-        self.app.push_screen(ChatListScreen(chats), opened)
+            return any(c.id == self.chat.id for c in self.store.chats())
+        except sqlite3.Error:
+            return True  # cannot tell: keep the chat on screen
 
     async def open_chat(self, chat_id: int) -> None:
         """Show a saved chat and continue it."""

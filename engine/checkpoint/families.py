@@ -9,6 +9,7 @@ or at decode the prerouter's prediction) and streams the experts.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
@@ -90,6 +91,9 @@ SIZE_FIELDS = {
     "linear_value_head_dim": 1,
     "linear_conv_kernel_dim": 1,
 }
+# config.json numbers that are no size but that mlx-lm uses as given: a string or null for them is
+# a traceback in the first forward pass, 0 or a negative value NaN in every reply.
+POSITIVE_NUMBER_FIELDS = ("rope_theta", "rms_norm_eps")
 # Heads times their width is the output width of a projection the checkpoint holds.
 HEAD_PRODUCTS = (
     ("num_attention_heads", "head_dim"),
@@ -117,6 +121,7 @@ def check_config_sizes(config: dict, shapes: dict[str, tuple[int, ...]], where: 
         scopes.append(("text_config.", config["text_config"]))
     for prefix, scope in scopes:
         _check_whole_numbers(scope, prefix, where)
+        _check_positive_numbers(scope, prefix, where)
     sizes = scopes[-1][1]
     _check_layer_count(sizes, scopes[-1][0], shapes, where)
     for field, pattern, what in SIZE_TENSORS:
@@ -140,6 +145,16 @@ def _check_whole_numbers(scope: dict, prefix: str, where: str) -> None:
             raise Edge0Error(f"{where}: {prefix}{field}={value!r} is not an integer")
         if value < least:
             raise Edge0Error(f"{where}: {prefix}{field}={value} must be at least {least}")
+
+
+def _check_positive_numbers(scope: dict, prefix: str, where: str) -> None:
+    for field in POSITIVE_NUMBER_FIELDS:
+        if field not in scope:
+            continue
+        value = scope[field]
+        number = value if type(value) in (int, float) else None  # not bool, str or null
+        if number is None or not math.isfinite(number) or number <= 0:
+            raise Edge0Error(f"{where}: {prefix}{field}={value!r} must be a finite number above 0")
 
 
 def _check_layer_count(sizes: dict, prefix: str, shapes: dict, where: str) -> None:

@@ -129,7 +129,7 @@ def read_config(model_dir: Path) -> dict:
     context = config.get("max_position_embeddings") or config.get("text_config", {}).get(
         "max_position_embeddings"
     )
-    if context is not None and _positive_int(context) is None:
+    if context is not None and (type(context) is not int or context < 1):  # not 4096.0 nor true
         raise Edge0Error(f"{path}: max_position_embeddings={context!r} is not a positive integer")
     return config
 
@@ -362,6 +362,7 @@ def quiet_load_tokenizer(model_dir: Path, eos_token_ids) -> TokenizerWrapper:
         tokenizer = load_tokenizer(model_dir, eos_token_ids=eos_token_ids)
     except Exception as e:  # tokenizers raise many types for a broken file
         _diagnose_tokenizer(model_dir)
+        _diagnose_config(model_dir, e)
         files = " / ".join(n for n in TOKENIZER_JSON[:2] if (model_dir / n).is_file())
         raise Edge0Error(
             f"{model_dir}: cannot load the tokenizer from {files or 'its files'} ({_one_line(e)})"
@@ -388,7 +389,7 @@ def _diagnose_tokenizer(model_dir: Path) -> None:
             raise Edge0Error(f"{path}: cannot load the tokenizer (invalid JSON: {e})") from None
         if not isinstance(data, dict):
             raise Edge0Error(f"{path}: cannot load the tokenizer (expected a JSON object)")
-        if name == "tokenizer_config.json":
+        if name in ("tokenizer_config.json", "special_tokens_map.json"):
             for field, (types, said) in TOKENIZER_CONFIG_TYPES.items():
                 if field in data and not isinstance(data[field], types):
                     raise Edge0Error(
@@ -409,6 +410,22 @@ def _diagnose_tokenizer(model_dir: Path) -> None:
                     f"{path}: cannot load the tokenizer (the tokenizers library refuses it: "
                     f"{_one_line(e)})"
                 ) from None
+
+
+def _diagnose_config(model_dir: Path, error: Exception) -> None:
+    """After the tokenizer failed to load and its own files look sound: transformers reads and
+    validates config.json to load a tokenizer too (e.g. max_position_embeddings of 4096.0, a
+    rope_scaling without its factor). When config.json alone fails the same way, it is the file
+    to name."""
+    from transformers import AutoConfig
+
+    try:
+        AutoConfig.from_pretrained(model_dir)
+    except Exception as e:
+        if _one_line(e) == _one_line(error):
+            raise Edge0Error(
+                f"{model_dir / 'config.json'}: transformers refuses it ({_one_line(e)})"
+            ) from None
 
 
 def _hidden_size(layer_experts) -> int:
