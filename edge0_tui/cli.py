@@ -9,7 +9,15 @@ import sys
 from pathlib import Path
 from typing import NoReturn
 
-from engine import MODES, Edge0Error, EngineConfig, GenerationConfig, format_bytes, parse_size
+from engine import (
+    MAX_SEED,
+    MODES,
+    Edge0Error,
+    EngineConfig,
+    GenerationConfig,
+    format_bytes,
+    parse_size,
+)
 
 # The exit status of a process killed by SIGPIPE (128 + 13), as shells report `yes | head`.
 BROKEN_PIPE_STATUS = 141
@@ -55,6 +63,32 @@ def _utf8(text: str) -> str:
             f"not valid UTF-8 (byte 0x{byte:02x} at character {e.start})"
         ) from None
     return text
+
+
+def _count(least: int):
+    """An argparse type: a whole number of at least `least` (rounds, tokens, turns, samples)."""
+
+    def count(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+        if value < least:
+            raise argparse.ArgumentTypeError(f"{value} must be at least {least}")
+        return value
+
+    return count
+
+
+def _seed(text: str) -> int:
+    """An argparse type: a random seed, as MLX takes it (an unsigned 64-bit integer)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    if not 0 <= value <= MAX_SEED:
+        raise argparse.ArgumentTypeError(f"{value} must be between 0 and {MAX_SEED}")
+    return value
 
 
 # edge0's user data folder (trained adapters, chats) when set; read here, at the top, only.
@@ -174,8 +208,8 @@ def build_parser() -> argparse.ArgumentParser:
         "overlap-limit table; needs every expert in memory)",
     )
     bench.add_argument("--k", type=int, default=None)
-    bench.add_argument("--rounds", type=int, default=3)
-    bench.add_argument("--tokens", type=int, default=64)
+    bench.add_argument("--rounds", type=_count(1), default=3)
+    bench.add_argument("--tokens", type=_count(1), default=64)
     bench.add_argument("--prompt-file", type=Path, default=None)
     bench.add_argument("--expert-cache", type=_size, default="1G")
     bench.add_argument("--ram-limit", type=_size, default=None)
@@ -208,8 +242,8 @@ def build_parser() -> argparse.ArgumentParser:
         "soak", help="a long conversation: memory, threads and files stay flat"
     )
     soak.add_argument("model", type=Path)
-    soak.add_argument("--turns", type=int, default=20)
-    soak.add_argument("--steps", type=int, default=2000)
+    soak.add_argument("--turns", type=_count(1), default=20)
+    soak.add_argument("--steps", type=_count(1), default=2000)
     soak.add_argument("--mode", choices=MODES, default="on-demand")
     soak.add_argument("--expert-cache", type=_size, default="1G")
     soak.add_argument(
@@ -314,8 +348,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--mode", choices=MODES, default=None, help="default: prerouter when heads exist"
     )
     evaluate.add_argument("--no-lora", action="store_true")
-    evaluate.add_argument("--max-tokens", type=int, default=16_384)
-    evaluate.add_argument("--samples", type=int, default=8, help="continuations for distinct-4")
+    evaluate.add_argument("--max-tokens", type=_count(1), default=16_384)
+    evaluate.add_argument(
+        "--samples", type=_count(1), default=8, help="continuations for distinct-4"
+    )
     evaluate.add_argument("--json", action="store_true", help="print one JSON object on stdout")
 
     synth = commands.add_parser(
@@ -340,7 +376,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="with --from: the experts' new intermediate width (6144 makes the demo's 2.5 MiB)",
     )
-    synth.add_argument("--seed", type=int, default=0)
+    synth.add_argument("--seed", type=_seed, default=0)
     synth.add_argument(
         "--heads",
         default=None,
@@ -500,8 +536,10 @@ def summary_line(s: dict) -> str:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    from engine import check_checkpoint
     from engine.measure.bench import DEFAULT_PROMPT, BenchConfig, markdown, run_bench, terminal_plot
 
+    check_checkpoint(args.model)  # in this process: the arms' processes would each say it again
     prompt = DEFAULT_PROMPT
     if args.prompt_file is not None:
         prompt = _read_text(args.prompt_file, "the prompt")
@@ -645,6 +683,8 @@ def cmd_train_base(args: argparse.Namespace) -> int:
 
 
 def _read_text(path: Path, what: str = "text") -> str:
+    if path.exists() and not path.is_file():  # a FIFO would block forever, a device never end
+        raise Edge0Error(f"{path}: cannot read {what} (not a regular file)")
     try:
         return path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
@@ -708,7 +748,12 @@ def cmd_synth(args: argparse.Namespace) -> int:
     from engine.train.synth import write_synthetic_checkpoint
 
     family, preset = args.family or "qwen3_moe", args.preset or "tiny"
-    out = write_synthetic_checkpoint(args.out, family, preset, seed=args.seed)
+    try:
+        out = write_synthetic_checkpoint(args.out, family, preset, seed=args.seed)
+    except OSError as e:  # OUT is a file, or under one, or where nothing may be written
+        raise Edge0Error(
+            f"{e.filename or args.out}: cannot write the checkpoint ({e.strerror or e})"
+        ) from None
     print(f"wrote {preset} {family} checkpoint to {out}")
     heads = args.heads if args.heads is not None else ("4" if preset == "wall" else "")
     for k in [int(k) for k in heads.split(",") if k.strip()]:

@@ -73,6 +73,14 @@ APPLY_SWITCH = _ApplySwitch()
 
 
 @dataclass(frozen=True)
+class _Reload:
+    """Close the engine and load the model again in `mode`: how the app moves between resident
+    (every expert read into memory) and the streaming modes, which one engine cannot switch."""
+
+    mode: str
+
+
+@dataclass(frozen=True)
 class _CountContext:
     """Count the tokens of a reopened chat on the engine thread (the chat template renders there,
     bounded in time, never on the UI thread)."""
@@ -103,9 +111,9 @@ class EngineSession:
         self.metrics = LiveMetrics()
         # Set once the engine thread has closed the engine and is about to return.
         self.closed = threading.Event()
-        self._requests: queue.Queue[ReplyRequest | _ApplySwitch | _CountContext | None] = (
-            queue.Queue()
-        )
+        self._requests: queue.Queue = queue.Queue()  # replies and the engine thread's chores
+        # The streaming run's page-cache budget, restored when leaving resident mode.
+        self._streaming_page_cache = engine_config.page_cache_bytes
         self._stop_reply = threading.Event()
         self._quit = threading.Event()
         self._worker_cancelled: Callable[[], bool] = lambda: False
@@ -137,6 +145,11 @@ class EngineSession:
         profile = self.engine.request_mode(mode)
         self._requests.put(APPLY_SWITCH)
         return profile
+
+    def reload(self, mode: str) -> None:
+        """Load the model again in `mode` (resident <-> streaming); answered with EngineReady,
+        or SwitchFailed and the old mode loaded back."""
+        self._requests.put(_Reload(mode))
 
     def count_context(self, chat_id: int, messages: list[dict]) -> None:
         """Ask for a chat's context size; answered with `ContextCounted` (nothing on failure)."""
@@ -176,6 +189,8 @@ class EngineSession:
                     break
                 if isinstance(request, _ApplySwitch):
                     self._apply_switch(engine, post)
+                elif isinstance(request, _Reload):
+                    engine = self._reload(engine, request.mode, post)
                 elif isinstance(request, _CountContext):
                     try:
                         tokens = len(engine.encode_chat(request.messages))
@@ -221,6 +236,21 @@ class EngineSession:
         notices = [n for n in (source.notice, engine.quality_note()) if n]
         post(EngineReady(source.name, engine.info(), engine.profiles(), engine.modes(), notices))
         return engine
+
+    def _reload(self, engine: Engine, mode: str, post: Post) -> Engine:
+        previous = self.engine_config
+        if previous.mode != "resident":
+            self._streaming_page_cache = previous.page_cache_bytes
+        page_cache = None if mode == "resident" else self._streaming_page_cache
+        self.engine = None
+        engine.close()  # first: resident and streaming copies of the experts never coexist
+        self.engine_config = dataclasses.replace(previous, mode=mode, page_cache_bytes=page_cache)
+        try:
+            return self._open(post)
+        except Edge0Error as e:
+            post(SwitchFailed(f"cannot load the model {mode}: {e}"))
+            self.engine_config = previous
+            return self._open(post)
 
     def _apply_switch(self, engine: Engine, post: Post) -> None:
         """Apply a requested K or mode now, while idle: what the engine does before its next step."""

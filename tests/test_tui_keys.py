@@ -16,6 +16,7 @@ from test_tui_app import (
     ready,
     record_notifications,
     reply_done,
+    send,
     status_text,
     wait_until,
 )
@@ -30,6 +31,7 @@ from edge0_tui.chat_store import ChatMessage, ChatStore
 from edge0_tui.screens.chat import STARTUP_NOTICE_S
 from edge0_tui.widgets.conversation import AssistantTurn
 from edge0_tui.widgets.prompt import PromptInput
+from engine import format_bytes
 
 
 @pytest.fixture
@@ -159,9 +161,13 @@ async def test_palette_finds_the_switches_by_k_mode_and_mode_names(model, tmp_pa
             matcher = Matcher(query)
             assert any(matcher.match(t) > 0 for t in titles), query
         resident = next(c for c in app.get_system_commands(app.screen) if "resident" in c.title)
-        notices = record_notifications(app)
+        assert resident.title == "Mode: resident"  # offered: the app reloads the model
         resident.callback()
-        assert "--mode resident" in notices[-1][0]
+        await pilot.pause()
+        from edge0_tui.screens.confirm import ConfirmScreen
+
+        assert isinstance(app.screen, ConfirmScreen)  # asks first
+        await pilot.press("escape")
 
 
 def _switch_note(app: Edge0App) -> str:
@@ -305,3 +311,43 @@ async def test_saved_chats_can_be_searched_renamed_and_deleted(model, tmp_path):
     store = ChatStore(tmp_path)
     assert [c.title for c in store.chats()] == ["kings"]
     store.close()
+
+
+async def test_resident_is_chosen_in_the_app_after_a_confirmation_and_left_again(model, tmp_path):
+    from textual.widgets import Button
+
+    from edge0_tui.screens.confirm import ConfirmScreen
+
+    app = make_app(model, tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(app, pilot)
+        screen = app.chat_screen
+        screen.choose_mode("resident")
+        await pilot.pause()
+        assert isinstance(app.screen, ConfirmScreen)  # it asks, naming the memory it needs
+        expert_bytes = app.session.engine.loaded.index.expert_nbytes
+        question = str(app.screen.query(Label)[1].content)
+        assert "every expert" in question and format_bytes(expert_bytes) in question
+        await pilot.press("escape")  # cancelled: nothing reloads
+        await pilot.pause()
+        assert app.session.engine.mode == "on-demand"
+        assert screen.query_one("#mode-on-demand", RadioButton).value
+
+        screen.choose_mode("resident")
+        await pilot.pause()
+        await pilot.click(app.screen.query_one("#confirm", Button))
+        await wait_until(
+            pilot,
+            lambda: screen.ready and app.session.engine and app.session.engine.mode == "resident",
+            "the model loaded resident",
+        )
+        await send(app, pilot, "hello")
+        resident_reply = await reply_done(app, pilot)
+        assert resident_reply.role == "assistant"
+        await pilot.press("f5")  # from resident, the next mode drops the experts again
+        await wait_until(
+            pilot,
+            lambda: screen.ready and app.session.engine and app.session.engine.mode == "on-demand",
+            "back to on-demand",
+        )
+        assert len(screen.messages) == 2  # the chat stayed

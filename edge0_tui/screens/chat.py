@@ -20,7 +20,7 @@ from textual.timer import Timer
 from textual.widgets import Footer, Header
 from textual.worker import Worker, WorkerState, get_current_worker
 
-from engine import HEAD_MODES, Edge0Error, GenerationConfig
+from engine import HEAD_MODES, Edge0Error, GenerationConfig, format_bytes
 
 from ..chat_store import ChatHandle, ChatMessage, ChatStore, chat_title
 from ..engine_session import EngineSession, ReplyRequest
@@ -45,6 +45,7 @@ from ..widgets.routing_selector import RoutingSelector
 from ..widgets.status_line import Status, StatusLine
 from ..widgets.wall_strip import WallStrip
 from .chat_list import ChatListScreen
+from .confirm import ConfirmScreen
 from .model_loading import ModelLoadingScreen
 from .settings import SettingsScreen
 
@@ -179,7 +180,7 @@ class ChatScreen(Screen):
     async def on_engine_ready(self, event: EngineReady) -> None:
         info = event.info
         await self.query_one(RoutingSelector).set_choices(
-            event.profiles, event.modes, info["k"], info["mode"]
+            event.profiles, offered_modes(event), info["k"], info["mode"]
         )
         # Only now: the panel timer shows the selector's state once `ready`.
         self.ready = True
@@ -474,12 +475,59 @@ class ChatScreen(Screen):
         self.choose_k(k)
 
     def action_next_mode(self) -> None:
-        modes = self.query_one(RoutingSelector).modes
-        if len(modes) > 1:
+        # The streaming modes: resident reloads the model and is chosen on its own (selector,
+        # palette), never by cycling past it.
+        modes = [m for m in self.query_one(RoutingSelector).modes if m != "resident"]
+        if self.session.metrics.mode == "resident":
+            self.choose_mode("on-demand")
+        elif len(modes) > 1:
             self.choose_mode(_after(modes, self.pending_mode or self.session.metrics.mode))
         elif modes:
             other = "prerouter" if modes[0] == "on-demand" else "on-demand"
             self.notify(f"{modes[0]} is the only mode offered here: {mode_unavailable(other)}")
+
+    def _reload_in(self, mode: str) -> None:
+        """Resident <-> streaming: the model is loaded again. Going resident reads every expert
+        into memory, so it asks first, with what that needs and what the machine has free."""
+        selector = self.query_one(RoutingSelector)
+        if self.reply is not None:
+            self.notify("wait for the reply to end (or press Escape) before reloading the model")
+            selector.select(mode=self.session.metrics.mode)
+            return
+        if mode != "resident":
+            self._start_reload(mode)
+            return
+        engine = self.session.engine
+        needs = engine.loaded.index.expert_nbytes if engine is not None else 0
+        memory = read_system_memory()
+        free = (
+            ""
+            if memory.used_bytes is None
+            else (
+                f"; {format_bytes(memory.total_bytes - memory.used_bytes)} of "
+                f"{format_bytes(memory.total_bytes)} {memory.source} is free now"
+            )
+        )
+        question = (
+            f"Resident mode reads every expert into memory: {format_bytes(needs)} more{free}. "
+            "Past what is free the system swaps or stops edge0. The chat stays."
+        )
+
+        def answered(yes: bool | None) -> None:
+            if yes:
+                self._start_reload("resident")
+            else:
+                selector.select(mode=self.session.metrics.mode)
+
+        self.app.push_screen(ConfirmScreen("Load every expert?", question, "Load"), answered)
+
+    def _start_reload(self, mode: str) -> None:
+        self.ready = False
+        self.state = f"loading the model {mode}…"
+        self.session.reload(mode)
+        self.app.remember(mode=mode)
+        self.refresh_bindings()
+        self.refresh_panels()
 
     def _k_choices(self) -> list[int]:
         """The K the mode that will run can use: those with prerouter heads in a head mode."""
@@ -518,6 +566,9 @@ class ChatScreen(Screen):
 
     def choose_mode(self, mode: str, remember: bool = True) -> None:
         selector = self.query_one(RoutingSelector)
+        if "resident" in (mode, self.session.metrics.mode) and mode != self.session.metrics.mode:
+            self._reload_in(mode)
+            return
         try:
             profile = self.session.request_mode(mode)
         except Edge0Error as e:
@@ -564,13 +615,17 @@ class ChatScreen(Screen):
         )
 
 
+def offered_modes(event: EngineReady) -> list[str]:
+    """The modes the selector offers: the engine's own, and the others it reloads into
+    (resident from a streaming mode; the streaming modes from resident)."""
+    if event.modes == ["resident"]:
+        has_heads = any(p.prerouter for p in event.profiles)
+        return ["resident", "on-demand", *(HEAD_MODES if has_heads else ())]
+    return [*event.modes, "resident"]
+
+
 def mode_unavailable(mode: str) -> str:
     """Why `mode` is not offered by the running engine, and what to do about it."""
-    if mode == "resident":
-        return (
-            "resident mode loads every expert into memory at start: run "
-            "`edge0 chat MODEL --mode resident`"
-        )
     if mode in HEAD_MODES:
         return (
             f"{mode} mode needs prerouter heads for this model: train them with "
