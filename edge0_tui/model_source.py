@@ -82,6 +82,16 @@ def resolve_model(
     local = Path(spec).expanduser()
     if local.exists():
         return ModelSource(local, local.name)  # the engine says what is wrong with a bad checkpoint
+    _check_repo_id(spec, local)
+    on_progress(f"no local directory {spec}; trying the Hugging Face Hub", 0, None)
+    try:
+        return ModelSource(download_from_hub(spec, on_progress, offline=offline), spec)
+    except Edge0Error as e:
+        raise Edge0Error(f"no local directory {spec}; {e}") from None
+
+
+def _check_repo_id(spec: str, local: Path) -> None:
+    """MODEL is no existing folder: it must read as a Hub repo id, not as a path mistyped."""
     if _names_a_path(spec):
         raise Edge0Error(_missing_path(spec, local))
     if not is_hub_id(spec):
@@ -89,11 +99,6 @@ def resolve_model(
             f"{spec!r}: no local directory of that name, and not a Hugging Face model id "
             "(owner/name: letters, digits, '-', '_', '.')"
         )
-    on_progress(f"no local directory {spec}; trying the Hugging Face Hub", 0, None)
-    try:
-        return ModelSource(download_from_hub(spec, on_progress, offline=offline), spec)
-    except Edge0Error as e:
-        raise Edge0Error(f"no local directory {spec}; {e}") from None
 
 
 def check_model(spec: str, offline: bool = False) -> None:
@@ -109,13 +114,7 @@ def check_model(spec: str, offline: bool = False) -> None:
 
         check_checkpoint(local)  # the engine's own words: "config.json: missing (not an ...)"
         return
-    if _names_a_path(spec):
-        raise Edge0Error(_missing_path(spec, local))
-    if not is_hub_id(spec):
-        raise Edge0Error(
-            f"{spec!r}: no local directory of that name, and not a Hugging Face model id "
-            "(owner/name: letters, digits, '-', '_', '.')"
-        )
+    _check_repo_id(spec, local)
     from huggingface_hub import constants
 
     if offline or constants.HF_HUB_OFFLINE:
