@@ -136,3 +136,18 @@ async def test_segment_colours_differ_in_every_builtin_theme():
             if all(c.triplet is not None for c in colours):
                 for a, b in itertools.combinations(colours, 2):
                     assert _distance(a, b) >= MIN_COLOUR_DISTANCE, f"{theme}: {a} vs {b}"
+
+
+async def test_a_macs_metal_wired_limit_is_shown_and_absent_elsewhere():
+    from engine.runtime.metrics import metal_wired_limit_bytes
+
+    assert metal_wired_limit_bytes() is None  # no Metal on this machine: no made-up figure
+    app = BarApp()
+    async with app.run_test(size=(60, 20)) as pilot:
+        bar = app.query_one(MemoryBar)
+        bar.show(MemoryBreakdown.of(LiveMetrics(last_step=DEMO_STEP), MACHINE, 11 << 30))
+        await pilot.pause()
+        assert "Metal wired limit 11.00 GiB" in bar.render().plain
+        bar.show(demo_breakdown())
+        await pilot.pause()
+        assert "Metal wired limit" not in bar.render().plain

@@ -89,6 +89,7 @@ class ChatScreen(Screen):
         self.store = store
         self.settings = settings
         self.system_prompt = ""  # from the model's preferences once mounted; "" sends none
+        self.wired_limit_bytes: int | None = None  # Metal's, from the engine once loaded
         self.chat: ChatHandle | None = None  # None until the chat's first message
         self.messages: list[ChatMessage] = []
         self.reply: AssistantTurn | None = None  # the reply being written, if any
@@ -179,6 +180,7 @@ class ChatScreen(Screen):
 
     async def on_engine_ready(self, event: EngineReady) -> None:
         info = event.info
+        self.wired_limit_bytes = info.get("wired_limit_bytes")
         await self.query_one(RoutingSelector).set_choices(
             event.profiles, offered_modes(event), info["k"], info["mode"]
         )
@@ -594,7 +596,8 @@ class ChatScreen(Screen):
             self.pending_mode = None
             # A mode switch may bring its own K (prerouter mode needs a K with trained heads).
             self.query_one(RoutingSelector).select(k=metrics.k)
-        self.query_one(MetricsPanel).show(metrics, MemoryBreakdown.of(metrics, memory))
+        breakdown = MemoryBreakdown.of(metrics, memory, self.wired_limit_bytes)
+        self.query_one(MetricsPanel).show(metrics, breakdown)
         self.query_one(WallStrip).show(metrics)
         if self.ready:
             self.query_one(RoutingSelector).show_pending(

@@ -44,13 +44,17 @@ class MemoryBreakdown:
     segments: tuple[MemorySegment, ...]
     # The machine (or cgroup) edge0 runs in, shown as text beside the bar.
     system: SystemMemory
+    # On a Mac: how much memory Metal lets MLX wire (None elsewhere).
+    wired_limit_bytes: int | None = None
 
     @property
     def own_bytes(self) -> int:
         return sum(s.nbytes for s in self.segments)
 
     @classmethod
-    def of(cls, metrics: LiveMetrics, system: SystemMemory) -> MemoryBreakdown:
+    def of(
+        cls, metrics: LiveMetrics, system: SystemMemory, wired_limit_bytes: int | None = None
+    ) -> MemoryBreakdown:
         step = metrics.last_step
         active = step.mlx_active_bytes if step else 0
         cache = step.mlx_cache_bytes if step else 0
@@ -69,7 +73,7 @@ class MemoryBreakdown:
             MemorySegment("checkpoint, reclaimable", checkpoint, "memory-bar--reclaimable"),
             MemorySegment("rest of edge0", rest, "memory-bar--rest"),
         )
-        return cls(segments, system)
+        return cls(segments, system, wired_limit_bytes)
 
 
 def bar_cells(sizes: list[int], width: int) -> list[int]:
@@ -165,4 +169,6 @@ class MemoryBar(Widget):
                 text.append(f"\n  {segment.detail}", detail_style)
         for line in machine_lines(self.breakdown.system, self.breakdown.own_bytes):
             text.append(f"\n  {line}")
+        if self.breakdown.wired_limit_bytes:
+            text.append(f"\n  Metal wired limit {format_bytes(self.breakdown.wired_limit_bytes)}")
         return text

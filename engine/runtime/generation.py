@@ -35,7 +35,7 @@ from ..experts.store import LoadCounters
 from ..routing.prerouter import PrerouterHeads
 from ..trace import NO_TRACE, Tracer
 from .loader import LoadedModel, load, render_chat_template
-from .metrics import MemorySampler, StepMetrics, merged, summarize
+from .metrics import MemorySampler, StepMetrics, merged, metal_wired_limit_bytes, summarize
 from .numerics import HiddenGuard, guard_layers
 
 TokenCallback = Callable[[int, StepMetrics], None]
@@ -316,6 +316,7 @@ class Engine:
             "hidden": self.loaded.hidden,
             "expert_bytes": index.expert_nbytes,
             "expert_cache_bytes": self.config.expert_cache_bytes,
+            "wired_limit_bytes": metal_wired_limit_bytes(),  # Metal only; None elsewhere
             "dtype": str(self.loaded.float_dtype or "as saved"),
             "fingerprint": self.fingerprint,
             "profiles": [p.__dict__ for p in self.profiles()],

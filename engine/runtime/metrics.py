@@ -123,6 +123,18 @@ class StepMetrics:
         return asdict(self)
 
 
+def metal_wired_limit_bytes() -> int | None:
+    """How much memory Metal lets MLX wire on this Mac (the GPU's recommended working set);
+    None where there is no Metal (Linux, CPU)."""
+    try:
+        if not mx.metal.is_available():
+            return None
+        value = mx.device_info().get("max_recommended_working_set_size")
+    except (AttributeError, RuntimeError):
+        return None
+    return int(value) if value else None
+
+
 def process_rss_bytes() -> int:
     """Resident set size now: /proc on Linux, proc_pidinfo on macOS; the peak as a last resort."""
     try:
