@@ -854,6 +854,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
     return 0
 
 
+STDOUT_CLOSED = "stdout is closed (use >/dev/null to discard output)"
+
+
 class StdoutError(Edge0Error):
     """stdout cannot take the command's output (a full device, a descriptor closed under us)."""
 
@@ -912,11 +915,26 @@ def _discard_stdout() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    stdout = sys.stdout
+    try:  # --help and --version write to stdout; argparse ignores an OSError there, not this
+        if stdout is not None:
+            sys.stdout = _CheckedStdout(stdout)
+        try:
+            args = parser.parse_args(argv)
+        except SystemExit as e:
+            if e.code == 0 and stdout is not None:  # (with stdout closed, argparse uses stderr)
+                sys.stdout.flush()
+            raise
+    except StdoutError as e:
+        _discard_stdout()
+        print(f"edge0: error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        sys.stdout = stdout
     if args.command is None:
         args = parser.parse_args(["chat"])
     if sys.stdout is None:  # started with stdout closed (`>&-`): Python then has no sys.stdout
-        print("edge0: error: stdout is closed (use >/dev/null to discard output)", file=sys.stderr)
+        print(f"edge0: error: {STDOUT_CLOSED}", file=sys.stderr)
         return 2
     handlers = {
         "chat": cmd_chat,

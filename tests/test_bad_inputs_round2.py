@@ -43,6 +43,9 @@ ROUTER_SCALES = "model.layers.1.mlp.gate.scales"
 # Nested loops of 10**10 iterations in all: a template that would never finish.
 LOOPS = "{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}"
 HUGE_OUTPUT = "{% for i in range(99999) %}{{ 'abcdefgh' * 1000 }}{% endfor %}"
+# One operation each, in C, that no trace function can interrupt: 10 GB of string, a 300 Mbit number.
+HUGE_REPEAT = "{{ 'a' * 10**10 }}"
+HUGE_POWER = "{{ 10**100000000 }}"
 
 
 # -- ways to break a copy ---------------------------------------------------------------------------
@@ -90,6 +93,21 @@ def replace_with_directory(name: str):
     def edit(model: Path) -> None:
         (model / name).unlink()
         (model / name).mkdir()
+
+    return edit
+
+
+def replace_model_with(kind: str):
+    """The model directory itself replaced by a file, a FIFO or a symlink loop."""
+
+    def edit(model: Path) -> None:
+        shutil.rmtree(model)
+        if kind == "file":
+            model.write_text("{}")
+        elif kind == "FIFO":
+            os.mkfifo(model)
+        else:
+            model.symlink_to(model.name)
 
     return edit
 
@@ -204,6 +222,45 @@ CASES = [
         ("text_config.num_hidden_layers=100000000",),
         family="qwen3_5_moe",
     ),
+    # 7, the class: config numbers that are no size but that mlx-lm uses as given.
+    Case(
+        "rope_theta a string",
+        lambda m: edit_config(m, rope_theta="x"),
+        "config.json",
+        ("rope_theta='x' must be a finite number above 0",),
+        command="generate",
+    ),
+    Case(
+        "rope_theta zero",
+        lambda m: edit_config(m, rope_theta=0),
+        "config.json",
+        ("rope_theta=0 must be a finite number above 0",),
+    ),
+    Case(
+        "rms_norm_eps null",
+        lambda m: edit_config(m, rms_norm_eps=None),
+        "config.json",
+        ("rms_norm_eps=None must be a finite number above 0",),
+    ),
+    Case(
+        "context length a float",
+        lambda m: edit_config(m, max_position_embeddings=4096.0),
+        "config.json",
+        ("max_position_embeddings=4096.0 is not a positive integer",),
+    ),
+    # Also: a field transformers validates when it loads the tokenizer names config.json.
+    Case(
+        "rope_scaling without its factor",
+        lambda m: edit_config(m, rope_scaling={"type": "yarn"}),
+        "config.json",
+        ("transformers refuses it", "'factor'"),
+    ),
+    Case(
+        "eos_token_id a string",
+        lambda m: edit_config(m, eos_token_id="x"),
+        "config.json",
+        ("transformers refuses it", "eos_token_id"),
+    ),
     # 3: files that are not regular files are refused by name, before anything opens them.
     Case("shard is a FIFO", replace_with_fifo(SHARD), SHARD, ("a FIFO",), command="generate"),
     Case("config is a FIFO", replace_with_fifo("config.json"), "config.json", ("a FIFO",)),
@@ -247,6 +304,15 @@ CASES = [
         ("a character device",),
     ),
     Case("shard is a directory", replace_with_directory(SHARD), SHARD, ("a directory",)),
+    Case("model is a file", replace_model_with("file"), "", ("a file, not a directory",)),
+    Case(
+        "model is a FIFO",
+        replace_model_with("FIFO"),
+        "",
+        ("a FIFO (named pipe), not a directory",),
+        command="generate",
+    ),
+    Case("model is a symlink loop", replace_model_with("loop"), "", ("a symlink loop",)),
     Case(
         "prerouter is a FIFO",
         replace_with_fifo(PREROUTER),
@@ -287,6 +353,19 @@ CASES = [
         adapters=True,
         command="generate",
     ),
+    Case(
+        "NaN in the output head's scales",
+        set_tensor("lm_head.scales", float("nan")),
+        SHARD,
+        ("lm_head.scales", "NaN or infinite"),
+        command="generate",
+    ),
+    Case(
+        "infinity in the embedding's biases",
+        set_tensor("model.embed_tokens.biases", float("inf")),
+        SHARD,
+        ("model.embed_tokens.biases", "NaN or infinite"),
+    ),
     # Tokenizer files: the message names the file and what is wrong with it.
     Case(
         "tokenizer.json without its parts",
@@ -313,6 +392,12 @@ CASES = [
         ("eos_token=5 is not a string",),
     ),
     Case(
+        "special token a number in the special tokens map",
+        lambda m: (m / "special_tokens_map.json").write_text('{"eos_token": 5}'),
+        "special_tokens_map.json",
+        ("eos_token=5 is not a string",),
+    ),
+    Case(
         "special tokens map not an object",
         lambda m: (m / "special_tokens_map.json").write_text("[1]"),
         "special_tokens_map.json",
@@ -332,6 +417,22 @@ CASES = [
         chat_template(HUGE_OUTPUT),
         "",
         ("the chat template renders more than",),
+        command="generate",
+        chat=True,
+    ),
+    Case(
+        "chat template repeating a string 10**10 times",
+        chat_template(HUGE_REPEAT),
+        "",
+        ("the chat template renders more than",),
+        command="generate",
+        chat=True,
+    ),
+    Case(
+        "chat template computing a huge power",
+        chat_template(HUGE_POWER),
+        "",
+        ("the chat template computes a number of more than",),
         command="generate",
         chat=True,
     ),
@@ -498,6 +599,17 @@ def test_chat_template_bound_keeps_the_tracer(checkpoint_dir):
         sys.settrace(previous)
 
 
+def test_chat_template_keeps_ordinary_operators(checkpoint_dir, tmp_path):
+    """The bounded `*` and `**` still compute what templates use them for."""
+    model = _copy(checkpoint_dir("qwen3_moe"), tmp_path)
+    chat_template(
+        "{{ '=' * 3 }}{{ 2 ** 8 }}{{ [0] * 2 }}{% for m in messages %}{{ m.content }}{% endfor %}"
+    )(model)
+    with Engine(model, EngineConfig()) as engine:
+        ids = engine.encode_chat([{"role": "user", "content": "hi"}])
+        assert engine.tokenizer.decode(ids) == "===256[0, 0]hi"
+
+
 # -- 8 and 10: arguments and sampling values, one line each ------------------------------------------
 
 
@@ -533,6 +645,69 @@ def test_bad_argument_is_one_line(checkpoint_dir, capsys, extra, message):
     assert captured.out == ""
     lines = captured.err.splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"edge0: error: {message}"), captured.err
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["bench", "M", "--rounds", "0"], "argument --rounds: 0 must be at least 1"),
+        (["bench", "M", "--tokens", "-3"], "argument --tokens: -3 must be at least 1"),
+        (["soak", "M", "--turns", "0"], "argument --turns: 0 must be at least 1"),
+        (["soak", "M", "--steps", "-1"], "argument --steps: -1 must be at least 1"),
+        (
+            ["eval", "M", "--text", "t", "--samples", "0"],
+            "argument --samples: 0 must be at least 1",
+        ),
+        (["eval", "M", "--text", "t", "--max-tokens", "0"], "argument --max-tokens: 0 must be"),
+        (["synth", "OUT", "--seed", "-1"], "argument --seed: -1 must be between 0 and"),
+        (["synth", "OUT", "--seed", str(2**64)], f"argument --seed: {2**64} must be between 0"),
+        (["synth", "OUT", "--seed", "x"], "argument --seed: invalid int value: 'x'"),
+    ],
+)
+def test_bad_argument_of_the_other_commands_is_one_line(capsys, argv, message):
+    """Each was a traceback (ZeroDivisionError, IndexError, mlx's seed()) or a two-line error."""
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    captured = capsys.readouterr()
+    assert e.value.code == 2 and captured.out == ""
+    lines = captured.err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"edge0: error: {message}"), captured.err
+
+
+@pytest.mark.parametrize("command", ["bench", "eval"])
+def test_text_file_that_is_a_fifo(checkpoint_dir, tmp_path, command):
+    """A FIFO given as --prompt-file or --text blocked forever."""
+    fifo = tmp_path / "text"
+    os.mkfifo(fifo)
+    option = "--prompt-file" if command == "bench" else "--text"
+    out = run_cli(command, str(checkpoint_dir("qwen3_moe")), option, str(fifo))
+    assert_refused(out, fifo, "not a regular file")
+
+
+def test_synth_into_a_file_is_one_line(tmp_path):
+    taken = tmp_path / "taken"
+    taken.write_text("mine")
+    out = run_cli("synth", str(taken))
+    assert_refused(out, taken, "cannot write the checkpoint (Not a directory)")
+    assert taken.read_text() == "mine"
+
+
+def test_bench_on_a_missing_model_says_so(capsys, tmp_path):
+    assert main(["bench", str(tmp_path / "nothing")]) == 2
+    assert (
+        capsys.readouterr().err
+        == f"edge0: error: {tmp_path / 'nothing'}: no such model directory\n"
+    )
+
+
+def test_bench_says_a_child_error_once(checkpoint_dir):
+    out = run_cli(
+        "bench", str(checkpoint_dir("qwen3_moe")), "--k", "3", "--arms", "on-demand",
+        "--rounds", "1", "--tokens", "2",
+    )  # fmt: skip
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("edge0: error: sampling the token sequence failed: K=3 is not available")
 
 
 def test_prompt_bytes_that_are_not_utf8(checkpoint_dir):
@@ -607,10 +782,14 @@ def test_head_of_a_long_reply(checkpoint_dir):
     assert "Traceback" not in out.stderr and "Exception" not in out.stderr
 
 
-@pytest.mark.parametrize("command", ["generate", "info"])
+@pytest.mark.parametrize("command", ["generate", "info", "--help", "--version"])
 def test_full_device_is_one_line(checkpoint_dir, command):
+    """--help and --version too: argparse ignores a failed write, and exited 0 with no text."""
     model = checkpoint_dir("qwen3_moe")
-    argv = _generate_argv(model) if command == "generate" else _cli("info", str(model))
+    argv = {
+        "generate": _generate_argv(model),
+        "info": _cli("info", str(model)),
+    }.get(command, _cli(command))
     with open("/dev/full", "w") as full:
         out = subprocess.run(argv, stdout=full, stderr=subprocess.PIPE, text=True, cwd=REPO)
     assert_refused(out, None, "cannot write to stdout (No space left on device)")

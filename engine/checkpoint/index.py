@@ -77,6 +77,26 @@ def check_regular_file(path: Path, missing: str = "missing") -> None:
         raise Edge0Error(f"{path}: {kind}, not a regular file")
 
 
+def check_directory(path: Path, missing: str = "no such directory") -> None:
+    """Refuse a path that is not a directory once symlinks are followed, saying what it is (a
+    file, a FIFO, a symlink loop) rather than that it is missing."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        if os.path.islink(path):
+            raise Edge0Error(f"{path}: a symlink to a directory that does not exist") from None
+        raise Edge0Error(f"{path}: {missing}") from None
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise Edge0Error(f"{path}: a symlink loop") from None
+        if e.errno == errno.ENOTDIR:  # a file where a folder of the path should be
+            raise Edge0Error(f"{path}: {missing}") from None
+        raise Edge0Error(f"{path}: cannot read ({e.strerror or e})") from None
+    if not stat.S_ISDIR(mode):
+        kind = next((name for test, name in _FILE_KINDS if test(mode)), "a file")
+        raise Edge0Error(f"{path}: {kind}, not a directory")
+
+
 def list_dir(directory: Path) -> list[str]:
     """The names in a directory, sorted. A directory that cannot be listed (no read permission)
     is an Edge0Error naming it; `Path.glob` would quietly find nothing there."""

@@ -357,8 +357,9 @@ def _arm_cgroups(
 
 
 def _last_line(text: str) -> str:
+    """A child's last line of stderr, without its own `edge0: error: ` (the parent says it)."""
     lines = [line for line in text.strip().splitlines() if line.strip()]
-    return lines[-1] if lines else "no output"
+    return lines[-1].removeprefix("edge0: error: ") if lines else "no output"
 
 
 # -- the report -------------------------------------------------------------------------------------

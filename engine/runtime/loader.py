@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import tempfile
 import time
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 from mlx.utils import tree_flatten
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import load_model as mlx_lm_load_model
@@ -26,7 +28,14 @@ from transformers.utils import logging as hf_logging
 
 from ..adapters.metadata import nonfinite_tensors
 from ..checkpoint.families import Family, MoESite, check_config_sizes, family_of, find_moe_sites
-from ..checkpoint.index import CheckpointIndex, brief, check_regular_file, list_dir, parse_json
+from ..checkpoint.index import (
+    CheckpointIndex,
+    brief,
+    check_directory,
+    check_regular_file,
+    list_dir,
+    parse_json,
+)
 from ..config import EngineConfig
 from ..errors import Edge0Error
 from ..experts.store import ExpertStore
@@ -39,6 +48,9 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 # Files of a model directory that the config and tokenizer loaders (transformers) may open, by
 # suffix: each must be a regular file, since opening a FIFO blocks forever.
 LOADER_SUFFIXES = (".json", ".jinja", ".txt", ".model")
+# The model's two ends (`model.` may sit under `language_model.`), whose quantization scales are
+# checked at load with the small tensors.
+OUTPUT_ENDS = re.compile(r"(?:^|\.)(?:lm_head|embed_tokens|word_embeddings)$")
 # A chat template is code that comes with the checkpoint: its rendering is bounded in CPU time of the
 # rendering thread and in characters rendered (real templates take milliseconds and a few KB more
 # than the conversation), so that a broken or hostile one fails instead of hanging.
@@ -110,8 +122,7 @@ def compute_dtype(config: EngineConfig) -> mx.Dtype | None:
 
 
 def read_config(model_dir: Path) -> dict:
-    if not model_dir.is_dir():
-        raise Edge0Error(f"{model_dir}: no such model directory")
+    check_directory(model_dir, missing="no such model directory")
     path = model_dir / "config.json"
     check_regular_file(path, missing="missing (not an mlx-lm checkpoint directory?)")
     try:
@@ -303,8 +314,10 @@ def _check_finite(
 ) -> None:
     """Refuse NaN or infinity in the resident small tensors: norms, routers, biases and every
     other floating parameter outside a quantized matrix (whose packed weights cannot hold NaN,
-    and whose scales are many). One NaN in a norm or a router turns every reply into garbage;
-    the numerical guard reports what this leaves out, at run time."""
+    and whose scales are many), and the scales of the two ends, the embedding and the output
+    head: the numerical guard repairs hidden states, not logits, and a NaN logit makes every
+    token 0. One NaN in a norm or a router turns every reply into garbage; the numerical guard
+    reports what this leaves out, at run time."""
     modules = dict(model.named_modules())
     routers = tuple(site.path.rsplit(".", 1)[0] + ".gate." for site in sites)
     experts = tuple(site.path + "." for site in sites)  # streamed, never resident
@@ -313,7 +326,12 @@ def _check_finite(
         owner_path, _, attribute = name.rpartition(".")
         owner = modules.get(owner_path)
         quantized = hasattr(owner, "bits") and hasattr(owner, "group_size")
-        small_part = not quantized or attribute == "bias" or name.startswith(routers)
+        small_part = (
+            not quantized
+            or attribute == "bias"
+            or name.startswith(routers)
+            or (attribute in ("scales", "biases") and OUTPUT_ENDS.search(owner_path) is not None)
+        )
         if small_part and not name.startswith(experts):
             small[name] = array
     for name in nonfinite_tensors(small)[:1]:
@@ -440,12 +458,42 @@ class ChatTemplateBudgetError(Exception):
     """The chat template ran past its time or output bound."""
 
 
+# The most bits a power in a chat template may compute (10**10**8 is one long operation in C).
+CHAT_TEMPLATE_POWER_BITS = 1 << 16
+
+
+def _bounded_binop(self, context, operator: str, left, right):
+    """`*` and `**` in a chat template (the sandbox's hook for intercepted operators): a string
+    or list repeated past the output bound, or a power past CHAT_TEMPLATE_POWER_BITS, is refused
+    before it runs. Each is one operation in C that the trace function cannot interrupt."""
+    if operator == "*":
+        for items, times in ((left, right), (right, left)):
+            if isinstance(items, (str, list, tuple)) and isinstance(times, int):
+                if len(items) * times > CHAT_TEMPLATE_CHARS:
+                    raise ChatTemplateBudgetError(
+                        f"renders more than {CHAT_TEMPLATE_CHARS} characters"
+                    )
+    elif operator == "**" and isinstance(left, int) and isinstance(right, int) and right > 0:
+        if abs(left) > 1 and right * (abs(left).bit_length() - 1) > CHAT_TEMPLATE_POWER_BITS:
+            raise ChatTemplateBudgetError(
+                f"computes a number of more than {CHAT_TEMPLATE_POWER_BITS} bits"
+            )
+    return self.binop_table[operator](left, right)
+
+
+# transformers compiles chat templates in this sandbox (it makes its own environment each time, so
+# the class is where a bound can go); intercepted operators are also never folded at compile time.
+ImmutableSandboxedEnvironment.intercepted_binops = frozenset({"*", "**"})
+ImmutableSandboxedEnvironment.call_binop = _bounded_binop
+
+
 class _TemplateBudget:
     """A trace function that bounds a Jinja rendering in the thread that renders it (a signal
     would work only in the main thread). Jinja compiles a template to Python code whose file name
     is `<template>`, so its loops run line events there: each checks the thread's CPU time, and
     every piece the template yields (a `return` event) counts toward the output bound. A single
-    long operation inside C (e.g. a string repeated 10**10 times) is not interrupted."""
+    long operation inside C is not interrupted: `_bounded_binop` refuses the repetitions and
+    powers; a string method given a huge width (`'a'.ljust(10**10)`) still runs."""
 
     # Reading the thread's CPU clock is a system call: look at it every this many events.
     CLOCK_EVERY = 1000
