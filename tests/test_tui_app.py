@@ -245,6 +245,7 @@ async def test_mode_switch_mid_reply_brings_the_prerouter_and_its_k(model, tmp_p
             "on-demand",
             "prerouter",
             "prefetch",
+            "resident",  # offered too: the app reloads the model for it
         ]
         await send(app, pilot, "switch while I talk")
         await reply_streaming(app, pilot)

@@ -83,6 +83,8 @@ async def test_keys_typed_after_enter_belong_to_the_next_message(model, tmp_path
         burst(app, "second line", then="enter")
         burst(app, "next message")
         await wait_until(pilot, lambda: prompt.text == "next message", "the keys after Enter")
+        # The screen takes the sent text as a message of its own, maybe after the keys behind it.
+        await wait_until(pilot, lambda: app.chat_screen.messages, "the message to be sent")
         assert app.chat_screen.messages[0].content == "first line\nsecond line"
         await reply_done(app, pilot)
 
