@@ -823,10 +823,11 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
     # What the user chose for this model last time; the command line wins for this run.
     store = PreferenceStore(_config_dir() or user_config_path("edge0"))
+    key = model_key(args.model)
     kept = KeptPreferences(
         store,
-        model_key(args.model),
-        store.load(model_key(args.model), DEFAULT_SETTINGS),
+        key,
+        store.load(key, DEFAULT_SETTINGS),
         mode_from_command_line=args.mode is not None,
     )
     stored = kept.current

@@ -62,16 +62,7 @@ def check_regular_file(path: Path, missing: str = "missing") -> None:
     """Refuse a path that is not a regular file once symlinks are followed, before anything opens
     it: reading a FIFO blocks forever, a device never ends. `missing` is the message for a path
     that does not exist; a symlink loop or a dangling symlink is said as such."""
-    try:
-        mode = os.stat(path).st_mode
-    except FileNotFoundError:
-        if os.path.islink(path):
-            raise Edge0Error(f"{path}: a symlink to a file that does not exist") from None
-        raise Edge0Error(f"{path}: {missing}") from None
-    except OSError as e:
-        if e.errno == errno.ELOOP:
-            raise Edge0Error(f"{path}: a symlink loop") from None
-        raise Edge0Error(f"{path}: cannot read ({e.strerror or e})") from None
+    mode = _followed_mode(path, missing, "a file")
     if not stat.S_ISREG(mode):
         kind = next((name for test, name in _FILE_KINDS if test(mode)), "not a regular file")
         raise Edge0Error(f"{path}: {kind}, not a regular file")
@@ -80,21 +71,30 @@ def check_regular_file(path: Path, missing: str = "missing") -> None:
 def check_directory(path: Path, missing: str = "no such directory") -> None:
     """Refuse a path that is not a directory once symlinks are followed, saying what it is (a
     file, a FIFO, a symlink loop) rather than that it is missing."""
+    # ENOTDIR: a file where a folder of the path should be, so the directory is missing.
+    mode = _followed_mode(path, missing, "a directory", not_a_folder_is_missing=True)
+    if not stat.S_ISDIR(mode):
+        kind = next((name for test, name in _FILE_KINDS if test(mode)), "a file")
+        raise Edge0Error(f"{path}: {kind}, not a directory")
+
+
+def _followed_mode(
+    path: Path, missing: str, target: str, not_a_folder_is_missing: bool = False
+) -> int:
+    """`path`'s mode with symlinks followed; a missing path, a dangling symlink (to `target`) or
+    a symlink loop is an Edge0Error saying which."""
     try:
-        mode = os.stat(path).st_mode
+        return os.stat(path).st_mode
     except FileNotFoundError:
         if os.path.islink(path):
-            raise Edge0Error(f"{path}: a symlink to a directory that does not exist") from None
+            raise Edge0Error(f"{path}: a symlink to {target} that does not exist") from None
         raise Edge0Error(f"{path}: {missing}") from None
     except OSError as e:
         if e.errno == errno.ELOOP:
             raise Edge0Error(f"{path}: a symlink loop") from None
-        if e.errno == errno.ENOTDIR:  # a file where a folder of the path should be
+        if e.errno == errno.ENOTDIR and not_a_folder_is_missing:
             raise Edge0Error(f"{path}: {missing}") from None
         raise Edge0Error(f"{path}: cannot read ({e.strerror or e})") from None
-    if not stat.S_ISDIR(mode):
-        kind = next((name for test, name in _FILE_KINDS if test(mode)), "a file")
-        raise Edge0Error(f"{path}: {kind}, not a directory")
 
 
 def list_dir(directory: Path) -> list[str]:
