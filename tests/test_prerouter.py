@@ -437,6 +437,35 @@ def test_prefetch_reads_predictions_ahead_and_keeps_the_true_routing(profiled, f
     assert tokens["prefetch"] == tokens["on-demand"]
 
 
+def test_prefetch_drops_reads_ahead_its_step_did_not_use(profiled):
+    """In prefetch mode the true router routes, so a mispredicted expert's read ahead is never
+    used: it is dropped when the step it was for ends. (Kept until the request ended, such reads
+    held 2.5 MiB each outside the pool's budget and a 384 MiB wall was killed in a few steps.)"""
+    engine = Engine(
+        profiled("qwen3_moe"), EngineConfig(mode="prefetch", k=4, expert_cache_bytes=60_000)
+    )
+    store = engine.store
+    held_after_step = []
+    end_step = store.end_step
+
+    def recording_end_step():
+        counters = end_step()
+        # What stays staged is only what was issued during this step for the next one.
+        held_after_step.append((len(store._staged), store._issued_for_next_step))
+        return counters
+
+    store.end_step = recording_end_step
+    try:
+        result = engine.generate([5, 9, 13, 17], GenerationConfig(max_tokens=16))
+    finally:
+        engine.close()
+    decode = [s for s in result.steps if s.phase == "decode"]
+    issued = sum(s.prefetch_issued for s in decode)
+    used = sum(s.prefetch_in_time + s.prefetch_late for s in decode)
+    assert used < issued  # the heads mispredict, so some reads ahead go unused
+    assert all(held <= next_step for held, next_step in held_after_step)
+
+
 def test_prefetch_hit_rate_is_the_overlap_of_reads_ahead_and_routing(profiled):
     """The hit rate a step reports is the share of the experts its consumer layers' routers chose
     that the previous flush had predicted (and so read ahead)."""
