@@ -235,6 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="read the checkpoint once first (default, except with --read-limit)",
     )
+    _add_adapters(bench)
     bench.add_argument("--json", type=Path, default=None, dest="json_out")
     bench.add_argument("--markdown", type=Path, default=None)
 
@@ -309,7 +310,11 @@ def build_parser() -> argparse.ArgumentParser:
         phase.add_argument("model", type=Path)
         phase.add_argument("--k", type=int, required=True)
         phase.add_argument(
-            "--teacher", type=Path, required=True, help="the unquantized float model (mlx-lm)"
+            "--teacher",
+            type=Path,
+            default=None,
+            help="the unquantized float model (mlx-lm); default: the checkpoint itself (its 4-bit "
+            "weights routed by its own routers at its native K, without the LoRA)",
         )
         phase.add_argument(
             "--text", type=Path, required=True, help="UTF-8 text to draw prompts from"
@@ -320,14 +325,19 @@ def build_parser() -> argparse.ArgumentParser:
             "--batch", type=int, default=None, help="rows (lora) or rollouts (distill) per step"
         )
         phase.add_argument(
-            "--out", type=Path, default=None, help="default MODEL/lora_k{K}.safetensors"
+            "--out",
+            type=Path,
+            default=None,
+            help="default lora_k{K}.safetensors in the folder of the K profile's heads",
         )
         phase.add_argument(
             "--out-dir",
             type=Path,
             default=None,
-            help=f"checkpoints (default MODEL/train/{out_dir}_k{{K}}); a rerun resumes there",
+            help=f"checkpoints (default HEADS_FOLDER/train/{out_dir}_k{{K}}); a rerun resumes "
+            "there",
         )
+        _add_adapters(phase)
     lora.add_argument(
         "--generate", type=int, default=1600, help="teacher continuations (cached, see --rows)"
     )
@@ -335,7 +345,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--rows",
         type=Path,
         default=None,
-        help="teacher rows cache (default MODEL/train/teacher_rows.npz, shared by every K)",
+        help="teacher rows cache (default HEADS_FOLDER/train/teacher_rows.npz, shared by every K)",
     )
 
     evaluate = commands.add_parser(
@@ -348,6 +358,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--mode", choices=MODES, default=None, help="default: prerouter when heads exist"
     )
     evaluate.add_argument("--no-lora", action="store_true")
+    _add_adapters(evaluate)
     evaluate.add_argument("--max-tokens", type=_count(1), default=16_384)
     evaluate.add_argument(
         "--samples", type=_count(1), default=8, help="continuations for distinct-4"
@@ -556,6 +567,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         cold=args.cold or (args.read_limit is not None and not args.warm),
         read_limit_bps=args.read_limit,
         trace_dir=args.trace,
+        adapter_dirs=_adapter_dirs(args.adapters),
+        data_dir=_data_dir(),
     )
     if args.trace is not None:
         try:
@@ -719,6 +732,7 @@ def cmd_train_lora_or_distill(args: argparse.Namespace) -> int:
         out_dir=args.out_dir,
         log=lambda line: print(line, flush=True),
         bar=sys.stderr.isatty(),
+        engine_config=EngineConfig(adapter_dirs=_adapter_dirs(args.adapters), data_dir=_data_dir()),
         **extra,
     )
     return 0
@@ -733,6 +747,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
         lora=not args.no_lora,
         max_tokens=args.max_tokens,
         samples=args.samples,
+        adapter_dirs=_adapter_dirs(args.adapters),
+        data_dir=_data_dir(),
     )
     log = None if args.json else (lambda line: print(line, file=sys.stderr, flush=True))
     report = evaluate(args.model, _read_text(args.text), config, log=log)

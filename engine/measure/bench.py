@@ -89,6 +89,9 @@ class BenchConfig:
     seed: int = 0
     temperature: float = 0.7
     trace_dir: Path | None = None  # each arm's step timeline: DIR/<arm>-round<N>.json
+    # Where every arm looks for K profiles (EngineConfig's fields of the same names).
+    adapter_dirs: tuple[Path, ...] = ()
+    data_dir: Path | None = None
 
 
 @dataclass
@@ -114,7 +117,11 @@ def run_arm(spec: dict) -> dict:
     from ..runtime.generation import Engine
 
     config = EngineConfig(
-        mode=spec["mode"], expert_cache_bytes=spec["expert_cache_bytes"], k=spec["k"]
+        mode=spec["mode"],
+        expert_cache_bytes=spec["expert_cache_bytes"],
+        k=spec["k"],
+        adapter_dirs=tuple(Path(d) for d in spec["adapter_dirs"]),
+        data_dir=Path(spec["data_dir"]) if spec["data_dir"] else None,
     )
     reads = ReadSpans(whole_trace=spec.get("trace") is not None)
     with Engine(spec["model"], config, tracer=reads) as engine:
@@ -265,6 +272,8 @@ def run_bench(config: BenchConfig, progress=print, timeout_s: float = 3600) -> d
         "expert_cache_bytes": config.expert_cache_bytes,
         "seed": config.seed,
         "temperature": config.temperature,
+        "adapter_dirs": [str(d) for d in config.adapter_dirs],
+        "data_dir": str(config.data_dir) if config.data_dir else None,
     }
     if config.ram_limit_bytes is not None:  # fail before any work if the limit cannot be made
         MemoryCgroup.create(config.ram_limit_bytes, "edge0-bench-probe").remove()
@@ -404,7 +413,13 @@ def build_report(config: BenchConfig, sampled: dict, runs: list[ArmRun]) -> dict
             continue
         data["overlap"] = overlap_limit(f, compute["median"])
     return {
-        "config": {**asdict(config), "model": str(config.model)},
+        "config": {
+            **asdict(config),
+            "model": str(config.model),
+            "trace_dir": str(config.trace_dir) if config.trace_dir else None,
+            "adapter_dirs": [str(d) for d in config.adapter_dirs],
+            "data_dir": str(config.data_dir) if config.data_dir else None,
+        },
         "prompt_tokens": len(sampled["prompt_tokens"]),
         "tokens": len(sampled["tokens"]),
         "arms": arms,

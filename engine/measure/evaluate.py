@@ -35,7 +35,6 @@ import mlx.nn as nn
 import numpy as np
 
 from ..adapters.lora import LoRALinear
-from ..adapters.profiles import discover_profiles
 from ..config import EngineConfig
 from ..errors import Edge0Error
 from ..runtime.generation import Engine
@@ -64,6 +63,9 @@ class EvalConfig:
     bits: int = 4
     expert_cache_bytes: int = 1 << 30
     seed: int = 0
+    # Where K profiles are looked for (EngineConfig's fields of the same names).
+    adapter_dirs: tuple[Path, ...] = ()
+    data_dir: Path | None = None
 
 
 # -- the maths ---------------------------------------------------------------------------------------
@@ -246,21 +248,28 @@ def evaluate(model_dir: str | Path, text: str, config: EvalConfig, log: Log | No
     """The report `edge0 eval` prints (see the module docstring)."""
     model_dir = Path(model_dir)
     log = log or (lambda line: None)
-    has_heads = any(files.prerouter for files in discover_profiles(model_dir).values())
-    mode = config.mode or ("prerouter" if has_heads else "on-demand")
-    engine = Engine(
-        model_dir,
-        EngineConfig(
-            mode=mode, k=config.k, lora=config.lora, expert_cache_bytes=config.expert_cache_bytes
-        ),
+    engine_config = EngineConfig(
+        mode=config.mode or "on-demand",
+        k=config.k,
+        lora=config.lora,
+        expert_cache_bytes=config.expert_cache_bytes,
+        adapter_dirs=config.adapter_dirs,
+        data_dir=config.data_dir,
     )
+    engine = Engine(model_dir, engine_config)
     try:
-        return _evaluate(engine, mode, text, config, log)
+        if config.mode is None and "prerouter" in engine.modes():
+            # prerouter when some K profile (over the whole adapter search) has heads
+            engine.request_mode("prerouter")
+            engine.apply_requests()
+        return _evaluate(engine, engine.mode, text, config, log, engine_config)
     finally:
         engine.close()
 
 
-def _evaluate(engine: Engine, mode: str, text: str, config: EvalConfig, log: Log) -> dict:
+def _evaluate(
+    engine: Engine, mode: str, text: str, config: EvalConfig, log: Log, engine_config: EngineConfig
+) -> dict:
     k = engine.k
     files = engine.adapters.get(k)
     heads_file = files.prerouter if files is not None else None
@@ -285,7 +294,9 @@ def _evaluate(engine: Engine, mode: str, text: str, config: EvalConfig, log: Log
     student = None
     if heads_file is not None or lora_file is not None:
         log("building the student path (dequantized base)")
-        student = load_student(engine.model_dir, k, heads=heads_file is not None, lora=lora_file)
+        student = load_student(
+            engine.model_dir, k, heads_file is not None, lora_file, engine_config
+        )
 
     # -- perplexity and recall@K -------------------------------------------------------------------
     log(f"perplexity over {count} windows of {config.window} tokens")

@@ -1,6 +1,6 @@
 """Phase 3: on-policy distillation of the recovery LoRA (reverse KL on the student's own text).
 
-    edge0 train distill MODEL --k K --teacher DIR --text FILE [--steps N] [--out-dir DIR]
+    edge0 train distill MODEL --k K --text FILE [--teacher DIR] [--steps N] [--out-dir DIR]
 
 Starts from the phase-2 LoRA (`MODEL/lora_k{K}.safetensors`; the paper's order, heads -> SFT ->
 on-policy, is not a tunable: distillation-only adapters collapse). Each step:
@@ -20,7 +20,7 @@ on-policy, is not a tunable: distillation-only adapters collapse). Each step:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -32,8 +32,9 @@ from ..config import EngineConfig
 from ..errors import Edge0Error
 from ..runtime.generation import Engine
 from .data import corpus_tokens, draw_prompts, masked_mean, sample_served
+from .lora import teacher_bytes
 from .run import Log, TrainingRun, training_progress
-from .student import Student, load_student
+from .student import PROFILE_LORA, Student, load_student
 from .teacher import load_teacher
 
 
@@ -81,25 +82,33 @@ def topk_reverse_kl(student_logits: mx.array, teacher_logits: mx.array, k: int) 
 
 def train_distill(
     model_dir: str | Path,
-    teacher_dir: str | Path,
+    teacher_dir: str | Path | None,
     text: str,
     config: TrainDistillConfig,
     out: Path | None = None,
     out_dir: Path | None = None,
     log: Log = print,
     bar: bool = False,
+    engine_config: EngineConfig | None = None,
 ) -> tuple[Path, list[dict]]:
-    """Distill the K=config.k LoRA on-policy; write it; return (path, log of {step, loss})."""
+    """Distill the K=config.k LoRA on-policy; write it; return (path, log of {step, loss}).
+    `teacher_dir` None: the checkpoint itself teaches. The K profile (heads and phase-2 LoRA) is
+    found over `engine_config`'s adapter search, and the result written beside it unless `out`."""
     model_dir = Path(model_dir)
-    out_dir = Path(out_dir or model_dir / "train" / f"distill_k{config.k}")
-    lora_path = model_dir / f"lora_k{config.k}.safetensors"
-    if not lora_path.exists():
-        raise Edge0Error(
-            f"{lora_path}: missing; phase 3 starts from the phase-2 LoRA (`edge0 train lora`)"
-        )
+    engine_config = engine_config or EngineConfig()
     if config.prompt_tokens < 2:
         raise Edge0Error("prompts need at least 2 tokens")
-    student = load_student(model_dir, config.k, heads=True, lora=lora_path)
+    # Phase 3 starts from the phase-2 LoRA of the K profile (beside its heads).
+    student = load_student(
+        model_dir,
+        config.k,
+        True,
+        PROFILE_LORA,
+        engine_config,
+        teacher_bytes(teacher_dir, engine_config),
+    )
+    lora_path = student.lora.path
+    out_dir = Path(out_dir or student.adapter_folder / "train" / f"distill_k{config.k}")
     teacher = load_teacher(teacher_dir, student)
     corpus = corpus_tokens(student.tokenizer, text, config.max_corpus_tokens)
     p = config.prompt_tokens
@@ -108,7 +117,7 @@ def train_distill(
         logits = student(inputs, gate_prefix=p - 1)  # the engine prefilled prompt[:-1] by the gate
         return masked_mean(topk_reverse_kl(logits, teacher_logits, config.kl_top_k), weights)
 
-    engine = rollout_engine(model_dir, config)
+    engine = rollout_engine(model_dir, config, engine_config)
     try:
         heldout = heldout_rollouts(out_dir, engine, teacher, corpus, config)
         run = TrainingRun(out_dir, student, config, loss_fn, lambda: loss_fn(*heldout).item(), log)
@@ -131,13 +140,16 @@ def train_distill(
     return out, run.history
 
 
-def rollout_engine(model_dir: Path, config: TrainDistillConfig) -> Engine:
+def rollout_engine(
+    model_dir: Path, config: TrainDistillConfig, engine_config: EngineConfig | None = None
+) -> Engine:
     """The served model the rollouts come from (4-bit base, heads, the LoRA as trained so far).
     It carries no KV cache from one rollout to the next: one computed with last step's LoRA would
     be stale."""
     return Engine(
         model_dir,
-        EngineConfig(
+        replace(
+            engine_config or EngineConfig(),
             mode="prerouter",
             k=config.k,
             expert_cache_bytes=config.expert_cache_bytes,

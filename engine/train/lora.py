@@ -1,6 +1,6 @@
 """Phase 2: SFT of the recovery LoRA on the student path, on teacher-written text.
 
-    edge0 train lora MODEL --k K --teacher DIR --text FILE [--generate N] [--steps N] [--out-dir DIR]
+    edge0 train lora MODEL --k K --text FILE [--teacher DIR] [--generate N] [--steps N] [--out-dir DIR]
 
 1. Data: prompts are windows of the corpus text; the teacher (the unquantized float model) writes a
    continuation of each. The rows do not depend on K: they are cached in `teacher_rows.npz` (by
@@ -36,11 +36,13 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from ..config import EngineConfig
 from ..errors import Edge0Error
+from ..runtime.loader import compute_dtype
 from .data import continuation_mask, corpus_tokens, draw_prompts, masked_mean, sample
 from .run import Log, TrainingRun, training_progress
-from .student import LoRAInit, Student, load_student
-from .teacher import load_teacher
+from .student import LoRAInit, Student, dequantized_bytes, load_student
+from .teacher import CheckpointTeacher, load_teacher
 
 
 @dataclass
@@ -72,7 +74,7 @@ class TrainLoRAConfig:
 
 def train_lora(
     model_dir: str | Path,
-    teacher_dir: str | Path,
+    teacher_dir: str | Path | None,
     text: str,
     config: TrainLoRAConfig,
     out: Path | None = None,
@@ -80,23 +82,30 @@ def train_lora(
     log: Log = print,
     bar: bool = False,
     rows_path: Path | None = None,
+    engine_config: EngineConfig | None = None,
 ) -> tuple[Path, list[dict]]:
-    """Train the LoRA for K=config.k; write it; return (path, log of {step, loss[, heldout]})."""
+    """Train the LoRA for K=config.k; write it; return (path, log of {step, loss[, heldout]}).
+    `teacher_dir` None: the checkpoint itself teaches (`teacher.CheckpointTeacher`). Written
+    beside the K profile's heads (found over `engine_config`'s adapter search) unless `out`."""
     model_dir = Path(model_dir)
-    out_dir = Path(out_dir or model_dir / "train" / f"lora_k{config.k}")
-    rows_path = Path(rows_path or model_dir / "train" / "teacher_rows.npz")
     if config.prompt_tokens < 2 or config.holdout_rows >= config.rows:
         raise Edge0Error("need prompts of at least 2 tokens and more rows than held-out rows")
     if config.targets not in ("teacher", "tokens"):
         raise Edge0Error(f"targets={config.targets!r}: must be 'teacher' or 'tokens'")
     lora = LoRAInit(config.r, config.alpha, config.seed)
-    student = load_student(model_dir, config.k, heads=True, lora=lora)
-    teacher = load_teacher(teacher_dir, student) if config.targets == "teacher" else None
+    student = load_student(
+        model_dir, config.k, True, lora, engine_config, teacher_bytes(teacher_dir, engine_config)
+    )
+    folder = student.adapter_folder
+    out_dir = Path(out_dir or folder / "train" / f"lora_k{config.k}")
+    rows_path = Path(rows_path or folder / "train" / "teacher_rows.npz")
+    teacher = load_teacher(teacher_dir, student)
+    log(f"teacher: {teacher_dir or 'the checkpoint itself (its own routers, native K, no LoRA)'}")
 
     # -- 1. data -----------------------------------------------------------------------------------
     corpus = corpus_tokens(student.tokenizer, text, config.max_corpus_tokens)
     prompts, continuations = teacher_rows(
-        student, teacher_dir, corpus, config, rows_path, log, bar, teacher
+        student, teacher_dir or model_dir, corpus, config, rows_path, log, bar, teacher
     )
     p = config.prompt_tokens
     tokens = np.concatenate([prompts, continuations], axis=1)
@@ -112,7 +121,7 @@ def train_lora(
     # -- 2. train ----------------------------------------------------------------------------------
     def loss_fn(x, y, w):
         logits = student(x, gate_prefix)
-        if teacher is None:
+        if config.targets == "tokens":
             return masked_mean(nn.losses.cross_entropy(logits, y), w)
         return masked_mean(forward_kl(teacher(x), logits), w)
 
@@ -131,7 +140,7 @@ def train_lora(
             progress.update(task, advance=1, status=f"loss {loss:.4f}")
 
     # -- 3. save -----------------------------------------------------------------------------------
-    out = Path(out or model_dir / f"lora_k{config.k}.safetensors")
+    out = Path(out or folder / f"lora_k{config.k}.safetensors")
     student.save_lora(out)
     log(f"wrote {out}")
     return out, run.history
@@ -159,7 +168,7 @@ def teacher_rows(
     was written with these settings; the missing ones are generated (by `teacher`, or the model
     loaded from `teacher_dir`) and added to it."""
     settings = {
-        "teacher": _teacher_digest(Path(teacher_dir)),
+        "teacher": _teacher_digest(Path(teacher_dir), isinstance(teacher, CheckpointTeacher)),
         "corpus": hashlib.sha256(corpus.tobytes()).hexdigest()[:16],
         **{
             k: getattr(config, k)
@@ -205,8 +214,9 @@ def teacher_rows(
     return prompts[: config.rows], continuations[: config.rows]
 
 
-def _teacher_digest(teacher_dir: Path) -> str:
-    """Names a teacher checkpoint: its config and its weight files' names and sizes."""
+def _teacher_digest(teacher_dir: Path, itself: bool = False) -> str:
+    """Names a teacher checkpoint: its config and its weight files' names and sizes (and whether
+    the checkpoint teaches as itself, so rows of a float teacher are never taken for its own)."""
     if not (teacher_dir / "config.json").exists():
         raise Edge0Error(
             f"{teacher_dir}: no config.json (the teacher must be an mlx-lm checkpoint)"
@@ -214,4 +224,15 @@ def _teacher_digest(teacher_dir: Path) -> str:
     digest = hashlib.sha256((teacher_dir / "config.json").read_bytes())
     for shard in sorted(teacher_dir.glob("*.safetensors")):
         digest.update(f"{shard.name}|{shard.stat().st_size}\n".encode())
+    if itself:
+        digest.update(b"the checkpoint itself")
     return digest.hexdigest()[:16]
+
+
+def teacher_bytes(teacher_dir: str | Path | None, engine_config: EngineConfig | None) -> int:
+    """Memory a float teacher takes once loaded in the compute dtype; 0 for the checkpoint itself
+    (it is the student's own base)."""
+    if teacher_dir is None:
+        return 0
+    dtype = compute_dtype(engine_config or EngineConfig())
+    return dequantized_bytes(Path(teacher_dir), dtype.size if dtype is not None else 2)

@@ -29,7 +29,7 @@ Beside it, shared by phases 2 and 3 and `edge0 eval`: `teacher.py` (the unquanti
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -37,9 +37,9 @@ import mlx.nn as nn
 from mlx_lm.utils import dequantize_model
 
 from ..adapters.lora import AppliedLoRA, LoRAAdapter, LoRALinear, linear_dims, load_lora, save_lora
-from ..adapters.profiles import discover_profiles
-from ..checkpoint.index import base_fingerprint
-from ..config import EngineConfig
+from ..adapters.profiles import AdapterFiles, search_profiles
+from ..checkpoint.index import CheckpointIndex, base_fingerprint
+from ..config import EngineConfig, format_bytes
 from ..errors import Edge0Error
 from ..routing.functions import route
 from ..routing.moe_block import RoutedMoE, ops_for
@@ -48,7 +48,8 @@ from ..routing.prerouter import (
     head_forward,
     sequence_features,
 )
-from ..runtime.loader import LoadedModel, load
+from ..runtime.loader import LoadedModel, compute_dtype, load, read_config
+from ..runtime.metrics import available_memory_bytes
 
 # LoRA targets by kind: a linear layer whose module path holds one of these markers. Routers
 # (`mlp.gate`), the shared expert's scalar gate (`mlp.shared_expert_gate`), routed experts, dense FFN
@@ -67,6 +68,10 @@ def lora_kind(module_path: str) -> str | None:
         if any(marker in module_path for marker in markers):
             return kind
     return None
+
+
+# `load_student(lora=PROFILE_LORA)`: the LoRA of the K profile, beside its heads.
+PROFILE_LORA = "profile"
 
 
 @dataclass(frozen=True)
@@ -93,6 +98,7 @@ class _Plan:
 
     def __init__(self, k: int) -> None:
         self.k = k
+        self.base = False  # the checkpoint as it is: its own routers, no predictions (teacher)
         self.predicted_positions: mx.array | None = None  # [B, T, 1] bool
         self.predicted: dict[int, mx.array] = {}  # consumer layer -> logits [B, T, E]
         self.record: dict[int, tuple[mx.array, mx.array, bool]] | None = None
@@ -117,7 +123,7 @@ class StudentMoE(RoutedMoE):
             inds = mx.where(plan.predicted_positions, p_inds, inds)
             weights = mx.where(plan.predicted_positions, p_weights, weights)
         y = self._ops.combine(self, x, self.switch_mlp(x, inds), weights)
-        if self._head is not None:
+        if self._head is not None and not plan.base:
             plan.predicted[self.layer + 1] = self._predict(x, inds)
         if plan.record is not None:
             plan.record[self.layer] = (inds, true_inds, predicted is not None)
@@ -142,8 +148,12 @@ class Student:
         k: int,
         heads: PrerouterHeads | None,
         lora: LoRAAdapter | None,
+        adapter_folder: Path | None = None,
     ) -> None:
         self.loaded = loaded
+        # The folder the K profile's heads came from: phases 2 and 3 write the LoRA beside them
+        # (a LoRA is trained on particular heads), None without heads.
+        self.adapter_folder = adapter_folder
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
         self.fingerprint = base_fingerprint(loaded.index)
@@ -183,6 +193,23 @@ class Student:
         finally:
             plan.predicted, plan.record = {}, None
 
+    def base_logits(self, tokens: mx.array, cache: list | None = None) -> mx.array:
+        """Logits of the checkpoint as it is: every layer routed by its own router at the model's
+        native K, no LoRA; the 4-bit model's own outputs (its dequantized values, computed in
+        float), with no gradient. The teacher of phases 2 and 3 when no float model is given."""
+        plan = self._plan
+        lora_modules = self.lora_modules().values()
+        scales = [m.scale for m in lora_modules]
+        plan.base, plan.k, plan.predicted_positions = True, self.loaded.top_k, None
+        for module in lora_modules:
+            module.scale = 0.0
+        try:
+            return mx.stop_gradient(self.model(tokens, cache=cache))
+        finally:
+            plan.base, plan.k = False, self.k
+            for module, scale in zip(lora_modules, scales):
+                module.scale = scale
+
     # -- the adapter ----------------------------------------------------------------------------------
 
     def lora_modules(self) -> dict[str, LoRALinear]:
@@ -202,26 +229,39 @@ def load_student(
     model_dir: str | Path,
     k: int | None = None,
     heads: bool = True,
-    lora: Path | LoRAInit | None = None,
+    lora: Path | LoRAInit | str | None = None,
+    engine_config: EngineConfig | None = None,
+    extra_bytes: int = 0,
 ) -> Student:
-    """The student for width K: dequantized base, the K profile's heads (when `heads`), and a LoRA
-    read from a file or freshly initialized; only the LoRA is trainable."""
+    """The student for width K: dequantized base, the K profile's heads (when `heads`, found over
+    `engine_config`'s adapter search), and a LoRA read from a file, the profile's own
+    (`PROFILE_LORA`) or freshly initialized; only the LoRA is trainable. Refused up front when
+    the dequantized model (plus `extra_bytes`, e.g. a float teacher) cannot fit in the memory
+    available."""
     model_dir = Path(model_dir)
-    loaded = load(model_dir, EngineConfig(mode="resident"))
+    engine_config = engine_config or EngineConfig()
+    check_student_fits(model_dir, engine_config, extra_bytes)
+    loaded = load(model_dir, replace(engine_config, mode="resident"))
     dequantize_model(loaded.model)
     mx.eval(loaded.model.parameters())  # drop the packed weights now, not at the first forward
     k = loaded.top_k if k is None else k
     if not 1 <= k <= loaded.num_experts:
         raise Edge0Error(f"K={k} must be between 1 and the {loaded.num_experts} routed experts")
     fingerprint = base_fingerprint(loaded.index)
-    prerouter = _profile_heads(model_dir, loaded, k, fingerprint) if heads else None
+    prerouter, folder = None, None
+    if heads or lora == PROFILE_LORA:
+        files = _profile(model_dir, k, fingerprint, engine_config, lora == PROFILE_LORA)
+        prerouter = loaded.load_heads(files.prerouter, fingerprint, k) if heads else None
+        folder = files.prerouter.parent
+        if lora == PROFILE_LORA:
+            lora = files.lora
 
     adapter = None
     if isinstance(lora, LoRAInit):
         adapter = _fresh_lora(loaded.model, lora)
     elif lora is not None:
         adapter = load_lora(Path(lora), fingerprint)
-    student = Student(loaded, k, prerouter, adapter)
+    student = Student(loaded, k, prerouter, adapter, folder)
     if adapter is not None:
         AppliedLoRA(student.model, adapter, loaded.float_dtype)
     student.model.freeze()
@@ -230,14 +270,67 @@ def load_student(
     return student
 
 
-def _profile_heads(model_dir: Path, loaded: LoadedModel, k: int, fingerprint: str):
-    """The heads of `prerouter_k{K}`, exactly as the engine loads them."""
-    files = discover_profiles(model_dir).get(k)
+def _profile(
+    model_dir: Path, k: int, fingerprint: str, config: EngineConfig, needs_lora: bool
+) -> AdapterFiles:
+    """The K profile's files, found over the adapter search exactly as the engine finds them."""
+    files = search_profiles(model_dir, fingerprint, config).profiles.get(k)
     if files is None or files.prerouter is None:
         raise Edge0Error(
-            f"{model_dir}: no prerouter heads for K={k}; train them with `edge0 train heads`"
+            f"{model_dir}: no prerouter heads for K={k} in any adapter folder; train them with "
+            "`edge0 train heads`"
         )
-    return loaded.load_heads(files.prerouter, fingerprint, k)
+    if needs_lora and files.lora is None:
+        raise Edge0Error(
+            f"{files.prerouter.parent}: no lora_k{k}.safetensors beside the K={k} heads; phase 3 "
+            "starts from the phase-2 LoRA (`edge0 train lora`)"
+        )
+    return files
+
+
+def dequantized_bytes(model_dir: Path, float_size: int) -> int:
+    """Bytes of the checkpoint with every quantized weight dequantized to floats of `float_size`
+    bytes (and every other floating tensor in that size): what the student path holds."""
+    config = read_config(model_dir)
+    quantization = config.get("quantization") or config.get("quantization_config") or {}
+    tensors = CheckpointIndex(model_dir).tensors
+    total = 0
+    for name, entry in tensors.items():
+        module = name.rsplit(".", 1)[0]
+        if name.endswith((".scales", ".biases")) and f"{module}.scales" in tensors:
+            continue  # a quantized weight's own scales and biases: counted with the weight
+        elements = math.prod(entry.shape)
+        if name.endswith(".weight") and f"{module}.scales" in tensors:
+            override = quantization.get(module)
+            bits = (override if isinstance(override, dict) else quantization).get("bits", 4)
+            elements = elements * 32 // max(int(bits), 1)  # packed in uint32 words
+        elif entry.dtype not in ("BF16", "F16", "F32", "F64"):
+            total += entry.nbytes
+            continue
+        total += elements * float_size
+    return total
+
+
+# Besides the weights: one batch's activations, the LoRA with its gradients and AdamW state.
+STUDENT_MARGIN_BYTES = 512 << 20
+
+
+def check_student_fits(model_dir: Path, engine_config: EngineConfig, extra_bytes: int = 0) -> None:
+    """Refuse, before loading anything, a student that cannot fit: the student path holds the
+    whole model dequantized (backward needs every expert a batch touched, and a batch touches
+    nearly all of them), so phases 2 and 3 need the model's float size in memory."""
+    dtype = compute_dtype(engine_config)
+    float_size = dtype.size if dtype is not None else 2
+    need = dequantized_bytes(model_dir, float_size) + extra_bytes + STUDENT_MARGIN_BYTES
+    available = available_memory_bytes()
+    if available is not None and need > available:
+        raise Edge0Error(
+            f"{model_dir}: training the LoRA needs about {format_bytes(need)} of memory (the "
+            f"model dequantized to {8 * float_size}-bit floats for backward"
+            + (f", the float teacher {format_bytes(extra_bytes)}" if extra_bytes else "")
+            + f", and a margin), but {format_bytes(available)} is available; phase 1 "
+            "(`edge0 train heads`) streams and needs far less"
+        )
 
 
 def _fresh_lora(model: nn.Module, init: LoRAInit) -> LoRAAdapter:
