@@ -101,6 +101,17 @@ ADAPTERS_HELP = (
 )
 
 
+EXACT_HELP = (
+    "today's kernels only (4-bit products everywhere; on-demand token-identical to resident); "
+    "default: on the CPU with a fast BLAS, a prefill's routed experts with several tokens are "
+    "dequantized and multiplied in fp32 (GEMM speed, logits within a tested bound)"
+)
+
+
+def _add_exact(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--exact", action="store_true", help=EXACT_HELP)
+
+
 def _add_adapters(parser: argparse.ArgumentParser, help: str = ADAPTERS_HELP) -> None:
     parser.add_argument(
         "--adapters", action="append", default=[], metavar="DIR|REPO_ID", type=_utf8, help=help
@@ -183,6 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--eviction", choices=("lfu-aging", "lru"), default="lfu-aging")
     gen.add_argument("--k", type=int, default=None, help="routing width (default: the model's)")
     gen.add_argument("--no-lora", action="store_true", help="prerouter mode without the LoRA")
+    _add_exact(gen)
     _add_adapters(gen)
     gen.add_argument(
         "--shadow-router",
@@ -235,6 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="read the checkpoint once first (default, except with --read-limit)",
     )
+    _add_exact(bench)
     _add_adapters(bench)
     bench.add_argument("--json", type=Path, default=None, dest="json_out")
     bench.add_argument("--markdown", type=Path, default=None)
@@ -358,6 +371,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--mode", choices=MODES, default=None, help="default: prerouter when heads exist"
     )
     evaluate.add_argument("--no-lora", action="store_true")
+    _add_exact(evaluate)
     _add_adapters(evaluate)
     evaluate.add_argument("--max-tokens", type=_count(1), default=16_384)
     evaluate.add_argument(
@@ -417,6 +431,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument(
         "--mode", choices=MODES, default=None, help="default: the last one used, else on-demand"
     )
+    _add_exact(chat)
     _add_adapters(chat)
     chat.add_argument(
         "--data-dir",
@@ -439,6 +454,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         k=args.k,
         lora=not args.no_lora,
         shadow_router=args.shadow_router,
+        exact_kernels=args.exact,
         adapter_dirs=_adapter_dirs(args.adapters),
         data_dir=_data_dir(),
     )
@@ -567,6 +583,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         cold=args.cold or (args.read_limit is not None and not args.warm),
         read_limit_bps=args.read_limit,
         trace_dir=args.trace,
+        exact_kernels=args.exact,
         adapter_dirs=_adapter_dirs(args.adapters),
         data_dir=_data_dir(),
     )
@@ -635,6 +652,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     print(
         f"  routed-expert bytes {format_bytes(info['expert_bytes'])}, fingerprint {info['fingerprint']}"
     )
+    print(f"  BLAS: {info['blas']['text']}; prefill experts: {info['prefill_kernels']}")
     for p in info["profiles"]:
         parts = [name for name in ("prerouter", "lora") if p[name]]
         quality = "recovered" if p["recovered"] else "quality not recovered"
@@ -747,6 +765,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         lora=not args.no_lora,
         max_tokens=args.max_tokens,
         samples=args.samples,
+        exact_kernels=args.exact,
         adapter_dirs=_adapter_dirs(args.adapters),
         data_dir=_data_dir(),
     )
@@ -864,6 +883,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
         mode=mode,
         expert_cache_bytes=expert_cache,
         page_cache_bytes=None if page_cache == "off" else page_cache,
+        exact_kernels=args.exact,
         adapter_dirs=tuple(args.adapters),  # the session fetches Hub repos on its thread
         data_dir=data_dir,
     )
@@ -983,15 +1003,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def entry() -> int:
-    """The `edge0` command: `main` in a process of its own. Training commands re-execute it with
-    Debian's OpenBLAS preloaded when installed (~7x faster on CPU); only the command may replace
-    its process, so this is not in `main`, which tests call in-process."""
-    argv = sys.argv[1:]
-    if argv[:1] == ["train"] and argv[1:2] != ["corpus"]:
-        from engine.train.base import preload_openblas
+    """The `edge0` command: `main` in a process of its own. On Linux every command first
+    re-executes itself once with a fast BLAS preloaded (`engine.runtime.blas`: MLX's bundled one is
+    10-20x slower for dense products); only the command may replace its process, so this is not
+    in `main`, which tests call in-process."""
+    from engine import preload_fast_blas
 
-        preload_openblas()
-    return main(argv)
+    preload_fast_blas()
+    return main(sys.argv[1:])
 
 
 if __name__ == "__main__":

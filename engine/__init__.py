@@ -38,6 +38,8 @@ _ON_FIRST_USE = {
     "release_thread_streams": "engine.runtime.generation",
     "StepMetrics": "engine.runtime.metrics",
     "check_checkpoint": "engine.runtime.loader",
+    "blas_in_use": "engine.runtime.blas",
+    "preload_fast_blas": "engine.runtime.blas",
 }
 
 __all__ = [

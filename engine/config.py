@@ -73,6 +73,10 @@ class EngineConfig:
     reader_threads: int = 4
     # Prompt tokens per prefill forward.
     prefill_chunk: int = 512
+    # Today's kernels only (4-bit products everywhere): on-demand token-identical to stock mlx-lm.
+    # Otherwise, on the CPU with a fast BLAS, a prefill chunk's routed experts with several rows
+    # are dequantized and multiplied in fp32 (GEMM speed; logits within a stated bound, README).
+    exact_kernels: bool = False
     # A prefill chunk whose routing touches more than this fraction of a layer's experts reads the
     # layer's expert tensors whole (a few large reads) instead of expert by expert.
     whole_layer_fraction: float = 0.5

@@ -7,7 +7,6 @@ import contextlib
 import io
 import pydoc_data.topics
 import shutil
-import sys
 from pathlib import Path
 
 import mlx.core as mx
@@ -361,23 +360,6 @@ def test_distill_lowers_the_heldout_reverse_kl(phase2):
     assert len(heldout) == 4 and max(heldout[1:]) < heldout[0], heldout
     assert all(e["loss"] >= 0 for e in history if "loss" in e)
     assert out.exists()
-
-
-def test_the_command_preloads_openblas_for_training_only(monkeypatch, tmp_path):
-    import engine.train.base
-    from edge0_tui import cli
-
-    calls = []
-    monkeypatch.setattr(engine.train.base, "preload_openblas", lambda: calls.append(1))
-    missing = str(tmp_path / "missing.txt")
-    monkeypatch.setattr(
-        sys,
-        "argv",
-        ["edge0", "train", "lora", "M", "--k", "4", "--teacher", "T", "--text", missing],
-    )
-    assert cli.entry() == 2 and calls == [1]  # preloaded, then the missing text is reported
-    monkeypatch.setattr(sys, "argv", ["edge0", "info", str(tmp_path / "no-model")])
-    assert cli.entry() == 2 and calls == [1]
 
 
 def test_rollouts_follow_the_lora_as_it_trains(phase2):

@@ -13,6 +13,13 @@ How the experts are computed is decided here, in one place:
   own expert.
 - prefill (many tokens): the same `gather_qmm` math as mlx-lm over a bank: the layer's whole stacked
   tensors when the chunk touches most experts, or a transient compact stack of the routed ones.
+  On the CPU with a fast BLAS (`runtime.blas`) the 4-bit kernel costs ~1 ms per row-expert of a
+  2.5 MiB expert, linear in rows, while dequantizing the expert costs ~2 rows' worth and the fp32
+  GEMM is then ~50x cheaper per row: an expert with at least `dense_rows` rows in the chunk is
+  dequantized (one expert at a time: the fp32 copy lives only until its product is computed) and
+  multiplied densely; the others keep `gather_qmm`, bit-identical row by row. `dense_rows=None`
+  (`EngineConfig.exact_kernels`, or no fast BLAS) keeps today's kernels everywhere.
+  `DensePrefillSwitchGLU` gives resident mode (stock mlx-lm's SwitchGLU) the same path.
 On Metal, where per-kernel launch cost dominates, a slot bank with one `gather_qmm` per projection
 would be the better decode path; it would go in `expert_outputs` below.
 """
@@ -35,6 +42,10 @@ from ..errors import Edge0Error
 from .store import ExpertStore
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+# An expert with at least this many rows in a prefill chunk is dequantized and multiplied in fp32
+# (crossover measured with `python -m engine.measure.microbench prefill`: dequantizing one
+# projection costs about two rows of the 4-bit kernel, for 2.5 MiB and 100 KiB experts alike).
+DENSE_MIN_ROWS = 4
 
 
 @dataclass(frozen=True)
@@ -84,6 +95,7 @@ class StreamingSwitchGLU(nn.Module):
         num_experts: int,
         specs: tuple[ProjectionSpec, ...],
         activation: nn.Module,
+        dense_rows: int | None = None,
     ) -> None:
         super().__init__()
         # Plain attributes (not arrays/modules): none of this is a model parameter.
@@ -91,6 +103,7 @@ class StreamingSwitchGLU(nn.Module):
         self._layer = layer
         self._num_experts = num_experts
         self._specs = {s.name: s for s in specs}
+        self._dense_rows = dense_rows
         self.activation = activation
         self.last_routed: np.ndarray | None = None
 
@@ -109,7 +122,10 @@ class StreamingSwitchGLU(nn.Module):
         tokens = routed.size // routed.shape[-1]
         store = self._store
         if tokens > 1 and store.wants_whole_layer(self._layer, len(distinct)):
-            return self._gather_glu(x, indices, store.whole_layer(self._layer))
+            bank = store.whole_layer(self._layer)
+            if self._dense_rows is not None:
+                return mixed_glu(self, x, routed, bank, routed, self._dense_rows)
+            return self._gather_glu(x, indices, bank)
         resident = store.fetch(self._layer, distinct.tolist())
         if tokens == 1:
             by_expert = dict(zip(distinct.tolist(), resident))
@@ -121,6 +137,8 @@ class StreamingSwitchGLU(nn.Module):
         bank = {key: mx.stack([r.arrays[key] for r in resident]) for key in resident[0].arrays}
         slot_of = np.zeros(self._num_experts, dtype=np.uint32)
         slot_of[distinct] = np.arange(len(distinct), dtype=np.uint32)
+        if self._dense_rows is not None:
+            return mixed_glu(self, x, routed, bank, slot_of[routed], self._dense_rows)
         return self._gather_glu(x, mx.array(slot_of[routed]), bank)
 
     # -- one expert, one token ---------------------------------------------------------------------
@@ -184,3 +202,107 @@ class StreamingSwitchGLU(nn.Module):
         if spec.has_bias:
             y = y + mx.expand_dims(bank[f"{p}.bias"][idx], -2)
         return y
+
+
+# -- prefill at GEMM speed ---------------------------------------------------------------------------
+
+
+def mixed_glu(
+    glu: StreamingSwitchGLU | DensePrefillSwitchGLU,
+    x: mx.array,
+    routed: np.ndarray,
+    bank: dict[str, mx.array],
+    slots: np.ndarray,
+    dense_rows: int,
+) -> mx.array:
+    """`switch_mlp(x, indices)` for a prefill chunk: `routed` [..., k] the experts on the host,
+    `slots` the same routing as rows of `bank` (stacked [n, ...] tensors). Experts with at least
+    `dense_rows` rows: dequantized, fp32 GEMMs; the rest: `gather_qmm` (as the exact path)."""
+    k = routed.shape[-1]
+    flat_x = x.reshape(-1, x.shape[-1])
+    experts = routed.reshape(-1)
+    slots = slots.reshape(-1)
+    order = np.argsort(experts, kind="stable")  # assignments grouped by expert, tokens in order
+    _, starts, counts = np.unique(experts[order], return_index=True, return_counts=True)
+    done: list[np.ndarray] = []  # assignment ids, in the order of `outputs`
+    outputs: list[mx.array] = []
+    small: list[np.ndarray] = []
+    for start, count in zip(starts.tolist(), counts.tolist()):
+        ids = order[start : start + count]
+        if count < dense_rows:
+            small.append(ids)
+            continue
+        rows = flat_x[mx.array((ids // k).astype(np.uint32))]
+        outputs.append(_dense_expert_glu(glu, rows, bank, int(slots[ids[0]])))
+        done.append(ids)
+    if small:
+        ids = np.concatenate(small)  # still grouped by expert: sorted slots
+        rows = flat_x[mx.array((ids // k).astype(np.uint32))][:, None, :]
+        idx = mx.array(slots[ids].astype(np.uint32))
+        x_up = glu._gather_project(rows, idx, bank, glu._specs["up_proj"], True)
+        x_gate = glu._gather_project(rows, idx, bank, glu._specs["gate_proj"], True)
+        y = glu._gather_project(
+            glu.activation(x_up, x_gate), idx, bank, glu._specs["down_proj"], True
+        )
+        outputs.append(y.squeeze(-2))
+        done.append(ids)
+    position = np.empty(experts.size, dtype=np.uint32)
+    position[np.concatenate(done)] = np.arange(experts.size, dtype=np.uint32)
+    y = mx.concatenate(outputs, axis=0)[mx.array(position)]
+    return y.reshape(*routed.shape, y.shape[-1])
+
+
+def _dense_expert_glu(
+    glu: StreamingSwitchGLU | DensePrefillSwitchGLU,
+    rows: mx.array,
+    bank: dict[str, mx.array],
+    slot: int,
+) -> mx.array:
+    up = _dense_project(rows, bank, slot, glu._specs["up_proj"])
+    gate = _dense_project(rows, bank, slot, glu._specs["gate_proj"])
+    return _dense_project(glu.activation(up, gate), bank, slot, glu._specs["down_proj"])
+
+
+def _dense_project(x: mx.array, bank: dict[str, mx.array], slot: int, spec: ProjectionSpec):
+    p = spec.name
+    biases = bank.get(f"{p}.biases")
+    weight = mx.dequantize(
+        bank[f"{p}.weight"][slot],
+        bank[f"{p}.scales"][slot],
+        None if biases is None else biases[slot],
+        group_size=spec.group_size,
+        bits=spec.bits,
+        mode=spec.mode,
+    )
+    y = mx.matmul(x, weight.astype(x.dtype).T)
+    if spec.has_bias:
+        y = y + bank[f"{p}.bias"][slot]
+    return y
+
+
+class DensePrefillSwitchGLU(SwitchGLU):
+    """Resident mode's `SwitchGLU` (the same projection modules, so the same parameter names) with
+    the dense prefill path: stock mlx-lm for decode and for the exact setting."""
+
+    def __init__(self, switch: SwitchGLU, specs: tuple[ProjectionSpec, ...], dense_rows: int):
+        nn.Module.__init__(self)
+        self.gate_proj = switch.gate_proj
+        self.up_proj = switch.up_proj
+        self.down_proj = switch.down_proj
+        self.activation = switch.activation
+        self._specs = {s.name: s for s in specs}
+        self._dense_rows = dense_rows
+
+    def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
+        if indices.size // indices.shape[-1] <= 1:
+            return super().__call__(x, indices)  # decode: the 4-bit kernels
+        mx.eval(indices)  # the routing on the host decides expert by expert
+        routed = np.array(indices)
+        bank = {}
+        for spec in self._specs.values():
+            proj = getattr(self, spec.name)
+            for part in spec.parts():
+                bank[f"{spec.name}.{part}"] = proj[part]
+        return mixed_glu(self, x, routed, bank, routed, self._dense_rows)
+
+    _gather_project = staticmethod(StreamingSwitchGLU._gather_project)

@@ -89,6 +89,9 @@ class BenchConfig:
     seed: int = 0
     temperature: float = 0.7
     trace_dir: Path | None = None  # each arm's step timeline: DIR/<arm>-round<N>.json
+    # Every arm, resident included, computes prefill the same way: today's kernels with this,
+    # else the dense prefill path wherever the arm's process has a fast BLAS (EngineConfig's).
+    exact_kernels: bool = False
     # Where every arm looks for K profiles (EngineConfig's fields of the same names).
     adapter_dirs: tuple[Path, ...] = ()
     data_dir: Path | None = None
@@ -120,6 +123,7 @@ def run_arm(spec: dict) -> dict:
         mode=spec["mode"],
         expert_cache_bytes=spec["expert_cache_bytes"],
         k=spec["k"],
+        exact_kernels=spec.get("exact_kernels", False),
         adapter_dirs=tuple(Path(d) for d in spec["adapter_dirs"]),
         data_dir=Path(spec["data_dir"]) if spec["data_dir"] else None,
     )
@@ -272,6 +276,7 @@ def run_bench(config: BenchConfig, progress=print, timeout_s: float = 3600) -> d
         "expert_cache_bytes": config.expert_cache_bytes,
         "seed": config.seed,
         "temperature": config.temperature,
+        "exact_kernels": config.exact_kernels,
         "adapter_dirs": [str(d) for d in config.adapter_dirs],
         "data_dir": str(config.data_dir) if config.data_dir else None,
     }

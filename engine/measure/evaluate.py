@@ -63,6 +63,7 @@ class EvalConfig:
     bits: int = 4
     expert_cache_bytes: int = 1 << 30
     seed: int = 0
+    exact_kernels: bool = False  # EngineConfig's field of the same name
     # Where K profiles are looked for (EngineConfig's fields of the same names).
     adapter_dirs: tuple[Path, ...] = ()
     data_dir: Path | None = None
@@ -253,6 +254,7 @@ def evaluate(model_dir: str | Path, text: str, config: EvalConfig, log: Log | No
         k=config.k,
         lora=config.lora,
         expert_cache_bytes=config.expert_cache_bytes,
+        exact_kernels=config.exact_kernels,
         adapter_dirs=config.adapter_dirs,
         data_dir=config.data_dir,
     )

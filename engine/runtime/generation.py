@@ -34,6 +34,7 @@ from ..errors import Edge0Error
 from ..experts.store import LoadCounters
 from ..routing.prerouter import PrerouterHeads
 from ..trace import NO_TRACE, Tracer
+from .blas import blas_in_use, prefill_kernels
 from .loader import LoadedModel, load, render_chat_template
 from .metrics import MemorySampler, StepMetrics, merged, metal_wired_limit_bytes, summarize
 from .numerics import HiddenGuard, guard_layers
@@ -318,6 +319,8 @@ class Engine:
             "expert_cache_bytes": self.config.expert_cache_bytes,
             "wired_limit_bytes": metal_wired_limit_bytes(),  # Metal only; None elsewhere
             "dtype": str(self.loaded.float_dtype or "as saved"),
+            "blas": blas_in_use().as_dict(),
+            "prefill_kernels": prefill_kernels(self.config),
             "fingerprint": self.fingerprint,
             "profiles": [p.__dict__ for p in self.profiles()],
             "warnings": self.warnings,

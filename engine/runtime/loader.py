@@ -7,6 +7,7 @@ before anything is evaluated, then evaluates the rest: the stacked expert tensor
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -39,10 +40,11 @@ from ..checkpoint.index import (
 from ..config import EngineConfig
 from ..errors import Edge0Error
 from ..experts.store import ExpertStore
-from ..experts.switch_glu import StreamingSwitchGLU, projection_specs
+from ..experts.switch_glu import DensePrefillSwitchGLU, StreamingSwitchGLU, projection_specs
 from ..routing.moe_block import RoutedMoE, ops_for
 from ..routing.prerouter import PrerouterHeads, load_profile_heads
 from ..routing.state import RoutingState
+from .blas import dense_prefill_rows
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 # Files of a model directory that the config and tokenizer loaders (transformers) may open, by
@@ -208,6 +210,13 @@ def load(model_dir: str | Path, config: EngineConfig) -> LoadedModel:
             f"{num_experts} routed experts of a layer"
         )
     store, routing, blocks = None, None, {}
+    dense_rows = dense_prefill_rows(config)
+    if config.mode == "resident" and dense_rows is not None:
+        for site in sites:  # resident prefill on the same path as the streamed modes' (fair A/B)
+            with contextlib.suppress(Edge0Error):  # experts not quantized: stock mlx-lm
+                specs = projection_specs(site.switch, f"{model_dir} layer {site.layer}")
+                dense = DensePrefillSwitchGLU(site.switch, specs, dense_rows)
+                setattr(site.parent, site.attribute, dense)
     if config.mode != "resident":
         store = ExpertStore(index, config, float_dtype)  # the Engine checks the budget for its K
         routing = RoutingState(top_k, num_experts, blocks, float_dtype)
@@ -215,7 +224,7 @@ def load(model_dir: str | Path, config: EngineConfig) -> LoadedModel:
         for site in sites:
             specs = projection_specs(site.switch, f"{model_dir} layer {site.layer}")
             streaming = StreamingSwitchGLU(
-                store, site.layer, num_experts, specs, site.switch.activation
+                store, site.layer, num_experts, specs, site.switch.activation, dense_rows
             )
             setattr(site.parent, site.attribute, streaming)
             block = RoutedMoE(site.parent, site.layer, ops, routing)

@@ -17,10 +17,9 @@
 4. Export: OUT/teacher (bf16 float weights, the distillation teacher of later phases) and
    OUT/base (mlx-lm's quantizer: 4-bit g64, routers 8-bit, bf16 scales: the served demo model).
 
-Training BLAS: MLX's bundled reference BLAS is 10-26x slower than OpenBLAS for dense matmuls, so
-`preload_openblas()` re-executes the process with Debian's OpenBLAS preloaded when it is installed
-(`apt-get install libopenblas0-pthread`); the `edge0` command does so for every `train` phase
-(`edge0_tui.cli.entry`). Without it training runs, slower.
+Training BLAS: MLX's bundled reference BLAS is 10-26x slower than OpenBLAS for dense matmuls; the
+`edge0` command preloads a fast one for every command (`engine.runtime.blas`). Without it training
+runs, slower.
 """
 
 from __future__ import annotations
@@ -29,9 +28,7 @@ import contextlib
 import csv
 import io
 import math
-import os
 import shutil
-import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -49,6 +46,7 @@ from tokenizers import Tokenizer
 
 from ..errors import Edge0Error
 from ..routing.functions import softmax_topk
+from ..runtime.blas import blas_in_use
 from . import corpus
 from .run import changed_settings, read_state, restore, save_state, training_progress
 from .synth import (
@@ -110,38 +108,6 @@ STATE_FILE = f"{STATE_NAME}.safetensors"
 LOSS_CSV = "loss.csv"
 TOKENIZER_DIR = "tokenizer"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
-OPENBLAS_PATHS = (
-    "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0",
-    "/usr/lib/aarch64-linux-gnu/openblas-pthread/libopenblas.so.0",
-)
-
-
-# -- BLAS ------------------------------------------------------------------------------------------
-
-
-def preload_openblas() -> None:
-    """Re-execute this process with Debian's OpenBLAS in LD_PRELOAD, when installed and not loaded.
-
-    MLX resolves the cblas symbols of its bundled reference BLAS at load time: only a preload,
-    i.e. a new process, can replace them. Returns (without exec) when there is nothing to do."""
-    library = next((p for p in OPENBLAS_PATHS if Path(p).exists()), None)
-    preloaded = os.environ.get("LD_PRELOAD", "")
-    if sys.platform != "linux" or library is None or library in preloaded:
-        return
-    env = dict(os.environ, LD_PRELOAD=f"{library} {preloaded}".strip())
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
-
-
-def blas_in_use() -> str:
-    """'OpenBLAS' when this process has it mapped, else MLX's bundled reference BLAS (or Accelerate)."""
-    if sys.platform == "darwin":
-        return "Accelerate"
-    with contextlib.suppress(OSError), open("/proc/self/maps") as maps:
-        if "libopenblas" in maps.read():
-            return "OpenBLAS"
-    return "reference BLAS (slow; apt-get install libopenblas0-pthread for 10x faster training)"
 
 
 # -- the model ---------------------------------------------------------------------------------------
@@ -390,7 +356,7 @@ def train_base(
         start = resume_state(out_dir, model, optimizer, config)
         progress(f"resuming from step {start} ({out_dir / STATE_FILE})")
     curve = _read_curve(out_dir, start)
-    progress(f"model: {params / 1e6:.2f} M parameters; BLAS: {blas_in_use()}")
+    progress(f"model: {params / 1e6:.2f} M parameters; BLAS: {blas_in_use().describe()}")
 
     def loss_fn(model, batch):
         logits, balance, kept = forward(model, batch[:, :-1])

@@ -1,0 +1,113 @@
+"""The dense prefill path against today's kernels (`EngineConfig.exact_kernels`).
+
+With a fast BLAS, a prefill chunk's routed experts with `DENSE_MIN_ROWS` or more rows are
+dequantized and multiplied in fp32; the rest keep the 4-bit `gather_qmm`. The stated bound: on every
+test model and family, resident and on-demand, the largest difference of a position's logits from
+the exact path is at most 1e-4 of that position's largest logit (measured: ~1e-6), and the greedy
+token at every position is the same. Decode (one token) never takes the dense path.
+
+The test process preloads no BLAS, so the path is switched on here whatever BLAS MLX has: the
+arithmetic is the same, only slower with the reference BLAS.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import engine.experts.switch_glu as switch_glu
+import engine.runtime.loader as loader
+from engine.config import EngineConfig, GenerationConfig
+from engine.measure.evaluate import engine_logits
+from engine.runtime.blas import dense_prefill_rows, prefill_kernels
+from engine.runtime.generation import Engine
+
+BOUND = 1e-4
+LONG = [(i * 37 + 5) % 1000 + 3 for i in range(64)]  # most experts get 4+ rows
+SHORT = [11, 400, 97, 12, 5, 801]  # most experts get fewer: the two groups mix
+
+
+@pytest.fixture
+def dense_calls(monkeypatch):
+    """The dense path on (unless exact), and a count of the experts that took it."""
+    monkeypatch.setattr(
+        loader,
+        "dense_prefill_rows",
+        lambda config: None if config.exact_kernels else switch_glu.DENSE_MIN_ROWS,
+    )
+    calls = []
+    original = switch_glu._dense_expert_glu
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(switch_glu, "_dense_expert_glu", counted)
+    return calls
+
+
+def _logits(model_dir, tokens, **config) -> np.ndarray:
+    with Engine(model_dir, EngineConfig(**config)) as engine:
+        return np.array(engine_logits(engine, mx.array([tokens]))[0].astype(mx.float32))
+
+
+@pytest.mark.parametrize("mode", ["resident", "on-demand"])
+@pytest.mark.parametrize("prompt", [LONG, SHORT], ids=["long", "short"])
+def test_dense_prefill_logits_within_the_bound(checkpoint_dir, family, mode, prompt, dense_calls):
+    model = checkpoint_dir(family)
+    exact = _logits(model, prompt, mode=mode, exact_kernels=True)
+    assert dense_calls == []
+    fast = _logits(model, prompt, mode=mode)
+    assert dense_calls, "no expert took the dense path"
+    scale = np.abs(exact).max(axis=-1)
+    relative = np.abs(fast - exact).max(axis=-1) / scale
+    assert relative.max() <= BOUND, relative.max()
+    assert (fast.argmax(-1) == exact.argmax(-1)).all()
+
+
+def test_resident_and_on_demand_share_the_dense_path(checkpoint_dir, dense_calls):
+    """The bench's A/B stays fair: resident prefill goes the same way as the streamed modes', so
+    greedy output is token-identical between them on the fast path too."""
+    model = checkpoint_dir("qwen3_moe")
+    greedy = GenerationConfig(max_tokens=16, temperature=0.0)
+    tokens = {}
+    for mode in ("resident", "on-demand"):
+        with Engine(model, EngineConfig(mode=mode, prefill_chunk=32)) as engine:
+            if mode == "resident":
+                site = engine.loaded.sites[0]
+                switch = getattr(site.parent, site.attribute)
+                assert isinstance(switch, switch_glu.DensePrefillSwitchGLU)
+            tokens[mode] = engine.generate(LONG, greedy).tokens
+    assert tokens["resident"] == tokens["on-demand"]
+    assert dense_calls
+
+
+def test_decode_and_exact_keep_the_4bit_kernels(checkpoint_dir, dense_calls):
+    model = checkpoint_dir("qwen3_moe")
+    with Engine(model, EngineConfig(mode="on-demand")) as engine:
+        engine_logits(engine, mx.array([[7]]))  # one token: decode's path
+    assert dense_calls == []
+    with Engine(model, EngineConfig(mode="resident", exact_kernels=True)) as engine:
+        site = engine.loaded.sites[0]
+        assert not isinstance(
+            getattr(site.parent, site.attribute), switch_glu.DensePrefillSwitchGLU
+        )
+        engine_logits(engine, mx.array([LONG]))
+    assert dense_calls == []
+
+
+def test_the_decision_follows_the_blas(monkeypatch):
+    """Dense only where it is faster: the CPU with a fast BLAS, and never under the exact setting."""
+    import engine.runtime.blas as blas
+
+    fast = blas.BlasInfo("OpenBLAS", True, "/x/libopenblas.so.0", 1)
+    slow = blas.BlasInfo("reference BLAS", False, "/x/libblas.so.3", 1)
+    monkeypatch.setattr(blas, "blas_in_use", lambda: fast)
+    assert dense_prefill_rows(EngineConfig()) == switch_glu.DENSE_MIN_ROWS
+    assert dense_prefill_rows(EngineConfig(exact_kernels=True)) is None
+    assert "dense fp32" in prefill_kernels(EngineConfig())
+    assert "exact" in prefill_kernels(EngineConfig(exact_kernels=True))
+    monkeypatch.setattr(blas, "blas_in_use", lambda: slow)
+    assert dense_prefill_rows(EngineConfig()) is None
+    assert "no fast BLAS" in prefill_kernels(EngineConfig())
