@@ -165,6 +165,18 @@ class Edge0App(App[None]):
         yield SystemCommand("Settings", "Temperature, top-p, max tokens (f2)", chat.action_settings)
         yield SystemCommand("Copy the last reply", "To the clipboard (f3)", chat.action_copy_reply)
         yield from self._switch_commands(chat)
+        yield from self._engine_commands(chat)
+
+    def _engine_commands(self, chat: ChatScreen) -> Iterable[SystemCommand]:
+        """What multiplies the matrices: the BLAS in use and how prefill computes the experts."""
+        info = chat.engine_info
+        if "blas" not in info:
+            return
+        blas = f"BLAS: {info['blas']['text']}"
+        kernels = f"prefill experts: {info['prefill_kernels']}"
+        yield SystemCommand(
+            blas, kernels, partial(chat.notify, f"{blas}\n{kernels}", title="matrix products")
+        )
 
     def _switch_commands(self, chat: ChatScreen) -> Iterable[SystemCommand]:
         """K and mode, findable by "K", "mode" or a mode's name; a mode this engine cannot run

@@ -441,6 +441,8 @@ async def test_command_palette_offers_every_action(model, tmp_path):
         ):
             assert title in titles
         assert "Stop the reply" not in titles  # only while a reply is written
+        # The BLAS in use and the prefill kernels, from the engine's info (issue 16).
+        assert any(t.startswith("BLAS: ") for t in titles), titles
         await pilot.press("f1")
         assert app.screen.query("HelpPanel")  # the keys
         await pilot.press("f1")

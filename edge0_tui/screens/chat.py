@@ -90,6 +90,7 @@ class ChatScreen(Screen):
         self.settings = settings
         self.system_prompt = ""  # from the model's preferences once mounted; "" sends none
         self.wired_limit_bytes: int | None = None  # Metal's, from the engine once loaded
+        self.engine_info: dict = {}  # Engine.info() once loaded (the palette shows its BLAS)
         self.chat: ChatHandle | None = None  # None until the chat's first message
         self.messages: list[ChatMessage] = []
         self.reply: AssistantTurn | None = None  # the reply being written, if any
@@ -181,6 +182,7 @@ class ChatScreen(Screen):
     async def on_engine_ready(self, event: EngineReady) -> None:
         info = event.info
         self.wired_limit_bytes = info.get("wired_limit_bytes")
+        self.engine_info = info  # the palette's "BLAS" entry shows its BLAS and prefill kernels
         await self.query_one(RoutingSelector).set_choices(
             event.profiles, offered_modes(event), info["k"], info["mode"]
         )
