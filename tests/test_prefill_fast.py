@@ -1,7 +1,8 @@
 """The dense prefill path against today's kernels (`EngineConfig.exact_kernels`).
 
 With a fast BLAS, a prefill chunk's routed experts with `DENSE_MIN_ROWS` or more rows are
-dequantized and multiplied in fp32; the rest keep the 4-bit `gather_qmm`. The stated bound: on every
+dequantized and multiplied in fp32; the rest keep the 4-bit `gather_qmm`; the model's other 4-bit
+projections (attention, shared experts, routers) do the same from `DENSE_MIN_ROWS` rows. The stated bound: on every
 test model and family, resident and on-demand, the largest difference of a position's logits from
 the exact path is at most 1e-4 of that position's largest logit (measured: ~1e-6), and the greedy
 token at every position is the same. Decode (one token) never takes the dense path.
@@ -83,12 +84,24 @@ def test_resident_and_on_demand_share_the_dense_path(checkpoint_dir, dense_calls
     assert dense_calls
 
 
-def test_decode_and_exact_keep_the_4bit_kernels(checkpoint_dir, dense_calls):
+def _dense_linears(engine) -> int:
+    return sum(
+        isinstance(m, switch_glu.DensePrefillQuantizedLinear)
+        for _, m in engine.loaded.model.named_modules()
+    )
+
+
+def test_decode_and_exact_keep_the_4bit_kernels(checkpoint_dir, dense_calls, monkeypatch):
     model = checkpoint_dir("qwen3_moe")
     with Engine(model, EngineConfig(mode="on-demand")) as engine:
-        engine_logits(engine, mx.array([[7]]))  # one token: decode's path
-    assert dense_calls == []
+        assert _dense_linears(engine) > 0
+        products = []
+        with monkeypatch.context() as patch:
+            patch.setattr(mx, "matmul", lambda *a, **k: products.append(1))
+            engine_logits(engine, mx.array([[7]]))  # one token: decode's path, 4-bit everywhere
+    assert dense_calls == [] and products == []
     with Engine(model, EngineConfig(mode="resident", exact_kernels=True)) as engine:
+        assert _dense_linears(engine) == 0
         site = engine.loaded.sites[0]
         assert not isinstance(
             getattr(site.parent, site.attribute), switch_glu.DensePrefillSwitchGLU

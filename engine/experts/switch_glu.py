@@ -19,7 +19,9 @@ How the experts are computed is decided here, in one place:
   dequantized (one expert at a time: the fp32 copy lives only until its product is computed) and
   multiplied densely; the others keep `gather_qmm`, bit-identical row by row. `dense_rows=None`
   (`EngineConfig.exact_kernels`, or no fast BLAS) keeps today's kernels everywhere.
-  `DensePrefillSwitchGLU` gives resident mode (stock mlx-lm's SwitchGLU) the same path.
+  `DensePrefillSwitchGLU` gives resident mode (stock mlx-lm's SwitchGLU) the same path, and
+  `dense_prefill_linears` the model's other 4-bit projections (attention, shared experts, routers):
+  once the experts ran at GEMM speed those were most of a prefill (the demo: 43 of 83 ms a layer).
 On Metal, where per-kernel launch cost dominates, a slot bank with one `gather_qmm` per projection
 would be the better decode path; it would go in `expert_outputs` below.
 """
@@ -306,3 +308,36 @@ class DensePrefillSwitchGLU(SwitchGLU):
         return mixed_glu(self, x, routed, bank, routed, self._dense_rows)
 
     _gather_project = staticmethod(StreamingSwitchGLU._gather_project)
+
+
+class DensePrefillQuantizedLinear(nn.QuantizedLinear):
+    """A `QuantizedLinear` that multiplies `DENSE_MIN_ROWS`+ rows (prefill) by its dequantized
+    weight with a fp32 GEMM, and fewer (decode) with the 4-bit kernel. Set as the class of the
+    model's own instances (`dense_prefill_linears`): names, freezing and wrappers stay as they are."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if x.size // x.shape[-1] < DENSE_MIN_ROWS:
+            return super().__call__(x)
+        weight = mx.dequantize(
+            self["weight"],
+            self["scales"],
+            self.get("biases"),
+            group_size=self.group_size,
+            bits=self.bits,
+            mode=self.mode,
+        )
+        y = mx.matmul(x, weight.astype(x.dtype).T)
+        if "bias" in self:
+            y = y + self["bias"]
+        return y
+
+
+def dense_prefill_linears(model: nn.Module) -> int:
+    """Give every plain `QuantizedLinear` of `model` the dense prefill path; returns how many.
+    Embeddings (a gather, not a product) and global-scale modes (nvfp4) are left as they are."""
+    count = 0
+    for _, module in model.named_modules():
+        if type(module) is nn.QuantizedLinear and "global_scale" not in module:
+            module.__class__ = DensePrefillQuantizedLinear
+            count += 1
+    return count

@@ -1,11 +1,25 @@
-"""Micro-benchmarks behind two engine design choices; each prints figures, none asserts a speed.
+"""Micro-benchmarks behind engine design choices; each prints figures, none asserts a speed.
 
     python -m engine.measure.microbench compute   [--hidden 512] [--moe-int 256] [--k 8] [--rounds 7]
     python -m engine.measure.microbench eviction MODEL [--tokens 200] [--budgets 0.1,0.25,0.5]
+    python -m engine.measure.microbench products  [--hidden 256] [--moe-int 6144] [--tokens 1,4,16,64,256]
+    python -m engine.measure.microbench prefill MODEL [--prompt-tokens 256] [--chat] [--modes ...]
 
 `compute`: one decode token through k routed experts, computed as k per-expert `quantized_matmul`s
 (what the engine does) or as one `gather_qmm` per projection over a slot bank (the alternative),
 plus the cost of writing missed experts into their slots. Arms alternate order every round; medians.
+
+`products`: the matrix products of one routed expert's projection (and a square fp32 GEMM) at decode
+(1 row) and prefill (many rows) shapes, for each path: the 4-bit kernel, dequantize + fp32 GEMM
+(the dense prefill path), fp32 GEMM alone; under MLX's bundled BLAS and under the fast BLAS
+(`runtime.blas`). The BLAS is fixed per process, so each is measured in a child process of its own,
+the two alternating over rounds; medians. Where dequantize + GEMM beats the 4-bit kernel is the
+crossover `experts.switch_glu.DENSE_MIN_ROWS` stands for.
+
+`prefill`: one prompt of about N tokens then a few decode tokens (EOS ignored) through the Engine,
+per mode, under "today" (MLX's bundled BLAS, `exact_kernels`) and "fast" (the fast BLAS, the dense
+prefill path); each run a process of its own, arms rotated every round; medians of TTFT, prefill
+and decode tok/s. `--chat` wraps the prompt in the chat template (a chat turn's TTFT).
 
 `eviction`: records the routing trace of real generations on MODEL, then replays it through the
 expert pool under each eviction policy and budget, printing hit rates (no I/O: policy only).
@@ -14,7 +28,11 @@ expert pool under each eviction policy and budget, printing hit rates (no I/O: p
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
+import subprocess
+import sys
 import time
 
 import mlx.core as mx
@@ -177,6 +195,209 @@ def bench_eviction(model_dir: str, tokens: int, budgets: list[float]) -> None:
         print(f"{fraction:6.0%}   " + "  ".join(f"{r:>14.1%}" for r in rates))
 
 
+# -- products: GEMM and 4-bit at decode and prefill shapes, per BLAS ---------------------------------
+
+
+def _timed(fn, repeats: int) -> float:
+    fn()  # warm-up
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(samples)
+
+
+def _projection_times(shape: tuple[int, int], tokens: list[int], repeats: int) -> dict:
+    """One expert projection [out, in]: dequantize, and per row count T the three paths."""
+    q, s, b = mx.quantize(mx.random.normal(shape) * 0.02, GROUP_SIZE, BITS)
+    dense = mx.dequantize(q, s, b, GROUP_SIZE, BITS)
+    mx.eval(q, s, b, dense)
+    name = f"[T,{shape[1]}]x[{shape[1]},{shape[0]}]"
+
+    def dequantize() -> mx.array:
+        return mx.dequantize(q, s, b, GROUP_SIZE, BITS)
+
+    out = {f"{name} dequantize": _timed(lambda: mx.eval(dequantize()), repeats)}
+    for t in tokens:
+        x = mx.random.normal((t, shape[1]))
+        mx.eval(x)
+        paths = {
+            "4-bit": lambda x=x: mx.quantized_matmul(
+                x, q, s, b, transpose=True, group_size=GROUP_SIZE, bits=BITS
+            ),
+            "dequant+fp32": lambda x=x: mx.matmul(x, dequantize().T),
+            "fp32": lambda x=x: mx.matmul(x, dense.T),
+        }
+        for path, fn in paths.items():
+            out[f"{name} T={t} {path}"] = _timed(lambda fn=fn: mx.eval(fn()), repeats)
+    return out
+
+
+def product_times(hidden: int, moe_int: int, tokens: list[int], repeats: int = 5) -> dict:
+    """{case: ms} in this process: medians of `repeats` calls after a warm-up."""
+    mx.random.seed(0)
+    out = {}
+    for shape in ((moe_int, hidden), (hidden, moe_int)):
+        out |= _projection_times(shape, tokens, repeats)
+    a, b = mx.random.normal((2048, 2048)), mx.random.normal((2048, 2048))
+    mx.eval(a, b)
+    out["[2048,2048]x[2048,2048] fp32"] = _timed(lambda: mx.eval(a @ b), max(1, repeats // 2))
+    return out
+
+
+def bench_products(hidden: int, moe_int: int, tokens: list[int], rounds: int) -> None:
+    from ..runtime.blas import GUARD, preload_environment
+
+    arms = {"bundled": dict(os.environ, **{GUARD: "off"})}
+    arms["bundled"].pop("LD_PRELOAD", None)
+    fast = preload_environment({k: v for k, v in os.environ.items() if k != GUARD})
+    if fast is not None:
+        arms["fast"] = fast
+    command = [sys.executable, "-m", "engine.measure.microbench", "products", "--child"]
+    command += ["--hidden", str(hidden), "--moe-int", str(moe_int)]
+    command += ["--tokens", ",".join(map(str, tokens))]
+    runs: dict[str, list[dict]] = {arm: [] for arm in arms}
+    blas: dict[str, str] = {}
+    for r in range(rounds):
+        for arm in rotation(list(arms), r):
+            done = subprocess.run(command, env=arms[arm], capture_output=True, text=True)
+            if done.returncode != 0:
+                raise SystemExit(f"{arm}: {done.stderr.strip().splitlines()[-1:]}")
+            result = json.loads(done.stdout)
+            blas[arm] = result["blas"]
+            runs[arm].append(result["ms"])
+    medians = {
+        arm: {case: statistics.median(r[case] for r in rs) for case in rs[0]}
+        for arm, rs in runs.items()
+    }
+    print(f"matrix products, fp32 activations, 4-bit g{GROUP_SIZE}; {rounds} rounds, medians (ms)")
+    for arm, text in blas.items():
+        print(f"  {arm}: {text}")
+    names = list(arms)
+    print(f"  {'case':44s}" + "".join(f"{n:>12s}" for n in names))
+    for case in medians[names[0]]:
+        print(f"  {case:44s}" + "".join(f"{medians[n][case]:12.2f}" for n in names))
+    if "fast" in medians:
+        for shape in {c.split(" T=")[0] for c in medians["fast"] if " T=" in c}:
+            m = medians["fast"]
+            wins = [
+                t for t in tokens if m[f"{shape} T={t} dequant+fp32"] < m[f"{shape} T={t} 4-bit"]
+            ]
+            print(f"  {shape}: dequant+fp32 beats 4-bit from T={min(wins) if wins else '-'}")
+
+
+# -- prefill: TTFT and prefill tok/s through the engine, today's path against the fast one ----------
+
+PASSAGE = (
+    "The memory wall is the gap between how fast a processor computes and how fast memory can feed "
+    "it. A model whose experts live on disk waits for them unless they are read ahead, and a long "
+    "prompt multiplies every routed expert by many tokens at once, which a matrix library does at "
+    "its full speed when the weights are dense. "
+)
+
+
+def _prompt_of(engine, tokens: int, chat: bool) -> list[int]:
+    """About `tokens` tokens of PASSAGE (repeated), raw or as one chat turn."""
+    words = (PASSAGE * (1 + tokens // 40)).split()
+
+    def encode(n: int) -> list[int]:
+        text = " ".join(words[:n])
+        if chat:
+            return engine.encode_chat([{"role": "user", "content": text}])
+        return engine.encode(text)
+
+    lo, hi = 1, len(words)
+    while lo < hi:  # the most words whose encoding fits in `tokens`
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if len(encode(mid)) <= tokens else (lo, mid - 1)
+    return encode(lo)
+
+
+def prefill_child(spec: dict) -> dict:
+    from ..runtime.blas import blas_in_use, prefill_kernels
+    from ..runtime.generation import Engine
+
+    config = EngineConfig(mode=spec["mode"], exact_kernels=spec["exact"])
+    with Engine(spec["model"], config) as engine:
+        prompt = _prompt_of(engine, spec["prompt_tokens"], spec["chat"])
+        gen = GenerationConfig(spec["decode_tokens"], temperature=0.0, ignore_eos=True)
+        summary = engine.generate(prompt, gen).summary
+        return {
+            "blas": blas_in_use().describe(),
+            "kernels": prefill_kernels(config),
+            "prompt_tokens": len(prompt),
+            "ttft_ms": summary["ttft_ms"],
+            "prefill_tok_per_s": summary["prefill_tok_per_s"],
+            "decode_tok_per_s": summary["decode_tok_per_s"],
+        }
+
+
+def bench_prefill(args: argparse.Namespace) -> None:
+    from ..runtime.blas import GUARD, preload_environment
+
+    today = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"} | {GUARD: "off"}
+    fast = preload_environment({k: v for k, v in os.environ.items() if k != GUARD})
+    arms = {}
+    for mode in args.modes.split(","):
+        arms[f"{mode} today"] = (today, mode, True)
+        if fast is not None:
+            arms[f"{mode} fast"] = (fast, mode, False)
+    runs: dict[str, list[dict]] = {arm: [] for arm in arms}
+    for r in range(args.rounds):
+        for arm in rotation(list(arms), r):
+            env, mode, exact = arms[arm]
+            spec = {
+                "model": args.model,
+                "mode": mode,
+                "exact": exact,
+                "prompt_tokens": args.prompt_tokens,
+                "decode_tokens": args.decode_tokens,
+                "chat": args.chat,
+            }
+            command = [sys.executable, "-m", "engine.measure.microbench", "prefill-child"]
+            done = subprocess.run(
+                [*command, json.dumps(spec)], env=env, capture_output=True, text=True
+            )
+            if done.returncode != 0:
+                raise SystemExit(f"{arm}: {done.stderr.strip().splitlines()[-1:]}")
+            runs[arm].append(json.loads(done.stdout.strip().splitlines()[-1]))
+            last = runs[arm][-1]
+            print(
+                f"round {r + 1} {arm}: TTFT {last['ttft_ms']:.0f} ms, prefill "
+                f"{last['prefill_tok_per_s']:.1f} tok/s, decode {last['decode_tok_per_s']:.1f} tok/s",
+                file=sys.stderr,
+                flush=True,
+            )
+    first = next(iter(runs.values()))[0]
+    what = "chat turn" if args.chat else "raw prompt"
+    print(
+        f"{args.model}: {first['prompt_tokens']}-token {what} + {args.decode_tokens} decode tokens, "
+        f"{args.rounds} rounds rotated, medians [min-max]"
+    )
+    for arm, rs in runs.items():
+        print(f"  {arm}: {rs[0]['blas']}; prefill experts: {rs[0]['kernels']}")
+    print("| arm | TTFT ms | prefill tok/s | vs today | decode tok/s | vs today |")
+    print("|---|---|---|---|---|---|")
+    for arm, rs in runs.items():
+        base = runs[arm.rsplit(" ", 1)[0] + " today"]
+        print(
+            f"| {arm} | {_cell(rs, 'ttft_ms', '.0f')} | {_cell(rs, 'prefill_tok_per_s', '.1f')} "
+            f"| {_med(rs, 'prefill_tok_per_s') / _med(base, 'prefill_tok_per_s'):.1f}x "
+            f"| {_cell(rs, 'decode_tok_per_s', '.1f')} "
+            f"| {_med(rs, 'decode_tok_per_s') / _med(base, 'decode_tok_per_s'):.2f}x |"
+        )
+
+
+def _med(rows: list[dict], key: str) -> float:
+    return statistics.median(r[key] for r in rows)
+
+
+def _cell(rows: list[dict], key: str, fmt: str) -> str:
+    values = [r[key] for r in rows]
+    return f"{_med(rows, key):{fmt}} [{min(values):{fmt}}-{max(values):{fmt}}]"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m engine.measure.microbench")
     sub = parser.add_subparsers(dest="what", required=True)
@@ -186,6 +407,21 @@ def main() -> None:
     c.add_argument("--k", type=int, default=8)
     c.add_argument("--slots", type=int, default=16)
     c.add_argument("--rounds", type=int, default=7)
+    p = sub.add_parser("products")
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--moe-int", type=int, default=6144)
+    p.add_argument("--tokens", default="1,2,4,16,64,256")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    f = sub.add_parser("prefill")
+    f.add_argument("model")
+    f.add_argument("--prompt-tokens", type=int, default=256)
+    f.add_argument("--decode-tokens", type=int, default=16)
+    f.add_argument("--modes", default="resident,on-demand")
+    f.add_argument("--rounds", type=int, default=3)
+    f.add_argument("--chat", action="store_true", help="the prompt as one chat turn")
+    child = sub.add_parser("prefill-child")
+    child.add_argument("spec")
     e = sub.add_parser("eviction")
     e.add_argument("model")
     e.add_argument("--tokens", type=int, default=200)
@@ -193,6 +429,19 @@ def main() -> None:
     args = parser.parse_args()
     if args.what == "compute":
         bench_compute(args.hidden, args.moe_int, args.k, args.slots, args.rounds)
+    elif args.what == "products":
+        tokens = [int(t) for t in args.tokens.split(",")]
+        if args.child:
+            from ..runtime.blas import blas_in_use
+
+            ms = product_times(args.hidden, args.moe_int, tokens)
+            print(json.dumps({"blas": blas_in_use().describe(), "ms": ms}))
+        else:
+            bench_products(args.hidden, args.moe_int, tokens, args.rounds)
+    elif args.what == "prefill":
+        bench_prefill(args)
+    elif args.what == "prefill-child":
+        print(json.dumps(prefill_child(json.loads(args.spec))))
     else:
         bench_eviction(args.model, args.tokens, [float(b) for b in args.budgets.split(",")])
 

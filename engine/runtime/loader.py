@@ -40,7 +40,12 @@ from ..checkpoint.index import (
 from ..config import EngineConfig
 from ..errors import Edge0Error
 from ..experts.store import ExpertStore
-from ..experts.switch_glu import DensePrefillSwitchGLU, StreamingSwitchGLU, projection_specs
+from ..experts.switch_glu import (
+    DensePrefillSwitchGLU,
+    StreamingSwitchGLU,
+    dense_prefill_linears,
+    projection_specs,
+)
 from ..routing.moe_block import RoutedMoE, ops_for
 from ..routing.prerouter import PrerouterHeads, load_profile_heads
 from ..routing.state import RoutingState
@@ -211,6 +216,8 @@ def load(model_dir: str | Path, config: EngineConfig) -> LoadedModel:
         )
     store, routing, blocks = None, None, {}
     dense_rows = dense_prefill_rows(config)
+    if dense_rows is not None:
+        dense_prefill_linears(model)  # attention, shared experts, routers: dense from 4 rows
     if config.mode == "resident" and dense_rows is not None:
         for site in sites:  # resident prefill on the same path as the streamed modes' (fair A/B)
             with contextlib.suppress(Edge0Error):  # experts not quantized: stock mlx-lm
