@@ -91,6 +91,19 @@ def _seed(text: str) -> int:
     return value
 
 
+def _port(text: str) -> int:
+    """An argparse type: a TCP port, 0 for a free one."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{value} must be between 0 and 65535")
+    return value
+
+
+# `edge0 serve`'s API key when --api-key is not given (keeps it out of the process list).
+API_KEY_ENV = "EDGE0_API_KEY"
 # edge0's user data folder (trained adapters, chats) when set; read here, at the top, only.
 DATA_DIR_ENV = "EDGE0_DATA_DIR"
 CONFIG_DIR_ENV = "EDGE0_CONFIG_DIR"
@@ -440,6 +453,37 @@ def build_parser() -> argparse.ArgumentParser:
         help="where chats and trained adapters live (default: $EDGE0_DATA_DIR, else the user "
         "data dir)",
     )
+    serve = commands.add_parser(
+        "serve", help="an OpenAI-compatible HTTP server, with the memory wall at /metrics"
+    )
+    serve.add_argument(
+        "model", help="checkpoint directory, Hugging Face repo id, or demo (the model's id)"
+    )
+    serve.add_argument(
+        "--host", default="127.0.0.1", help="address to listen on (default: loopback only)"
+    )
+    serve.add_argument("--port", type=_port, default=8080, help="0 picks a free port")
+    serve.add_argument("--mode", choices=MODES, default="on-demand")
+    serve.add_argument("--k", type=int, default=None, help="routing width (default: the model's)")
+    serve.add_argument(
+        "--expert-cache", type=_size, default="1G", help="routed-expert budget, e.g. 512M, 2G"
+    )
+    serve.add_argument(
+        "--page-cache", type=_page_cache, default="off", metavar="SIZE|off", help=PAGE_CACHE_HELP
+    )
+    serve.add_argument(
+        "--api-key",
+        default=os.environ.get(API_KEY_ENV),
+        help=f"require `Authorization: Bearer KEY` on /v1 and /metrics (default: ${API_KEY_ENV})",
+    )
+    serve.add_argument(
+        "--queue-limit",
+        type=_count(0),
+        default=16,
+        help="requests that may wait behind the one generating; more get 429 (default 16)",
+    )
+    _add_exact(serve)
+    _add_adapters(serve)
     return parser
 
 
@@ -891,6 +935,38 @@ def cmd_chat(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    """`edge0 serve`: the model loads on the engine thread while the server already answers
+    (503 until it is ready); SIGINT or SIGTERM stops it."""
+    from platformdirs import user_cache_path
+
+    from edge0_tui.model_source import check_model
+    from edge0_tui.server import open_engine_for, serve_model
+
+    check_model(args.model)  # a one-line error before anything listens
+    if args.api_key is not None and not args.api_key.strip():
+        raise Edge0Error("--api-key is empty")
+    config = EngineConfig(
+        mode=args.mode,
+        expert_cache_bytes=args.expert_cache,
+        page_cache_bytes=None if args.page_cache == "off" else args.page_cache,
+        k=args.k,
+        exact_kernels=args.exact,
+        adapter_dirs=tuple(args.adapters),  # Hub repos are fetched on the engine thread
+        data_dir=_data_dir(),
+    )
+    open_engine = open_engine_for(args.model, config, user_cache_path("edge0"))
+    serve_model(
+        args.model,
+        open_engine,
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key,
+        queue_limit=args.queue_limit,
+    )
+    return 0
+
+
 STDOUT_CLOSED = "stdout is closed (use >/dev/null to discard output)"
 
 
@@ -982,6 +1058,7 @@ def main(argv: list[str] | None = None) -> int:
         "train": cmd_train,
         "synth": cmd_synth,
         "eval": cmd_eval,
+        "serve": cmd_serve,
     }
     handler = handlers[args.command]
     try:

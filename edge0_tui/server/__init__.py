@@ -1,0 +1,39 @@
+"""`edge0 serve`: an OpenAI-compatible HTTP server with the memory wall as live metrics.
+
+    app.py            the ASGI app (Starlette) and `serve` (uvicorn, the listening socket)
+    engine_worker.py  the one thread that owns the Engine; the request queue; stop sequences
+    openai_shapes.py  request checks and reply/error JSON in the OpenAI API's shapes
+    metrics.py        GET /metrics in Prometheus's text format
+
+No MLX here: the engine thread calls the `engine` surface, nothing else does.
+"""
+
+from __future__ import annotations
+
+from .app import ServerSettings, create_app, serve
+from .engine_worker import EngineWorker, model_name, open_engine_for
+
+__all__ = [
+    "EngineWorker",
+    "ServerSettings",
+    "create_app",
+    "model_name",
+    "open_engine_for",
+    "serve",
+    "serve_model",
+]
+
+
+def serve_model(
+    spec: str,
+    open_engine,
+    host: str = "127.0.0.1",
+    port: int = 8080,
+    api_key: str | None = None,
+    queue_limit: int = 16,
+) -> None:
+    """`edge0 serve MODEL`: the model answers to its name and to `edge0`."""
+    name = model_name(spec)
+    ids = (name,) if name == "edge0" else (name, "edge0")
+    settings = ServerSettings(model_ids=ids, api_key=api_key)
+    serve(open_engine, settings, host=host, port=port, queue_limit=queue_limit)

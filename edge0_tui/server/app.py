@@ -1,0 +1,468 @@
+"""The ASGI app (Starlette) and `serve`, which runs it under uvicorn beside the engine thread.
+
+Requests are checked here, on the event loop, and queued for the engine thread
+(`engine_worker.EngineWorker`); a reply is an ASGI response that relays the engine thread's events
+as they come, as server-sent events or as one JSON body. Each reply also listens for the client's
+disconnect: a client that goes away cancels its job, waiting or running (the engine stops before
+its next step).
+
+Bodies are read incrementally and refused past `max_body_bytes` (413); every error is OpenAI's
+JSON error shape with its status (`openai_shapes.ApiError`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import ipaddress
+import json
+import socket
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from engine import Edge0Error
+
+from . import metrics as prometheus
+from .engine_worker import EngineWorker, Failed, Finished, Job, Text, not_ready
+from .openai_shapes import (
+    ApiError,
+    GenerationRequest,
+    ReplyShapes,
+    error_body,
+    model_card,
+    parse_chat,
+    parse_completion,
+    usage,
+)
+
+MAX_BODY_BYTES = 4 * 1024 * 1024
+# A body over the limit is still read (and dropped) up to this size, so that the client, still
+# sending, reads the 413 instead of a reset connection; past it the connection is closed.
+DRAIN_BYTES = 64 * 1024 * 1024
+# What an SSE client sees after the last chunk.
+DONE = b"data: [DONE]\n\n"
+
+Log = Callable[[str], None]
+
+
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+@dataclass
+class ServerSettings:
+    model_ids: tuple[str, ...]  # the model's name first; any of these may be requested
+    api_key: str | None = None
+    max_body_bytes: int = MAX_BODY_BYTES
+    log: Log = _stderr
+    created: int = 0  # the model's `created`, set when the app is made
+
+
+def error_response(error: ApiError, stats: prometheus.ServerStats | None = None) -> JSONResponse:
+    if stats is not None:
+        if error.status == 429:
+            stats.rejected += 1
+        else:
+            stats.failed += 1
+    headers = {"Retry-After": "1"} if error.status in (429, 503) else None
+    return JSONResponse(error.body(), status_code=error.status, headers=headers)
+
+
+async def read_json(request: Request, limit: int) -> dict:
+    """The request's JSON object, read chunk by chunk and refused past `limit` bytes."""
+    declared = request.headers.get("content-length", "")
+    too_big = declared.isdigit() and int(declared) > limit
+    if too_big and int(declared) > DRAIN_BYTES:
+        raise _too_big(limit)
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        too_big = too_big or size > limit
+        if too_big:
+            if size > DRAIN_BYTES:
+                break
+            continue
+        chunks.append(chunk)
+    if too_big:
+        raise _too_big(limit)
+    try:
+        body = json.loads(b"".join(chunks))
+    except (ValueError, RecursionError) as e:
+        raise ApiError(400, f"the body is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "the body must be a JSON object", code="invalid_json")
+    return body
+
+
+def _too_big(limit: int) -> ApiError:
+    return ApiError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
+
+
+async def _no_receive() -> dict:
+    raise RuntimeError("the reply's watcher owns receive")
+
+
+class _ClientGone:
+    """Put on a reply's event queue when its client disconnects."""
+
+
+CLIENT_GONE = _ClientGone()
+
+
+class GenerationResponse:
+    """One reply: waits for the engine thread's events and sends them (SSE or one JSON body)."""
+
+    def __init__(
+        self,
+        request: GenerationRequest,
+        job: Job,
+        events: asyncio.Queue,
+        stats: prometheus.ServerStats,
+        log: Log,
+    ) -> None:
+        self.request = request
+        self.job = job
+        self.events = events
+        self.stats = stats
+        self.log = log
+        self.shapes = ReplyShapes(request)
+
+    async def __call__(self, scope, receive, send) -> None:
+        async def watch() -> None:
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    self.job.cancel()  # waiting: dropped; running: stops before its next step
+                    self.events.put_nowait(CLIENT_GONE)
+                    return
+
+        self.scope = scope
+        watcher = asyncio.create_task(watch())
+        try:
+            if self.request.stream:
+                await self._stream(send)
+            else:
+                await self._whole(send)
+        except OSError:  # the client went away while we were sending
+            self.job.cancel()
+            self.stats.cancelled += 1
+        finally:
+            watcher.cancel()
+            self.job.cancel()  # a no-op once finished; an error above must not leave it running
+
+    async def _first(self):
+        event = await self.events.get()
+        if event is CLIENT_GONE:
+            self.stats.cancelled += 1
+        return event
+
+    async def _error(self, send, error: ApiError) -> None:
+        await error_response(error, self.stats)(self.scope, _no_receive, send)
+
+    def _finished(self, event: Finished) -> dict:
+        self.stats.served += 1
+        self.stats.prompt_tokens += event.prompt_tokens
+        self.stats.completion_tokens += event.completion_tokens
+        f = event.figures
+        self.log(
+            f"edge0: {self.request.kind} {event.prompt_tokens}+{event.completion_tokens} tokens "
+            f"({f['reused_prompt_tokens']} reused), {f['ttft_ms']:.0f} ms to first token, "
+            f"{f['decode_tok_per_s']:.1f} tok/s, blocked {f['blocked_ms_per_step']:.1f} ms/step, "
+            f"cold {f['cold_fraction']:.0%}, K={f['k']} {f['mode']}, {event.finish_reason}"
+        )
+        return usage(event.prompt_tokens, event.completion_tokens)
+
+    async def _whole(self, send) -> None:
+        parts: list[str] = []
+        while True:
+            event = await self._first()
+            if event is CLIENT_GONE:
+                return
+            if isinstance(event, Text):
+                parts.append(event.text)
+                continue
+            if isinstance(event, Failed):
+                await self._error(send, event.error)
+                return
+            if event.finish_reason == "cancelled":  # the server is shutting down
+                self.stats.cancelled += 1
+                await self._error(send, not_ready("closed", None))
+                return
+            parts.append(event.text)
+            used = self._finished(event)
+            body = self.shapes.whole("".join(parts), event.finish_reason, used, event.figures)
+            await JSONResponse(body)(self.scope, _no_receive, send)
+            return
+
+    async def _stream(self, send) -> None:
+        event = await self._first()
+        if event is CLIENT_GONE:
+            return
+        if isinstance(event, Failed):  # before any text: a plain error status
+            await self._error(send, event.error)
+            return
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [
+                    (b"content-type", b"text/event-stream; charset=utf-8"),
+                    (b"cache-control", b"no-cache"),
+                    (b"x-accel-buffering", b"no"),
+                ],
+            }
+        )
+        shapes = self.shapes
+        if shapes.chat:
+            await self._send(send, shapes.chunk(role=True))
+        while True:
+            if event is CLIENT_GONE:
+                return
+            if isinstance(event, Text):
+                await self._send(send, shapes.chunk(event.text))
+            elif isinstance(event, Failed):  # after text: an error event ends the stream
+                self.stats.failed += 1
+                await self._send(send, event.error.body())
+                break
+            elif event.finish_reason == "cancelled":  # the server is shutting down
+                self.stats.cancelled += 1
+                await self._send(send, not_ready("closed", None).body())
+                break
+            else:
+                if event.text:
+                    await self._send(send, shapes.chunk(event.text))
+                used = self._finished(event)
+                await self._send(
+                    send, shapes.chunk(finish_reason=event.finish_reason, figures=event.figures)
+                )
+                if self.request.include_usage:
+                    await self._send(send, shapes.usage_chunk(used, event.figures))
+                break
+            event = await self._first()
+        await send({"type": "http.response.body", "body": DONE, "more_body": False})
+
+    @staticmethod
+    async def _send(send, payload: dict) -> None:
+        data = (
+            b"data: "
+            + json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode()
+            + b"\n\n"
+        )
+        await send({"type": "http.response.body", "body": data, "more_body": True})
+
+
+def create_app(worker: EngineWorker, settings: ServerSettings) -> Starlette:
+    """The ASGI app. Starts the worker when the app starts, shuts it down when the app stops."""
+    stats = prometheus.ServerStats()
+    settings.created = settings.created or int(time.time())
+
+    def check_key(request: Request) -> None:
+        if settings.api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(
+            token.strip().encode(), settings.api_key.encode()
+        ):
+            raise ApiError(
+                401,
+                "missing or wrong API key (send `Authorization: Bearer KEY`)",
+                code="invalid_api_key",
+            )
+
+    def guarded(handler):
+        async def endpoint(request: Request):
+            try:
+                check_key(request)
+                return await handler(request)
+            except ApiError as e:
+                return error_response(e, stats)
+
+        return endpoint
+
+    async def generate(request: Request, parse) -> Response | GenerationResponse:
+        body = await read_json(request, settings.max_body_bytes)
+        parsed: GenerationRequest = parse(body, settings.model_ids)
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+
+        def post(event) -> None:  # the engine thread
+            try:
+                loop.call_soon_threadsafe(events.put_nowait, event)
+            except RuntimeError:  # the loop is closed: nobody is listening any more
+                job.cancelled.set()
+
+        job = Job(parsed, post)
+        worker.submit(job)  # ApiError: 503 loading, 429 queue full
+        return GenerationResponse(parsed, job, events, stats, settings.log)
+
+    async def chat_completions(request: Request):
+        return await generate(request, parse_chat)
+
+    async def completions(request: Request):
+        return await generate(request, parse_completion)
+
+    def card(model_id: str) -> dict:
+        details = {
+            "state": worker.state,
+            "k": worker.live.k or None,
+            "mode": worker.live.mode or None,
+            "modes": worker.modes,
+            "profiles": worker.profiles,
+            **worker.info,
+        }
+        return model_card(model_id, settings.created, details)
+
+    async def models(request: Request):
+        return JSONResponse({"object": "list", "data": [card(settings.model_ids[0])]})
+
+    async def model(request: Request):
+        model_id = request.path_params["model"]
+        if model_id not in settings.model_ids:
+            raise ApiError(
+                404, f"the model {model_id!r} does not exist here", param="model",
+                code="model_not_found",
+            )  # fmt: skip
+        return JSONResponse(card(model_id))
+
+    async def health(request: Request):
+        body = {"status": worker.state, "model": settings.model_ids[0]}
+        if worker.state == "ready":
+            return JSONResponse({**body, "status": "ok"})
+        if worker.error:
+            body["error"] = worker.error
+        return JSONResponse(body, status_code=503)
+
+    async def metrics(request: Request):
+        text = prometheus.render(worker, stats, settings.model_ids[0])
+        return Response(text, media_type=prometheus.CONTENT_TYPE)
+
+    async def http_error(request: Request, exc: HTTPException):
+        error = ApiError(
+            exc.status_code,
+            f"{request.method} {request.url.path}: {exc.detail}",
+            type="invalid_request_error",
+            code="not_found" if exc.status_code == 404 else None,
+        )
+        return error_response(error, stats)
+
+    async def server_error(request: Request, exc: Exception):
+        stats.failed += 1
+        return JSONResponse(error_body(f"internal error: {exc}", "server_error"), status_code=500)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        worker.start()
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(worker.shutdown)
+
+    app = Starlette(
+        routes=[
+            Route("/v1/chat/completions", guarded(chat_completions), methods=["POST"]),
+            Route("/v1/completions", guarded(completions), methods=["POST"]),
+            Route("/v1/models", guarded(models), methods=["GET"]),
+            Route("/v1/models/{model:path}", guarded(model), methods=["GET"]),
+            Route("/metrics", guarded(metrics), methods=["GET"]),
+            Route("/health", health, methods=["GET"]),
+        ],
+        exception_handlers={HTTPException: http_error, Exception: server_error},
+        lifespan=lifespan,
+    )
+    app.state.stats = stats
+    app.state.worker = worker
+    return app
+
+
+# -- serve: the `edge0 serve` command's body ---------------------------------------------------
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening socket on host:port (port 0: a free one). Raises Edge0Error."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError as e:
+        raise Edge0Error(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(128)
+    except OSError as e:
+        sock.close()
+        raise Edge0Error(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
+
+
+def is_loopback(sock: socket.socket) -> bool:
+    return ipaddress.ip_address(sock.getsockname()[0]).is_loopback
+
+
+def url_of(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def serve(
+    open_engine: Callable[[], object],
+    settings: ServerSettings,
+    host: str = "127.0.0.1",
+    port: int = 8080,
+    queue_limit: int = 16,
+) -> None:
+    """Listen, load the model on the engine thread, answer until SIGINT/SIGTERM. Raises
+    Edge0Error when the address cannot be used or the model cannot be loaded."""
+    import uvicorn
+
+    sock = bind(host, port)
+    url = url_of(sock)
+    log = settings.log
+    server: uvicorn.Server | None = None
+
+    def on_ready(worker: EngineWorker) -> None:
+        log(
+            f"edge0: ready: {settings.model_ids[0]} ({worker.info.get('family')}, "
+            f"K={worker.live.k}, {worker.live.mode}); OpenAI API at {url}/v1"
+        )
+
+    def on_failed(message: str) -> None:
+        if server is not None:
+            server.should_exit = True
+
+    worker = EngineWorker(open_engine, queue_limit, on_ready, on_failed, log)
+    app = create_app(worker, settings)
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            worker.cancel_all()  # streams end now, not after the graceful-shutdown timeout
+            super().handle_exit(sig, frame)
+
+    config = uvicorn.Config(
+        app,
+        log_level="warning",
+        access_log=False,
+        lifespan="on",
+        timeout_graceful_shutdown=5,
+        # The server's own lines only; uvicorn's stay at warnings.
+        server_header=False,
+    )
+    server = Server(config)
+    if not is_loopback(sock) and settings.api_key is None:
+        log(f"edge0: warning: {url} is reachable from other machines and no --api-key is set")
+    log(f"edge0: serving {settings.model_ids[0]} at {url} (loading the model...)")
+    try:
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
+    if worker.error:
+        raise Edge0Error(worker.error)

@@ -1,0 +1,189 @@
+"""`GET /metrics`: the memory wall in Prometheus's text format (version 0.0.4).
+
+The same live figures the app's panels show (decode tok/s over the recent steps, ms blocked on
+expert loads per step, the cold share of bytes read, loads per step, MLX memory, the checkpoint's
+expert bytes in the OS page cache, the expert pool), the profile that stands (K and mode), and the
+server's request counters. Written by hand: a few dozen lines do not need a client library.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .engine_worker import EngineWorker
+
+MIB = 1024 * 1024
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+@dataclass
+class ServerStats:
+    """Request counters; changed and read on the event loop's thread only."""
+
+    served: int = 0  # replies finished (stop or length)
+    failed: int = 0  # answered with an error status (429 apart)
+    rejected: int = 0  # 429: the queue was full
+    cancelled: int = 0  # the client went away before its reply was finished
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+def _label(value: object) -> str:
+    text = str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+    return f'"{text}"'
+
+
+class _Writer:
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def metric(
+        self, name: str, kind: str, help: str, value: float, labels: dict | None = None
+    ) -> None:
+        self.lines.append(f"# HELP {name} {help}")
+        self.lines.append(f"# TYPE {name} {kind}")
+        shown = ""
+        if labels:
+            shown = "{" + ",".join(f"{k}={_label(v)}" for k, v in labels.items()) + "}"
+        self.lines.append(f"{name}{shown} {float(value)!r}")
+
+    def text(self) -> str:
+        return "\n".join(self.lines) + "\n"
+
+
+def render(worker: EngineWorker, stats: ServerStats, model_id: str) -> str:
+    live = worker.live
+    memory = worker.memory
+    last = live.last_step
+    w = _Writer()
+    w.metric(
+        "edge0_info",
+        "gauge",
+        "The model served and the profile that stands (K and mode as labels).",
+        1,
+        {
+            "model": model_id,
+            "family": worker.info.get("family", ""),
+            "k": live.k or "",
+            "mode": live.mode,
+            "state": worker.state,
+        },
+    )
+    w.metric("edge0_ready", "gauge", "1 once the model is loaded.", worker.state == "ready")
+    w.metric("edge0_k", "gauge", "Routing width K that stands.", live.k)
+    w.metric(
+        "edge0_decode_tokens_per_second",
+        "gauge",
+        "Decode speed over the recent steps, as the client sees tokens arrive.",
+        live.tok_per_s,
+    )
+    w.metric(
+        "edge0_blocked_ms_per_step",
+        "gauge",
+        "Milliseconds a decode step waited for expert bytes (mean of the recent steps).",
+        live.blocked_ms,
+    )
+    w.metric(
+        "edge0_cold_fraction",
+        "gauge",
+        "Share of the bytes read that were not in the OS page cache (recent decode steps).",
+        live.cold_fraction,
+    )
+    w.metric(
+        "edge0_loads_per_step",
+        "gauge",
+        "Experts read per decode step (mean of the recent steps).",
+        live.loads_per_step,
+    )
+    w.metric(
+        "edge0_read_bytes_per_step",
+        "gauge",
+        "Expert bytes read per decode step (mean of the recent steps).",
+        live.mib_per_step * MIB,
+    )
+    w.metric(
+        "edge0_mlx_active_bytes",
+        "gauge",
+        "MLX memory in use (wired on a Mac).",
+        memory.get("mlx_active_bytes", 0),
+    )
+    w.metric(
+        "edge0_mlx_cache_bytes",
+        "gauge",
+        "MLX's buffer cache.",
+        memory.get("mlx_cache_bytes", 0),
+    )
+    w.metric(
+        "edge0_mlx_peak_bytes",
+        "gauge",
+        "The most MLX memory held at once since the model loaded.",
+        max(live.peak_memory_bytes, memory.get("mlx_peak_bytes", 0)),
+    )
+    w.metric(
+        "edge0_process_resident_bytes",
+        "gauge",
+        "Resident set size of the server process.",
+        memory.get("rss_bytes", 0),
+    )
+    w.metric(
+        "edge0_checkpoint_page_cache_bytes",
+        "gauge",
+        "Bytes of the checkpoint's expert tensors in the OS page cache (reclaimable).",
+        memory.get("page_cache_expert_bytes", 0),
+    )
+    w.metric(
+        "edge0_expert_pool_bytes",
+        "gauge",
+        "Routed-expert bytes held in the engine's pool.",
+        (last.expert_pool_mib * MIB) if last is not None else 0,
+    )
+    w.metric(
+        "edge0_expert_cache_budget_bytes",
+        "gauge",
+        "The expert pool's byte budget (--expert-cache).",
+        worker.info.get("expert_cache_bytes", 0),
+    )
+    w.metric(
+        "edge0_kv_cache_bytes",
+        "gauge",
+        "The conversation's KV cache kept for the next request.",
+        worker.kv_cache_bytes,
+    )
+    w.metric(
+        "edge0_context_tokens",
+        "gauge",
+        "Prompt and reply tokens of the latest request.",
+        live.context_tokens,
+    )
+    prefill = live.last_prefill
+    w.metric(
+        "edge0_prefill_ms",
+        "gauge",
+        "Time to first token of the latest request (every prompt chunk, sampling excluded).",
+        prefill.wall_ms if prefill is not None else 0,
+    )
+    w.metric("edge0_queue_depth", "gauge", "Requests waiting for the engine.", worker.queue_depth)
+    w.metric(
+        "edge0_queue_limit", "gauge", "Requests that may wait (--queue-limit).", worker.queue_limit
+    )
+    w.metric("edge0_requests_running", "gauge", "Requests generating now (0 or 1).", worker.running)
+    for name, value, help in (
+        ("served", stats.served, "Replies finished."),
+        ("failed", stats.failed, "Requests answered with an error status (429 counted apart)."),
+        ("rejected", stats.rejected, "Requests refused with 429 because the queue was full."),
+        ("cancelled", stats.cancelled, "Requests whose client went away before the reply ended."),
+    ):
+        w.metric(f"edge0_requests_{name}_total", "counter", help, value)
+    w.metric(
+        "edge0_prompt_tokens_total",
+        "counter",
+        "Prompt tokens of finished replies.",
+        stats.prompt_tokens,
+    )
+    w.metric(
+        "edge0_completion_tokens_total",
+        "counter",
+        "Tokens generated in finished replies.",
+        stats.completion_tokens,
+    )
+    return w.text()

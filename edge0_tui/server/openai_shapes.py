@@ -1,0 +1,386 @@
+"""The OpenAI API's shapes: request bodies checked field by field, replies and errors built.
+
+Every check here names the field it refuses (`param` in the error body), so a client sees which
+part of its request was wrong. Sampling values go through `GenerationConfig`, the one check the
+CLI and the app share; everything else the engine cannot honour (several choices, tools,
+penalties, log-probabilities) is refused rather than silently ignored. Fields that change nothing
+(`user`, `metadata`, `store`, ...) are accepted and ignored.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+import uuid
+from dataclasses import dataclass
+
+from engine import MODES, Edge0Error, GenerationConfig
+
+# A reply's length when the request does not say (`max_tokens` / `max_completion_tokens`).
+DEFAULT_MAX_TOKENS = 512
+# OpenAI takes up to 4 stop sequences.
+MAX_STOP = 4
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+
+class ApiError(Exception):
+    """An error the client sees, in OpenAI's shape: {"error": {message, type, param, code}}."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def bad(message: str, param: str | None = None, code: str | None = None) -> ApiError:
+    return ApiError(400, message, param=param, code=code)
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """What the engine thread needs for one reply, checked."""
+
+    kind: str  # "chat" or "completion"
+    model: str  # the id the reply names
+    messages: tuple[dict, ...] | None  # chat: role/content dicts for the chat template
+    prompt: str | None  # completion: encoded as is
+    generation: GenerationConfig
+    stop: tuple[str, ...]
+    stream: bool
+    include_usage: bool
+    k: int | None
+    mode: str | None
+
+
+# -- checking fields ---------------------------------------------------------------------------
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _optional(body: dict, name: str, check, wanted: str):
+    value = body.get(name)
+    if value is not None and not check(value):
+        raise bad(f"{name} must be {wanted}, not {_json_type(value)}", name)
+    return value
+
+
+def _json_type(value: object) -> str:
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return f"the number {value!r}"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "an array"
+    if isinstance(value, dict):
+        return "an object"
+    return "null"
+
+
+def _refuse_unless(body: dict, name: str, allowed, why: str) -> None:
+    value = body.get(name)
+    if value is not None and not allowed(value):
+        raise bad(f"{name} is not supported: {why}", name)
+
+
+def check_model(body: dict, model_ids: tuple[str, ...]) -> str:
+    """The model the request names: one of `model_ids` (the first when it names none)."""
+    model = _optional(body, "model", lambda v: isinstance(v, str), "a string")
+    if model is None:
+        return model_ids[0]
+    if model not in model_ids:
+        raise ApiError(
+            404,
+            f"the model {model!r} does not exist here (this server runs {model_ids[0]!r})",
+            param="model",
+            code="model_not_found",
+        )
+    return model
+
+
+def _generation(body: dict, max_tokens_field: tuple[str, ...]) -> GenerationConfig:
+    max_tokens = None
+    for name in max_tokens_field:
+        value = _optional(body, name, _is_int, "an integer")
+        if value is not None:
+            if value < 1:
+                raise bad(f"{name}={value} must be at least 1", name)
+            max_tokens = value
+            break
+    temperature = _optional(body, "temperature", _is_number, "a number")
+    top_p = _optional(body, "top_p", _is_number, "a number")
+    top_k = _optional(body, "top_k", _is_int, "an integer")
+    seed = _optional(body, "seed", _is_int, "an integer")
+    try:
+        return GenerationConfig(
+            max_tokens=max_tokens or DEFAULT_MAX_TOKENS,
+            temperature=1.0 if temperature is None else temperature,
+            top_p=1.0 if top_p is None else top_p,
+            top_k=top_k or 0,
+            seed=seed,
+        )
+    except Edge0Error as e:  # the check the CLI and the app share; it names the field
+        message = str(e)
+        field = re.match(r"(\w+)=", message)
+        raise bad(message, field.group(1) if field else None) from None
+
+
+def _stop(body: dict) -> tuple[str, ...]:
+    stop = body.get("stop")
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+        raise bad("stop must be a string or an array of strings", "stop")
+    if len(stop) > MAX_STOP:
+        raise bad(f"stop takes at most {MAX_STOP} sequences, not {len(stop)}", "stop")
+    if any(s == "" for s in stop):
+        raise bad("stop sequences must not be empty", "stop")
+    return tuple(stop)
+
+
+def _profile(body: dict) -> tuple[int | None, str | None]:
+    k = _optional(body, "k", _is_int, "an integer (edge0's routing width)")
+    mode = _optional(body, "mode", lambda v: isinstance(v, str), "a string")
+    if mode is not None and mode not in MODES:
+        raise bad(f"unknown mode {mode!r}: choose one of {', '.join(MODES)}", "mode")
+    return k, mode
+
+
+def _stream(body: dict) -> tuple[bool, bool]:
+    stream = bool(_optional(body, "stream", lambda v: isinstance(v, bool), "a boolean"))
+    options = _optional(body, "stream_options", lambda v: isinstance(v, dict), "an object")
+    include_usage = False
+    if options is not None:
+        include_usage = bool(
+            _optional(
+                options,
+                "include_usage",
+                lambda v: isinstance(v, bool),
+                "a boolean (stream_options)",
+            )
+        )
+    return stream, include_usage and stream
+
+
+def _unsupported(body: dict) -> None:
+    """Refuse what would change the reply but the engine does not do."""
+    _refuse_unless(body, "n", lambda v: v == 1, "one choice per request (n=1)")
+    _refuse_unless(body, "best_of", lambda v: v == 1, "one choice per request")
+    _refuse_unless(
+        body, "logprobs", lambda v: v is False, "edge0 does not return log-probabilities"
+    )
+    _refuse_unless(body, "top_logprobs", lambda v: False, "edge0 does not return log-probabilities")
+    _refuse_unless(body, "echo", lambda v: v is False, "the prompt is not echoed")
+    _refuse_unless(body, "suffix", lambda v: False, "no insertion")
+    for penalty in ("presence_penalty", "frequency_penalty"):
+        _refuse_unless(body, penalty, lambda v: v == 0, "edge0 samples without penalties")
+    _refuse_unless(body, "logit_bias", lambda v: v == {}, "edge0 samples without logit bias")
+    _refuse_unless(body, "tools", lambda v: v == [], "edge0 does not call tools")
+    _refuse_unless(body, "functions", lambda v: v == [], "edge0 does not call functions")
+    _refuse_unless(
+        body,
+        "response_format",
+        lambda v: isinstance(v, dict) and v.get("type") == "text",
+        "only plain text replies",
+    )
+
+
+def _content(message: dict, index: int) -> str:
+    content = message.get("content")
+    where = f"messages[{index}].content"
+    if content is None:
+        if message.get("role") == "assistant":
+            return ""
+        raise bad(f"{where} is missing", where)
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text":
+                raise bad(f"{where}: only text parts are supported", where)
+            if not isinstance(part.get("text"), str):
+                raise bad(f"{where}: a text part needs a string `text`", where)
+            parts.append(part["text"])
+        return "".join(parts)
+    raise bad(f"{where} must be a string or an array of text parts", where)
+
+
+def _messages(body: dict) -> tuple[dict, ...]:
+    messages = body.get("messages")
+    if messages is None:
+        raise bad("messages is required", "messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad("messages must be a non-empty array", "messages")
+    out = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise bad(f"messages[{i}] must be an object", f"messages[{i}]")
+        role = message.get("role")
+        if role not in ROLES:
+            raise bad(
+                f"messages[{i}].role must be one of {', '.join(ROLES)}, not {role!r}",
+                f"messages[{i}].role",
+            )
+        out.append({"role": ROLES[role], "content": _content(message, i)})
+    return tuple(out)
+
+
+def parse_chat(body: dict, model_ids: tuple[str, ...]) -> GenerationRequest:
+    model = check_model(body, model_ids)
+    messages = _messages(body)
+    _unsupported(body)
+    stream, include_usage = _stream(body)
+    k, mode = _profile(body)
+    return GenerationRequest(
+        kind="chat",
+        model=model,
+        messages=messages,
+        prompt=None,
+        generation=_generation(body, ("max_completion_tokens", "max_tokens")),
+        stop=_stop(body),
+        stream=stream,
+        include_usage=include_usage,
+        k=k,
+        mode=mode,
+    )
+
+
+def parse_completion(body: dict, model_ids: tuple[str, ...]) -> GenerationRequest:
+    model = check_model(body, model_ids)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if prompt is None:
+        raise bad("prompt is required", "prompt")
+    if not isinstance(prompt, str):
+        raise bad("prompt must be a string (one prompt per request)", "prompt")
+    if not prompt:
+        raise bad("prompt must not be empty", "prompt")
+    _unsupported(body)
+    stream, include_usage = _stream(body)
+    k, mode = _profile(body)
+    return GenerationRequest(
+        kind="completion",
+        model=model,
+        messages=None,
+        prompt=prompt,
+        generation=_generation(body, ("max_tokens",)),
+        stop=_stop(body),
+        stream=stream,
+        include_usage=include_usage,
+        k=k,
+        mode=mode,
+    )
+
+
+# -- replies -----------------------------------------------------------------------------------
+
+
+class ReplyShapes:
+    """The JSON of one reply, streamed chunk by chunk or whole, in the request's kind."""
+
+    def __init__(self, request: GenerationRequest) -> None:
+        self.request = request
+        chat = request.kind == "chat"
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.chat = chat
+
+    def _head(self, object_name: str) -> dict:
+        return {
+            "id": self.id,
+            "object": object_name,
+            "created": self.created,
+            "model": self.request.model,
+        }
+
+    def _usage_field(self) -> dict:
+        return {"usage": None} if self.request.include_usage else {}
+
+    def chunk(
+        self,
+        text: str = "",
+        finish_reason: str | None = None,
+        role: bool = False,
+        figures: dict | None = None,
+    ) -> dict:
+        """A streamed chunk: the role first (chat), then text, then an empty one that finishes,
+        with the request's figures in `edge0`."""
+        if self.chat:
+            delta: dict = {}
+            if role:
+                delta["role"] = "assistant"
+            if text or role:
+                delta["content"] = text
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            out = {**self._head("chat.completion.chunk"), "choices": [choice]}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            out = {**self._head("text_completion"), "choices": [choice]}
+        out.update(self._usage_field())
+        if figures is not None:
+            out["edge0"] = figures
+        return out
+
+    def usage_chunk(self, usage: dict, figures: dict) -> dict:
+        head = self._head("chat.completion.chunk" if self.chat else "text_completion")
+        return {**head, "choices": [], "usage": usage, "edge0": figures}
+
+    def whole(self, text: str, finish_reason: str, usage: dict, figures: dict) -> dict:
+        if self.chat:
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": None,
+                "finish_reason": finish_reason,
+            }
+            head = self._head("chat.completion")
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            head = self._head("text_completion")
+        return {**head, "choices": [choice], "usage": usage, "edge0": figures}
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def model_card(model_id: str, created: int, details: dict) -> dict:
+    return {
+        "id": model_id,
+        "object": "model",
+        "created": created,
+        "owned_by": "edge0",
+        "edge0": details,
+    }
