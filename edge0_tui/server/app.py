@@ -17,8 +17,10 @@ import contextlib
 import hmac
 import ipaddress
 import json
+import signal
 import socket
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -446,6 +448,21 @@ def serve(
         def handle_exit(self, sig, frame) -> None:
             worker.cancel_all()  # streams end now, not after the graceful-shutdown timeout
             super().handle_exit(sig, frame)
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            """uvicorn's, without raising the signal again once shut down: a stop by SIGINT or
+            SIGTERM is the server's normal end (exit status 0), not a kill."""
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            stops = (signal.SIGINT, signal.SIGTERM)
+            original = {sig: signal.signal(sig, self.handle_exit) for sig in stops}
+            try:
+                yield
+            finally:
+                for sig, handler in original.items():
+                    signal.signal(sig, handler)
 
     config = uvicorn.Config(
         app,

@@ -221,10 +221,13 @@ class EngineWorker:
     def cancel_all(self) -> None:
         """Stop the running job and drop the waiting ones (the server is shutting down)."""
         with self._cv:
-            jobs = [*self._waiting, *([self._running] if self._running else [])]
+            waiting, running = list(self._waiting), self._running
             self._waiting.clear()
-        for job in jobs:
+        if running is not None:
+            running.cancelled.set()  # it ends at its next step, and says so itself
+        for job in waiting:  # never started: answered 503 now
             job.cancelled.set()
+            job.post(Failed(not_ready("closed", None), started=False))
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop generating, close the engine on its thread and wait for it (up to `timeout`)."""
@@ -280,9 +283,16 @@ class EngineWorker:
                 finally:
                     with self._cv:
                         self._running = None
+        except Exception as e:  # noqa: BLE001 - a bug: said, and every request answered
+            traceback.print_exc()
+            self._fail(f"the engine thread stopped: {e}")
         finally:
             with self._cv:
                 self.state = "failed" if self.error else "closed"
+                running = self._running
+            self.cancel_all()
+            if running is not None:  # only after an error inside a job's own handling
+                running.post(Failed(not_ready("closed", self.error), started=True))
             if eng is not None:
                 eng.close()
             surface.release_thread_streams()  # this thread made MLX streams: it frees them
@@ -344,7 +354,7 @@ class EngineWorker:
         request = job.request
         text = StopText(request.stop)
         tokens: list[int] = []
-        recorder = _Recorder(self)
+        recorder = _Recorder(self, eng)
         try:
             self._switch(eng, request)
             if request.kind == "chat":
@@ -399,8 +409,9 @@ class EngineWorker:
 class _Recorder:
     """Publishes the live figures after every token, as the app's reply stream does."""
 
-    def __init__(self, worker: EngineWorker) -> None:
+    def __init__(self, worker: EngineWorker, eng) -> None:
         self.worker = worker
+        self.eng = eng
         previous = worker.live
         self.steps = deque(previous.recent_steps, maxlen=HISTORY_STEPS)
         self.token_ms = deque(previous.recent_token_ms, maxlen=HISTORY_STEPS)
@@ -422,7 +433,8 @@ class _Recorder:
             context_tokens=self.prompt_tokens + self.generated,
             peak_memory_bytes=max(previous.peak_memory_bytes, step.mlx_peak_bytes),
             last_step=step,
-            last_prefill=previous.last_prefill if step.phase == "decode" else step,
+            # The whole prompt's forwards as one, which the engine keeps (its thread: this one).
+            last_prefill=self.eng.last_prefill,
             recent_steps=tuple(self.steps),
             recent_token_ms=tuple(self.token_ms),
         )
