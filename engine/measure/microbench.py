@@ -4,6 +4,7 @@
     python -m engine.measure.microbench eviction MODEL [--tokens 200] [--budgets 0.1,0.25,0.5]
     python -m engine.measure.microbench products  [--hidden 256] [--moe-int 6144] [--tokens 1,4,16,64,256]
     python -m engine.measure.microbench prefill MODEL [--prompt-tokens 256] [--chat] [--modes ...]
+                                            [--expert-cache SIZE] [--page-cache SIZE]
 
 `compute`: one decode token through k routed experts, computed as k per-expert `quantized_matmul`s
 (what the engine does) or as one `gather_qmm` per projection over a slot bank (the alternative),
@@ -38,7 +39,7 @@ import time
 import mlx.core as mx
 import numpy as np
 
-from ..config import EngineConfig, GenerationConfig
+from ..config import EngineConfig, GenerationConfig, parse_size
 from ..experts.pool import ExpertPool, LFUAgingPolicy, ResidentExpert
 from .bench import rotation
 
@@ -234,15 +235,18 @@ def _projection_times(shape: tuple[int, int], tokens: list[int], repeats: int) -
     return out
 
 
-def product_times(hidden: int, moe_int: int, tokens: list[int], repeats: int = 5) -> dict:
+def product_times(
+    hidden: int, moe_int: int, tokens: list[int], repeats: int = 5, square: int = 2048
+) -> dict:
     """{case: ms} in this process: medians of `repeats` calls after a warm-up."""
     mx.random.seed(0)
     out = {}
     for shape in ((moe_int, hidden), (hidden, moe_int)):
         out |= _projection_times(shape, tokens, repeats)
-    a, b = mx.random.normal((2048, 2048)), mx.random.normal((2048, 2048))
+    a, b = mx.random.normal((square, square)), mx.random.normal((square, square))
     mx.eval(a, b)
-    out["[2048,2048]x[2048,2048] fp32"] = _timed(lambda: mx.eval(a @ b), max(1, repeats // 2))
+    n = square
+    out[f"[{n},{n}]x[{n},{n}] fp32"] = _timed(lambda: mx.eval(a @ b), max(1, repeats // 2))
     return out
 
 
@@ -318,7 +322,12 @@ def prefill_child(spec: dict) -> dict:
     from ..runtime.blas import blas_in_use, prefill_kernels
     from ..runtime.generation import Engine
 
-    config = EngineConfig(mode=spec["mode"], exact_kernels=spec["exact"])
+    config = EngineConfig(
+        mode=spec["mode"],
+        exact_kernels=spec["exact"],
+        expert_cache_bytes=spec["expert_cache_bytes"],
+        page_cache_bytes=spec["page_cache_bytes"] if spec["mode"] != "resident" else None,
+    )
     with Engine(spec["model"], config) as engine:
         prompt = _prompt_of(engine, spec["prompt_tokens"], spec["chat"])
         gen = GenerationConfig(spec["decode_tokens"], temperature=0.0, ignore_eos=True)
@@ -354,6 +363,8 @@ def bench_prefill(args: argparse.Namespace) -> None:
                 "prompt_tokens": args.prompt_tokens,
                 "decode_tokens": args.decode_tokens,
                 "chat": args.chat,
+                "expert_cache_bytes": parse_size(args.expert_cache),
+                "page_cache_bytes": parse_size(args.page_cache) if args.page_cache else None,
             }
             command = [sys.executable, "-m", "engine.measure.microbench", "prefill-child"]
             done = subprocess.run(
@@ -371,9 +382,10 @@ def bench_prefill(args: argparse.Namespace) -> None:
             )
     first = next(iter(runs.values()))[0]
     what = "chat turn" if args.chat else "raw prompt"
+    budgets = f"expert cache {args.expert_cache}, page cache {args.page_cache or 'off'}"
     print(
         f"{args.model}: {first['prompt_tokens']}-token {what} + {args.decode_tokens} decode tokens, "
-        f"{args.rounds} rounds rotated, medians [min-max]"
+        f"{budgets}, {args.rounds} rounds rotated, medians [min-max]"
     )
     for arm, rs in runs.items():
         print(f"  {arm}: {rs[0]['blas']}; prefill experts: {rs[0]['kernels']}")
@@ -420,6 +432,8 @@ def main() -> None:
     f.add_argument("--modes", default="resident,on-demand")
     f.add_argument("--rounds", type=int, default=3)
     f.add_argument("--chat", action="store_true", help="the prompt as one chat turn")
+    f.add_argument("--expert-cache", default="1G", help="streamed modes' expert budget")
+    f.add_argument("--page-cache", default=None, help="streamed modes' page-cache budget")
     child = sub.add_parser("prefill-child")
     child.add_argument("spec")
     e = sub.add_parser("eviction")
