@@ -110,6 +110,20 @@ def test_decode_and_exact_keep_the_4bit_kernels(checkpoint_dir, dense_calls, mon
     assert dense_calls == []
 
 
+def test_a_model_dequantized_after_loading_runs_its_float_path(checkpoint_dir, dense_calls):
+    """The training student loads resident and then dequantizes every layer (mlx-lm's
+    `dequantize_model`): the swapped-in modules must then run the float weights as they are."""
+    from mlx_lm.utils import dequantize_model
+
+    model = checkpoint_dir("qwen3_moe")
+    exact = _logits(model, LONG, mode="resident", exact_kernels=True)
+    with Engine(model, EngineConfig(mode="resident")) as engine:
+        dequantize_model(engine.loaded.model)
+        fast = np.array(engine_logits(engine, mx.array([LONG]))[0].astype(mx.float32))
+    assert dense_calls == []
+    assert (np.abs(fast - exact).max(axis=-1) / np.abs(exact).max(axis=-1)).max() <= BOUND
+
+
 def test_the_decision_follows_the_blas(monkeypatch):
     """Dense only where it is faster: the CPU with a fast BLAS, and never under the exact setting."""
     import engine.runtime.blas as blas

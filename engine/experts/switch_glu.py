@@ -296,8 +296,12 @@ class DensePrefillSwitchGLU(SwitchGLU):
         self._dense_rows = dense_rows
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
-        if indices.size // indices.shape[-1] <= 1:
-            return super().__call__(x, indices)  # decode: the 4-bit kernels
+        if indices.size // indices.shape[-1] <= 1 or not isinstance(
+            self.gate_proj, QuantizedSwitchLinear
+        ):
+            # Decode: the 4-bit kernels. Or the model was dequantized since (the training
+            # student's `dequantize_model`): mlx-lm's float path.
+            return super().__call__(x, indices)
         mx.eval(indices)  # the routing on the host decides expert by expert
         routed = np.array(indices)
         bank = {}
