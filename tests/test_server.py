@@ -288,6 +288,9 @@ def test_models_health_and_metrics_parse(server):
     client = server.client()
     models = client.models.list()
     assert [m.id for m in models.data] == ["tiny-moe"]
+    assert client.models.retrieve("edge0").id == "edge0"  # the alias
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4")
     assert models.data[0].model_extra["edge0"]["family"] == "qwen3_moe"
     status, body = server.http("GET", "/health", headers={"Authorization": ""})
     assert status == 200 and json.loads(body)["status"] == "ok"
@@ -754,3 +757,122 @@ def test_a_waiting_request_whose_client_leaves_never_runs(server):
     assert metric(after, cancelled) == metric(before, cancelled) + 2
     served = "edge0_requests_served_total"
     assert metric(after, served) == metric(before, served)  # neither finished, nor ran
+
+
+def test_stop_text_holds_back_what_may_become_a_stop_sequence():
+    from edge0_tui.server.engine_worker import StopText
+
+    text = StopText(("END", "\n\n"))
+    assert text.update("Hello E") == "Hello "  # "E" may start "END"
+    assert text.update("Hello EN") == ""
+    assert text.update("Hello ENx") == "ENx"  # it did not
+    assert text.update("Hello ENx\n") == ""
+    assert text.update("Hello ENx\n\ufffd") == ""  # a character still being decoded
+    assert text.update("Hello ENx\nyEND and more") == "\ny"
+    assert text.stopped
+    assert text.finish("Hello ENx\nyEND and more tokens") == ""
+    plain = StopText(())
+    assert plain.update("caf\ufffd") == "caf"
+    assert plain.finish("caf\ufffd") == "\ufffd"  # what the model wrote, in the end
+
+
+class FakeEngine:
+    """The Engine surface the worker uses, without a model: token t is the letter 'a' + t."""
+
+    context_limit = 12
+    k, mode, last_prefill = 4, "on-demand", None
+
+    def __init__(self) -> None:
+        from types import SimpleNamespace
+
+        zeros = dict.fromkeys(
+            ("mlx_active_bytes", "mlx_cache_bytes", "mlx_peak_bytes", "rss_bytes"), 0
+        )
+        snapshot = SimpleNamespace(page_cache_expert_bytes=0, **zeros)
+        self.memory = SimpleNamespace(snapshot=lambda: snapshot)
+        self.step = SimpleNamespace(
+            phase="decode", k=4, mode="on-demand", page_cache_expert_bytes=0, **zeros
+        )
+        self.asked: list[int] = []
+
+    def info(self) -> dict:
+        keys = ("model", "family", "native_k", "experts", "layers", "expert_cache_bytes")
+        return {**dict.fromkeys(keys, 0), "expert_bytes": 0}
+
+    def profiles(self):
+        return []
+
+    def modes(self):
+        return ["on-demand"]
+
+    def kv_cache_bytes(self) -> int:
+        return 0
+
+    def encode(self, text: str) -> list[int]:
+        return [0] * len(text)
+
+    def reply_text(self, tokens: list[int]) -> str:
+        return "".join(chr(97 + t) for t in tokens)
+
+    def generate(self, prompt, gen, on_token, should_stop):
+        from types import SimpleNamespace
+
+        self.asked.append(gen.max_tokens)
+        tokens, stopped_by = [], "max_tokens"
+        for t in range(gen.max_tokens):
+            tokens.append(t % 26)
+            on_token(t % 26, self.step)
+            if len(tokens) < gen.max_tokens and should_stop():
+                stopped_by = "cancelled"
+                break
+        summary = dict.fromkeys(
+            ("ttft_ms", "prefill_tok_per_s", "decode_tok_per_s", "median_blocked_ms",
+             "median_cold_fraction", "median_loads", "median_mib_read", "median_expert_pool_mib",
+             "prefill_mib_read", "peak_mlx_bytes"), 0.0,
+        )  # fmt: skip
+        summary.update(prompt_tokens=len(prompt), generated_tokens=len(tokens))
+        text = self.reply_text(tokens)
+        return SimpleNamespace(tokens=tokens, text=text, steps=[], summary=summary,
+                               stopped_by=stopped_by)  # fmt: skip
+
+    def close(self) -> None:
+        pass
+
+
+def test_worker_keeps_a_default_length_inside_the_context_and_stops_at_a_stop_sequence():
+    """Without a GPU or a model: the engine thread's own logic, on a fake engine."""
+    import queue
+
+    from edge0_tui.server.engine_worker import EngineWorker, Finished, Job, Text
+    from edge0_tui.server.openai_shapes import parse_completion
+
+    fake = FakeEngine()
+    worker = EngineWorker(lambda: fake, log=lambda line: None)
+    worker.start()
+    try:
+        deadline = time.monotonic() + 10
+        while worker.state != "ready" and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+        def run(body: dict) -> tuple[str, Finished]:
+            events: queue.Queue = queue.Queue()
+            worker.submit(Job(parse_completion(body, ("fake",)), events.put))
+            parts = []
+            while True:
+                event = events.get(timeout=10)
+                if isinstance(event, Text):
+                    parts.append(event.text)
+                else:
+                    return "".join(parts) + event.text, event
+
+        text, done = run({"prompt": "four"})  # no max_tokens: what 12 - 4 leaves
+        assert fake.asked[-1] == 8 and text == "abcdefgh" and done.finish_reason == "length"
+        text, done = run({"prompt": "four", "max_tokens": 20})  # asked for: as is (the engine
+        # refuses a length past its context: 400 context_length_exceeded, in BAD_INPUTS)
+        assert fake.asked[-1] == 20
+        text, done = run({"prompt": "x", "max_tokens": 10, "stop": ["de", "zz"]})
+        assert text == "abc" and done.finish_reason == "stop"
+        assert done.completion_tokens == 5  # "d", then "e" completed the stop: no more tokens
+    finally:
+        worker.shutdown()
+    assert worker.state == "closed"

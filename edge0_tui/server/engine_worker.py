@@ -373,7 +373,11 @@ class EngineWorker:
             def should_stop() -> bool:
                 return text.stopped or job.cancelled.is_set() or self._quit
 
-            result = eng.generate(prompt, request.generation, on_token, should_stop)
+            generation = request.generation
+            if request.default_max_tokens:  # never past the context for a length not asked for
+                room = max(1, eng.context_limit - len(prompt))
+                generation = replace(generation, max_tokens=min(generation.max_tokens, room))
+            result = eng.generate(prompt, generation, on_token, should_stop)
         except ApiError as e:
             job.post(Failed(e, started=False))
             return

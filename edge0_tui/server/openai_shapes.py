@@ -67,6 +67,9 @@ class GenerationRequest:
     include_usage: bool
     k: int | None
     mode: str | None
+    # No max_tokens in the request: DEFAULT_MAX_TOKENS, or what the context has left after the
+    # prompt when that is less (the engine thread knows the prompt's length).
+    default_max_tokens: bool = False
 
 
 # -- checking fields ---------------------------------------------------------------------------
@@ -147,6 +150,10 @@ def _generation(body: dict, max_tokens_field: tuple[str, ...]) -> GenerationConf
         message = str(e)
         field = re.match(r"(\w+)=", message)
         raise bad(message, field.group(1) if field else None) from None
+
+
+def _no_max_tokens(body: dict, fields: tuple[str, ...]) -> bool:
+    return all(body.get(name) is None for name in fields)
 
 
 def _stop(body: dict) -> tuple[str, ...]:
@@ -264,6 +271,7 @@ def parse_chat(body: dict, model_ids: tuple[str, ...]) -> GenerationRequest:
         messages=messages,
         prompt=None,
         generation=_generation(body, ("max_completion_tokens", "max_tokens")),
+        default_max_tokens=_no_max_tokens(body, ("max_completion_tokens", "max_tokens")),
         stop=_stop(body),
         stream=stream,
         include_usage=include_usage,
@@ -292,6 +300,7 @@ def parse_completion(body: dict, model_ids: tuple[str, ...]) -> GenerationReques
         messages=None,
         prompt=prompt,
         generation=_generation(body, ("max_tokens",)),
+        default_max_tokens=_no_max_tokens(body, ("max_tokens",)),
         stop=_stop(body),
         stream=stream,
         include_usage=include_usage,
