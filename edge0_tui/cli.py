@@ -466,7 +466,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--mode", choices=MODES, default="on-demand")
     serve.add_argument("--k", type=int, default=None, help="routing width (default: the model's)")
     serve.add_argument(
-        "--expert-cache", type=_size, default="1G", help="routed-expert budget, e.g. 512M, 2G"
+        "--expert-cache",
+        type=_size,
+        default="1G",
+        metavar="SIZE",
+        help="routed-expert budget, e.g. 512M, 2G (default 1G)",
     )
     serve.add_argument(
         "--page-cache", type=_page_cache, default="off", metavar="SIZE|off", help=PAGE_CACHE_HELP
@@ -474,12 +478,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--api-key",
         default=os.environ.get(API_KEY_ENV),
+        metavar="KEY",
         help=f"require `Authorization: Bearer KEY` on /v1 and /metrics (default: ${API_KEY_ENV})",
     )
     serve.add_argument(
         "--queue-limit",
         type=_count(0),
         default=16,
+        metavar="N",
         help="requests that may wait behind the one generating; more get 429 (default 16)",
     )
     _add_exact(serve)
