@@ -62,7 +62,11 @@ class Server:
         return parse_prometheus(body.decode())
 
     def rss_bytes(self) -> int:
-        status = Path(f"/proc/{self.process.pid}/status").read_text()
+        """The server process's resident set: /proc on Linux, else what the server reports."""
+        try:
+            status = Path(f"/proc/{self.process.pid}/status").read_text()
+        except OSError:
+            return int(metric(self.metrics(), "edge0_process_resident_bytes"))
         return int(re.search(r"VmRSS:\s+(\d+) kB", status).group(1)) * 1024
 
 
