@@ -798,6 +798,7 @@ class FakeEngine:
             phase="decode", k=4, mode="on-demand", page_cache_expert_bytes=0, **zeros
         )
         self.asked: list[int] = []
+        self.broken = False
 
     def info(self) -> dict:
         keys = ("model", "family", "native_k", "experts", "layers", "expert_cache_bytes")
@@ -835,6 +836,8 @@ class FakeEngine:
              "prefill_mib_read", "peak_mlx_bytes"), 0.0,
         )  # fmt: skip
         summary.update(prompt_tokens=len(prompt), generated_tokens=len(tokens))
+        if self.broken:  # a bug after generating: the figures cannot be made
+            summary.clear()
         text = self.reply_text(tokens)
         return SimpleNamespace(tokens=tokens, text=text, steps=[], summary=summary,
                                stopped_by=stopped_by)  # fmt: skip
@@ -847,7 +850,7 @@ def test_worker_keeps_a_default_length_inside_the_context_and_stops_at_a_stop_se
     """Without a GPU or a model: the engine thread's own logic, on a fake engine."""
     import queue
 
-    from edge0_tui.server.engine_worker import EngineWorker, Finished, Job, Text
+    from edge0_tui.server.engine_worker import EngineWorker, Failed, Finished, Job, Text
     from edge0_tui.server.openai_shapes import parse_completion
 
     fake = FakeEngine()
@@ -858,7 +861,7 @@ def test_worker_keeps_a_default_length_inside_the_context_and_stops_at_a_stop_se
         while worker.state != "ready" and time.monotonic() < deadline:
             time.sleep(0.01)
 
-        def run(body: dict) -> tuple[str, Finished]:
+        def run(body: dict) -> tuple[str, Finished | Failed]:
             events: queue.Queue = queue.Queue()
             worker.submit(Job(parse_completion(body, ("fake",)), events.put))
             parts = []
@@ -866,6 +869,8 @@ def test_worker_keeps_a_default_length_inside_the_context_and_stops_at_a_stop_se
                 event = events.get(timeout=10)
                 if isinstance(event, Text):
                     parts.append(event.text)
+                elif isinstance(event, Failed):
+                    return "".join(parts), event
                 else:
                     return "".join(parts) + event.text, event
 
@@ -877,6 +882,12 @@ def test_worker_keeps_a_default_length_inside_the_context_and_stops_at_a_stop_se
         text, done = run({"prompt": "x", "max_tokens": 10, "stop": ["de", "zz"]})
         assert text == "abc" and done.finish_reason == "stop"
         assert done.completion_tokens == 5  # "d", then "e" completed the stop: no more tokens
+        fake.broken = True
+        _, failed = run({"prompt": "x", "max_tokens": 2})
+        assert isinstance(failed, Failed) and failed.error.status == 500
+        fake.broken = False
+        text, done = run({"prompt": "x", "max_tokens": 2})  # the engine thread goes on
+        assert text == "ab" and worker.state == "ready"
     finally:
         worker.shutdown()
     assert worker.state == "closed"

@@ -280,6 +280,10 @@ class EngineWorker:
                 try:
                     if not job.cancelled.is_set():
                         self._run(eng, job)
+                except Exception as e:  # noqa: BLE001 - a bug: this request fails, not the server
+                    traceback.print_exc()
+                    error = ApiError(500, f"internal error: {e}", type="server_error")
+                    job.post(Failed(error, started=True))
                 finally:
                     with self._cv:
                         self._running = None
@@ -289,10 +293,7 @@ class EngineWorker:
         finally:
             with self._cv:
                 self.state = "failed" if self.error else "closed"
-                running = self._running
-            self.cancel_all()
-            if running is not None:  # only after an error inside a job's own handling
-                running.post(Failed(not_ready("closed", self.error), started=True))
+            self.cancel_all()  # waiting requests are answered 503
             if eng is not None:
                 eng.close()
             surface.release_thread_streams()  # this thread made MLX streams: it frees them
