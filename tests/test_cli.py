@@ -7,11 +7,13 @@ import subprocess
 import sys
 
 import pytest
+from cli_runner import run_cli
 
 from edge0_tui.cli import main
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
+    """In a process of its own, as the `edge0` command (`run_cli`: the same, seen in-process)."""
     command = [sys.executable, "-m", "edge0_tui.cli", *args]
     return subprocess.run(command, capture_output=True, text=True)
 
@@ -74,7 +76,7 @@ def test_version():
 
 
 def test_raw_and_chat_together_are_one_line_error(checkpoint_dir):
-    out = _run("generate", str(checkpoint_dir()), "--prompt", "x", "--raw", "--chat")
+    out = run_cli("generate", str(checkpoint_dir()), "--prompt", "x", "--raw", "--chat")
     assert out.returncode == 2 and out.stderr.startswith("edge0: error: ")
     assert out.stderr.count("\n") == 1
 
@@ -90,7 +92,7 @@ def test_raw_and_chat_together_are_one_line_error(checkpoint_dir):
 )
 def test_errors_are_one_line(checkpoint_dir, tmp_path, args, message):
     args = [a.format(model=checkpoint_dir("qwen3_moe"), tmp=tmp_path) for a in args]
-    out = _run(*args)
+    out = run_cli(*args)
     assert out.returncode == 2
     assert message in out.stderr
     assert "Traceback" not in out.stderr

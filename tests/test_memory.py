@@ -10,12 +10,20 @@ from engine.config import EngineConfig
 from engine.runtime.generation import Engine
 
 
-def _peak_mlx_bytes(model_dir, *args: str) -> int:
-    # Each arm in its own process: MLX's peak counter and allocator cache are per process.
-    command = [sys.executable, "-m", "edge0_tui.cli", "generate", str(model_dir)]
-    command += ["--prompt", "The memory wall", "--max-tokens", "16", "--json", *args]
-    out = subprocess.run(command, capture_output=True, text=True, check=True)
-    return json.loads(out.stdout)["summary"]["peak_mlx_bytes"]
+def _peak_mlx_bytes(model_dir, *arms: list[str]) -> list[int]:
+    """Each arm in its own process (MLX's peak counter and allocator cache are per process); the
+    processes run at the same time."""
+    processes = []
+    for args in arms:
+        command = [sys.executable, "-m", "edge0_tui.cli", "generate", str(model_dir)]
+        command += ["--prompt", "The memory wall", "--max-tokens", "16", "--json", *args]
+        processes.append(subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+    outputs = [process.communicate(timeout=300) for process in processes]
+    peaks = []
+    for process, (stdout, stderr) in zip(processes, outputs):
+        assert process.returncode == 0, stderr.decode()
+        peaks.append(json.loads(stdout)["summary"]["peak_mlx_bytes"])
+    return peaks
 
 
 def test_on_demand_peak_is_a_fraction_of_resident(checkpoint_dir):
@@ -24,9 +32,10 @@ def test_on_demand_peak_is_a_fraction_of_resident(checkpoint_dir):
     expert_bytes = engine.loaded.index.expert_nbytes
     engine.close()
 
-    resident = _peak_mlx_bytes(model_dir, "--mode", "resident")
     budget = expert_bytes // 10
-    streaming = _peak_mlx_bytes(model_dir, "--mode", "on-demand", "--expert-cache", str(budget))
+    resident, streaming = _peak_mlx_bytes(
+        model_dir, ["--mode", "resident"], ["--mode", "on-demand", "--expert-cache", str(budget)]
+    )
     print(
         f"\nexpert bytes {expert_bytes / 2**20:.1f} MiB; peak MLX: resident "
         f"{resident / 2**20:.1f} MiB, on-demand with a {budget / 2**20:.1f} MiB cache "

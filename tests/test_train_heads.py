@@ -19,7 +19,9 @@ def _text() -> str:
 def test_trained_heads_beat_chance(checkpoint_dir, tmp_path):
     model_dir = tmp_path / "model"
     shutil.copytree(checkpoint_dir("qwen3_moe"), model_dir)
-    config = TrainHeadsConfig(k=4, max_tokens=12_000, steps=150, window=64, log_every=15)
+    # 4000 tokens and 60 steps reach the held-out recall@4 of 12000 and 150 (0.334 and 0.335;
+    # untrained heads: 0.28), in a third of the time.
+    config = TrainHeadsConfig(k=4, max_tokens=4000, steps=60, window=64, log_every=6)
     lines = []
     data = EngineConfig(data_dir=tmp_path / "data")  # the automatic adapter folder goes there
     out, recalls = train_heads(
