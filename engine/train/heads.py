@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import resource
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -324,6 +326,13 @@ def train_heads(
     out = Path(out) if out is not None else folder / f"prerouter_k{config.k}.safetensors"
     save_prerouter(make_folder(out.parent) / out.name, heads, start, fingerprint)
     progress(f"wrote {out}")
+    # What the run needed at most: the figures a RAM limit must leave room for.
+    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    peak_rss *= 1 if sys.platform == "darwin" else 1024  # bytes on macOS, KiB on Linux
+    progress(
+        f"peak memory: MLX {format_bytes(mx.get_peak_memory())}, process RSS "
+        f"{format_bytes(peak_rss)}"
+    )
     if note := shadow_note(model_dir, fingerprint, engine_config, config.k, out):
         progress(note)
     return out, recalls
