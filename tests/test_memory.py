@@ -33,8 +33,12 @@ def test_on_demand_peak_is_a_fraction_of_resident(checkpoint_dir):
     engine.close()
 
     budget = expert_bytes // 10
+    # --exact: both arms on the 4-bit kernels, resident as stock mlx-lm. The dense prefill path's
+    # one fp32 expert at a time is bounded in tests/test_prefill_fast.py.
     resident, streaming = _peak_mlx_bytes(
-        model_dir, ["--mode", "resident"], ["--mode", "on-demand", "--expert-cache", str(budget)]
+        model_dir,
+        ["--mode", "resident", "--exact"],
+        ["--mode", "on-demand", "--expert-cache", str(budget), "--exact"],
     )
     print(
         f"\nexpert bytes {expert_bytes / 2**20:.1f} MiB; peak MLX: resident "

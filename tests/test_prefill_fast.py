@@ -13,6 +13,10 @@ arithmetic is the same, only slower with the reference BLAS.
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -122,6 +126,26 @@ def test_a_model_dequantized_after_loading_runs_its_float_path(checkpoint_dir, d
         fast = np.array(engine_logits(engine, mx.array([LONG]))[0].astype(mx.float32))
     assert dense_calls == []
     assert (np.abs(fast - exact).max(axis=-1) / np.abs(exact).max(axis=-1)).max() <= BOUND
+
+
+def test_the_dense_copies_are_bounded(checkpoint_dir):
+    """The fp32 copies are made one expert at a time: on-demand's peak MLX memory over a prefill
+    grows by at most two experts' fp32 weights over the exact path's. Each arm is an `edge0
+    generate` process of its own (MLX's peak is per process; the command preloads the fast BLAS)."""
+    model = checkpoint_dir("qwen3_moe", "small")
+    with Engine(model, EngineConfig(mode="on-demand")) as engine:
+        layer = engine.store.index.layers[engine.loaded.sites[0].layer]
+        packed = sum(t.expert_nbytes for t in layer.tensors if t.part == "weight")
+    fp32_expert = packed * 8  # 4-bit: 8 weights of 4 bytes per packed 4 bytes
+    text = " ".join(f"word{i}" for i in range(40))
+    peaks = {}
+    for exact in ([], ["--exact"]):
+        command = [sys.executable, "-m", "edge0_tui.cli", "generate", str(model), "--raw"]
+        command += ["--prompt", text, "--max-tokens", "2", "--expert-cache", "6M", "--json"]
+        done = subprocess.run([*command, *exact], capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+        peaks[bool(exact)] = json.loads(done.stdout)["summary"]["peak_mlx_bytes"]
+    assert peaks[False] <= peaks[True] + 2 * fp32_expert, (peaks, fp32_expert)
 
 
 def test_the_decision_follows_the_blas(monkeypatch):

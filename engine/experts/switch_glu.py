@@ -236,6 +236,9 @@ def mixed_glu(
             continue
         rows = flat_x[mx.array((ids // k).astype(np.uint32))]
         outputs.append(_dense_expert_glu(glu, rows, bank, int(slots[ids[0]])))
+        # Computed now, expert after expert: one fp32 copy alive at a time (left to one evaluation
+        # at the end, every copy of the layer could be alive at once: 32 x 19 MiB on the wall).
+        mx.eval(outputs[-1])
         done.append(ids)
     if small:
         ids = np.concatenate(small)  # still grouped by expert: sorted slots
@@ -336,12 +339,21 @@ class DensePrefillQuantizedLinear(nn.QuantizedLinear):
         return y
 
 
+# A projection whose fp32 copy would be larger keeps the 4-bit kernel (e.g. a 150k-token vocabulary's
+# output head: 1.2 GB at hidden 2048); a prefill chunk does not compute the head anyway.
+DENSE_LINEAR_MAX_BYTES = 64 << 20
+
+
 def dense_prefill_linears(model: nn.Module) -> int:
     """Give every plain `QuantizedLinear` of `model` the dense prefill path; returns how many.
-    Embeddings (a gather, not a product) and global-scale modes (nvfp4) are left as they are."""
+    Embeddings (a gather, not a product), global-scale modes (nvfp4) and projections larger than
+    `DENSE_LINEAR_MAX_BYTES` in fp32 are left as they are."""
     count = 0
     for _, module in model.named_modules():
-        if type(module) is nn.QuantizedLinear and "global_scale" not in module:
+        if type(module) is not nn.QuantizedLinear or "global_scale" in module:
+            continue
+        out_dims, packed = module["weight"].shape
+        if out_dims * packed * (32 // module.bits) * 4 <= DENSE_LINEAR_MAX_BYTES:
             module.__class__ = DensePrefillQuantizedLinear
             count += 1
     return count

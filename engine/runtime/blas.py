@@ -230,8 +230,9 @@ def preload_fast_blas() -> None:
     env = preload_environment()
     if env is None:
         return
-    sys.stdout.flush()
-    sys.stderr.flush()
+    for stream in (sys.stdout, sys.stderr):  # None when the descriptor is closed
+        with contextlib.suppress(AttributeError, OSError, ValueError):
+            stream.flush()
     argv = getattr(sys, "orig_argv", None) or [sys.executable, *sys.argv]
     try:
         os.execve(sys.executable, [sys.executable, *argv[1:]], env)
