@@ -466,6 +466,47 @@ def test_prefetch_drops_reads_ahead_its_step_did_not_use(profiled):
     assert all(held <= next_step for held, next_step in held_after_step)
 
 
+TWELVE_TOKENS = GenerationConfig(max_tokens=12)
+
+
+@pytest.mark.parametrize("mode", ["prerouter", "prefetch"])
+def test_reads_ahead_stay_inside_the_expert_cache_budget(profiled, mode):
+    """A read ahead reserves its expert's bytes in the pool when it is issued: resident experts
+    and reads in flight together stay within --expert-cache (they used to sit outside it, and the
+    prefetch arm of a 384 MiB wall was killed for it)."""
+    budget = 200_000  # two steps' predicted sets of the tiny model, a quarter of its experts
+    engine = Engine(profiled("qwen3_moe"), EngineConfig(mode=mode, k=4, expert_cache_bytes=budget))
+    store, pool = engine.store, engine.store.pool
+    seen = []
+    stage = store.stage
+
+    def checked_stage(layer, experts):
+        stage(layer, experts)
+        seen.append((pool.resident_bytes, pool.reserved_bytes))
+        assert pool.resident_bytes + pool.reserved_bytes <= pool.budget_bytes
+
+    store.stage = checked_stage
+    try:
+        result = engine.generate([5, 9, 13, 17], TWELVE_TOKENS)
+    finally:
+        engine.close()
+    assert sum(s.prefetch_issued for s in result.steps) > 0
+    assert max(reserved for _, reserved in seen) > 0
+    assert pool.reserved_bytes == 0  # every promise was taken back when the request ended
+
+    # A budget below one step's reads ahead: some are not made ahead, none goes over it.
+    small = Engine(profiled("qwen3_moe"), EngineConfig(mode=mode, k=4, expert_cache_bytes=60_000))
+    store, pool = small.store, small.store.pool
+    stage = store.stage
+    store.stage = checked_stage
+    try:
+        tokens = small.generate([5, 9, 13, 17], TWELVE_TOKENS).tokens
+    finally:
+        small.close()
+    if mode == "prefetch":  # the reads ahead never change the tokens
+        assert tokens == result.tokens
+
+
 def test_prefetch_hit_rate_is_the_overlap_of_reads_ahead_and_routing(profiled):
     """The hit rate a step reports is the share of the experts its consumer layers' routers chose
     that the previous flush had predicted (and so read ahead)."""

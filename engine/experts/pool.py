@@ -113,6 +113,10 @@ class ExpertPool:
         self.policy = make_policy(policy)
         self._experts: dict[ExpertKey, ResidentExpert] = {}
         self.resident_bytes = 0
+        # Bytes promised to reads ahead in flight or waiting for their step (`reserve`): they count
+        # against the budget from the moment they are issued, so experts read ahead never take
+        # memory beyond it.
+        self.reserved_bytes = 0
         self.evictions = 0
         self.step = 0
         # Experts a coming step is known to route to (predictions): never evicted until unpinned.
@@ -144,9 +148,31 @@ class ExpertPool:
         """
         if key in self._experts:
             self._drop(key)
+        self._make_room(expert.nbytes, protected)
+        self._experts[key] = expert
+        self.resident_bytes += expert.nbytes
+        self.policy.touch(key, self.step)
+
+    def reserve(self, nbytes: int) -> bool:
+        """Promise `nbytes` to a read ahead, evicting (never pinned experts) to keep the budget.
+        False, promising nothing, when even that leaves no room: the read is then not made ahead
+        (its layer reads it when it runs) rather than taking memory beyond the budget."""
+        self._make_room(nbytes, ())
+        if self.resident_bytes + self.reserved_bytes + nbytes > self.budget_bytes:
+            return False
+        self.reserved_bytes += nbytes
+        return True
+
+    def release(self, nbytes: int) -> None:
+        """Take back a promise: the read ahead was admitted with `put`, or dropped."""
+        self.reserved_bytes = max(0, self.reserved_bytes - nbytes)
+
+    def _make_room(self, nbytes: int, protected: Collection[ExpertKey]) -> None:
+        """Evict until `nbytes` more fit in the budget, or only protected (or pinned) experts are
+        left."""
         if self.pinned:
             protected = self.pinned.union(protected)
-        while self.resident_bytes + expert.nbytes > self.budget_bytes:
+        while self.resident_bytes + self.reserved_bytes + nbytes > self.budget_bytes:
             victim = None
             if self.kept_layers:
                 victim = self.policy.victim(_ProtectedOrKept(protected, self.kept_layers))
@@ -156,9 +182,6 @@ class ExpertPool:
                 break
             self._drop(victim)
             self.evictions += 1
-        self._experts[key] = expert
-        self.resident_bytes += expert.nbytes
-        self.policy.touch(key, self.step)
 
     def _drop(self, key: ExpertKey) -> None:
         expert = self._experts.pop(key)

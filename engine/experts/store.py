@@ -71,8 +71,10 @@ class ExpertStore:
         self._moe_layers = sorted(index.layers)
         self._pending_layers: dict[int, Future[ReadResult]] = {}
         # Reads issued ahead for a coming step's predicted experts, with the step they are for.
+        # Each holds a reservation of its expert's bytes in the pool until it is used or dropped.
         self._staged: dict[ExpertKey, tuple[int, Future[ReadResult]]] = {}
         self._issued_for_next_step = 0
+        self._expert_nbytes: dict[int, int] = {}  # per layer, see `resident_expert_nbytes`
         # When a list, every fetch appends (step, layer, experts): the routing trace that the eviction
         # benchmark replays.
         self.trace: list[tuple[int, int, list[int]]] | None = None
@@ -97,12 +99,16 @@ class ExpertStore:
 
     def resident_expert_nbytes(self, layer: int) -> int:
         """MLX bytes one expert of `layer` takes once resident (floating parts in compute dtype)."""
+        known = self._expert_nbytes.get(layer)
+        if known is not None:
+            return known
         total = 0
         for tensor in self.index.layers[layer].tensors:
             nbytes = tensor.expert_nbytes
             if self.float_dtype is not None and tensor.entry.dtype in ("BF16", "F16", "F32"):
                 nbytes = nbytes // DTYPE_SIZES[tensor.entry.dtype] * self.float_dtype.size
             total += nbytes
+        self._expert_nbytes[layer] = total
         return total
 
     def check_budget(self, top_k: int) -> None:
@@ -142,11 +148,14 @@ class ExpertStore:
         stale = [key for key, (for_step, _) in self._staged.items() if for_step <= step]
         for key in stale:
             self._staged.pop(key)[1].cancel()
+            self.pool.release(self.resident_expert_nbytes(key[0]))
 
     def reset(self) -> None:
         """Forget per-request state; resident experts stay (they are still the checkpoint's)."""
         self.end_step()
-        self._staged.clear()  # reads in flight finish on their own; their bytes are not used
+        for layer, _ in self._staged:  # reads in flight finish on their own; their bytes unused
+            self.pool.release(self.resident_expert_nbytes(layer))
+        self._staged.clear()
         self._issued_for_next_step = 0
 
     # -- reads ahead (prerouter) -------------------------------------------------------------------
@@ -159,6 +168,10 @@ class ExpertStore:
             if key in self.pool:
                 self.pool.pinned.add(key)
             elif key not in self._staged:
+                # Room in the budget first: a read ahead lands in memory the pool accounts for.
+                # Without room (a budget below one step's reads) the layer reads it when it runs.
+                if not self.pool.reserve(self.resident_expert_nbytes(layer)):
+                    continue
                 step = self.pool.step + 1
                 self._staged[key] = (
                     step,
@@ -217,6 +230,7 @@ class ExpertStore:
         if staged is None:
             return self.reader.submit_expert(*key), "on demand"
         future = staged[1]
+        self.pool.release(self.resident_expert_nbytes(key[0]))  # `fetch` puts it in the pool
         if future.done():
             self.counters.prefetch_in_time += 1
             return future, "ahead, in time"
