@@ -41,3 +41,18 @@ def private_data_dir(tmp_path_factory, monkeypatch):
     # Kept settings too: the app never reads or writes the real user config folder.
     monkeypatch.setenv("EDGE0_CONFIG_DIR", str(tmp_path_factory.mktemp("edge0-config")))
     return data
+
+
+@pytest.fixture(autouse=True)
+def cores_given_back():
+    """An engine pins its reader threads to a core of their own and every other thread to the
+    rest until it closes (engine/experts/reader_core.py). A test that leaves an engine open must
+    not leave the rest of the run, and the processes it starts, on fewer cores."""
+    import os
+
+    before = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    yield
+    if before is not None and os.sched_getaffinity(0) != before:
+        from engine.experts.reader_core import unpin_all_threads
+
+        unpin_all_threads(before)

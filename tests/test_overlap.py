@@ -151,3 +151,36 @@ def test_a_small_miss_waited_on_by_result_alone_is_read_not_hung():
         assert got == ["waiter"]
     finally:
         queue.shutdown()
+
+
+def _cores_of_threads() -> dict[int, set[int]]:
+    import os
+
+    return {int(t): os.sched_getaffinity(int(t)) for t in os.listdir("/proc/self/task")}
+
+
+def test_reader_threads_get_a_core_of_their_own_until_the_engine_closes(checkpoint_dir):
+    """On Linux CPU with 2+ cores the readers run on the last core, every other thread on the
+    rest (reads ahead stop taking the compute thread's core); closing gives the cores back."""
+    import os
+
+    allowed = sorted(os.sched_getaffinity(0))
+    assert len(allowed) >= 2, "this check needs two cores (the CI box has two)"
+    engine = Engine(checkpoint_dir("qwen3_moe"), EngineConfig(mode="on-demand"))
+    try:
+        tokens = engine.generate(PROMPT, GREEDY).tokens
+        readers = engine.store.reader.native_ids
+        cores = _cores_of_threads()
+        assert len(readers) == 4
+        assert all(cores[t] == {allowed[-1]} for t in readers)
+        assert all(c == set(allowed[:-1]) for t, c in cores.items() if t not in readers)
+    finally:
+        engine.close()
+    assert all(c == set(allowed) for c in _cores_of_threads().values())
+    # Off: nothing pinned, the same tokens.
+    engine = Engine(checkpoint_dir("qwen3_moe"), EngineConfig(mode="on-demand", reader_core=False))
+    try:
+        assert engine.generate(PROMPT, GREEDY).tokens == tokens
+        assert all(c == set(allowed) for c in _cores_of_threads().values())
+    finally:
+        engine.close()

@@ -29,6 +29,7 @@ import numpy as np
 from ..checkpoint.index import CheckpointIndex, LayerExperts
 from ..trace import NO_TRACE, Tracer
 from .page_cache import FileResidency
+from .reader_core import pin_this_thread
 
 # NumPy has no bfloat16: BF16 data is read as uint16 and reinterpreted by MLX.
 _NUMPY_DTYPES = {
@@ -114,7 +115,9 @@ class ExpertReader:
         build_arrays: bool = False,
         bypass_page_cache: bool = False,
         tracer: Tracer = NO_TRACE,
+        cores: set[int] | None = None,
     ) -> None:
+        """`cores`: the cores the reader threads run on (None: wherever the scheduler puts them)."""
         self.index = index
         self.tracer = tracer
         # On CPU the engine computes in float32: widening bf16/fp16 here, in NumPy on the reader
@@ -139,7 +142,12 @@ class ExpertReader:
         self._residency = {shard: FileResidency(shard) for shard in index.shards}
         self._plans: dict[int, list[_TensorPlan]] = {}
         self._local = threading.local()
-        self._queue = ReadQueue(threads, "edge0-read")
+        self._queue = ReadQueue(threads, "edge0-read", cores)
+
+    @property
+    def native_ids(self) -> set[int]:
+        """The reader threads' native thread ids."""
+        return self._queue.native_ids
 
     def submit_expert(
         self, layer: int, expert: int, ahead: bool = False, step: int = 0
@@ -318,17 +326,22 @@ class ReadQueue:
     blocked on now goes before all of them. (A plain FIFO pool made the first layers' on-demand
     misses wait behind every read issued ahead for later layers.)"""
 
-    def __init__(self, threads: int, name: str) -> None:
+    def __init__(self, threads: int, name: str, cores: set[int] | None = None) -> None:
         self._heap: list = []
+        self._cores = cores
+        self.native_ids: set[int] = set()  # the reader threads', once started
+        started = threading.Semaphore(0)
         self._order = itertools.count()  # FIFO among equal priorities
         self._ready = threading.Condition()
         self._closed = False
         self._threads = [
-            threading.Thread(target=self._work, name=f"{name}_{i}", daemon=True)
+            threading.Thread(target=self._work, args=(started,), name=f"{name}_{i}", daemon=True)
             for i in range(threads)
         ]
         for thread in self._threads:
             thread.start()
+        for _ in self._threads:  # every reader has pinned itself and said who it is
+            started.acquire()
 
     def submit(self, priority: tuple, fn, *args, wake: bool = True) -> Future:
         """Queue `fn(*args)`. With `wake=False` no idle reader is woken for it: whoever waits for
@@ -368,7 +381,11 @@ class ReadQueue:
             _run(item)
             del item
 
-    def _work(self) -> None:
+    def _work(self, started: threading.Semaphore) -> None:
+        if self._cores is not None:
+            pin_this_thread(self._cores)
+        self.native_ids.add(threading.get_native_id())
+        started.release()
         while True:
             with self._ready:
                 while not self._heap and not self._closed:

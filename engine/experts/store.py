@@ -8,6 +8,7 @@ one computes. Whole-layer buffers live outside the pool's budget and are release
 
 from __future__ import annotations
 
+import os
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from ..errors import Edge0Error
 from ..trace import NO_TRACE, Tracer
 from .page_cache_budget import CAN_EVICT_RANGES, PageCacheBudget
 from .pool import ExpertKey, ExpertPool, ResidentExpert
+from .reader_core import pin_other_threads, reader_cores, unpin_all_threads
 from .reads import ExpertReader, ReadResult, to_mlx
 
 
@@ -55,6 +57,9 @@ class ExpertStore:
         self.float_dtype = float_dtype
         self.whole_layer_fraction = config.whole_layer_fraction
         on_cpu = mx.default_device().type == mx.DeviceType.cpu
+        # (compute cores, reader cores), or None: nothing pinned (see reader_core.py).
+        self._cores = reader_cores() if config.reader_core else None
+        self._process_cores = os.sched_getaffinity(0) if self._cores else None
         self.reader = ExpertReader(
             index,
             config.reader_threads,
@@ -63,7 +68,10 @@ class ExpertStore:
             # Without range eviction (macOS), a page-cache budget means reads bypass the cache.
             bypass_page_cache=config.page_cache_bytes is not None and not CAN_EVICT_RANGES,
             tracer=tracer,
+            cores=self._cores[1] if self._cores else None,
         )
+        if self._cores:
+            pin_other_threads(self._cores[0], self.reader.native_ids)
         # Set by the loader once the resident weights are read (`set_page_cache_budget`).
         self.page_cache: PageCacheBudget | None = None
         self.pool = ExpertPool(config.expert_cache_bytes, config.eviction)
@@ -283,6 +291,8 @@ class ExpertStore:
     def close(self) -> None:
         self._pending_layers.clear()
         self.reader.close()
+        if self._process_cores:
+            unpin_all_threads(self._process_cores)
         self.set_page_cache_budget(None)
         self.pool.clear()
 
