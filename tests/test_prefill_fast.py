@@ -41,6 +41,9 @@ def dense_calls(monkeypatch):
         "dense_prefill_rows",
         lambda config: None if config.exact_kernels else switch_glu.DENSE_MIN_ROWS,
     )
+    # The test models' experts are tiny: their cost-based row threshold would send few of them
+    # dense. The arithmetic is what is tested here: the measured minimum for every expert.
+    monkeypatch.setattr(switch_glu, "DENSE_EXPERT_OVERHEAD_NS", 0)
     calls = []
     original = switch_glu._dense_expert_glu
 
@@ -129,8 +132,9 @@ def test_a_model_dequantized_after_loading_runs_its_float_path(checkpoint_dir, d
 
 
 def test_the_dense_copies_are_bounded(checkpoint_dir):
-    """The fp32 copies are made one expert at a time: on-demand's peak MLX memory over a prefill
-    grows by at most two experts' fp32 weights over the exact path's. Each arm is an `edge0
+    """The fp32 copies wait for evaluation in groups of at most DENSE_EVAL_BYTES: on-demand's peak
+    MLX memory over a prefill grows by at most that and two experts' fp32 weights over the exact
+    path's (left to the layer's one evaluation, it was every routed expert's copy at once). Each arm is an `edge0
     generate` process of its own (MLX's peak is per process; the command preloads the fast BLAS)."""
     model = checkpoint_dir("qwen3_moe", "small")
     with Engine(model, EngineConfig(mode="on-demand")) as engine:
@@ -145,7 +149,8 @@ def test_the_dense_copies_are_bounded(checkpoint_dir):
         done = subprocess.run([*command, *exact], capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stderr
         peaks[bool(exact)] = json.loads(done.stdout)["summary"]["peak_mlx_bytes"]
-    assert peaks[False] <= peaks[True] + 2 * fp32_expert, (peaks, fp32_expert)
+    bound = switch_glu.DENSE_EVAL_BYTES + 2 * fp32_expert
+    assert peaks[False] <= peaks[True] + bound, (peaks, fp32_expert)
 
 
 def test_the_decision_follows_the_blas(monkeypatch):

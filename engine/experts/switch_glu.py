@@ -28,6 +28,7 @@ would be the better decode path; it would go in `expert_outputs` below.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -229,6 +230,9 @@ def mixed_glu(
     done: list[np.ndarray] = []  # assignment ids, in the order of `outputs`
     outputs: list[mx.array] = []
     small: list[np.ndarray] = []
+    pending: list[mx.array] = []
+    pending_bytes = 0
+    dense_rows = max(dense_rows, _rows_worth_dequantizing(bank, glu._specs.values()))
     for start, count in zip(starts.tolist(), counts.tolist()):
         ids = order[start : start + count]
         if count < dense_rows:
@@ -236,10 +240,15 @@ def mixed_glu(
             continue
         rows = flat_x[mx.array((ids // k).astype(np.uint32))]
         outputs.append(_dense_expert_glu(glu, rows, bank, int(slots[ids[0]])))
-        # Computed now, expert after expert: one fp32 copy alive at a time (left to one evaluation
-        # at the end, every copy of the layer could be alive at once: 32 x 19 MiB on the wall).
-        mx.eval(outputs[-1])
         done.append(ids)
+        # Computed in groups of DENSE_EVAL_BYTES of fp32 copies: left to one evaluation at the
+        # end, every copy of the layer could be alive at once (32 x 19 MiB on the wall); one
+        # evaluation per expert costs more than small experts' products (the demo's: 0.1 ms).
+        pending.append(outputs[-1])
+        pending_bytes += _fp32_bytes(bank, glu._specs.values())
+        if pending_bytes >= DENSE_EVAL_BYTES:
+            mx.eval(pending)
+            pending, pending_bytes = [], 0
     if small:
         ids = np.concatenate(small)  # still grouped by expert: sorted slots
         rows = flat_x[mx.array((ids // k).astype(np.uint32))][:, None, :]
@@ -255,6 +264,34 @@ def mixed_glu(
     position[np.concatenate(done)] = np.arange(experts.size, dtype=np.uint32)
     y = mx.concatenate(outputs, axis=0)[mx.array(position)]
     return y.reshape(*routed.shape, y.shape[-1])
+
+
+# Measured on the 2-core box (microbench products, and prefill on the demo at 16 tokens): the 4-bit
+# kernel costs ~0.87 ns per weight per row, dequantizing ~1.3 ns per weight, and taking one expert
+# down the dense path ~0.5 ms of fixed cost (a dozen MLX ops and their dispatch). Small experts (the
+# demo's 100 KiB) need more rows than DENSE_MIN_ROWS to be worth it (8), large ones do not (4).
+QMM_NS_PER_WEIGHT_ROW = 0.87
+DEQUANTIZE_NS_PER_WEIGHT = 1.3
+DENSE_EXPERT_OVERHEAD_NS = 500_000
+
+
+def _rows_worth_dequantizing(bank: dict[str, mx.array], specs) -> int:
+    weights = _fp32_bytes(bank, specs) // 4
+    dense = DEQUANTIZE_NS_PER_WEIGHT * weights + DENSE_EXPERT_OVERHEAD_NS
+    return math.ceil(dense / (QMM_NS_PER_WEIGHT_ROW * weights))
+
+
+# At most this many bytes of dequantized (fp32) expert weights wait for one evaluation.
+DENSE_EVAL_BYTES = 32 << 20
+
+
+def _fp32_bytes(bank: dict[str, mx.array], specs) -> int:
+    """One expert's projections as fp32 weights."""
+    total = 0
+    for spec in specs:
+        packed = bank[f"{spec.name}.weight"]
+        total += packed[0].size * (32 // spec.bits) * 4
+    return total
 
 
 def _dense_expert_glu(
