@@ -462,8 +462,10 @@ class Engine:
         routing_counters = self.routing.begin_step() if self.routing is not None else None
         if self.routing is not None:
             # Heads of owners that route themselves run as their layer executes, so the reads
-            # for their consumers start a whole step ahead instead of at the flush.
-            self.routing.early_heads = flush and self.routing.heads is not None
+            # for their consumers start a whole step ahead instead of at the flush. Not in a
+            # prefill chunk: its reads ahead would land while whole-layer reads are held (the
+            # prefetch arm of the 384 MiB wall was killed there); the flush after it issues them.
+            self.routing.early_heads = flush and self.routing.heads is not None and len(tokens) == 1
         if self.store is not None:
             self.store.begin_step()
         out = self.model(mx.array(tokens)[None], cache=cache)
