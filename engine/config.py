@@ -71,8 +71,9 @@ class EngineConfig:
     eviction: str = "lfu-aging"
     # Threads doing pread for expert loads. Reads are I/O, so more threads than cores helps on SSDs.
     reader_threads: int = 4
-    # On Linux CPU compute with 2+ cores: the reader threads on the last core, every other thread
-    # on the rest, so reads ahead do not take the compute thread's core (experts/reader_core.py).
+    # On Linux CPU compute with 2+ cores, in prerouter mode: the reader threads on the last core,
+    # every other thread on the rest, so reads ahead do not take the compute thread's core
+    # (experts/reader_core.py).
     reader_core: bool = True
     # Prompt tokens per prefill forward.
     prefill_chunk: int = 512

@@ -8,10 +8,13 @@ streamed step cannot beat."""
 from __future__ import annotations
 
 import json
+import shutil
 import threading
 import time
 
 import mlx.core as mx
+import pytest
+from adapters import write_random_profile
 
 import engine.experts.reads as reads
 from edge0_tui.cli import main
@@ -153,20 +156,31 @@ def test_a_small_miss_waited_on_by_result_alone_is_read_not_hung():
         queue.shutdown()
 
 
+@pytest.fixture
+def profiled_overlap(checkpoint_dir, tmp_path):
+    """A copy of the tiny checkpoint with a random K=2 profile (heads and LoRA)."""
+    model_dir = tmp_path / "model"
+    shutil.copytree(checkpoint_dir("qwen3_moe"), model_dir)
+    write_random_profile(model_dir, 2)
+    return model_dir
+
+
 def _cores_of_threads() -> dict[int, set[int]]:
     import os
 
     return {int(t): os.sched_getaffinity(int(t)) for t in os.listdir("/proc/self/task")}
 
 
-def test_reader_threads_get_a_core_of_their_own_until_the_engine_closes(checkpoint_dir):
-    """On Linux CPU with 2+ cores the readers run on the last core, every other thread on the
-    rest (reads ahead stop taking the compute thread's core); closing gives the cores back."""
+def test_reader_threads_get_a_core_of_their_own_in_prerouter_mode(profiled_overlap):
+    """On Linux CPU with 2+ cores, in prerouter mode (reads ahead), the readers run on the last
+    core and every other thread on the rest; other modes (whose misses the engine thread helps
+    read) and a closed engine leave every thread on every core."""
     import os
 
     allowed = sorted(os.sched_getaffinity(0))
     assert len(allowed) >= 2, "this check needs two cores (the CI box has two)"
-    engine = Engine(checkpoint_dir("qwen3_moe"), EngineConfig(mode="on-demand"))
+    everywhere = set(allowed)
+    engine = Engine(profiled_overlap, EngineConfig(mode="prerouter", k=2))
     try:
         tokens = engine.generate(PROMPT, GREEDY).tokens
         readers = engine.store.reader.native_ids
@@ -174,13 +188,20 @@ def test_reader_threads_get_a_core_of_their_own_until_the_engine_closes(checkpoi
         assert len(readers) == 4
         assert all(cores[t] == {allowed[-1]} for t in readers)
         assert all(c == set(allowed[:-1]) for t, c in cores.items() if t not in readers)
+        engine.request_mode("on-demand")
+        engine.apply_requests()
+        assert all(c == everywhere for c in _cores_of_threads().values())
+        engine.request_mode("prerouter")
+        engine.apply_requests()
+        assert _cores_of_threads()[next(iter(readers))] == {allowed[-1]}
     finally:
         engine.close()
-    assert all(c == set(allowed) for c in _cores_of_threads().values())
+    assert all(c == everywhere for c in _cores_of_threads().values())
     # Off: nothing pinned, the same tokens.
-    engine = Engine(checkpoint_dir("qwen3_moe"), EngineConfig(mode="on-demand", reader_core=False))
+    config = EngineConfig(mode="prerouter", k=2, reader_core=False)
+    engine = Engine(profiled_overlap, config)
     try:
         assert engine.generate(PROMPT, GREEDY).tokens == tokens
-        assert all(c == set(allowed) for c in _cores_of_threads().values())
+        assert all(c == everywhere for c in _cores_of_threads().values())
     finally:
         engine.close()

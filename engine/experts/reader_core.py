@@ -5,13 +5,15 @@ copy experts: from the page cache into a buffer (`pread`), into MLX memory, and 
 the kernel reclaims pages on their behalf. Left to the scheduler, the readers share the compute
 thread's core whenever they wake, and a read issued ahead then costs compute time instead of hiding
 under it. Measured on the 2-core CI box (the 486 MiB real-routing wall, 384 MiB RAM limit, cold,
-K=4, 3 rotated rounds): prerouter 5.12 -> 6.31 tok/s, a step 1.53x -> 1.25x the overlap limit,
-with every other arm unchanged within noise (docs/benchmarks.md).
+K=4, 3 rotated rounds): prerouter 5.12 -> 6.31 tok/s, a step 1.53x -> 1.25x the overlap limit.
 
-So the readers run on the last core the process may use and every other thread of the process on
-the rest. Threads started later inherit their creator's cores (MLX starts its worker on the first
-evaluation, from the engine's thread). Nothing is pinned with fewer than two cores, off Linux (no
-thread affinity on macOS) or when compute is on a GPU (the CPU then only reads).
+So in prerouter mode the readers run on the last core the process may use and every other thread
+of the process on the rest. Threads started later inherit their creator's cores (MLX starts its
+worker on the first evaluation, from the engine's thread). Only in prerouter mode: on-demand and
+prefetch misses are read partly by the engine thread itself while the forward waits, and confined
+to the compute cores those reads cost more than they save (on-demand 211 -> 265 ms a step on the
+same wall). Nothing is pinned with fewer than two cores, off Linux (no thread affinity on macOS)
+or when compute is on a GPU (the CPU then only reads).
 """
 
 from __future__ import annotations
@@ -31,16 +33,11 @@ def reader_cores() -> tuple[set[int], set[int]] | None:
     return set(allowed[:-1]), {allowed[-1]}
 
 
-def pin_this_thread(cores: set[int]) -> None:
-    """Run the calling thread on `cores` (best effort: a refusal leaves it as it was)."""
-    _pin(0, cores)
-
-
-def pin_other_threads(cores: set[int], readers: set[int]) -> None:
-    """Run every thread of this process but the `readers` (native ids) on `cores`."""
+def pin_threads(compute: set[int], reader: set[int], readers: set[int]) -> None:
+    """Run the `readers` (native thread ids) on the `reader` cores, every other thread of this
+    process on the `compute` cores."""
     for task in _threads():
-        if task not in readers:
-            _pin(task, cores)
+        _pin(task, reader if task in readers else compute)
 
 
 def unpin_all_threads(cores: set[int]) -> None:

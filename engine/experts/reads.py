@@ -29,7 +29,6 @@ import numpy as np
 from ..checkpoint.index import CheckpointIndex, LayerExperts
 from ..trace import NO_TRACE, Tracer
 from .page_cache import FileResidency
-from .reader_core import pin_this_thread
 
 # NumPy has no bfloat16: BF16 data is read as uint16 and reinterpreted by MLX.
 _NUMPY_DTYPES = {
@@ -115,9 +114,7 @@ class ExpertReader:
         build_arrays: bool = False,
         bypass_page_cache: bool = False,
         tracer: Tracer = NO_TRACE,
-        cores: set[int] | None = None,
     ) -> None:
-        """`cores`: the cores the reader threads run on (None: wherever the scheduler puts them)."""
         self.index = index
         self.tracer = tracer
         # On CPU the engine computes in float32: widening bf16/fp16 here, in NumPy on the reader
@@ -142,7 +139,7 @@ class ExpertReader:
         self._residency = {shard: FileResidency(shard) for shard in index.shards}
         self._plans: dict[int, list[_TensorPlan]] = {}
         self._local = threading.local()
-        self._queue = ReadQueue(threads, "edge0-read", cores)
+        self._queue = ReadQueue(threads, "edge0-read")
 
     @property
     def native_ids(self) -> set[int]:
@@ -326,9 +323,8 @@ class ReadQueue:
     blocked on now goes before all of them. (A plain FIFO pool made the first layers' on-demand
     misses wait behind every read issued ahead for later layers.)"""
 
-    def __init__(self, threads: int, name: str, cores: set[int] | None = None) -> None:
+    def __init__(self, threads: int, name: str) -> None:
         self._heap: list = []
-        self._cores = cores
         self.native_ids: set[int] = set()  # the reader threads', once started
         started = threading.Semaphore(0)
         self._order = itertools.count()  # FIFO among equal priorities
@@ -340,7 +336,7 @@ class ReadQueue:
         ]
         for thread in self._threads:
             thread.start()
-        for _ in self._threads:  # every reader has pinned itself and said who it is
+        for _ in self._threads:  # every reader has said who it is (reader_core.py pins them)
             started.acquire()
 
     def submit(self, priority: tuple, fn, *args, wake: bool = True) -> Future:
@@ -382,8 +378,6 @@ class ReadQueue:
             del item
 
     def _work(self, started: threading.Semaphore) -> None:
-        if self._cores is not None:
-            pin_this_thread(self._cores)
         self.native_ids.add(threading.get_native_id())
         started.release()
         while True:

@@ -21,7 +21,7 @@ from ..errors import Edge0Error
 from ..trace import NO_TRACE, Tracer
 from .page_cache_budget import CAN_EVICT_RANGES, PageCacheBudget
 from .pool import ExpertKey, ExpertPool, ResidentExpert
-from .reader_core import pin_other_threads, reader_cores, unpin_all_threads
+from .reader_core import pin_threads, reader_cores, unpin_all_threads
 from .reads import ExpertReader, ReadResult, to_mlx
 
 
@@ -68,10 +68,8 @@ class ExpertStore:
             # Without range eviction (macOS), a page-cache budget means reads bypass the cache.
             bypass_page_cache=config.page_cache_bytes is not None and not CAN_EVICT_RANGES,
             tracer=tracer,
-            cores=self._cores[1] if self._cores else None,
         )
-        if self._cores:
-            pin_other_threads(self._cores[0], self.reader.native_ids)
+        self._reader_core_on = False
         # Set by the loader once the resident weights are read (`set_page_cache_budget`).
         self.page_cache: PageCacheBudget | None = None
         self.pool = ExpertPool(config.expert_cache_bytes, config.eviction)
@@ -288,11 +286,20 @@ class ExpertStore:
         if self.page_cache is not None:
             self.counters.page_cache_evicted_bytes += self.page_cache.enforce()
 
+    def use_reader_core(self, on: bool) -> None:
+        """Readers on a core of their own (`on`, prerouter mode), or every thread anywhere."""
+        if not self._cores or on == self._reader_core_on:
+            return
+        if on:
+            pin_threads(*self._cores, self.reader.native_ids)
+        else:
+            unpin_all_threads(self._process_cores)
+        self._reader_core_on = on
+
     def close(self) -> None:
         self._pending_layers.clear()
         self.reader.close()
-        if self._process_cores:
-            unpin_all_threads(self._process_cores)
+        self.use_reader_core(False)
         self.set_page_cache_budget(None)
         self.pool.clear()
 

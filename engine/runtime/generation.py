@@ -273,6 +273,8 @@ class Engine:
                 predicted = {owner + 1 for owner in heads.owners}
             self_routed = set(self.loaded.blocks) - predicted if predicted else set()
             self.store.pool.kept_layers = frozenset(self_routed)
+            # Reads ahead only: readers on a core of their own (experts/reader_core.py says why).
+            self.store.use_reader_core(mode == "prerouter")
             if adapter is not None:
                 self.lora = AppliedLoRA(self.model, adapter, self.loaded.float_dtype)
         self.k, self.mode = k, mode
