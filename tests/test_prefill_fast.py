@@ -133,8 +133,8 @@ def test_a_model_dequantized_after_loading_runs_its_float_path(checkpoint_dir, d
 
 def test_the_dense_copies_are_bounded(checkpoint_dir):
     """The fp32 copies wait for evaluation in groups of at most DENSE_EVAL_BYTES: on-demand's peak
-    MLX memory over a prefill grows by at most that and two experts' fp32 weights over the exact
-    path's (left to the layer's one evaluation, it was every routed expert's copy at once). Each arm is an `edge0
+    MLX memory over a prefill grows by at most twice that over the exact path's (left to the
+    layer's one evaluation, it was every routed expert's copy at once). Each arm is an `edge0
     generate` process of its own (MLX's peak is per process; the command preloads the fast BLAS)."""
     model = checkpoint_dir("qwen3_moe", "small")
     with Engine(model, EngineConfig(mode="on-demand")) as engine:
@@ -149,7 +149,10 @@ def test_the_dense_copies_are_bounded(checkpoint_dir):
         done = subprocess.run([*command, *exact], capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stderr
         peaks[bool(exact)] = json.loads(done.stdout)["summary"]["peak_mlx_bytes"]
-    bound = switch_glu.DENSE_EVAL_BYTES + 2 * fp32_expert
+    # A group reaches DENSE_EVAL_BYTES plus one expert before it is evaluated, and MLX's peak moves
+    # by a few MiB between processes: twice the group is the line (every expert of a layer at once,
+    # as before the groups, was 25 MiB over the exact path here).
+    bound = 2 * switch_glu.DENSE_EVAL_BYTES
     assert peaks[False] <= peaks[True] + bound, (peaks, fp32_expert)
 
 
