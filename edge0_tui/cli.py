@@ -468,12 +468,16 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--expert-cache",
         type=_size,
-        default="1G",
+        default=None,
         metavar="SIZE",
-        help="routed-expert budget, e.g. 512M, 2G (default 1G)",
+        help="routed-expert budget, e.g. 512M, 2G (default 1G; 4M for demo, as the chat)",
     )
     serve.add_argument(
-        "--page-cache", type=_page_cache, default="off", metavar="SIZE|off", help=PAGE_CACHE_HELP
+        "--page-cache",
+        type=_page_cache,
+        default=None,
+        metavar="SIZE|off",
+        help=PAGE_CACHE_HELP + " (default: off; 4M for demo, as the chat)",
     )
     serve.add_argument(
         "--api-key",
@@ -952,10 +956,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
     check_model(args.model)  # a one-line error before anything listens
     if args.api_key is not None and not args.api_key.strip():
         raise Edge0Error("--api-key is empty")
+    # The demo as the chat serves it: a 4 MB expert cache and page-cache budget show the wall.
+    demo = args.model == "demo"
+    expert_cache = args.expert_cache or parse_size("4M" if demo else "1G")
+    page_cache = args.page_cache
+    if page_cache is None:
+        page_cache = parse_size("4M") if demo and args.mode != "resident" else "off"
     config = EngineConfig(
         mode=args.mode,
-        expert_cache_bytes=args.expert_cache,
-        page_cache_bytes=None if args.page_cache == "off" else args.page_cache,
+        expert_cache_bytes=expert_cache,
+        page_cache_bytes=None if page_cache == "off" else page_cache,
         k=args.k,
         exact_kernels=args.exact,
         adapter_dirs=tuple(args.adapters),  # Hub repos are fetched on the engine thread

@@ -891,3 +891,24 @@ def test_worker_keeps_a_default_length_inside_the_context_and_stops_at_a_stop_se
     finally:
         worker.shutdown()
     assert worker.state == "closed"
+
+
+def test_serve_demo_shows_the_wall_as_the_chat_does(monkeypatch):
+    """`edge0 serve demo` runs with the chat's 4 MB expert cache and page-cache budget; another
+    model (or an explicit option) keeps its own."""
+    import edge0_tui.server as server
+    from edge0_tui.cli import main
+
+    configs = []
+    monkeypatch.setattr(
+        server, "open_engine_for", lambda model, config, cache: configs.append(config)
+    )
+    monkeypatch.setattr(server, "serve_model", lambda *a, **kw: None)
+    monkeypatch.setattr("edge0_tui.model_source.check_model", lambda model: None)
+    assert main(["serve", "demo"]) == 0
+    assert main(["serve", "demo", "--page-cache", "off", "--expert-cache", "64M"]) == 0
+    assert main(["serve", "some/model"]) == 0
+    demo, explicit, other = configs
+    assert (demo.expert_cache_bytes, demo.page_cache_bytes) == (4 << 20, 4 << 20)
+    assert (explicit.expert_cache_bytes, explicit.page_cache_bytes) == (64 << 20, None)
+    assert (other.expert_cache_bytes, other.page_cache_bytes) == (1 << 30, None)
