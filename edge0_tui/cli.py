@@ -317,6 +317,15 @@ def build_parser() -> argparse.ArgumentParser:
         default="1G",
         help="routed-expert budget while collecting, e.g. 512M, 2G (the model runs on-demand)",
     )
+    heads.add_argument(
+        "--window",
+        type=_count(2),
+        default=128,
+        metavar="N",
+        help="tokens per teacher-forced forward while collecting (default 128); a window that "
+        "touches most experts reads each layer whole, so on a model that does not fit, larger "
+        "windows read the checkpoint fewer times",
+    )
     heads.add_argument("--start-layer", type=int, default=None)
     heads.add_argument("--steps", type=int, default=400)
     heads.add_argument("--max-tokens", type=int, default=60_000)
@@ -730,7 +739,11 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     text = _read_text(args.text) if args.text is not None else None
     config = TrainHeadsConfig(
-        k=args.k, start_layer=args.start_layer, steps=args.steps, max_tokens=args.max_tokens
+        k=args.k,
+        start_layer=args.start_layer,
+        steps=args.steps,
+        max_tokens=args.max_tokens,
+        window=args.window,
     )
     engine_config = EngineConfig(expert_cache_bytes=args.expert_cache, data_dir=_data_dir())
     train_heads(

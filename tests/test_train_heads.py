@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import pydoc_data.topics
 import re
 import shutil
@@ -56,10 +57,12 @@ def test_cli_train_heads(checkpoint_dir, tmp_path, capsys, monkeypatch):
     text.write_text(_text()[:60_000])
     adapters = tmp_path / "adapters"
     args = ["train", "heads", str(model_dir), "--k", "2", "--text", str(text), "--steps", "20"]
-    assert main(args + ["--max-tokens", "4000", "--adapters", str(adapters)]) == 0
+    assert main(args + ["--max-tokens", "4000", "--adapters", str(adapters), "--window", "64"]) == 0
     printed = capsys.readouterr().out
     assert "held-out recall@2" in printed
     assert (adapters / "prerouter_k2.safetensors").exists()
+    (progress,) = adapters.glob("work/traces-*/progress.json")
+    assert json.loads(progress.read_text())["shape"]["window"] == 64  # --window reached collection
     assert not list(model_dir.glob("prerouter_*")) and not (tmp_path / "data").exists()
     assert main(["info", str(model_dir)]) == 0
     assert "K=2: prerouter" not in capsys.readouterr().out  # not in the search without --adapters
