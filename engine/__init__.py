@@ -38,6 +38,9 @@ _ON_FIRST_USE = {
     "release_thread_streams": "engine.runtime.generation",
     "StepMetrics": "engine.runtime.metrics",
     "check_checkpoint": "engine.runtime.loader",
+    "CgroupMemory": "engine.runtime.linux_memory",
+    "cgroup_memory": "engine.runtime.linux_memory",
+    "read_meminfo": "engine.runtime.linux_memory",
     "blas_in_use": "engine.runtime.blas",
     "preload_fast_blas": "engine.runtime.blas",
 }

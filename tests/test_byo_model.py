@@ -161,3 +161,23 @@ def test_eval_and_bench_find_profiles_in_an_adapter_folder(outside, tmp_path, ca
     (run,) = report["runs"]
     assert run["ok"], run["error"]
     assert run["summary"]["k"] == 2 and run["summary"]["median_predicted"] > 0
+
+
+def test_memory_available_to_training_is_the_cgroup_room_beside_its_working_set(tmp_path):
+    """What the student check compares with: MemAvailable, lowered to the tightest cgroup limit
+    less the cgroup's working set. Page cache the cgroup can drop does not count as used (a
+    3 GiB group filled with a checkpoint's pages still has room)."""
+    from engine.runtime.linux_memory import available_memory_bytes
+
+    gib = 1 << 30
+    proc, root = tmp_path / "proc", tmp_path / "cgroup"
+    (proc / "self").mkdir(parents=True)
+    (proc / "meminfo").write_text("MemTotal: 16777216 kB\nMemAvailable: 10485760 kB\n")
+    (proc / "self" / "cgroup").write_text("0::/job\n")
+    assert available_memory_bytes(proc, root) == 10 * gib  # no cgroup limit: MemAvailable
+    (root / "job").mkdir(parents=True)
+    (root / "memory.max").write_text(f"{3 * gib}\n")  # the limit on an ancestor
+    (root / "memory.current").write_text(f"{3 * gib}\n")
+    (root / "memory.stat").write_text(f"anon {gib}\ninactive_file {2 * gib}\n")
+    (root / "job" / "memory.max").write_text("max\n")
+    assert available_memory_bytes(proc, root) == 2 * gib

@@ -148,56 +148,6 @@ def process_rss_bytes() -> int:
     return peak if sys.platform == "darwin" else peak * 1024
 
 
-def available_memory_bytes() -> int | None:
-    """Memory this process could still take: Linux's MemAvailable, lowered to what the process's
-    memory cgroup (v2 or v1) still allows; elsewhere None (not known without a subprocess)."""
-    try:
-        with open("/proc/meminfo") as f:
-            fields = dict(line.split(":", 1) for line in f if ":" in line)
-        available = int(fields["MemAvailable"].split()[0]) * 1024
-    except (OSError, KeyError, ValueError):
-        return None
-    for limit_file, usage_file in (
-        ("memory.max", "memory.current"),  # v2
-        ("memory.limit_in_bytes", "memory.usage_in_bytes"),  # v1
-    ):
-        room = _cgroup_room(limit_file, usage_file)
-        if room is not None:
-            available = min(available, room)
-    return available
-
-
-def _cgroup_room(limit_file: str, usage_file: str) -> int | None:
-    """Limit less usage of this process's own memory cgroup; None without one or a limit."""
-    try:
-        with open("/proc/self/cgroup") as f:
-            entries = [line.rstrip("\n").split(":", 2) for line in f]
-        with open("/proc/mounts") as f:
-            mounts = [line.split()[1:4] for line in f]
-    except OSError:
-        return None
-    for _, controllers, path in entries:
-        v2 = limit_file == "memory.max"
-        if v2 != (controllers == "") or (not v2 and "memory" not in controllers.split(",")):
-            continue
-        for point, fstype, options in mounts:
-            if (v2 and fstype == "cgroup2") or (
-                not v2 and fstype == "cgroup" and "memory" in options.split(",")
-            ):
-                group = os.path.join(point, path.lstrip("/"))
-                try:
-                    with open(os.path.join(group, limit_file)) as f:
-                        limit = f.read().strip()
-                    with open(os.path.join(group, usage_file)) as f:
-                        usage = int(f.read().strip())
-                except (OSError, ValueError):
-                    continue
-                if limit == "max" or not limit.isdigit() or int(limit) >= 1 << 60:
-                    return None  # unlimited
-                return max(int(limit) - usage, 0)
-    return None
-
-
 _PROC_PIDTASKINFO = 4  # <sys/proc_info.h>
 
 

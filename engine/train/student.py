@@ -48,8 +48,8 @@ from ..routing.prerouter import (
     head_forward,
     sequence_features,
 )
+from ..runtime.linux_memory import available_memory_bytes
 from ..runtime.loader import LoadedModel, compute_dtype, load, read_config
-from ..runtime.metrics import available_memory_bytes
 
 # LoRA targets by kind: a linear layer whose module path holds one of these markers. Routers
 # (`mlp.gate`), the shared expert's scalar gate (`mlp.shared_expert_gate`), routed experts, dense FFN
