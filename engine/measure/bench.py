@@ -418,13 +418,8 @@ def build_report(config: BenchConfig, sampled: dict, runs: list[ArmRun]) -> dict
             continue
         data["overlap"] = overlap_limit(f, compute["median"])
     return {
-        "config": {
-            **asdict(config),
-            "model": str(config.model),
-            "trace_dir": str(config.trace_dir) if config.trace_dir else None,
-            "adapter_dirs": [str(d) for d in config.adapter_dirs],
-            "data_dir": str(config.data_dir) if config.data_dir else None,
-        },
+        # As plain JSON data: paths as text, tuples as lists.
+        "config": json.loads(json.dumps(asdict(config), default=str)),
         "prompt_tokens": len(sampled["prompt_tokens"]),
         "tokens": len(sampled["tokens"]),
         "arms": arms,

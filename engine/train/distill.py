@@ -2,12 +2,14 @@
 
     edge0 train distill MODEL --k K --text FILE [--teacher DIR] [--steps N] [--out-dir DIR]
 
-Starts from the phase-2 LoRA (`MODEL/lora_k{K}.safetensors`; the paper's order, heads -> SFT ->
-on-policy, is not a tunable: distillation-only adapters collapse). Each step:
+Starts from the phase-2 LoRA (`lora_k{K}.safetensors` beside the K profile's heads; the paper's
+order, heads -> SFT -> on-policy, is not a tunable: distillation-only adapters collapse). Each
+step:
 
 1. Roll out: the engine in prerouter mode (4-bit base, the K-profile's heads, the current LoRA)
    samples continuations of prompts drawn from the corpus: exactly what serving would write.
-2. Score: the teacher (the unquantized float model) reads the same sequences.
+2. Score: the teacher (the unquantized float model, or the checkpoint itself) reads the same
+   sequences.
 3. Loss: reverse KL(student || teacher) at every generated position, restricted to the teacher's
    top-k tokens with the rest of the vocabulary as one tail bucket on both sides (the tail's mass is
    kept, not dropped), averaged over generated positions. The student's side is the student path

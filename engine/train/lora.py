@@ -38,10 +38,9 @@ import numpy as np
 
 from ..config import EngineConfig
 from ..errors import Edge0Error
-from ..runtime.loader import compute_dtype
 from .data import continuation_mask, corpus_tokens, draw_prompts, masked_mean, sample
 from .run import Log, TrainingRun, training_progress
-from .student import LoRAInit, Student, dequantized_bytes, load_student
+from .student import LoRAInit, Student, dequantized_bytes, float_size, load_student
 from .teacher import CheckpointTeacher, load_teacher
 
 
@@ -234,5 +233,4 @@ def teacher_bytes(teacher_dir: str | Path | None, engine_config: EngineConfig | 
     (it is the student's own base)."""
     if teacher_dir is None:
         return 0
-    dtype = compute_dtype(engine_config or EngineConfig())
-    return dequantized_bytes(Path(teacher_dir), dtype.size if dtype is not None else 2)
+    return dequantized_bytes(Path(teacher_dir), float_size(engine_config or EngineConfig()))

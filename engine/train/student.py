@@ -315,18 +315,23 @@ def dequantized_bytes(model_dir: Path, float_size: int) -> int:
 STUDENT_MARGIN_BYTES = 512 << 20
 
 
+def float_size(engine_config: EngineConfig) -> int:
+    """Bytes of one float the student computes in: float32 on CPU, else the checkpoint's (2)."""
+    dtype = compute_dtype(engine_config)
+    return dtype.size if dtype is not None else 2
+
+
 def check_student_fits(model_dir: Path, engine_config: EngineConfig, extra_bytes: int = 0) -> None:
     """Refuse, before loading anything, a student that cannot fit: the student path holds the
     whole model dequantized (backward needs every expert a batch touched, and a batch touches
     nearly all of them), so phases 2 and 3 need the model's float size in memory."""
-    dtype = compute_dtype(engine_config)
-    float_size = dtype.size if dtype is not None else 2
-    need = dequantized_bytes(model_dir, float_size) + extra_bytes + STUDENT_MARGIN_BYTES
+    size = float_size(engine_config)
+    need = dequantized_bytes(model_dir, size) + extra_bytes + STUDENT_MARGIN_BYTES
     available = available_memory_bytes()
     if available is not None and need > available:
         raise Edge0Error(
             f"{model_dir}: training the LoRA needs about {format_bytes(need)} of memory (the "
-            f"model dequantized to {8 * float_size}-bit floats for backward"
+            f"model dequantized to {8 * size}-bit floats for backward"
             + (f", the float teacher {format_bytes(extra_bytes)}" if extra_bytes else "")
             + f", and a margin), but {format_bytes(available)} is available; phase 1 "
             "(`edge0 train heads`) streams and needs far less"
