@@ -262,22 +262,7 @@ def _messages(body: dict) -> tuple[dict, ...]:
 def parse_chat(body: dict, model_ids: tuple[str, ...]) -> GenerationRequest:
     model = check_model(body, model_ids)
     messages = _messages(body)
-    _unsupported(body)
-    stream, include_usage = _stream(body)
-    k, mode = _profile(body)
-    return GenerationRequest(
-        kind="chat",
-        model=model,
-        messages=messages,
-        prompt=None,
-        generation=_generation(body, ("max_completion_tokens", "max_tokens")),
-        default_max_tokens=_no_max_tokens(body, ("max_completion_tokens", "max_tokens")),
-        stop=_stop(body),
-        stream=stream,
-        include_usage=include_usage,
-        k=k,
-        mode=mode,
-    )
+    return _request(body, "chat", model, ("max_completion_tokens", "max_tokens"), messages=messages)
 
 
 def parse_completion(body: dict, model_ids: tuple[str, ...]) -> GenerationRequest:
@@ -291,16 +276,28 @@ def parse_completion(body: dict, model_ids: tuple[str, ...]) -> GenerationReques
         raise bad("prompt must be a string (one prompt per request)", "prompt")
     if not prompt:
         raise bad("prompt must not be empty", "prompt")
+    return _request(body, "completion", model, ("max_tokens",), prompt=prompt)
+
+
+def _request(
+    body: dict,
+    kind: str,
+    model: str,
+    max_token_fields: tuple[str, ...],
+    messages: tuple[dict, ...] | None = None,
+    prompt: str | None = None,
+) -> GenerationRequest:
+    """What chat and completion requests share, checked in this order after their own input."""
     _unsupported(body)
     stream, include_usage = _stream(body)
     k, mode = _profile(body)
     return GenerationRequest(
-        kind="completion",
+        kind=kind,
         model=model,
-        messages=None,
+        messages=messages,
         prompt=prompt,
-        generation=_generation(body, ("max_tokens",)),
-        default_max_tokens=_no_max_tokens(body, ("max_tokens",)),
+        generation=_generation(body, max_token_fields),
+        default_max_tokens=_no_max_tokens(body, max_token_fields),
         stop=_stop(body),
         stream=stream,
         include_usage=include_usage,
