@@ -80,26 +80,23 @@ def _count(least: int):
     return count
 
 
-def _seed(text: str) -> int:
-    """An argparse type: a random seed, as MLX takes it (an unsigned 64-bit integer)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
-    if not 0 <= value <= MAX_SEED:
-        raise argparse.ArgumentTypeError(f"{value} must be between 0 and {MAX_SEED}")
-    return value
+def _int_between(low: int, high: int):
+    """An argparse type: a whole number from `low` to `high` (a seed as MLX takes it, a port)."""
+
+    def between(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{value} must be between {low} and {high}")
+        return value
+
+    return between
 
 
-def _port(text: str) -> int:
-    """An argparse type: a TCP port, 0 for a free one."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"{value} must be between 0 and 65535")
-    return value
+_seed = _int_between(0, MAX_SEED)  # an unsigned 64-bit integer
+_port = _int_between(0, 65535)  # 0: a free one
 
 
 # `edge0 serve`'s API key when --api-key is not given (keeps it out of the process list).
