@@ -706,6 +706,8 @@ def cmd_info(args: argparse.Namespace) -> int:
         print(json.dumps(info))
         return 0
     print(f"{info['model']}: {info['family']}, {info['layers']} layers ({info['moe_layers']} MoE)")
+    print(f"  {info['family_description']}; modes: {', '.join(info['family_modes'])}")
+    print(f"  experts stored {info['expert_format']}")
     print(
         f"  {info['experts']} routed experts per layer, native K={info['native_k']}, hidden {info['hidden']}"
     )

@@ -7,6 +7,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from engine.adapters.lora import linear_dims, save_lora
+from engine.checkpoint.families import FAMILIES
 from engine.config import EngineConfig
 from engine.routing.prerouter import PrerouterHeads, save_prerouter
 from engine.runtime.generation import Engine
@@ -17,6 +18,12 @@ LORA_TARGETS = (
     "attention.query_key_value",
     "attention.dense",
 )
+
+
+def profile_k(family: str, k: int = 4) -> int:
+    """The K a test profile of `family` is written for: `k`, or 1 where the family routes to one
+    expert only (Llama-4)."""
+    return k if FAMILIES[family].other_k else 1
 
 
 def write_random_profile(model_dir: Path, k: int, seed: int = 0, lora_scale: float = 0.05) -> None:

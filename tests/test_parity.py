@@ -11,8 +11,10 @@ import pytest
 
 from engine.config import EngineConfig, GenerationConfig
 from engine.runtime.generation import Engine
+from engine.runtime.loader import read_config, routed_top_k
 
-GREEDY_32 = GenerationConfig(max_tokens=32, temperature=0.0)
+# Past EOS too: some random models end a reply early, and parity compares all 32 tokens.
+GREEDY_32 = GenerationConfig(max_tokens=32, temperature=0.0, ignore_eos=True)
 # Three tokens: a two-token prefill chunk routes to at most 2 * top_k = 8 of 16 experts, below the
 # whole-layer threshold (half the experts), so prefill takes the per-expert path.
 SHORT_PROMPT = [11, 400, 97]
@@ -25,7 +27,6 @@ def _generate(model_dir, prompt, **config) -> tuple[list[int], list]:
     engine = Engine(model_dir, EngineConfig(prefill_chunk=16, exact_kernels=True, **config))
     try:
         result = engine.generate(prompt, GREEDY_32)
-        # EOS may stop early; parity still compares every token generated.
         return result.tokens, result.steps
     finally:
         engine.close()
@@ -64,7 +65,7 @@ def test_on_demand_matches_resident(checkpoint_dir, resident_tokens, family, pro
     prompt = SHORT_PROMPT if prompt_name == "short" else LONG_PROMPT
     tokens, steps = _generate(model_dir, prompt, mode="on-demand", expert_cache_bytes=budget)
 
-    assert len(tokens) >= 8
+    assert len(tokens) == 32
     assert tokens == resident_tokens(family, prompt_name)
 
     prefill = [s for s in steps if s.phase == "prefill"]
@@ -77,8 +78,11 @@ def test_on_demand_matches_resident(checkpoint_dir, resident_tokens, family, pro
         assert whole_layer_reads == 0, "short prompts must take the per-expert path"
     assert all(s.whole_layer_reads == 0 for s in decode)
     if cache == "one-layer":
-        # Little more than one layer fits, so nearly every routed expert is read again each step.
-        assert all(s.loads > 0 for s in decode)
+        # Little more than one layer fits, so routed experts are read again step after step
+        # (every step, unless a K=1 model's few MoE layers route into the spare slot).
+        loading = sum(s.loads > 0 for s in decode)
+        one_expert = routed_top_k(read_config(model_dir)) == 1
+        assert loading > 0 if one_expert else loading == len(decode)
         assert all(s.expert_pool_mib * 2**20 <= budget for s in decode)
     else:
         # Everything fits: after the first pass over the prompt, decode reads only new experts.

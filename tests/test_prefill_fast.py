@@ -60,8 +60,14 @@ def _logits(model_dir, tokens, **config) -> np.ndarray:
         return np.array(engine_logits(engine, mx.array([tokens]))[0].astype(mx.float32))
 
 
+# The dense path differs by expert format, not by family: the Qwen and Bailing layouts, affine with
+# biases in the product (gpt-oss: mxfp4 experts with output biases), a group router (DeepSeek).
+DENSE_FAMILIES = ("qwen3_moe", "qwen3_next", "bailing_moe", "gpt_oss", "deepseek_v3")
+
+
 @pytest.mark.parametrize("mode", ["resident", "on-demand"])
 @pytest.mark.parametrize("prompt", [LONG, SHORT], ids=["long", "short"])
+@pytest.mark.parametrize("family", DENSE_FAMILIES)
 def test_dense_prefill_logits_within_the_bound(checkpoint_dir, family, mode, prompt, dense_calls):
     model = checkpoint_dir(family)
     exact = _logits(model, prompt, mode=mode, exact_kernels=True)

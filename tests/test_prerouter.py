@@ -10,7 +10,7 @@ import time
 import mlx.core as mx
 import numpy as np
 import pytest
-from adapters import write_random_profile
+from adapters import profile_k, write_random_profile
 
 from engine.adapters.lora import LoRALinear
 from engine.config import EngineConfig, GenerationConfig
@@ -19,7 +19,8 @@ from engine.routing.functions import route
 from engine.routing.prerouter import PrerouterHeads, load_prerouter
 from engine.runtime.generation import Engine
 
-GREEDY = GenerationConfig(max_tokens=24, temperature=0.0)
+# Past EOS: a random model may end its reply at once, and these tests look at decode steps.
+GREEDY = GenerationConfig(max_tokens=24, temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture
@@ -28,6 +29,7 @@ def profiled(checkpoint_dir, tmp_path):
 
     def make(family: str = "qwen3_moe", ks=(4,)):
         model_dir = tmp_path / f"{family}-profiled"
+        ks = tuple(profile_k(family, k) for k in ks)
         if not model_dir.exists():
             shutil.copytree(checkpoint_dir(family), model_dir)
             for i, k in enumerate(ks):
@@ -75,7 +77,7 @@ def _run_recording(engine: Engine, prompt, steps: int, inject=None):
     def on_token(token, step):
         executed.append(
             {
-                layer: sorted(block.switch_mlp.last_routed.reshape(-1).tolist())
+                layer: sorted(block.routed_experts.last_routed.reshape(-1).tolist())
                 for layer, block in engine.loaded.blocks.items()
             }
         )
@@ -109,8 +111,8 @@ def test_prediction_is_the_routing_and_nothing_is_dropped(profiled, family):
         engine.close()
 
 
-def test_injected_logits_route_exactly(profiled):
-    engine = Engine(profiled("qwen3_moe"), EngineConfig(mode="prerouter"))
+def test_injected_logits_route_exactly(profiled, family):
+    engine = Engine(profiled(family), EngineConfig(mode="prerouter", expert_cache_bytes=60_000))
     e = engine.loaded.num_experts
     calls = []
 
@@ -140,10 +142,12 @@ def test_injected_logits_route_exactly(profiled):
                 logits = np.full((e,), -5.0, dtype=np.float32)
                 for j in range(6):
                     logits[(s + 3 * i + j) % e] = 5.0 - j
-                inds, _ = route(mx.array(logits), spec, engine.k)
+                bias = engine.loaded.blocks[owner + 1].expert_bias()
+                inds, _ = route(mx.array(logits), spec, engine.k, bias)
                 want = sorted(np.array(inds).tolist())
                 assert flushed[owner + 1] == want
                 assert used[owner + 1] == want
+        assert result.summary["dropped"] == 0
     finally:
         engine.close()
 
@@ -421,7 +425,8 @@ def test_prefetch_reads_predictions_ahead_and_keeps_the_true_routing(profiled, f
     model_dir = profiled(family)
     tokens = {}
     for mode in ("on-demand", "prefetch"):
-        engine = Engine(model_dir, EngineConfig(mode=mode, k=4, expert_cache_bytes=60_000))
+        k = profile_k(family)
+        engine = Engine(model_dir, EngineConfig(mode=mode, k=k, expert_cache_bytes=60_000))
         try:
             assert "prefetch" in engine.modes()
             result = engine.generate([5, 9, 13, 17], GREEDY)
@@ -530,7 +535,7 @@ def test_prefetch_hit_rate_is_the_overlap_of_reads_ahead_and_routing(profiled):
         def on_token(token, step):
             chosen_sets.append(
                 {
-                    layer: set(block.switch_mlp.last_routed.reshape(-1).tolist())
+                    layer: set(block.routed_experts.last_routed.reshape(-1).tolist())
                     for layer, block in engine.loaded.blocks.items()
                 }
             )

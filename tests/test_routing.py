@@ -11,7 +11,9 @@ import pytest
 from mlx_lm.models import qwen3_moe, qwen3_next
 from mlx_lm.models.bailing_moe import group_expert_select
 
+from engine.errors import Edge0Error
 from engine.routing.functions import RoutingSpec, route
+from engine.routing.moe_block import FAMILY_OPS
 
 E = 32
 
@@ -87,3 +89,138 @@ def test_bias_selects_but_does_not_weigh():
     inds, weights = route(logits, spec, 1, bias)
     assert inds.item() == 5
     assert weights.item() == pytest.approx(0.5)  # sigmoid(0), the unbiased score
+
+
+# -- every family with the engine's routing: its own block, run with identity routers -------------
+
+
+class _Recorder(nn.Module):
+    """Stands in for the experts: records what the block passed, returns one-hot rows per expert."""
+
+    def __call__(self, x, indices):
+        self.inputs, self.indices = x, indices
+        return mx.eye(E)[indices]
+
+
+def _args(**fields) -> SimpleNamespace:
+    base = dict(
+        hidden_size=E,
+        intermediate_size=64,
+        moe_intermediate_size=64,
+        shared_expert_intermediate_size=64,
+        num_experts=E,
+        num_local_experts=E,
+        n_routed_experts=E,
+        moe_num_experts=E,
+        norm_topk_prob=True,
+        mlp_bias=False,
+        use_bias=False,
+        moe_num_shared_experts=0,
+        n_shared_experts=None,
+        routed_scaling_factor=2.5,
+        n_group=4,
+        topk_group=2,
+        topk_method="noaux_tc",
+    )
+    return SimpleNamespace(**{**base, **fields})
+
+
+def _block(family: str, k: int, variant: str):
+    """The family's mlx-lm MoE block whose router outputs its input (hidden = E), with recording
+    experts and no shared expert, and a random correction bias where the family has one."""
+    from mlx_lm.models import (
+        deepseek_v3,
+        ernie4_5_moe,
+        glm4_moe,
+        gpt_oss,
+        llama4,
+        minimax,
+        mixtral,
+        olmoe,
+        qwen2_moe,
+    )
+
+    bias = mx.random.normal((E,)) * 0.1
+    if family == "qwen2_moe":
+        block = qwen2_moe.Qwen2MoeSparseMoeBlock(_args(num_experts_per_tok=k))
+        block.shared_expert = _Zero()
+    elif family == "olmoe":
+        block = olmoe.OlmoeSparseMoeBlock(
+            _args(num_experts_per_tok=k, norm_topk_prob=variant == "norm")
+        )
+    elif family == "ernie4_5_moe":
+        block = ernie4_5_moe.Ernie4_5_MoeMLP(_args(moe_k=k, moe_gate_act=variant))
+    elif family == "mixtral":
+        block = mixtral.MixtralSparseMoeBlock(_args(num_experts_per_tok=k))
+    elif family == "gpt_oss":
+        block = gpt_oss.MLPBlock(_args(num_experts_per_tok=k))
+        block.router = _Identity()
+    elif family == "llama4":
+        block = llama4.MoE(_args(num_experts_per_tok=1))
+        block.router = _Identity()
+        block.shared_expert = _Zero()
+    elif family == "minimax":
+        block = minimax.MiniMaxSparseMoeBlock(_args(num_experts_per_tok=k))
+        block.e_score_correction_bias = bias
+    else:  # deepseek_v3, glm4_moe: a MoEGate with a raw weight and a correction bias
+        module = deepseek_v3 if family == "deepseek_v3" else glm4_moe
+        groups = {"groups": (4, 2), "flat": (1, 1)}[variant]
+        args = _args(num_experts_per_tok=k, n_group=groups[0], topk_group=groups[1])
+        cls = module.DeepseekV3MoE if module is deepseek_v3 else module.MoE
+        block = cls(args)
+        block.gate.weight = mx.eye(E)
+        block.gate.e_score_correction_bias = bias
+    if "gate" in block and isinstance(block.gate, nn.Linear):
+        block.gate.weight = mx.eye(E)  # the logits are the input, exactly
+    ops = FAMILY_OPS[family]
+    block[ops.experts] = _Recorder()
+    ops.set_top_k(block, k)  # also checks that the ops put K where the block reads it
+    return block, ops
+
+
+FAMILY_CASES = [
+    ("qwen2_moe", "plain"),
+    ("olmoe", "norm"),
+    ("olmoe", "plain"),
+    ("ernie4_5_moe", "softmax"),
+    ("ernie4_5_moe", "sigmoid"),
+    ("mixtral", "plain"),
+    ("gpt_oss", "plain"),
+    ("minimax", "plain"),
+    ("deepseek_v3", "groups"),
+    ("deepseek_v3", "flat"),
+    ("glm4_moe", "groups"),
+]
+
+
+@pytest.mark.parametrize("family, variant", FAMILY_CASES)
+@pytest.mark.parametrize("k", [1, 2, 4, 8])
+def test_family_routing_matches_the_family_block(family, variant, k):
+    """Indices in the family's order (the order its experts' outputs are summed in) and combine
+    weights, bit for bit, from the engine's routing of the block's own router logits."""
+    mx.random.seed(k * 7 + len(family))
+    block, ops = _block(family, k, variant)
+    logits = mx.random.normal((1, 16, E)) * 2.5
+    combined = np.array(block(logits))
+    inds, weights = route(logits, ops.spec(block), k, ops.expert_bias(block))
+    recorded = block[ops.experts].indices
+    np.testing.assert_array_equal(np.array(inds).reshape(-1, k), np.array(recorded).reshape(-1, k))
+    np.testing.assert_array_equal(_dense(inds, weights).reshape(combined.shape), combined)
+    # and the engine's combine of the same one-hot expert outputs gives the block's output
+    ours = ops.combine(block, logits, mx.eye(E)[inds], weights)
+    np.testing.assert_array_equal(np.array(ours).reshape(combined.shape), combined)
+
+
+def test_llama4_routing_scales_the_expert_input():
+    mx.random.seed(3)
+    block, ops = _block("llama4", 1, "plain")
+    x = mx.random.normal((1, 16, E)) * 2.5
+    combined = np.array(block(x))
+    inds, weights = route(x, ops.spec(block), 1)
+    recorder = block.experts
+    np.testing.assert_array_equal(np.array(inds), np.array(recorder.indices))
+    np.testing.assert_array_equal(np.array(ops.expert_input(block, x, weights)), recorder.inputs)
+    ours = ops.combine(block, x, mx.eye(E)[inds], weights)
+    np.testing.assert_array_equal(np.array(ours), combined)
+    with pytest.raises(Edge0Error, match="K=1"):
+        ops.set_top_k(block, 2)

@@ -12,7 +12,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from adapters import write_random_profile
+from adapters import profile_k, write_random_profile
 from mlx.utils import tree_flatten
 from mlx_lm.utils import quantize_model
 
@@ -38,6 +38,15 @@ KINDS = {
     "qwen3_next": {"attention", "linear attention", "shared expert"},
     "qwen3_5_moe": {"attention", "linear attention", "shared expert"},
     "bailing_moe": {"attention", "shared expert"},
+    "mixtral": {"attention"},
+    "glm4_moe": {"attention", "shared expert"},
+    "deepseek_v3": {"attention", "shared expert"},
+    "gpt_oss": {"attention"},
+    "llama4": {"attention", "shared expert"},
+    "minimax": {"attention"},
+    "qwen2_moe": {"attention", "shared expert"},
+    "olmoe": {"attention"},
+    "ernie4_5_moe": {"attention", "shared expert"},
 }
 
 
@@ -50,7 +59,7 @@ def profiled(checkpoint_dir, tmp_path_factory):
         model_dir = root / family
         if not model_dir.exists():
             shutil.copytree(checkpoint_dir(family), model_dir)
-            write_random_profile(model_dir, 2)
+            write_random_profile(model_dir, profile_k(family, 2))
         return model_dir
 
     return make
@@ -82,7 +91,8 @@ def test_student_with_the_true_router_is_the_resident_model(checkpoint_dir, fami
     trainable = [name for name, _ in tree_flatten(student.model.trainable_parameters())]
     assert trainable and all(n.endswith((".lora_a", ".lora_b")) for n in trainable)
     assert {lora_kind(p) for p in student.lora_modules()} == KINDS[family]
-    assert not any("switch_mlp" in p or p.endswith("mlp.gate") for p in student.lora_modules())
+    routed = (".switch_mlp.", ".experts.", "mlp.gate.", "mlp.router.", "feed_forward.router.")
+    assert not any(marker in p + "." for p in student.lora_modules() for marker in routed)
 
 
 def _decode_recording(engine: Engine, prompt: list[int]):
@@ -96,7 +106,7 @@ def _decode_recording(engine: Engine, prompt: list[int]):
 
     def on_token(token, step):
         blocks = engine.loaded.blocks.items()
-        routed.append({n: b.switch_mlp.last_routed.reshape(-1) for n, b in blocks})
+        routed.append({n: b.routed_experts.last_routed.reshape(-1) for n, b in blocks})
 
     engine._sample = recording_sample
     try:
@@ -110,9 +120,10 @@ def test_student_routes_as_the_engine_decodes(profiled, family):
     """Prerouter mode: for the same tokens, the student routes every MoE layer at every decoded
     position exactly as the engine executed it, and its logits are the engine's."""
     model_dir = profiled(family)
-    student = load_student(model_dir, k=2, lora=model_dir / "lora_k2.safetensors")
+    k = profile_k(family, 2)
+    student = load_student(model_dir, k=k, lora=model_dir / f"lora_k{k}.safetensors")
     assert student.consumers
-    engine = Engine(model_dir, EngineConfig(mode="prerouter", k=2))
+    engine = Engine(model_dir, EngineConfig(mode="prerouter", k=k))
     try:
         for prompt in ([7], [5, 9, 13, 17]):  # a one-token prompt, and one that prefills
             tokens, routed, logits = _decode_recording(engine, prompt)

@@ -9,58 +9,88 @@ or at decode the prerouter's prediction) and streams the experts.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import re
 from dataclasses import dataclass
 
 import mlx.nn as nn
 from mlx_lm.models.switch_layers import SwitchGLU
+from mlx_lm.utils import MODEL_REMAPPING
 
 from ..errors import Edge0Error
 
 
 @dataclass(frozen=True)
 class Family:
-    name: str
-    router: str  # "softmax-topk" (Qwen) or "sigmoid-group" (Ling / DeepSeek style)
+    name: str  # the mlx-lm architecture (`mlx_lm/models/<name>.py`)
     description: str
+    examples: str = ""
+    # The engine has this family's routing function (`routing.moe_block.FAMILY_OPS`): K profiles,
+    # prerouter and prefetch. Without it the family's own block routes (on-demand, resident).
+    routing: bool = True
+    # K other than the native one (Llama-4's block scales the expert input by one score: K=1).
+    other_k: bool = True
+
+    @property
+    def modes(self) -> tuple[str, ...]:
+        if self.routing:
+            return ("resident", "on-demand", "prerouter", "prefetch")
+        return ("resident", "on-demand")
 
 
+# The families with the engine's routing (listed by `edge0 info` and the README's table).
 FAMILIES = {
     f.name: f
     for f in (
-        Family("qwen3_moe", "softmax-topk", "Qwen3-MoE (e.g. Qwen3-30B-A3B)"),
-        Family(
-            "qwen3_next", "softmax-topk", "Qwen3-Next: Gated DeltaNet + attention, shared expert"
-        ),
-        Family(
-            "qwen3_5_moe", "softmax-topk", "Qwen3.5/3.6-MoE: hybrid linear attention, shared expert"
-        ),
-        Family(
-            "bailing_moe", "sigmoid-group", "Ling / Bailing-MoE: sigmoid group router with bias"
-        ),
+        Family("qwen3_moe", "Qwen3-MoE", "Qwen3-30B-A3B, Qwen3-235B-A22B, Qwen3-Coder"),
+        Family("qwen3_next", "Qwen3-Next: Gated DeltaNet + attention", "Qwen3-Next-80B-A3B"),
+        Family("qwen3_5_moe", "Qwen3.5/3.6-MoE: hybrid linear attention", "Qwen3.5-397B-A17B"),
+        Family("bailing_moe", "Ling / Bailing-MoE: sigmoid group router", "Ling-mini-2.0"),
+        Family("gpt_oss", "gpt-oss: mxfp4 experts with biases", "gpt-oss-20b, gpt-oss-120b"),
+        Family("glm4_moe", "GLM-4.5/4.6: sigmoid group router", "GLM-4.5-Air, GLM-4.6"),
+        Family("deepseek_v3", "DeepSeek-V3 / Kimi-K2: MLA, group router", "DeepSeek-V3.1, Kimi-K2"),
+        Family("mixtral", "Mixtral: softmax over the top-k logits", "Mixtral-8x7B, 8x22B"),
+        Family("llama4", "Llama-4: top-1 sigmoid, shared expert", "Llama-4-Scout", other_k=False),
+        Family("minimax", "MiniMax-M2: sigmoid router with bias", "MiniMax-M2"),
+        Family("qwen2_moe", "Qwen2-MoE / Qwen1.5-MoE", "Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B"),
+        Family("olmoe", "OLMoE", "OLMoE-1B-7B"),
+        Family("ernie4_5_moe", "ERNIE-4.5-MoE", "ERNIE-4.5-21B-A3B"),
     )
 }
-
-
-def set_top_k(block: nn.Module, k: int) -> None:
-    """Make a family's MoE block route to `k` experts with its own (true) router."""
-    if hasattr(block, "gate") and hasattr(block.gate, "top_k"):  # bailing_moe: BailingMoeGate
-        block.gate.top_k = k
-        block.num_experts_per_tok = k
-    else:  # the Qwen families keep k on the block
-        block.top_k = k
+# An mlx-lm architecture name is a module name; anything else in model_type is refused unread.
+ARCHITECTURE_NAME = re.compile(r"^[a-z][a-z0-9_]{0,63}$")
 
 
 def family_of(config: dict, where: str) -> Family:
+    """The family of a config.json: one of FAMILIES, or any other mlx-lm architecture (streamed
+    with its own router, if its routed experts turn out to be a `SwitchGLU`). `model_type`
+    aliases are mapped as mlx-lm maps them (kimi_k2 -> deepseek_v3, minimax_m2 -> minimax)."""
     model_type = config.get("model_type")
-    family = FAMILIES.get(model_type)
-    if family is None:
-        raise Edge0Error(
-            f"{where}: model_type {model_type!r} is not supported; edge0 runs "
-            + ", ".join(FAMILIES)
-        )
-    return family
+    if not isinstance(model_type, str) or not ARCHITECTURE_NAME.match(model_type):
+        raise Edge0Error(f"{where}: model_type {brief_value(model_type)} is not a model type")
+    name = MODEL_REMAPPING.get(model_type, model_type)
+    if name in FAMILIES:
+        return FAMILIES[name]
+    supported = (
+        f"{where}: model_type {model_type!r} is not supported: {{why}}; edge0 runs "
+        + ", ".join(FAMILIES)
+        + " and, on demand, any other mlx-lm MoE family whose experts are a SwitchGLU"
+    )
+    if importlib.util.find_spec(f"mlx_lm.models.{name}") is None:
+        raise Edge0Error(supported.format(why="mlx-lm has no such architecture"))
+    module = importlib.import_module(f"mlx_lm.models.{name}")
+    if not hasattr(module, "SwitchGLU"):  # the architecture never builds routed GLU experts
+        why = "its routed experts are a SwitchMLP (two projections, no gate)"
+        if not hasattr(module, "SwitchMLP"):
+            why = f"mlx-lm's {name} is not a mixture-of-experts architecture"
+        raise Edge0Error(supported.format(why=why))
+    return Family(name, f"mlx-lm {name} (its own router)", routing=False, other_k=False)
+
+
+def brief_value(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 # config.json fields that size the model mlx-lm builds (in any supported family), with their least
@@ -90,6 +120,23 @@ SIZE_FIELDS = {
     "linear_key_head_dim": 1,
     "linear_value_head_dim": 1,
     "linear_conv_kernel_dim": 1,
+    # the other MoE families' names for the same sizes (Mixtral, gpt-oss, MiniMax, Llama-4: local
+    # experts; DeepSeek, GLM: routed experts; ERNIE: moe_*), and DeepSeek's attention ranks
+    "num_local_experts": 1,
+    "n_routed_experts": 1,
+    "n_shared_experts": 0,
+    "moe_num_experts": 1,
+    "moe_k": 1,
+    "moe_num_shared_experts": 0,
+    "moe_layer_start_index": 0,
+    "moe_layer_freq": 1,
+    "interleave_moe_layer_step": 1,
+    "intermediate_size_mlp": 1,
+    "q_lora_rank": 1,
+    "kv_lora_rank": 1,
+    "qk_rope_head_dim": 1,
+    "qk_nope_head_dim": 1,
+    "v_head_dim": 1,
 }
 # config.json numbers that are no size but that mlx-lm uses as given: a string or null for them is
 # a traceback in the first forward pass, 0 or a negative value NaN in every reply.
@@ -107,6 +154,13 @@ SIZE_TENSORS = (
     ("hidden_size", re.compile(r"(?:^|\.)model\.norm\.weight$"), "values"),
     ("vocab_size", re.compile(r"(?:^|\.)model\.(?:embed_tokens|word_embeddings)\.weight$"), "rows"),
     ("num_experts", re.compile(r"\.mlp\.gate\.(?:gate_proj\.)?weight$"), "rows (experts)"),
+    ("n_routed_experts", re.compile(r"\.mlp\.gate\.weight$"), "rows (experts)"),
+    ("moe_num_experts", re.compile(r"\.mlp\.gate\.weight$"), "rows (experts)"),
+    (
+        "num_local_experts",
+        re.compile(r"\.(?:block_sparse_moe\.gate|mlp\.router|feed_forward\.router)\.weight$"),
+        "rows (experts)",
+    ),
 )
 MISMATCH = "the checkpoint does not match config.json"
 LAYER_NAME = re.compile(r"(?:^|\.)model\.layers\.(\d+)\.")

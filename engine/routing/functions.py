@@ -1,15 +1,20 @@
 """Routing functions: router (or prerouter) logits in, expert indices and combine weights out.
 
-One implementation per family kind, used alike by the true router (gate logits) and by the
+One implementation per kind of router, used alike by the true router (gate logits) and by the
 prerouter (predicted logits), so a prediction routes through exactly the function the layer's own
-router would. Each mirrors the family's mlx-lm gate code operation for operation, which the tests
+router would. Each mirrors its families' mlx-lm gate code operation for operation (the order the
+indices come out in too: it is the order the experts' outputs are summed in), which the tests
 check on random logits.
 
-- `softmax_topk` (Qwen3-MoE, Qwen3-Next, Qwen3.5): precise softmax, top-k by argpartition,
-  weights renormalized over the k.
-- `group_topk` (Ling / Bailing, DeepSeek-V3 style): sigmoid (or softmax) scores; the expert bias is
-  added for *selection only*; groups ranked by the sum of their top-2 scores, all but `topk_group`
-  groups masked; top-k; weights are the unbiased scores, renormalized, times the routed scaling.
+- `score_topk` (Qwen3-MoE, Qwen3-Next, Qwen3.5, Qwen2-MoE, OLMoE, ERNIE-4.5): softmax (or sigmoid)
+  over every expert, top-k, weights optionally renormalized over the k.
+- `topk_softmax` (Mixtral, gpt-oss): top-k of the logits, softmax over the k.
+- `topk_sigmoid` (Llama-4): top-k of the logits, each weight the sigmoid of its logit (Llama-4
+  scales the expert's input by it, see `routing.moe_block`).
+- `group_topk` (Ling / Bailing, DeepSeek-V3, Kimi-K2, GLM-4.5, MiniMax-M2): sigmoid (or softmax)
+  scores; the expert bias is added for *selection only*; groups ranked by the sum of their top-2
+  scores, all but `topk_group` groups masked; top-k; weights are the unbiased scores,
+  renormalized, times the routed scaling.
 """
 
 from __future__ import annotations
@@ -18,28 +23,73 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+KINDS = ("softmax-topk", "topk-softmax", "topk-sigmoid", "group-topk")
+
 
 @dataclass(frozen=True)
 class RoutingSpec:
-    """The routing function of one model, read from its config."""
+    """The routing function of one model, read from its MoE blocks."""
 
-    kind: str  # "softmax-topk" | "group-topk"
+    kind: str  # one of KINDS
     num_experts: int
     top_k: int
     norm_topk_prob: bool = True
-    score_function: str = "softmax"  # group-topk only: "sigmoid" | "softmax"
-    n_group: int = 1
+    score_function: str = "softmax"  # "softmax" | "sigmoid"
+    n_group: int = 1  # group-topk only
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
+    # How the family's code takes the top k, which fixes the order of the indices:
+    # "high": argpartition(s, -k)[..., -k:] (Qwen3, Bailing, gpt-oss);
+    # "negated": argpartition(-s, k - 1)[..., :k] (the others).
+    pick: str = "high"
+    # Renormalization: the denominator's epsilon (Bailing, MiniMax: 1e-20), or its floor (ERNIE:
+    # max(sum, 1e-12)); MiniMax renormalizes even a single expert.
+    norm_epsilon: float = 0.0
+    norm_floor: float = 0.0
+    norm_single: bool = False
+    # The family casts the weights back to the logits' dtype (on CPU everything is float32).
+    weights_in_logits_dtype: bool = True
 
 
-def softmax_topk(logits: mx.array, k: int, norm_topk_prob: bool) -> tuple[mx.array, mx.array]:
-    gates = mx.softmax(logits, axis=-1, precise=True)
-    inds = mx.stop_gradient(mx.argpartition(gates, kth=-k, axis=-1)[..., -k:])
+def _pick(scores: mx.array, k: int, pick: str) -> mx.array:
+    if pick == "high":
+        return mx.stop_gradient(mx.argpartition(scores, kth=-k, axis=-1)[..., -k:])
+    return mx.stop_gradient(mx.argpartition(-scores, kth=k - 1, axis=-1)[..., :k])
+
+
+def _renormalize(weights: mx.array, spec: RoutingSpec) -> mx.array:
+    total = weights.sum(axis=-1, keepdims=True)
+    if spec.norm_floor:
+        return weights / mx.maximum(total, spec.norm_floor)
+    if spec.norm_epsilon:
+        return weights / (total + spec.norm_epsilon)
+    return weights / total
+
+
+def score_topk(logits: mx.array, spec: RoutingSpec, k: int) -> tuple[mx.array, mx.array]:
+    if spec.score_function == "sigmoid":
+        gates = mx.sigmoid(logits.astype(mx.float32))
+    elif spec.norm_floor:  # ERNIE: softmax of float32 logits
+        gates = mx.softmax(logits.astype(mx.float32), axis=-1)
+    else:
+        gates = mx.softmax(logits, axis=-1, precise=True)
+    inds = _pick(gates, k, spec.pick)
     scores = mx.take_along_axis(gates, inds, axis=-1)
-    if norm_topk_prob:
-        scores = scores / scores.sum(axis=-1, keepdims=True)
+    if spec.norm_topk_prob:
+        scores = _renormalize(scores, spec)
     return inds, scores
+
+
+def topk_softmax(logits: mx.array, spec: RoutingSpec, k: int) -> tuple[mx.array, mx.array]:
+    inds = _pick(logits, k, spec.pick)
+    scores = mx.take_along_axis(logits, inds, axis=-1)
+    return inds, mx.softmax(scores, axis=-1, precise=True)
+
+
+def topk_sigmoid(logits: mx.array, spec: RoutingSpec, k: int) -> tuple[mx.array, mx.array]:
+    inds = _pick(logits, k, spec.pick)
+    scores = mx.take_along_axis(logits, inds, axis=-1)
+    return inds, mx.sigmoid(scores.astype(mx.float32)).astype(logits.dtype)
 
 
 def group_topk(
@@ -62,12 +112,13 @@ def group_topk(
             scores, mx.stop_gradient(group_idx), mx.array(0.0, scores.dtype), axis=-2
         )
         scores = mx.flatten(scores, -2, -1)
-    inds = mx.stop_gradient(mx.argpartition(scores, kth=-k, axis=-1)[..., -k:])
+    inds = _pick(scores, k, spec.pick)
     weights = mx.take_along_axis(unbiased, inds, axis=-1)
-    if k > 1 and spec.norm_topk_prob:
-        weights = weights / (weights.sum(axis=-1, keepdims=True) + 1e-20)
-    weights = weights * spec.routed_scaling_factor
-    return inds, weights.astype(in_type)
+    if spec.norm_topk_prob and (k > 1 or spec.norm_single):
+        weights = _renormalize(weights, spec)
+    if spec.routed_scaling_factor != 1.0:  # MiniMax has none
+        weights = weights * spec.routed_scaling_factor
+    return inds, weights.astype(in_type) if spec.weights_in_logits_dtype else weights
 
 
 def route(
@@ -75,5 +126,9 @@ def route(
 ) -> tuple[mx.array, mx.array]:
     """Expert indices `[..., k]` and combine weights `[..., k]` for router logits `[..., E]`."""
     if spec.kind == "softmax-topk":
-        return softmax_topk(logits, k, spec.norm_topk_prob)
+        return score_topk(logits, spec, k)
+    if spec.kind == "topk-softmax":
+        return topk_softmax(logits, spec, k)
+    if spec.kind == "topk-sigmoid":
+        return topk_sigmoid(logits, spec, k)
     return group_topk(logits, spec, k, expert_bias)

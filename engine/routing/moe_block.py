@@ -7,6 +7,11 @@ It adopts the original block's children under the same names (`gate`, `switch_ml
 2. runs the routed experts (streamed) with the routing's indices;
 3. combines them as the family does (weighted sum, shared expert).
 Owner layers hand their MoE input and executed experts to the `RoutingState` for the next head flush.
+
+What differs between families' blocks (where the router is, how its logits are routed, where K
+lives, how the experts' outputs are combined) is a `FamilyOps` class below, one per family kind,
+each written from the family's mlx-lm `__call__` and checked against it (tests/test_routing.py,
+and the parity suite end to end).
 """
 
 from __future__ import annotations
@@ -16,20 +21,20 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.bailing_moe import aggregate_expert_outputs
 
+from ..checkpoint.families import Family
+from ..errors import Edge0Error
 from .functions import RoutingSpec, route
 
 
+def _weighted_sum(y: mx.array, weights: mx.array) -> mx.array:
+    return (y * weights[..., None]).sum(axis=-2)
+
+
 class FamilyOps:
-    """What differs between families' MoE blocks; subclasses say where the router is and how the
-    experts are combined."""
+    """The Qwen3-MoE block (softmax top-k, k on the block as `top_k`); the other families
+    override what differs."""
 
-    @classmethod
-    def gate_logits(cls, block: nn.Module, x: mx.array) -> mx.array:
-        return cls.router(block)(x)
-
-
-class QwenOps(FamilyOps):
-    """Qwen3-MoE, Qwen3-Next and Qwen3.5 blocks (softmax top-k; optional gated shared expert)."""
+    experts = "switch_mlp"  # the block attribute holding the routed experts
 
     @staticmethod
     def spec(block: nn.Module) -> RoutingSpec:
@@ -37,23 +42,147 @@ class QwenOps(FamilyOps):
 
     @staticmethod
     def router(block: nn.Module) -> nn.Module:
-        """The linear layer whose output is the router logits."""
+        """The module whose `weight` [E, H] maps the MoE input to router logits."""
         return block.gate
+
+    @classmethod
+    def gate_logits(cls, block: nn.Module, x: mx.array) -> mx.array:
+        return cls.router(block)(x)
 
     @staticmethod
     def expert_bias(block: nn.Module) -> mx.array | None:
         return None
 
     @staticmethod
+    def set_top_k(block: nn.Module, k: int) -> None:
+        """Make the family's own block (resident mode) route to `k` experts."""
+        block.top_k = k
+
+    @staticmethod
+    def expert_input(block: nn.Module, x: mx.array, weights: mx.array) -> mx.array:
+        return x
+
+    @staticmethod
     def combine(block: nn.Module, x: mx.array, y: mx.array, weights: mx.array) -> mx.array:
-        if "shared_expert" in block:  # Qwen3-Next / Qwen3.5
-            y = (y * weights[..., None]).sum(axis=-2)
+        return _weighted_sum(y, weights).astype(y.dtype)
+
+
+class QwenOps(FamilyOps):
+    """Qwen3-MoE, Qwen3-Next, Qwen3.5 (a sigmoid-gated shared expert in the last two)."""
+
+    @staticmethod
+    def combine(block: nn.Module, x: mx.array, y: mx.array, weights: mx.array) -> mx.array:
+        if "shared_expert" in block:
+            y = _weighted_sum(y, weights)
             return y + mx.sigmoid(block.shared_expert_gate(x)) * block.shared_expert(x)
-        return (y * weights[..., None]).sum(axis=-2).astype(y.dtype)
+        return _weighted_sum(y, weights).astype(y.dtype)
+
+
+class Qwen2Ops(QwenOps):
+    """Qwen2-MoE / Qwen1.5-MoE: softmax top-k without renormalization, gated shared expert."""
+
+    @staticmethod
+    def spec(block: nn.Module) -> RoutingSpec:
+        return RoutingSpec("softmax-topk", block.num_experts, block.top_k, False, pick="negated")
+
+
+class OlmoeOps(FamilyOps):
+    @staticmethod
+    def spec(block: nn.Module) -> RoutingSpec:
+        return RoutingSpec(
+            "softmax-topk", block.num_experts, block.top_k, block.norm_topk_prob, pick="negated"
+        )
+
+    @staticmethod
+    def combine(block: nn.Module, x: mx.array, y: mx.array, weights: mx.array) -> mx.array:
+        return _weighted_sum(y, weights)
+
+
+class ErnieOps(FamilyOps):
+    """ERNIE-4.5-MoE: softmax or sigmoid gate in float32, top-k, renormalized, shared experts."""
+
+    @staticmethod
+    def spec(block: nn.Module) -> RoutingSpec:
+        score = "sigmoid" if isinstance(block.gate_act, nn.Sigmoid) else "softmax"
+        experts = block.gate.weight.shape[0]
+        return RoutingSpec(
+            "softmax-topk", experts, block.k, True, score, pick="negated", norm_floor=1e-12
+        )
+
+    @staticmethod
+    def set_top_k(block: nn.Module, k: int) -> None:
+        block.k = k
+
+    @staticmethod
+    def combine(block: nn.Module, x: mx.array, y: mx.array, weights: mx.array) -> mx.array:
+        y = _weighted_sum(y, weights).astype(y.dtype)
+        if block.get("shared_experts") is not None:
+            y = y + block.shared_experts(x)
+        return y
+
+
+class MixtralOps(FamilyOps):
+    """Mixtral: top-k of the logits, softmax over the k."""
+
+    @staticmethod
+    def spec(block: nn.Module) -> RoutingSpec:
+        return RoutingSpec(
+            "topk-softmax", block.num_experts, block.num_experts_per_tok, pick="negated"
+        )
+
+    @staticmethod
+    def set_top_k(block: nn.Module, k: int) -> None:
+        block.num_experts_per_tok = k
+
+    @staticmethod
+    def combine(block: nn.Module, x: mx.array, y: mx.array, weights: mx.array) -> mx.array:
+        return _weighted_sum(y, weights)
+
+
+class GptOssOps(MixtralOps):
+    """gpt-oss: a biased router at `mlp.router`, experts (with biases) at `mlp.experts`."""
+
+    experts = "experts"
+
+    @staticmethod
+    def spec(block: nn.Module) -> RoutingSpec:
+        return RoutingSpec("topk-softmax", block.num_local_experts, block.num_experts_per_tok)
+
+    @staticmethod
+    def router(block: nn.Module) -> nn.Module:
+        return block.router
+
+
+class Llama4Ops(FamilyOps):
+    """Llama-4: top-1 by logit, the expert's *input* scaled by the sigmoid of its logit, plus an
+    ungated shared expert. mlx-lm's block supports only K=1 (its input scaling has one score)."""
+
+    experts = "experts"
+
+    @staticmethod
+    def spec(block: nn.Module) -> RoutingSpec:
+        return RoutingSpec("topk-sigmoid", block.num_experts, block.top_k, pick="negated")
+
+    @staticmethod
+    def router(block: nn.Module) -> nn.Module:
+        return block.router
+
+    @staticmethod
+    def set_top_k(block: nn.Module, k: int) -> None:
+        if k != 1:
+            raise Edge0Error("llama4 routes to exactly one expert per token (K=1)")
+
+    @staticmethod
+    def expert_input(block: nn.Module, x: mx.array, weights: mx.array) -> mx.array:
+        return x * weights
+
+    @staticmethod
+    def combine(block: nn.Module, x: mx.array, y: mx.array, weights: mx.array) -> mx.array:
+        return y.squeeze(-2) + block.shared_expert(x)
 
 
 class BailingOps(FamilyOps):
-    """Ling / Bailing-MoE blocks (group top-k with expert bias; ungated shared experts)."""
+    """Ling / Bailing-MoE (group top-k with expert bias; ungated shared experts)."""
 
     @staticmethod
     def spec(block: nn.Module) -> RoutingSpec:
@@ -67,6 +196,7 @@ class BailingOps(FamilyOps):
             gate.n_group,
             gate.topk_group,
             gate.routed_scaling_factor,
+            norm_epsilon=1e-20,
         )
 
     @staticmethod
@@ -79,6 +209,11 @@ class BailingOps(FamilyOps):
         return block.gate.expert_bias
 
     @staticmethod
+    def set_top_k(block: nn.Module, k: int) -> None:
+        block.gate.top_k = k
+        block.num_experts_per_tok = k
+
+    @staticmethod
     def combine(block: nn.Module, x: mx.array, y: mx.array, weights: mx.array) -> mx.array:
         y = aggregate_expert_outputs(y, weights)
         if block.get("shared_experts") is not None:
@@ -86,15 +221,123 @@ class BailingOps(FamilyOps):
         return y
 
 
-def ops_for(family_router: str) -> type[FamilyOps]:
-    return QwenOps if family_router == "softmax-topk" else BailingOps
+class DeepseekOps(FamilyOps):
+    """DeepSeek-V3 / Kimi-K2 and GLM-4.5 (the same `MoEGate`: a raw `weight`, sigmoid group
+    top-k with a correction bias and routed scaling; ungated shared experts)."""
+
+    @staticmethod
+    def spec(block: nn.Module) -> RoutingSpec:
+        gate = block.gate
+        return RoutingSpec(
+            "group-topk",
+            gate.n_routed_experts,
+            gate.top_k,
+            gate.norm_topk_prob,
+            "sigmoid",
+            gate.n_group,
+            gate.topk_group,
+            gate.routed_scaling_factor,
+            pick="negated",
+            weights_in_logits_dtype=False,
+        )
+
+    @classmethod
+    def gate_logits(cls, block: nn.Module, x: mx.array) -> mx.array:
+        return x @ block.gate.weight.T
+
+    @staticmethod
+    def expert_bias(block: nn.Module) -> mx.array | None:
+        return block.gate.e_score_correction_bias
+
+    @staticmethod
+    def set_top_k(block: nn.Module, k: int) -> None:
+        block.gate.top_k = k
+        block.num_experts_per_tok = k
+
+    @staticmethod
+    def combine(block: nn.Module, x: mx.array, y: mx.array, weights: mx.array) -> mx.array:
+        y = _weighted_sum(y, weights).astype(y.dtype)
+        if "shared_experts" in block:
+            y = y + block.shared_experts(x)
+        return y
+
+
+class MiniMaxOps(FamilyOps):
+    """MiniMax-M2: sigmoid scores of a float32 router, a correction bias for selection, top-k,
+    renormalized (even one expert), no groups, no scaling."""
+
+    @staticmethod
+    def spec(block: nn.Module) -> RoutingSpec:
+        experts = block.gate.weight.shape[0]
+        return RoutingSpec(
+            "group-topk",
+            experts,
+            block.num_experts_per_tok,
+            True,
+            "sigmoid",
+            pick="negated",
+            norm_epsilon=1e-20,
+            norm_single=True,
+            weights_in_logits_dtype=False,
+        )
+
+    @classmethod
+    def gate_logits(cls, block: nn.Module, x: mx.array) -> mx.array:
+        return block.gate(x.astype(mx.float32))
+
+    @staticmethod
+    def expert_bias(block: nn.Module) -> mx.array | None:
+        return block.e_score_correction_bias
+
+    @staticmethod
+    def set_top_k(block: nn.Module, k: int) -> None:
+        block.num_experts_per_tok = k
+
+    @staticmethod
+    def combine(block: nn.Module, x: mx.array, y: mx.array, weights: mx.array) -> mx.array:
+        return _weighted_sum(y, weights.astype(x.dtype))
+
+
+# Family name (mlx-lm architecture) -> its ops. A family not here streams on demand with its own
+# block's routing (see `checkpoint.families`), without K profiles or the prerouter.
+FAMILY_OPS: dict[str, type[FamilyOps]] = {
+    "qwen3_moe": QwenOps,
+    "qwen3_next": QwenOps,
+    "qwen3_5_moe": QwenOps,
+    "qwen2_moe": Qwen2Ops,
+    "olmoe": OlmoeOps,
+    "ernie4_5_moe": ErnieOps,
+    "mixtral": MixtralOps,
+    "gpt_oss": GptOssOps,
+    "llama4": Llama4Ops,
+    "bailing_moe": BailingOps,
+    "deepseek_v3": DeepseekOps,
+    "glm4_moe": DeepseekOps,
+    "minimax": MiniMaxOps,
+}
+
+
+def ops_for(family: str) -> type[FamilyOps]:
+    ops = FAMILY_OPS.get(family)
+    if ops is None:
+        raise Edge0Error(
+            f"{family}: edge0 streams this family on demand with its own router, but has no "
+            "routing function for it, so no K profiles, prerouter or prefetch"
+        )
+    return ops
+
+
+def set_top_k(family: Family, block: nn.Module, k: int) -> None:
+    """Make a family's own MoE block (resident mode) route to `k` experts."""
+    if family.routing:  # else K is always the native one
+        ops_for(family.name).set_top_k(block, k)
 
 
 class RoutedMoE(nn.Module):
-    def __init__(self, block: nn.Module, layer: int, ops, state) -> None:
+    def __init__(self, block: nn.Module, layer: int, ops: type[FamilyOps], state) -> None:
         super().__init__()
-        for name, child in block.children().items():
-            setattr(self, name, child)
+        for name, value in block.items():  # modules and arrays (MiniMax's correction bias)
+            setattr(self, name, value)
         # Plain attributes, not parameters.
         self._layer = layer
         self._ops = ops
@@ -104,6 +347,11 @@ class RoutedMoE(nn.Module):
     @property
     def layer(self) -> int:
         return self._layer
+
+    @property
+    def routed_experts(self) -> nn.Module:
+        """The (streamed) experts module, whatever the family calls it (`switch_mlp`, `experts`)."""
+        return self[self._ops.experts]
 
     def gate_logits(self, x: mx.array) -> mx.array:
         return self._ops.gate_logits(self, x)
@@ -117,21 +365,24 @@ class RoutedMoE(nn.Module):
 
     def _route_and_run(self, x: mx.array) -> mx.array:
         state = self._state
+        ops = self._ops
+        experts = self.routed_experts
         tokens = x.size // x.shape[-1]
         prediction = state.prediction_for(self._layer) if tokens == 1 else None
         if prediction is not None:
             routed, weights = prediction
             indices = mx.array(routed.reshape(x.shape[:-1] + (-1,)))
-            y = self.switch_mlp(x, indices, routed=routed.reshape(indices.shape))
+            inputs = ops.expert_input(self, x, weights)
+            y = experts(inputs, indices, routed=routed.reshape(indices.shape))
             state.consumed(self, x, routed)
         else:
             logits = self.gate_logits(x)
             indices, weights = route(logits, self.routing_spec, state.k, self.expert_bias())
-            y = self.switch_mlp(x, indices)
-            routed = getattr(self.switch_mlp, "last_routed", None)
+            y = experts(ops.expert_input(self, x, weights), indices)
+            routed = getattr(experts, "last_routed", None)
             if routed is None:  # resident experts (training): the routing is read back here
                 routed = np.array(indices)
-        y = self._ops.combine(self, x, y, weights)
+        y = ops.combine(self, x, y, weights)
         state.executed(self._layer, x, routed)
         if prediction is not None:
             # The next layers' graph is built while this one computes (and reads land).

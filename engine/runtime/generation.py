@@ -27,11 +27,12 @@ from mlx_lm.sample_utils import make_sampler
 
 from ..adapters.lora import AppliedLoRA, load_lora
 from ..adapters.profiles import AdapterFiles, ProfileSearch, search_profiles
-from ..checkpoint.families import set_top_k
 from ..checkpoint.index import base_fingerprint
 from ..config import HEAD_MODES, EngineConfig, GenerationConfig
 from ..errors import Edge0Error
 from ..experts.store import LoadCounters
+from ..experts.switch_glu import projection_specs
+from ..routing.moe_block import set_top_k
 from ..routing.prerouter import PrerouterHeads
 from ..trace import NO_TRACE, Tracer
 from .blas import blas_in_use, prefill_kernels
@@ -40,6 +41,13 @@ from .metrics import MemorySampler, StepMetrics, merged, metal_wired_limit_bytes
 from .numerics import HiddenGuard, guard_layers
 
 TokenCallback = Callable[[int, StepMetrics], None]
+
+
+def expert_format(loaded: LoadedModel) -> str:
+    """How the routed experts are stored, e.g. "mxfp4 4-bit, group 32, with biases"."""
+    spec = projection_specs(loaded.sites[0].switch, str(loaded.index.model_dir))[0]
+    text = f"{spec.mode} {spec.bits}-bit, group {spec.group_size}"
+    return text + (", with biases" if spec.has_bias else "")
 
 
 def release_thread_streams() -> None:
@@ -141,11 +149,15 @@ class Engine:
         native = self.loaded.top_k
         usable = self.loaded.num_experts
         ks = {k for k in (2, 4, 8, *self.adapters) if 1 <= k <= usable} | {native}
+        if not self.loaded.family.other_k:  # the family routes only at its native K
+            ks = {native}
         out = []
         for k in sorted(ks):
             files = self.adapters.get(k)
-            has_heads = files is not None and files.prerouter is not None
-            has_lora = files is not None and files.lora is not None
+            # A family routed by its own block has no predictions to route by.
+            routed = files is not None and self.loaded.family.routing
+            has_heads = routed and files.prerouter is not None
+            has_lora = routed and files.lora is not None
             out.append(KProfile(k, k == native or (has_heads and has_lora), has_heads, has_lora))
         return out
 
@@ -264,7 +276,7 @@ class Engine:
             self.lora = None
         if self.routing is None:  # resident: stock mlx-lm blocks
             for site in self.loaded.sites:
-                set_top_k(site.parent, k)
+                set_top_k(self.loaded.family, site.parent, k)
         else:
             self.routing.k = k
             self.routing.set_heads(heads, route_by_predictions=mode == "prerouter")
@@ -310,6 +322,9 @@ class Engine:
         return {
             "model": self.model_dir.name,
             "family": self.loaded.family.name,
+            "family_description": self.loaded.family.description,
+            "family_modes": list(self.loaded.family.modes),
+            "expert_format": expert_format(self.loaded),
             "mode": self.mode,
             "k": self.k,
             "native_k": self.loaded.top_k,

@@ -21,6 +21,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from mlx.utils import tree_flatten
+from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import load_model as mlx_lm_load_model
 from mlx_lm.utils import load_tokenizer
@@ -163,7 +164,9 @@ def _positive_int(value: object) -> int | None:
 
 def routed_top_k(config: dict) -> int:
     text_config = config.get("text_config", config)
-    value = text_config.get("num_experts_per_tok", config.get("num_experts_per_tok", 0))
+    value = text_config.get("num_experts_per_tok", config.get("num_experts_per_tok"))
+    if value is None:
+        value = text_config.get("moe_k", 0)  # ERNIE-4.5
     return _positive_int(value) or 0
 
 
@@ -193,13 +196,12 @@ def load(model_dir: str | Path, config: EngineConfig) -> LoadedModel:
     model_dir = Path(model_dir)
     model_config, family, index = _checked(model_dir)
 
-    model, model_config = _build_model(model_dir, model_config, index.shards)
+    model, model_config = _build_model(model_dir, model_config, index.shards, family)
     _check_dtypes(model, index, model_dir)
     tokenizer = quiet_load_tokenizer(model_dir, model_config.get("eos_token_id"))
 
     sites = find_moe_sites(model)
-    if not sites:
-        raise Edge0Error(f"{model_dir}: no routed-expert layers found in this {family.name} model")
+    check_moe_sites(model, sites, family, model_dir)
     _check_finite(model, sites, index, model_dir)  # before the swap below renames the blocks
     float_dtype = compute_dtype(config)
     top_k = routed_top_k(model_config)
@@ -227,16 +229,16 @@ def load(model_dir: str | Path, config: EngineConfig) -> LoadedModel:
     if config.mode != "resident":
         store = ExpertStore(index, config, float_dtype)  # the Engine checks the budget for its K
         routing = RoutingState(top_k, num_experts, blocks, float_dtype)
-        ops = ops_for(family.router)
         for site in sites:
             specs = projection_specs(site.switch, f"{model_dir} layer {site.layer}")
             streaming = StreamingSwitchGLU(
                 store, site.layer, num_experts, specs, site.switch.activation, dense_rows
             )
             setattr(site.parent, site.attribute, streaming)
-            block = RoutedMoE(site.parent, site.layer, ops, routing)
-            setattr(site.decoder_layer, site.block_attribute, block)
-            blocks[site.layer] = block
+            if family.routing:  # else the family's own block routes, calling the streamed experts
+                block = RoutedMoE(site.parent, site.layer, ops_for(family.name), routing)
+                setattr(site.decoder_layer, site.block_attribute, block)
+                blocks[site.layer] = block
     hidden = _hidden_size(index.layers[sites[0].layer])
 
     if float_dtype is not None:
@@ -281,7 +283,31 @@ def check_loader_files(model_dir: Path) -> None:
             check_regular_file(templates / name)
 
 
-def _build_model(model_dir: Path, config: dict, shards: list[Path]) -> tuple[nn.Module, dict]:
+def check_moe_sites(
+    model: nn.Module, sites: list[MoESite], family: Family, model_dir: Path
+) -> None:
+    """Refuse, by family and reason, a model whose routed experts edge0 cannot stream exactly."""
+    if not sites:
+        if any(isinstance(m, SwitchMLP) for _, m in model.named_modules()):
+            raise Edge0Error(
+                f"{model_dir}: {family.name}: its routed experts are a SwitchMLP (two projections, "
+                "no gate), which edge0 does not stream"
+            )
+        raise Edge0Error(
+            f"{model_dir}: {family.name}: no routed experts in a SwitchGLU under a layer; "
+            "edge0 streams only mixture-of-experts models"
+        )
+    for site in sites:
+        if type(site.switch) is not SwitchGLU:  # a variant may compute its experts otherwise
+            raise Edge0Error(
+                f"{model_dir}: {family.name}: layer {site.layer}'s experts are a "
+                f"{type(site.switch).__name__}, a SwitchGLU variant edge0 does not stream"
+            )
+
+
+def _build_model(
+    model_dir: Path, config: dict, shards: list[Path], family: Family
+) -> tuple[nn.Module, dict]:
     """mlx-lm's `load_model` on exactly these shards and this (checked) config.
 
     mlx-lm reads config.json again and every model*.safetensors it finds, including shards the
@@ -295,9 +321,14 @@ def _build_model(model_dir: Path, config: dict, shards: list[Path]) -> tuple[nn.
         with tempfile.TemporaryDirectory(prefix="edge0-load-") as view:
             _write_view(Path(view), model_dir, config, shards)
             return mlx_lm_load_model(Path(view), lazy=True, strict=True)
-    except (ValueError, KeyError, TypeError) as e:
+    except AssertionError as e:  # mlx-lm's own checks of a config (e.g. DeepSeek's topk_method)
         raise Edge0Error(
-            f"{model_dir}: checkpoint does not match config.json ({_one_line(e)})"
+            f"{model_dir / 'config.json'}: mlx-lm's {family.name} architecture refuses this "
+            f"config ({_one_line(e) or 'an assertion in its model code failed'})"
+        ) from None
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise Edge0Error(
+            f"{model_dir}: {family.name}: checkpoint does not match config.json ({_one_line(e)})"
         ) from None
     except OSError as e:
         raise Edge0Error(f"{model_dir}: cannot read the checkpoint ({_one_line(e)})") from None

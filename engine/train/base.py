@@ -45,7 +45,7 @@ from mlx_lm.utils import _get_classes, load_model, quantize_model, save_config
 from tokenizers import Tokenizer
 
 from ..errors import Edge0Error
-from ..routing.functions import softmax_topk
+from ..routing.functions import RoutingSpec, score_topk
 from ..runtime.blas import blas_in_use
 from . import corpus
 from .run import changed_settings, read_state, restore, save_state, training_progress
@@ -157,7 +157,8 @@ class CapacityMoeBlock(Qwen3MoeSparseMoeBlock):
         x = x.reshape(-1, shape[-1])
         logits = self.gate(x)
         k, experts = self.top_k, self.num_experts
-        inds, scores = softmax_topk(logits, k, self.norm_topk_prob)  # the served routing
+        spec = RoutingSpec("softmax-topk", experts, k, self.norm_topk_prob)
+        inds, scores = score_topk(logits, spec, k)  # the served routing
         gates = mx.softmax(logits, axis=-1, precise=True)  # for the balance loss
         capacity = math.ceil(self.capacity_factor * x.shape[0] * k / experts)
         y, kept = capacity_glu(self.switch_mlp, x, inds, capacity)

@@ -230,7 +230,7 @@ def collect_traces(
     if loaded.routing is not None:  # streaming: the true routers at the native K, no heads
         loaded.routing.k = loaded.top_k
         loaded.routing.set_heads(None)
-    ops = ops_for(loaded.family.router)
+    ops = ops_for(loaded.family.name)
     sinks = {layer: [] for layer in layers}
     blocks = {}
     for site in loaded.sites:

@@ -100,7 +100,7 @@ class Routing:
 
 def routing_of(loaded: LoadedModel, k: int) -> Routing:
     blocks = {site.layer: site.parent for site in loaded.sites}  # the family's own blocks
-    ops = ops_for(loaded.family.router)
+    ops = ops_for(loaded.family.name)
     spec = ops.spec(blocks[min(blocks)])
     biases = {layer: ops.expert_bias(block) for layer, block in blocks.items()}
     return Routing(spec, k, loaded.num_experts, biases)
@@ -111,7 +111,7 @@ def init_heads(loaded: LoadedModel, owners: list[int], k: int, inner: int, seed:
     hidden, experts = loaded.hidden, loaded.num_experts
     width = hidden + 2 * experts
     blocks = {site.layer: site.parent for site in loaded.sites}  # the family's own blocks
-    ops = ops_for(loaded.family.router)
+    ops = ops_for(loaded.family.name)
     linear_init = []
     for owner in owners:
         w = router_weight(ops.router(blocks[owner + 1])).astype(mx.float32)  # [E, H]

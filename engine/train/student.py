@@ -122,7 +122,10 @@ class StudentMoE(RoutedMoE):
             p_inds, p_weights = route(predicted, self.routing_spec, plan.k, bias)
             inds = mx.where(plan.predicted_positions, p_inds, inds)
             weights = mx.where(plan.predicted_positions, p_weights, weights)
-        y = self._ops.combine(self, x, self.switch_mlp(x, inds), weights)
+        ops = self._ops
+        y = ops.combine(
+            self, x, self.routed_experts(ops.expert_input(self, x, weights), inds), weights
+        )
         if self._head is not None and not plan.base:
             plan.predicted[self.layer + 1] = self._predict(x, inds)
         if plan.record is not None:
@@ -161,7 +164,7 @@ class Student:
         self.heads = heads
         self.lora = lora
         self._plan = _Plan(k)
-        ops = ops_for(loaded.family.router)
+        ops = ops_for(loaded.family.name)
         self.blocks: dict[int, StudentMoE] = {}
         for site in loaded.sites:
             block = StudentMoE(site.parent, site.layer, ops, self._plan)

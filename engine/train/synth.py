@@ -3,12 +3,16 @@
 `write_synthetic_checkpoint(out_dir, family, preset, seed)` writes a directory that
 stock `mlx_lm.utils.load` opens offline and generates from:
 
-- ``config.json``: the family's mlx-lm config, with the ``quantization`` block that
-  ``mlx_lm.utils.quantize_model`` produced (4-bit affine, group 64; routers 8-bit).
+- ``config.json``: the family's config as its released checkpoints write it (HF field
+  names), with the ``quantization`` block that ``mlx_lm.utils.quantize_model`` produced:
+  4-bit affine, group 64, routers 8-bit; gpt-oss as its conversions ship, experts mxfp4
+  (group 32) and every other layer 8-bit affine (group 64), recorded per layer.
 - ``model.safetensors`` or ``model-0000i-of-0000n.safetensors`` shards (<= 2 GiB each)
   and ``model.safetensors.index.json`` (``weight_map`` + ``metadata.total_size``).
-  Experts are stacked per layer: ``...layers.N.mlp.switch_mlp.{gate,up,down}_proj.
-  {weight,scales,biases}`` with leading dimension E.
+  Experts are stacked per layer with leading dimension E, under the family's own names:
+  ``...layers.N.mlp.switch_mlp.{gate,up,down}_proj.{weight,scales,biases}`` for most,
+  ``block_sparse_moe.switch_mlp`` (Mixtral, MiniMax), ``mlp.experts`` (gpt-oss),
+  ``feed_forward.experts`` (Llama-4).
 - ``tokenizer.json`` + ``tokenizer_config.json``: a byte-level BPE trained on the
   stdlib's ``pydoc_data.topics`` text, with ChatML special tokens and chat template.
 
@@ -33,12 +37,12 @@ from mlx.utils import tree_flatten, tree_map_with_path
 from mlx_lm.utils import _get_classes, quantize_model, save_config, save_model
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
-from ..checkpoint.families import FAMILIES as FAMILY_TABLE
 from ..errors import Edge0Error
 
-# Every family the engine runs (its one list is the family table); each has a config below.
-FAMILIES: tuple[str, ...] = tuple(FAMILY_TABLE)
 PRESETS: tuple[str, ...] = ("tiny", "small", "wall")
+# The wall preset is sized for the engine's first four families only; the others are written
+# at tiny and small.
+WALL_FAMILIES: tuple[str, ...] = ("qwen3_moe", "qwen3_next", "qwen3_5_moe", "bailing_moe")
 
 # Shapes shared by every family. `lin_*` are the Gated DeltaNet (linear attention)
 # dims of the hybrid families; `dense` is the FFN width of bailing's dense layer 0.
@@ -129,6 +133,14 @@ SAFETENSORS_HEADER_BYTES = 1024
 SAFETENSORS_ENTRY_BYTES = 128
 GROUP_SIZE = 64
 BITS = 4
+# Routers (and Qwen's shared-expert gates) are kept at 8 bits: a 4-bit router flips close calls.
+ROUTER_QUANT = {"group_size": GROUP_SIZE, "bits": 8}
+# The router Linears of the families without a quant_predicate of their own.
+ROUTER_PATHS = ("mlp.gate", "block_sparse_moe.gate", "feed_forward.router", "shared_expert_gate")
+# gpt-oss ships its experts in mxfp4 (OpenAI's release format, which mlx-lm keeps packed) and
+# its mlx conversions quantize the rest to 8-bit affine.
+GPT_OSS_EXPERT_QUANT = {"group_size": 32, "bits": 4, "mode": "mxfp4"}
+GPT_OSS_OTHER_QUANT = {"group_size": GROUP_SIZE, "bits": 8, "mode": "affine"}
 
 # Router weights are multiplied by this before quantization. mlx-lm's default Linear
 # init gives logits with std ~0.6: softmax weights over the top-k come out nearly
@@ -249,12 +261,343 @@ def _bailing_moe_config(s: dict[str, int]) -> dict:
     }
 
 
+# The families below are written at tiny and small only. Mixtral, Qwen2-MoE and OLMoE have no
+# head_dim field (mlx-lm derives hidden / heads): those shapes have hidden == heads * head_dim.
+
+
+def _mixtral_config(s: dict[str, int]) -> dict:
+    # Mixtral's intermediate_size is the width of one expert; it has no dense FFN.
+    return {
+        "model_type": "mixtral",
+        "architectures": ["MixtralForCausalLM"],
+        "hidden_size": s["hidden"],
+        "num_hidden_layers": s["layers"],
+        "intermediate_size": s["moe_int"],
+        "num_attention_heads": s["heads"],
+        "num_key_value_heads": s["kv_heads"],
+        "num_local_experts": s["experts"],
+        "num_experts_per_tok": s["top_k"],
+        "hidden_act": "silu",
+        "router_aux_loss_coef": 0.02,
+        "output_router_logits": False,
+        "sliding_window": None,
+        "rms_norm_eps": 1e-5,
+        "vocab_size": s["vocab"],
+        "rope_theta": 1000000.0,
+        "max_position_embeddings": 32768,
+        "tie_word_embeddings": False,
+    }
+
+
+def _group_routing_fields(s: dict[str, int]) -> dict:
+    """DeepSeek-V3 style routing shared with GLM-4.5: sigmoid scores with a correction bias,
+    4 groups of which the best 2 are searched, one shared expert, one dense first layer."""
+    return {
+        "n_routed_experts": s["experts"],
+        "num_experts_per_tok": s["top_k"],
+        "moe_intermediate_size": s["moe_int"],
+        "n_shared_experts": 1,
+        "first_k_dense_replace": 1,
+        "n_group": 4,
+        "topk_group": 2,
+        "routed_scaling_factor": 2.5,
+        "norm_topk_prob": True,
+    }
+
+
+def _glm4_moe_config(s: dict[str, int]) -> dict:
+    # GLM-4.5 (not Air: Air has no qk norm and one group). Its config names no scoring or
+    # top-k method: both are DeepSeek-V3's (sigmoid, noaux_tc), mlx-lm's defaults.
+    return {
+        "model_type": "glm4_moe",
+        "architectures": ["Glm4MoeForCausalLM"],
+        "hidden_size": s["hidden"],
+        "num_hidden_layers": s["layers"],
+        "intermediate_size": s["dense"],
+        "num_attention_heads": s["heads"],
+        "num_key_value_heads": s["kv_heads"],
+        "head_dim": s["head_dim"],
+        **_group_routing_fields(s),
+        "partial_rotary_factor": 0.5,
+        "use_qk_norm": True,
+        "attention_bias": True,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-5,
+        "vocab_size": s["vocab"],
+        "rope_theta": 1000000.0,
+        "rope_scaling": None,
+        "max_position_embeddings": 131072,
+        "tie_word_embeddings": False,
+    }
+
+
+def _deepseek_v3_config(s: dict[str, int]) -> dict:
+    # Multi-head latent attention, scaled from V3's (nope 128, rope 64, v 128 per head) by
+    # head_dim; every rank is a multiple of 64 so the projections quantize at group 64.
+    d = s["head_dim"]
+    return {
+        "model_type": "deepseek_v3",
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "hidden_size": s["hidden"],
+        "num_hidden_layers": s["layers"],
+        "intermediate_size": s["dense"],
+        "num_attention_heads": s["heads"],
+        "num_key_value_heads": s["heads"],
+        "q_lora_rank": 2 * d,
+        "kv_lora_rank": 2 * d,
+        "qk_nope_head_dim": 2 * d,
+        "qk_rope_head_dim": d,
+        "v_head_dim": 2 * d,
+        **_group_routing_fields(s),
+        "topk_method": "noaux_tc",
+        "scoring_func": "sigmoid",
+        "moe_layer_freq": 1,
+        "attention_bias": False,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-6,
+        "vocab_size": s["vocab"],
+        "rope_theta": 10000.0,
+        "rope_scaling": {
+            "type": "yarn",
+            "factor": 40.0,
+            "original_max_position_embeddings": 4096,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        },
+        "max_position_embeddings": 163840,
+        "tie_word_embeddings": False,
+    }
+
+
+def _gpt_oss_config(s: dict[str, int]) -> dict:
+    # intermediate_size is one expert's width. Layers alternate sliding-window and full
+    # attention, starting with a sliding one, as gpt-oss-20b/120b do.
+    return {
+        "model_type": "gpt_oss",
+        "architectures": ["GptOssForCausalLM"],
+        "hidden_size": s["hidden"],
+        "num_hidden_layers": s["layers"],
+        "intermediate_size": s["moe_int"],
+        "num_attention_heads": s["heads"],
+        "num_key_value_heads": s["kv_heads"],
+        "head_dim": s["head_dim"],
+        "num_local_experts": s["experts"],
+        "num_experts_per_tok": s["top_k"],
+        "experts_per_token": s["top_k"],
+        "sliding_window": 128,
+        "layer_types": ["sliding_attention", "full_attention"] * (s["layers"] // 2),
+        "attention_bias": True,
+        "swiglu_limit": 7.0,
+        "router_aux_loss_coef": 0.9,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-5,
+        "vocab_size": s["vocab"],
+        "rope_theta": 150000,
+        "rope_scaling": {
+            "rope_type": "yarn",
+            "factor": 32.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "original_max_position_embeddings": 4096,
+            "truncate": False,
+        },
+        "initial_context_length": 4096,
+        "max_position_embeddings": 131072,
+        "tie_word_embeddings": False,
+    }
+
+
+def _llama4_config(s: dict[str, int]) -> dict:
+    # Scout's layout: every layer MoE (Maverick interleaves dense layers, step 2, which leaves
+    # no MoE layer whose next layer is one: no prerouter owners), one routed expert plus a shared
+    # one. mlx-lm hard-codes the rest: every fourth layer is NoPE with global attention, the
+    # others chunked (so >= 4 layers).
+    layers, step = s["layers"], 1
+    text = {
+        "model_type": "llama4_text",
+        "hidden_size": s["hidden"],
+        "num_hidden_layers": layers,
+        "intermediate_size": s["moe_int"],
+        "intermediate_size_mlp": s["dense"],
+        "num_attention_heads": s["heads"],
+        "num_key_value_heads": s["kv_heads"],
+        "head_dim": s["head_dim"],
+        "num_local_experts": s["experts"],
+        "num_experts_per_tok": 1,  # mlx-lm asserts 1
+        "interleave_moe_layer_step": step,
+        "moe_layers": [i for i in range(layers) if i % step == step - 1],
+        "no_rope_layers": [int((i + 1) % 4 != 0) for i in range(layers)],
+        "attention_chunk_size": 8192,
+        "attn_temperature_tuning": True,
+        "floor_scale": 8192,
+        "attn_scale": 0.1,
+        "use_qk_norm": True,
+        "attention_bias": False,
+        "router_aux_loss_coef": 0.001,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-5,
+        "vocab_size": s["vocab"],
+        "rope_theta": 500000.0,
+        "rope_scaling": None,
+        "max_position_embeddings": 1048576,
+        "tie_word_embeddings": False,
+    }
+    return {
+        "model_type": "llama4",
+        "architectures": ["Llama4ForConditionalGeneration"],
+        "text_config": text,
+        "tie_word_embeddings": False,
+    }
+
+
+def _minimax_config(s: dict[str, int]) -> dict:
+    # MiniMax-M2 (mlx-lm maps its model_type minimax_m2 to models/minimax.py): sigmoid router
+    # with a correction bias, no shared expert, qk norm over all heads, half-dim rotary.
+    return {
+        "model_type": "minimax_m2",
+        "architectures": ["MiniMaxM2ForCausalLM"],
+        "hidden_size": s["hidden"],
+        "num_hidden_layers": s["layers"],
+        "intermediate_size": s["moe_int"],
+        "num_attention_heads": s["heads"],
+        "num_key_value_heads": s["kv_heads"],
+        "head_dim": s["head_dim"],
+        "num_local_experts": s["experts"],
+        "num_experts_per_tok": s["top_k"],
+        "shared_intermediate_size": 0,
+        "scoring_func": "sigmoid",
+        "use_routing_bias": True,
+        "use_qk_norm": True,
+        "qk_norm_type": "per_layer",
+        "rotary_dim": s["head_dim"] // 2,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-6,
+        "vocab_size": s["vocab"],
+        "rope_theta": 5000000.0,
+        "max_position_embeddings": 196608,
+        "tie_word_embeddings": False,
+        # transformers' MiniMaxM2Config would otherwise default it to 200034, outside the vocab.
+        "bos_token_id": None,
+    }
+
+
+def _qwen2_moe_config(s: dict[str, int]) -> dict:
+    # Qwen1.5-MoE: a sigmoid-gated shared expert 4 experts wide, top-k weights not renormalized.
+    return {
+        "model_type": "qwen2_moe",
+        "architectures": ["Qwen2MoeForCausalLM"],
+        "hidden_size": s["hidden"],
+        "num_hidden_layers": s["layers"],
+        "intermediate_size": s["dense"],
+        "num_attention_heads": s["heads"],
+        "num_key_value_heads": s["kv_heads"],
+        "num_experts": s["experts"],
+        "num_experts_per_tok": s["top_k"],
+        "moe_intermediate_size": s["moe_int"],
+        "shared_expert_intermediate_size": 4 * s["moe_int"],
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "norm_topk_prob": False,
+        "use_sliding_window": False,
+        "sliding_window": 32768,
+        "max_window_layers": s["layers"],
+        "router_aux_loss_coef": 0.001,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-6,
+        "vocab_size": s["vocab"],
+        "rope_theta": 1000000.0,
+        "max_position_embeddings": 8192,
+        "tie_word_embeddings": False,
+    }
+
+
+def _olmoe_config(s: dict[str, int]) -> dict:
+    # OLMoE: intermediate_size is one expert's width; q/k norms span all heads.
+    return {
+        "model_type": "olmoe",
+        "architectures": ["OlmoeForCausalLM"],
+        "hidden_size": s["hidden"],
+        "num_hidden_layers": s["layers"],
+        "intermediate_size": s["moe_int"],
+        "num_attention_heads": s["heads"],
+        "num_key_value_heads": s["kv_heads"],
+        "num_experts": s["experts"],
+        "num_experts_per_tok": s["top_k"],
+        "norm_topk_prob": False,
+        "attention_bias": False,
+        "clip_qkv": None,
+        "router_aux_loss_coef": 0.01,
+        "output_router_logits": False,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-5,
+        "vocab_size": s["vocab"],
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 4096,
+        "tie_word_embeddings": False,
+    }
+
+
+def _ernie4_5_moe_config(s: dict[str, int]) -> dict:
+    # ERNIE-4.5-21B-A3B's layout: layer 0 dense, MoE from layer 1 to the last, a shared expert.
+    # The release routes aux-free with a correction bias, which mlx-lm drops in sanitize and
+    # never uses; the synthetic checkpoint has none, so it says moe_use_aux_free false.
+    # Untied head: with a tied one, a random model's logits favour the input token (it is
+    # still in the residual) and greedy decoding repeats it.
+    return {
+        "model_type": "ernie4_5_moe",
+        "architectures": ["Ernie4_5_MoeForCausalLM"],
+        "hidden_size": s["hidden"],
+        "num_hidden_layers": s["layers"],
+        "intermediate_size": s["dense"],
+        "num_attention_heads": s["heads"],
+        "num_key_value_heads": s["kv_heads"],
+        "head_dim": s["head_dim"],
+        "moe_num_experts": s["experts"],
+        "moe_k": s["top_k"],
+        "moe_intermediate_size": s["moe_int"],
+        "moe_num_shared_experts": 1,
+        "moe_layer_start_index": 1,
+        "moe_layer_end_index": s["layers"] - 1,
+        "moe_layer_interval": 1,
+        "moe_capacity": [s["experts"]] * 3,
+        "moe_gate": "topk",
+        "moe_gate_act": "softmax",
+        "moe_use_aux_free": False,
+        "use_bias": False,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-5,
+        "vocab_size": s["vocab"],
+        "rope_theta": 500000.0,
+        "max_position_embeddings": 131072,
+        "tie_word_embeddings": False,
+    }
+
+
 _FAMILY_CONFIGS = {
     "qwen3_moe": qwen3_moe_config,
     "qwen3_next": _qwen3_next_config,
     "qwen3_5_moe": _qwen3_5_moe_config,
     "bailing_moe": _bailing_moe_config,
+    "mixtral": _mixtral_config,
+    "glm4_moe": _glm4_moe_config,
+    "deepseek_v3": _deepseek_v3_config,
+    "gpt_oss": _gpt_oss_config,
+    "llama4": _llama4_config,
+    "minimax": _minimax_config,
+    "qwen2_moe": _qwen2_moe_config,
+    "olmoe": _olmoe_config,
+    "ernie4_5_moe": _ernie4_5_moe_config,
 }
+# Every family synth writes, by the name that `write_synthetic_checkpoint` takes (mlx-lm's
+# module name: `minimax` writes model_type minimax_m2, `llama4` wraps a llama4_text config).
+FAMILIES: tuple[str, ...] = tuple(_FAMILY_CONFIGS)
+
+
+def family_presets(family: str) -> tuple[str, ...]:
+    """The presets `family` can be written at."""
+    return PRESETS if family in WALL_FAMILIES else ("tiny", "small")
 
 
 def _model_config(family: str, preset: str = "tiny") -> dict:
@@ -263,6 +606,11 @@ def _model_config(family: str, preset: str = "tiny") -> dict:
         raise Edge0Error(f"unknown family {family!r}; valid families: {', '.join(FAMILIES)}")
     if preset not in SHAPES:
         raise Edge0Error(f"unknown preset {preset!r}; valid presets: {', '.join(PRESETS)}")
+    if preset not in family_presets(family):
+        raise Edge0Error(
+            f"family {family!r} has no {preset!r} preset; its presets: "
+            + ", ".join(family_presets(family))
+        )
     config = _FAMILY_CONFIGS[family](SHAPES[preset])
     config["eos_token_id"] = EOS_TOKEN_ID
     if "text_config" in config:
@@ -309,26 +657,68 @@ def _build_model(config: dict, seed: int = 0) -> tuple[nn.Module, dict]:
     _cast(model, mx.bfloat16)
     # quantize_model prints a bits-per-weight line; keep test and benchmark output clean.
     with contextlib.redirect_stdout(io.StringIO()):
-        model, quantized_config = quantize_model(model, config, group_size=GROUP_SIZE, bits=BITS)
+        model, quantized_config = _quantize(model, config)
     model.eval()
     return model, quantized_config
 
 
+def _quantize(model: nn.Module, config: dict) -> tuple[nn.Module, dict]:
+    """Quantize `model` the way its family's mlx checkpoints are (see GPT_OSS_*_QUANT)."""
+    if config["model_type"] == "gpt_oss":
+        # Every layer gets an explicit entry, so config.json names each layer's mode.
+        return quantize_model(
+            model, config, group_size=GROUP_SIZE, bits=8, quant_predicate=_gpt_oss_quant
+        )
+    # The family's own predicate where it has one (Qwen, bailing, MiniMax: routers 8-bit).
+    predicate = getattr(model, "quant_predicate", None) or _router_8bit
+    return quantize_model(
+        model, config, group_size=GROUP_SIZE, bits=BITS, quant_predicate=predicate
+    )
+
+
+def _router_8bit(path: str, _module: nn.Module) -> dict | bool:
+    # DeepSeek-V3's and GLM-4.5's MoEGate is no Linear: it is never quantized at all.
+    return dict(ROUTER_QUANT) if path.endswith(ROUTER_PATHS) else True
+
+
+def _gpt_oss_quant(path: str, _module: nn.Module) -> dict:
+    is_expert = path.endswith(
+        tuple(f"mlp.experts.{p}" for p in ("gate_proj", "up_proj", "down_proj"))
+    )
+    return dict(GPT_OSS_EXPERT_QUANT if is_expert else GPT_OSS_OTHER_QUANT)
+
+
+# Each family's router when it is a Linear: `mlp.gate` (Qwen, OLMoE, ERNIE),
+# `block_sparse_moe.gate` (Mixtral, MiniMax), `mlp.router` (gpt-oss), `feed_forward.router`
+# (Llama-4).
+ROUTER_LINEARS = ("mlp.gate", "block_sparse_moe.gate", "mlp.router", "feed_forward.router")
+
+
 def _shape_init(model: nn.Module) -> None:
-    """Scale embeddings and router weights, give bailing's expert bias random values."""
+    """Scale embeddings and router weights, give expert / correction biases random values."""
     for path, module in model.named_modules():
         if isinstance(module, nn.Embedding):
             scale = EMBED_STD * module.weight.shape[-1] ** 0.5
             module.weight = module.weight * scale
-        # Qwen routers are `mlp.gate` (a Linear); bailing's is `mlp.gate.gate_proj`
-        # inside a gate module that also holds `expert_bias`.
-        if path.endswith("mlp.gate") and isinstance(module, nn.Linear):
+        if path.endswith(ROUTER_LINEARS) and isinstance(module, nn.Linear):
             module.weight = module.weight * ROUTER_SCALE
         elif path.endswith("mlp.gate") and "gate_proj" in module:
+            # bailing: the Linear is `mlp.gate.gate_proj`, next to `expert_bias`.
             module.gate_proj.weight = module.gate_proj.weight * ROUTER_SCALE
             if module.get("expert_bias") is not None:
                 shape = module.expert_bias.shape
                 module.expert_bias = EXPERT_BIAS_STD * mx.random.normal(shape)
+        elif path.endswith("mlp.gate") and "weight" in module:
+            # DeepSeek-V3 / GLM-4.5: MoEGate holds a raw weight that mlx-lm initializes to zeros
+            # (every token would pick the same experts); draw it as a Linear would be, scaled.
+            bound = module.weight.shape[-1] ** -0.5
+            weight = mx.random.uniform(-bound, bound, module.weight.shape)
+            module.weight = ROUTER_SCALE * weight
+        # DeepSeek-V3 / GLM-4.5 (in MoEGate) and MiniMax (on the MoE block): selection-only bias,
+        # zeros at init; kept float32 by the family's cast_predicate.
+        if "e_score_correction_bias" in module:
+            shape = module.e_score_correction_bias.shape
+            module.e_score_correction_bias = EXPERT_BIAS_STD * mx.random.normal(shape)
 
 
 def _cast(model: nn.Module, dtype: mx.Dtype) -> None:
