@@ -42,8 +42,9 @@ def dense_calls(monkeypatch):
         lambda config: None if config.exact_kernels else switch_glu.DENSE_MIN_ROWS,
     )
     # The test models' experts are tiny: their cost-based row threshold would send few of them
-    # dense. The arithmetic is what is tested here: the measured minimum for every expert.
-    monkeypatch.setattr(switch_glu, "DENSE_EXPERT_OVERHEAD_NS", 0)
+    # dense (mxfp4's none, at 6 tokens). The arithmetic is what is tested here: the measured
+    # minimum for every expert (the threshold itself: test_mxfp4_goes_dense_later_than_affine).
+    monkeypatch.setattr(switch_glu, "_rows_worth_dequantizing", lambda bank, specs: 0)
     calls = []
     original = switch_glu._dense_expert_glu
 
@@ -191,3 +192,19 @@ def test_the_microbench_measures_every_path(checkpoint_dir):
         for chat in (False, True):
             prompt = microbench._prompt_of(engine, 40, chat)
             assert 30 <= len(prompt) <= 40
+
+
+def test_mxfp4_goes_dense_later_than_affine():
+    """The row threshold follows each format's measured costs: an mxfp4 expert (cheap kernel,
+    dear dequantize on the CPU) needs ~20 rows, an affine one of the same shape a handful."""
+    thresholds = {}
+    for mode, group in (("affine", 64), ("mxfp4", 32)):
+        w = mx.zeros((1, 768, 2048))
+        packed, scales, *biases = mx.quantize(w, group_size=group, bits=4, mode=mode)
+        bank = {f"{p}.weight": packed for p in switch_glu.PROJECTIONS}
+        specs = [
+            switch_glu.ProjectionSpec(p, group, 4, mode, bool(biases), False)
+            for p in switch_glu.PROJECTIONS
+        ]
+        thresholds[mode] = switch_glu._rows_worth_dequantizing(bank, specs)
+    assert thresholds["affine"] <= 4 < 16 <= thresholds["mxfp4"] <= 24, thresholds

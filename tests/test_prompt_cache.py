@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from engine.config import EngineConfig, GenerationConfig
 from engine.runtime.generation import Engine
 
@@ -40,12 +42,19 @@ def _both(model_dir, turns):
     return reused, full
 
 
+# One family per kind of KV cache mlx-lm gives it: plain (Qwen3), hybrid with recurrent state
+# (Qwen3-Next), sliding-window rotating (gpt-oss), chunked (Llama-4), latent attention (DeepSeek).
+CACHE_FAMILIES = ("qwen3_moe", "qwen3_next", "gpt_oss", "llama4", "deepseek_v3")
+
+
+@pytest.mark.parametrize("family", CACHE_FAMILIES)
 def test_exact_continuation_reuses_the_cache(checkpoint_dir, family):
     (prompt, tokens, summary), (_, full_tokens, _) = _both(checkpoint_dir(family), _continuation)
     assert summary["reused_prompt_tokens"] == len(prompt) - 3 - 1  # all but the new tokens
     assert tokens == full_tokens
 
 
+@pytest.mark.parametrize("family", CACHE_FAMILIES)
 def test_chat_turn_reuses_the_common_prefix(checkpoint_dir, family):
     (prompt, tokens, summary), (_, full_tokens, _) = _both(checkpoint_dir(family), _chat)
     # Attention caches are cut back to the common prefix; a hybrid model's recurrent state is

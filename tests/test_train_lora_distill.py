@@ -116,6 +116,9 @@ def _decode_recording(engine: Engine, prompt: list[int]):
     return result.tokens, routed, np.stack(logits)
 
 
+@pytest.mark.parametrize(
+    "family", ["qwen3_moe", "qwen3_next", "qwen3_5_moe", "bailing_moe", "gpt_oss", "deepseek_v3"]
+)
 def test_student_routes_as_the_engine_decodes(profiled, family):
     """Prerouter mode: for the same tokens, the student routes every MoE layer at every decoded
     position exactly as the engine executed it, and its logits are the engine's."""

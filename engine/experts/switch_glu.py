@@ -266,19 +266,24 @@ def mixed_glu(
     return y.reshape(*routed.shape, y.shape[-1])
 
 
-# Measured on the 2-core box (microbench products, and prefill on the demo at 16 tokens): the 4-bit
-# kernel costs ~0.87 ns per weight per row, dequantizing ~1.3 ns per weight, and taking one expert
-# down the dense path ~0.5 ms of fixed cost (a dozen MLX ops and their dispatch). Small experts (the
-# demo's 100 KiB) need more rows than DENSE_MIN_ROWS to be worth it (8), large ones do not (4).
-QMM_NS_PER_WEIGHT_ROW = 0.87
-DEQUANTIZE_NS_PER_WEIGHT = 1.3
+# Measured on the 2-core box (microbench products, and prefill on the demo at 16 tokens): the affine
+# 4-bit kernel costs ~0.87 ns per weight per row, dequantizing ~1.3 ns per weight, and taking one
+# expert down the dense path ~0.5 ms of fixed cost (a dozen MLX ops and their dispatch). Small
+# experts (the demo's 100 KiB) need more rows than DENSE_MIN_ROWS to be worth it (8), large ones do
+# not (4). mxfp4 (`microbench formats`, wall-shaped experts): its kernel is cheaper (~0.64 ns) and
+# its dequantize far dearer (~12 ns per weight on the CPU), so only experts with ~20+ rows go dense.
+# Other modes (nvfp4, mxfp8) are taken as mxfp4.
+QMM_NS_PER_WEIGHT_ROW = {"affine": 0.87, "mxfp4": 0.64}
+DEQUANTIZE_NS_PER_WEIGHT = {"affine": 1.3, "mxfp4": 12.0}
 DENSE_EXPERT_OVERHEAD_NS = 500_000
 
 
 def _rows_worth_dequantizing(bank: dict[str, mx.array], specs) -> int:
     weights = _fp32_bytes(bank, specs) // 4
-    dense = DEQUANTIZE_NS_PER_WEIGHT * weights + DENSE_EXPERT_OVERHEAD_NS
-    return math.ceil(dense / (QMM_NS_PER_WEIGHT_ROW * weights))
+    mode = next(iter(specs)).mode
+    mode = mode if mode in QMM_NS_PER_WEIGHT_ROW else "mxfp4"
+    dense = DEQUANTIZE_NS_PER_WEIGHT[mode] * weights + DENSE_EXPERT_OVERHEAD_NS
+    return math.ceil(dense / (QMM_NS_PER_WEIGHT_ROW[mode] * weights))
 
 
 # At most this many bytes of dequantized (fp32) expert weights wait for one evaluation: a 2.5 MiB

@@ -26,6 +26,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import load_model as mlx_lm_load_model
 from mlx_lm.utils import load_tokenizer
 from tokenizers import Tokenizer
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.utils import logging as hf_logging
 
 from ..adapters.metadata import nonfinite_tensors
@@ -198,7 +199,7 @@ def load(model_dir: str | Path, config: EngineConfig) -> LoadedModel:
 
     model, model_config = _build_model(model_dir, model_config, index.shards, family)
     _check_dtypes(model, index, model_dir)
-    tokenizer = quiet_load_tokenizer(model_dir, model_config.get("eos_token_id"))
+    tokenizer = quiet_load_tokenizer(model_dir, model_config.get("eos_token_id"), family)
 
     sites = find_moe_sites(model)
     check_moe_sites(model, sites, family, model_dir)
@@ -417,14 +418,17 @@ def _check_dtypes(model: nn.Module, index: CheckpointIndex, model_dir: Path) -> 
         raise Edge0Error(f"{where}: tensor {name!r} is {dtype} but must be {need}")
 
 
-def quiet_load_tokenizer(model_dir: Path, eos_token_ids) -> TokenizerWrapper:
+def quiet_load_tokenizer(
+    model_dir: Path, eos_token_ids, family: Family | None = None
+) -> TokenizerWrapper:
     """mlx-lm's tokenizer loader, without transformers' warning about model types it has no class
     for (e.g. bailing_moe): the tokenizer itself loads fine. A failure names the file at fault
     when a check of the tokenizer's files finds it."""
     previous = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
     try:
-        tokenizer = load_tokenizer(model_dir, eos_token_ids=eos_token_ids)
+        with _tokenizer_view(model_dir, family) as folder:
+            tokenizer = load_tokenizer(folder, eos_token_ids=eos_token_ids)
     except Exception as e:  # tokenizers raise many types for a broken file
         _diagnose_tokenizer(model_dir)
         _diagnose_config(model_dir, e)
@@ -437,6 +441,25 @@ def quiet_load_tokenizer(model_dir: Path, eos_token_ids) -> TokenizerWrapper:
     # Our loops feed the model in chunks; the tokenizer's length warning does not apply.
     tokenizer._tokenizer.model_max_length = 1 << 62
     return tokenizer
+
+
+@contextlib.contextmanager
+def _tokenizer_view(model_dir: Path, family: Family | None):
+    """The folder transformers reads the tokenizer from: the model's own, or, for a model_type
+    alias transformers has no config class for (kimi_k2: Kimi-K2 ships its own code), a view whose
+    config.json says the family's name. transformers reads config.json too, and for an unknown
+    model type builds a generic config that fails on DeepSeek's yarn rope fields."""
+    config = read_config(model_dir)
+    model_type = config.get("model_type")
+    if family is None or model_type == family.name or model_type in CONFIG_MAPPING:
+        yield model_dir
+        return
+    with tempfile.TemporaryDirectory(prefix="edge0-tokenizer-") as view:
+        for name in list_dir(model_dir):
+            if name != "config.json":
+                os.symlink(os.path.abspath(model_dir / name), Path(view) / name)
+        (Path(view) / "config.json").write_text(json.dumps({**config, "model_type": family.name}))
+        yield Path(view)
 
 
 def _diagnose_tokenizer(model_dir: Path) -> None:
