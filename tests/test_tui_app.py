@@ -528,7 +528,9 @@ async def test_main_screen_snapshot(model, tmp_path, size, snapshot, panels):
         screen.panel_timer.pause()  # freeze: nothing time-dependent is drawn after this
         await screen.open_chat(chat_id)
         await wait_until(pilot, lambda: screen.context_tokens, "the reopened chat's context")
-        screen.query_one(PromptInput).cursor_blink = False
+        prompt = screen.query_one(PromptInput)
+        prompt.cursor_blink = False
+        prompt.focus()  # a cursor drawn in every run (focus can still be moving on a busy box)
         if panels:
             await pilot.press("f6")
         screen.show_panels(fixed_metrics(), SystemMemory(32 << 30, 12 << 30, "RAM"))

@@ -7,6 +7,7 @@ memory, process RSS, live threads and open file descriptors after the warm-up tu
 
 from __future__ import annotations
 
+import gc
 import os
 import threading
 from dataclasses import dataclass
@@ -43,6 +44,9 @@ def _open_files() -> int:
 
 
 def _point(engine: Engine, turn: int, steps: int) -> SoakPoint:
+    # A leak is memory still reachable: garbage that the collector has not freed yet (ours, or
+    # another object's in a long-lived process such as the test suite's) is not one.
+    gc.collect()
     return SoakPoint(
         turn,
         steps,
