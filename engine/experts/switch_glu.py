@@ -59,6 +59,7 @@ class ProjectionSpec:
     mode: str
     has_biases: bool  # quantization biases (affine mode)
     has_bias: bool  # additive output bias
+    weights: int = 0  # one expert's weights in this projection (out x in)
 
     def parts(self) -> tuple[str, ...]:
         return ("weight", "scales") + ("biases",) * self.has_biases + ("bias",) * self.has_bias
@@ -83,6 +84,7 @@ def projection_specs(switch: SwitchGLU, where: str) -> tuple[ProjectionSpec, ...
                 proj.mode,
                 has_biases=proj.get("biases") is not None,
                 has_bias="bias" in proj,
+                weights=proj["weight"].shape[-2] * proj["weight"].shape[-1] * 32 // proj.bits,
             )
         )
     return tuple(specs)
@@ -124,9 +126,10 @@ class StreamingSwitchGLU(nn.Module):
         distinct = np.unique(routed)
         tokens = routed.size // routed.shape[-1]
         store = self._store
+        dense = self._dense_rows is not None and goes_dense(routed.size, self._num_experts, self)
         if tokens > 1 and store.wants_whole_layer(self._layer, len(distinct)):
             bank = store.whole_layer(self._layer)
-            if self._dense_rows is not None:
+            if dense:
                 return mixed_glu(self, x, routed, bank, routed, self._dense_rows)
             return self._gather_glu(x, indices, bank)
         resident = store.fetch(self._layer, distinct.tolist())
@@ -140,7 +143,7 @@ class StreamingSwitchGLU(nn.Module):
         bank = {key: mx.stack([r.arrays[key] for r in resident]) for key in resident[0].arrays}
         slot_of = np.zeros(self._num_experts, dtype=np.uint32)
         slot_of[distinct] = np.arange(len(distinct), dtype=np.uint32)
-        if self._dense_rows is not None:
+        if dense:
             return mixed_glu(self, x, routed, bank, slot_of[routed], self._dense_rows)
         return self._gather_glu(x, mx.array(slot_of[routed]), bank)
 
@@ -210,6 +213,16 @@ class StreamingSwitchGLU(nn.Module):
 # -- prefill at GEMM speed ---------------------------------------------------------------------------
 
 
+def goes_dense(assignments: int, num_experts: int, glu) -> bool:
+    """Whether a prefill chunk takes the dense path: only when its average expert has enough rows
+    to be worth dequantizing. Below that, few experts would go dense and splitting the chunk by
+    expert (and, resident, reading the routing back every layer) costs more than it saves: a
+    16-token prompt on the demo (4 rows an expert on average, 8 needed) took 175 ms dense against
+    125 ms on the 4-bit kernels. Decided from sizes alone, so resident and streamed modes agree."""
+    threshold = max(glu._dense_rows, _rows_worth_dequantizing(glu._specs.values()))
+    return assignments >= threshold * num_experts
+
+
 def mixed_glu(
     glu: StreamingSwitchGLU | DensePrefillSwitchGLU,
     x: mx.array,
@@ -232,7 +245,7 @@ def mixed_glu(
     small: list[np.ndarray] = []
     pending: list[mx.array] = []
     pending_bytes = 0
-    dense_rows = max(dense_rows, _rows_worth_dequantizing(bank, glu._specs.values()))
+    dense_rows = max(dense_rows, _rows_worth_dequantizing(glu._specs.values()))
     for start, count in zip(starts.tolist(), counts.tolist()):
         ids = order[start : start + count]
         if count < dense_rows:
@@ -245,7 +258,7 @@ def mixed_glu(
         # end, every copy of the layer could be alive at once (32 x 19 MiB on the wall); one
         # evaluation per expert costs more than small experts' products (the demo's: 0.1 ms).
         pending.append(outputs[-1])
-        pending_bytes += _fp32_bytes(bank, glu._specs.values())
+        pending_bytes += 4 * _expert_weights(glu._specs.values())
         if pending_bytes >= DENSE_EVAL_BYTES:
             mx.eval(pending)
             pending, pending_bytes = [], 0
@@ -278,8 +291,9 @@ DEQUANTIZE_NS_PER_WEIGHT = {"affine": 1.3, "mxfp4": 12.0}
 DENSE_EXPERT_OVERHEAD_NS = 500_000
 
 
-def _rows_worth_dequantizing(bank: dict[str, mx.array], specs) -> int:
-    weights = _fp32_bytes(bank, specs) // 4
+def _rows_worth_dequantizing(specs) -> int:
+    """The fewest rows for which one expert's dense path beats the 4-bit kernel."""
+    weights = _expert_weights(specs)
     mode = next(iter(specs)).mode
     mode = mode if mode in QMM_NS_PER_WEIGHT_ROW else "mxfp4"
     dense = DEQUANTIZE_NS_PER_WEIGHT[mode] * weights + DENSE_EXPERT_OVERHEAD_NS
@@ -292,13 +306,9 @@ def _rows_worth_dequantizing(bank: dict[str, mx.array], specs) -> int:
 DENSE_EVAL_BYTES = 8 << 20
 
 
-def _fp32_bytes(bank: dict[str, mx.array], specs) -> int:
-    """One expert's projections as fp32 weights."""
-    total = 0
-    for spec in specs:
-        packed = bank[f"{spec.name}.weight"]
-        total += packed[0].size * (32 // spec.bits) * 4
-    return total
+def _expert_weights(specs) -> int:
+    """One expert's weights over its projections."""
+    return sum(spec.weights for spec in specs)
 
 
 def _dense_expert_glu(
@@ -343,11 +353,13 @@ class DensePrefillSwitchGLU(SwitchGLU):
         self._dense_rows = dense_rows
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
-        if indices.size // indices.shape[-1] <= 1 or not isinstance(
-            self.gate_proj, QuantizedSwitchLinear
+        if (
+            indices.size // indices.shape[-1] <= 1
+            or not isinstance(self.gate_proj, QuantizedSwitchLinear)
+            or not goes_dense(indices.size, self.gate_proj["weight"].shape[0], self)
         ):
-            # Decode: the 4-bit kernels. Or the model was dequantized since (the training
-            # student's `dequantize_model`): mlx-lm's float path.
+            # Decode, or a chunk with too few rows an expert: the 4-bit kernels. Or the model was
+            # dequantized since (the training student's `dequantize_model`): mlx-lm's float path.
             return super().__call__(x, indices)
         mx.eval(indices)  # the routing on the host decides expert by expert
         routed = np.array(indices)

@@ -257,7 +257,10 @@ def prefill_kernels(config) -> str:
     """How prefill multiplies routed experts, in words (`edge0 info`, the app)."""
     rows = dense_prefill_rows(config)
     if rows is not None:
-        return f"dense fp32 for experts with {rows}+ tokens in a chunk, 4-bit below"
+        return (
+            f"dense fp32 for experts with {rows}+ tokens in a chunk (more where dequantizing costs "
+            "more), 4-bit below and in chunks too short for the average expert to reach it"
+        )
     if config.exact_kernels:
         return "4-bit kernels (exact)"
     return "4-bit kernels (no fast BLAS for dense products)"
