@@ -9,7 +9,7 @@ import mlx.core as mx
 from engine.adapters.lora import linear_dims, save_lora
 from engine.checkpoint.families import FAMILIES
 from engine.config import EngineConfig
-from engine.routing.prerouter import PrerouterHeads, save_prerouter
+from engine.routing.prerouter import PrerouterHeads, next_moe_layer, save_prerouter
 from engine.runtime.generation import Engine
 
 LORA_TARGETS = (
@@ -32,7 +32,7 @@ def write_random_profile(model_dir: Path, k: int, seed: int = 0, lora_scale: flo
     try:
         loaded = engine.loaded
         mx.random.seed(seed)
-        owners = [n for n in sorted(loaded.blocks) if n + 1 in loaded.blocks]
+        owners = [n for n in sorted(loaded.blocks) if next_moe_layer(n, loaded.blocks)]
         width = loaded.hidden + 2 * loaded.num_experts
         n, e, inner = len(owners), loaded.num_experts, 32
         heads = PrerouterHeads(

@@ -9,8 +9,10 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
+from adapters import write_random_profile
 from cli_runner import run_cli
 
+from edge0_tui.cli import main
 from engine.checkpoint.families import FAMILIES
 from engine.config import EngineConfig, GenerationConfig
 from engine.errors import Edge0Error
@@ -163,3 +165,33 @@ def test_mxfp4_experts_stay_mxfp4_in_the_pool(checkpoint_dir):
             assert arrays["gate_proj.scales"].dtype == mx.uint8
             assert "gate_proj.biases" not in arrays  # mxfp4 has no quantization biases
             assert arrays["gate_proj.bias"].dtype == mx.float32
+
+
+@pytest.fixture(scope="module")
+def maverick(tmp_path_factory) -> Path:
+    """Llama-4-Maverick's layout, tiny: MoE layers 1 and 3, a dense FFN between them."""
+    config = synth._model_config("llama4", "tiny")
+    config["text_config"].update(interleave_moe_layer_step=2, moe_layers=[1, 3])
+    out = tmp_path_factory.mktemp("maverick")
+    synth._write_checkpoint(out, config, seed=0, max_shard_bytes=synth.MAX_SHARD_BYTES)
+    synth.build_tokenizer(out, 1024)
+    return out
+
+
+def test_interleaved_moe_layers_stream_and_predict_across_the_dense_layer(
+    maverick, tmp_path, monkeypatch, capsys
+):
+    """A head of MoE layer 1 predicts MoE layer 3 (the next MoE layer, past the dense layer 2):
+    on-demand equals resident, the prerouter routes layer 3 by its prediction with nothing
+    dropped, and phase 1 trains that head."""
+    assert _tokens(maverick, mode="on-demand") == _tokens(maverick, mode="resident")
+    write_random_profile(maverick, 1)
+    with Engine(maverick, EngineConfig(mode="prerouter")) as engine:
+        assert engine.routing.heads.owners == [1] and engine.routing.heads.consumers == [3]
+        result = engine.generate(PROMPT[:5], GREEDY_32)
+    decode = [s for s in result.steps if s.phase == "decode"]
+    assert decode and all(s.predicted == 1 and s.dropped == 0 for s in decode)
+    monkeypatch.setenv("EDGE0_DATA_DIR", str(tmp_path / "data"))
+    args = ["train", "heads", str(maverick), "--k", "1", "--steps", "4", "--max-tokens", "600"]
+    assert main(args) == 0
+    assert "head of layer   1 -> layer   3" in capsys.readouterr().out

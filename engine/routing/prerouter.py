@@ -1,7 +1,8 @@
 """The prerouter: small trained heads that predict the next layer's routing one token ahead.
 
 The head owned by layer N reads N's MoE input x at token t with this step's and the previous step's
-executed top-k one-hots, and predicts layer N+1's router logits at token t+1:
+executed top-k one-hots, and predicts layer N+1's router logits at token t+1 (the next MoE
+layer's, where dense layers come between, as in Llama-4-Maverick: `next_moe_layer`):
 
     z = [x; onehot_K(A_t); onehot_K(A_{t-1})]
     u = linear_init(z) + fc2(gelu_erf(fc1(z)))
@@ -92,8 +93,14 @@ class PrerouterHeads:
     fc1: mx.array  # [n, 512, H+2E]
     fc2: mx.array  # [n, E, 512]
     linear_init: mx.array  # [n, E, H+2E]
+    # The layer each head predicts (its owner's next MoE layer); owner + 1 unless set.
+    consumers: list[int] | None = None
     # The same weights as [n, in, out] for the flush, once prepared for serving.
     _serving: tuple[mx.array, mx.array, mx.array] | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.consumers is None:
+            self.consumers = [owner + 1 for owner in self.owners]
 
     def __call__(self, z: mx.array, first: int = 0, end: int | None = None) -> mx.array:
         """Logits `[n, E]` for features `[n, H+2E]`, one row per owner of heads `first:end` (all
@@ -206,21 +213,32 @@ def load_profile_heads(
     dtype: mx.Dtype,
 ) -> PrerouterHeads:
     """A profile's heads, as the engine and the student path both use them: every owner must be a
-    MoE layer (its routed experts are the one-hot features); only owners whose next layer is a MoE
-    layer are kept (they have a consumer); weights in the compute dtype."""
+    MoE layer (its routed experts are the one-hot features); only owners followed by a MoE layer
+    are kept (they have a consumer: the next MoE layer); weights in the compute dtype."""
     heads = load_prerouter(path, num_layers, hidden, experts, fingerprint, k=k)
     not_moe = [o for o in heads.owners if o not in moe_layers]
     if not_moe:
         raise Edge0Error(f"{path}: owner layers {not_moe} are not MoE layers of this model")
-    owners = [o for o in heads.owners if o + 1 in moe_layers]
+    owners = [o for o in heads.owners if next_moe_layer(o, moe_layers) is not None]
     if not owners:
         raise Edge0Error(f"{path}: none of its owner layers precedes a MoE layer")
-    return keep_owners(heads, owners).prepare_for_serving(dtype)
+    return keep_owners(heads, owners, moe_layers).prepare_for_serving(dtype)
 
 
-def keep_owners(heads: PrerouterHeads, owners: list[int]) -> PrerouterHeads:
-    """The same heads restricted to `owners` (e.g. those whose next layer is a MoE layer)."""
+def next_moe_layer(layer: int, moe_layers) -> int | None:
+    """The layer a head owned by `layer` predicts: the next MoE layer. That is layer + 1 where
+    every layer is MoE; where dense layers come between (Llama-4-Maverick), the one after them."""
+    later = [m for m in moe_layers if m > layer]
+    return min(later) if later else None
+
+
+def keep_owners(heads: PrerouterHeads, owners: list[int], moe_layers=None) -> PrerouterHeads:
+    """The same heads restricted to `owners`, each predicting its next layer of `moe_layers`
+    (owner + 1 without them)."""
     rows = mx.array([heads.owners.index(o) for o in owners])
+    consumers = None
+    if moe_layers is not None:
+        consumers = [next_moe_layer(o, moe_layers) for o in owners]
     return PrerouterHeads(
         heads.path,
         heads.k,
@@ -230,6 +248,7 @@ def keep_owners(heads: PrerouterHeads, owners: list[int]) -> PrerouterHeads:
         heads.fc1[rows],
         heads.fc2[rows],
         heads.linear_init[rows],
+        consumers,
     )
 
 

@@ -61,13 +61,13 @@ class RoutingState:
         self._owner_before: dict[int, np.ndarray | None] = {}
 
     def set_heads(self, heads: PrerouterHeads | None, route_by_predictions: bool = True) -> None:
-        """Heads whose every owner's next layer is a MoE layer here (see `keep_owners`). With
+        """Heads whose every owner has a consumer, its next MoE layer (see `keep_owners`). With
         `route_by_predictions` False (prefetch mode) the predictions are only read ahead: every
         layer routes by its own router."""
         self.heads = heads
         self.route_by_predictions = route_by_predictions
         self._owners = set(heads.owners) if heads is not None else set()
-        consumers = {owner + 1 for owner in self._owners}
+        consumers = set(heads.consumers) if heads is not None else set()
         # Owners that route by their own router: their routing is on the host as soon as they
         # run, so their heads run right then (see `executed`), a whole step before the flush.
         # In prefetch mode that is every owner.
@@ -122,7 +122,7 @@ class RoutingState:
         if heads is None or any(o not in self._owner_x for o in heads.owners):
             self._predictions, self._staged, self._next = {}, {}, {}
             return {}
-        done = {consumer - 1 for consumer in self._next}
+        done = {o for o, c in zip(heads.owners, heads.consumers) if c in self._next}
         remaining = [o for o in heads.owners if o not in done]
         if remaining:  # in prefetch mode every head ran early
             self._predict(remaining)
@@ -146,7 +146,7 @@ class RoutingState:
             features = head_features(x, now, before, self.experts)
             logits.append(heads(features, first, last + 1))
         logits = mx.concatenate(logits) if len(logits) > 1 else logits[0]
-        consumers = [self.blocks[heads.owners[i] + 1] for i in rows]
+        consumers = [self.blocks[heads.consumers[i]] for i in rows]
         biases = [c.expert_bias() for c in consumers]
         bias = mx.stack(biases) if all(b is not None for b in biases) else None
         if self.float_dtype is not None:

@@ -282,7 +282,7 @@ class Engine:
             self.routing.set_heads(heads, route_by_predictions=mode == "prerouter")
             predicted = set()
             if heads is not None and mode == "prerouter":
-                predicted = {owner + 1 for owner in heads.owners}
+                predicted = set(heads.consumers)
             self_routed = set(self.loaded.blocks) - predicted if predicted else set()
             self.store.pool.kept_layers = frozenset(self_routed)
             # Reads ahead only: readers on a core of their own (experts/reader_core.py says why).

@@ -48,6 +48,7 @@ from ..routing.prerouter import (
     PrerouterHeads,
     head_features,
     head_forward,
+    next_moe_layer,
     save_prerouter,
     sequence_features,
 )
@@ -114,12 +115,14 @@ def init_heads(loaded: LoadedModel, owners: list[int], k: int, inner: int, seed:
     ops = ops_for(loaded.family.name)
     linear_init = []
     for owner in owners:
-        w = router_weight(ops.router(blocks[owner + 1])).astype(mx.float32)  # [E, H]
+        consumer = blocks[next_moe_layer(owner, blocks)]
+        w = router_weight(ops.router(consumer)).astype(mx.float32)  # [E, H]
         linear_init.append(mx.concatenate([w, mx.zeros((experts, 2 * experts))], axis=1))
     n = len(owners)
     fc1 = mx.random.normal((n, inner, width)) * (1.0 / math.sqrt(width))
     fc2 = mx.zeros((n, experts, inner))
     heads = PrerouterHeads(None, k, list(owners), hidden, experts, fc1, fc2, mx.stack(linear_init))
+    heads.consumers = [next_moe_layer(owner, blocks) for owner in owners]
     mx.eval(heads.fc1, heads.fc2, heads.linear_init)
     return heads
 
@@ -176,7 +179,8 @@ def batch(
         features.append(
             head_features(mx.array(x), mx.array(sets), mx.array(before), routing.experts)
         )
-        targets.append(mx.array(traces.read("logits", owner + 1, windows, positions + 1)))
+        consumer = next_moe_layer(owner, traces.shape.layers)
+        targets.append(mx.array(traces.read("logits", consumer, windows, positions + 1)))
     return mx.stack(features), mx.stack(targets)
 
 
@@ -216,10 +220,12 @@ def heldout_recalls(
             sets = routing.top_k(traces.read("logits", owner, ws), owner)
             z = sequence_features(mx.array(x), mx.array(sets), routing.experts)[:, :-1]
             features.append(z.reshape(-1, z.shape[-1]))
-            targets.append(traces.read("logits", owner + 1, ws)[:, 1:].reshape(-1, routing.experts))
+            consumer = next_moe_layer(owner, traces.shape.layers)
+            targets.append(traces.read("logits", consumer, ws)[:, 1:].reshape(-1, routing.experts))
         pred = np.array(forward(mx.stack(features)))
         for i, owner in enumerate(owners):
-            hits[owner] += recall_hits(pred[i], targets[i], routing, owner + 1)
+            consumer = next_moe_layer(owner, traces.shape.layers)
+            hits[owner] += recall_hits(pred[i], targets[i], routing, consumer)
         total += targets[0].shape[0] * routing.k
     return {owner: hits[owner] / total for owner in owners}
 
@@ -273,7 +279,7 @@ def train_heads(
         start = config.start_layer
         if start is None:  # the first MoE layer routes by its router: it has no owner before it
             start = moe_layers[1] if len(moe_layers) > 1 else moe_layers[0]
-        owners = [n for n in moe_layers if n + 1 in moe_layers and n + 1 >= start]
+        owners = [n for n in moe_layers if (next_moe_layer(n, moe_layers) or -1) >= start]
         if not owners:
             raise Edge0Error(f"no owner layers: start layer {start} leaves no MoE layer to predict")
         with training_progress(bar) as bars:
@@ -312,7 +318,8 @@ def train_heads(
     recalls = heldout_recalls(traces, owners, held, stack, routing)
     for owner, r in recalls.items():
         progress(
-            f"  head of layer {owner:3d} -> layer {owner + 1:3d}: held-out recall@{config.k} {r:.3f}"
+            f"  head of layer {owner:3d} -> layer {heads.consumers[owners.index(owner)]:3d}: "
+            f"held-out recall@{config.k} {r:.3f}"
         )
     chance = config.k / routing.experts
     mean = float(np.mean(list(recalls.values())))

@@ -127,7 +127,8 @@ class StudentMoE(RoutedMoE):
             self, x, self.routed_experts(ops.expert_input(self, x, weights), inds), weights
         )
         if self._head is not None and not plan.base:
-            plan.predicted[self.layer + 1] = self._predict(x, inds)
+            heads, row = self._head
+            plan.predicted[heads.consumers[row]] = self._predict(x, inds)
         if plan.record is not None:
             plan.record[self.layer] = (inds, true_inds, predicted is not None)
         return y
@@ -173,7 +174,7 @@ class Student:
         for row, owner in enumerate(heads.owners if heads is not None else []):
             self.blocks[owner]._head = (heads, row)
         # Layers routed by prediction (at positions >= gate_prefix).
-        self.consumers = [o + 1 for o in heads.owners] if heads is not None else []
+        self.consumers = list(heads.consumers) if heads is not None else []
 
     def __call__(
         self,
