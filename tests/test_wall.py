@@ -3,6 +3,8 @@ computes the same function, so it is a memory wall with real routing."""
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import mlx.core as mx
@@ -11,6 +13,7 @@ import pytest
 from edge0_tui.cli import main
 from engine import Engine, EngineConfig, GenerationConfig
 from engine.checkpoint.index import CheckpointIndex, read_safetensors
+from engine.errors import Edge0Error
 from engine.train.wall import pad_experts
 
 DEMO = Path(__file__).resolve().parent.parent / "assets" / "demo"
@@ -112,3 +115,25 @@ def test_synth_from_cli_writes_a_wall_and_refuses_mistakes(tmp_path, capsys):
     assert "the output directory is the source" in capsys.readouterr().err
     assert main(["synth", str(tmp_path / "x"), "--expert-width", "256"]) == 2
     assert "give it with --from MODEL" in capsys.readouterr().err
+
+
+def test_other_families_pad_where_the_width_is_theirs_alone(checkpoint_dir, tmp_path):
+    """Bailing's shared experts default to moe_intermediate_size: the padded config pins them, so
+    the padded model computes the same tokens; DeepSeek-V3 sizes its shared experts from the
+    same field and is refused by name, before anything is written."""
+    source = tmp_path / "bailing"
+    shutil.copytree(checkpoint_dir("bailing_moe"), source)
+    config = json.loads((source / "config.json").read_text())
+    del config["moe_shared_expert_intermediate_size"]  # released Ling configs may leave it out
+    (source / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "bailing-wall"
+    pad_experts(source, out, 128)
+    greedy = GenerationConfig(max_tokens=16, temperature=0.0, ignore_eos=True)
+    tokens = []
+    for model in (source, out):
+        with Engine(model, EngineConfig(mode="on-demand", exact_kernels=True)) as engine:
+            tokens.append(engine.generate([5, 9, 13, 17], greedy).tokens)
+    assert tokens[0] == tokens[1]
+    with pytest.raises(Edge0Error, match="deepseek_v3: only families whose routed experts"):
+        pad_experts(checkpoint_dir("deepseek_v3"), tmp_path / "ds-wall", 128)
+    assert not (tmp_path / "ds-wall").exists()

@@ -51,6 +51,11 @@ EXPERT_TENSOR = re.compile(
     r"^(.*\.switch_mlp)\.(gate_proj|up_proj|down_proj)\.(weight|scales|biases|bias)$"
 )
 LAYER = re.compile(r"layers\.(\d+)\.")
+# Families where moe_intermediate_size sizes the routed experts and nothing else (Bailing's shared
+# experts default to it: the padded config pins their width). DeepSeek-V3, GLM-4.5 and ERNIE size
+# shared experts as a multiple of it; Mixtral, gpt-oss, Llama-4, MiniMax and OLMoE name the experts'
+# width intermediate_size, which Llama-4's shared expert shares.
+PADDABLE_FAMILIES = ("qwen3_moe", "qwen3_next", "qwen3_5_moe", "qwen2_moe", "bailing_moe")
 ADAPTER_PATTERNS = ("prerouter_k*.safetensors", "lora_k*.safetensors")
 # What the writer owns in an output directory (stale copies are deleted before a rewrite).
 WRITTEN_PATTERNS = ("model*.safetensors", "model.safetensors.index.json", *ADAPTER_PATTERNS)
@@ -98,7 +103,13 @@ def pad_experts(
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     config_file = model_dir / "config.json"
     config = read_config(model_dir)  # the engine's checks: regular file, JSON object, sizes
-    family_of(config, str(config_file))
+    family = family_of(config, str(config_file))
+    if family.name not in PADDABLE_FAMILIES:
+        raise Edge0Error(
+            f"{config_file}: {family.name}: only families whose routed experts alone are sized by "
+            "moe_intermediate_size can be padded (" + ", ".join(PADDABLE_FAMILIES) + "); in others "
+            "the field also sizes shared experts or dense layers, or is named otherwise"
+        )
     sizes = config["text_config"] if isinstance(config.get("text_config"), dict) else config
     before = sizes.get("moe_intermediate_size")
     if type(before) is not int or before < 1:
@@ -119,6 +130,8 @@ def pad_experts(
         if any(fnmatch.fnmatch(name, p) for p in WRITTEN_PATTERNS):
             (out_dir / name).unlink()
     shards = _write_shards(out_dir, plan, max_shard_bytes)
+    if family.name == "bailing_moe":  # its shared experts default to moe_intermediate_size
+        sizes.setdefault("moe_shared_expert_intermediate_size", before)
     sizes["moe_intermediate_size"] = width
     (out_dir / "config.json").write_text(json.dumps(config, indent=4) + "\n")
 
