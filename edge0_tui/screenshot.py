@@ -49,7 +49,11 @@ async def capture(out: Path, data_dir: Path) -> None:
         # Keep only the demo notice on screen, so the toasts hide no panel.
         app.clear_notifications()
         chat.notify(BUNDLED_NOTICE, severity="information", timeout=60)
-        chat.query_one(PromptInput).cursor_blink = False
+        prompt = chat.query_one(PromptInput)
+        prompt.cursor_blink = False
+        # TextArea's line cache leaves focus out of its key with blinking off: redraw the lines.
+        prompt.notify_style_update()
+        prompt.refresh()
         await pilot.pause()
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(app.export_screenshot(title="edge0 chat"))
