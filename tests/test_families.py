@@ -13,7 +13,7 @@ from adapters import write_random_profile
 from cli_runner import run_cli
 
 from edge0_tui.cli import main
-from engine.checkpoint.families import FAMILIES
+from engine.checkpoint.families import FAMILIES, family_of
 from engine.config import EngineConfig, GenerationConfig
 from engine.errors import Edge0Error
 from engine.routing.moe_block import FAMILY_OPS, ops_for
@@ -195,3 +195,18 @@ def test_interleaved_moe_layers_stream_and_predict_across_the_dense_layer(
     args = ["train", "heads", str(maverick), "--k", "1", "--steps", "4", "--max-tokens", "600"]
     assert main(args) == 0
     assert "head of layer   1 -> layer   3" in capsys.readouterr().out
+
+
+def test_an_architecture_that_cannot_be_imported_is_one_error(monkeypatch):
+    import importlib
+
+    real = importlib.import_module
+
+    def failing(name, *args):
+        if name == "mlx_lm.models.granitemoe":
+            raise ImportError("No module named 'some_optional_package'")
+        return real(name, *args)
+
+    monkeypatch.setattr(importlib, "import_module", failing)
+    with pytest.raises(Edge0Error, match="granitemoe cannot be imported .*some_optional_package"):
+        family_of({"model_type": "granitemoe"}, "config.json")

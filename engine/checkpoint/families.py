@@ -79,7 +79,12 @@ def family_of(config: dict, where: str) -> Family:
     )
     if importlib.util.find_spec(f"mlx_lm.models.{name}") is None:
         raise Edge0Error(supported.format(why="mlx-lm has no such architecture"))
-    module = importlib.import_module(f"mlx_lm.models.{name}")
+    try:
+        module = importlib.import_module(f"mlx_lm.models.{name}")
+    except Exception as e:  # a model file that needs a package this install lacks, or is broken
+        raise Edge0Error(
+            supported.format(why=f"mlx-lm's {name} cannot be imported ({e})")
+        ) from None
     if not hasattr(module, "SwitchGLU"):  # the architecture never builds routed GLU experts
         why = "its routed experts are a SwitchMLP (two projections, no gate)"
         if not hasattr(module, "SwitchMLP"):
