@@ -19,6 +19,7 @@ from mlx_lm.models.switch_layers import SwitchGLU
 from mlx_lm.utils import MODEL_REMAPPING
 
 from ..errors import Edge0Error
+from .index import brief
 
 
 @dataclass(frozen=True)
@@ -68,7 +69,7 @@ def family_of(config: dict, where: str) -> Family:
     aliases are mapped as mlx-lm maps them (kimi_k2 -> deepseek_v3, minimax_m2 -> minimax)."""
     model_type = config.get("model_type")
     if not isinstance(model_type, str) or not ARCHITECTURE_NAME.match(model_type):
-        raise Edge0Error(f"{where}: model_type {brief_value(model_type)} is not a model type")
+        raise Edge0Error(f"{where}: model_type {brief(model_type, 40)} is not a model type")
     name = MODEL_REMAPPING.get(model_type, model_type)
     if name in FAMILIES:
         return FAMILIES[name]
@@ -91,11 +92,6 @@ def family_of(config: dict, where: str) -> Family:
             why = f"mlx-lm's {name} is not a mixture-of-experts architecture"
         raise Edge0Error(supported.format(why=why))
     return Family(name, f"mlx-lm {name} (its own router)", routing=False, other_k=False)
-
-
-def brief_value(value: object) -> str:
-    text = repr(value)
-    return text if len(text) <= 40 else text[:37] + "..."
 
 
 # config.json fields that size the model mlx-lm builds (in any supported family), with their least

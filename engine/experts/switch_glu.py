@@ -108,7 +108,7 @@ class StreamingSwitchGLU(nn.Module):
         self._layer = layer
         self._num_experts = num_experts
         self._specs = {s.name: s for s in specs}
-        self._dense_rows = dense_rows
+        self._dense_rows = dense_threshold(dense_rows, specs)
         self.activation = activation
         self.last_routed: np.ndarray | None = None
 
@@ -130,7 +130,7 @@ class StreamingSwitchGLU(nn.Module):
         if tokens > 1 and store.wants_whole_layer(self._layer, len(distinct)):
             bank = store.whole_layer(self._layer)
             if dense:
-                return mixed_glu(self, x, routed, bank, routed, self._dense_rows)
+                return mixed_glu(self, x, routed, bank, routed)
             return self._gather_glu(x, indices, bank)
         resident = store.fetch(self._layer, distinct.tolist())
         if tokens == 1:
@@ -144,7 +144,7 @@ class StreamingSwitchGLU(nn.Module):
         slot_of = np.zeros(self._num_experts, dtype=np.uint32)
         slot_of[distinct] = np.arange(len(distinct), dtype=np.uint32)
         if dense:
-            return mixed_glu(self, x, routed, bank, slot_of[routed], self._dense_rows)
+            return mixed_glu(self, x, routed, bank, slot_of[routed])
         return self._gather_glu(x, mx.array(slot_of[routed]), bank)
 
     # -- one expert, one token ---------------------------------------------------------------------
@@ -213,14 +213,21 @@ class StreamingSwitchGLU(nn.Module):
 # -- prefill at GEMM speed ---------------------------------------------------------------------------
 
 
+def dense_threshold(dense_rows: int | None, specs) -> int | None:
+    """The fewest rows an expert of these projections takes the dense path with: the configured
+    minimum, or more where its costs say so (None: the dense path is off)."""
+    if dense_rows is None:
+        return None
+    return max(dense_rows, _rows_worth_dequantizing(specs))
+
+
 def goes_dense(assignments: int, num_experts: int, glu) -> bool:
     """Whether a prefill chunk takes the dense path: only when its average expert has enough rows
     to be worth dequantizing. Below that, few experts would go dense and splitting the chunk by
     expert (and, resident, reading the routing back every layer) costs more than it saves: a
     16-token prompt on the demo (4 rows an expert on average, 8 needed) took 175 ms dense against
     125 ms on the 4-bit kernels. Decided from sizes alone, so resident and streamed modes agree."""
-    threshold = max(glu._dense_rows, _rows_worth_dequantizing(glu._specs.values()))
-    return assignments >= threshold * num_experts
+    return assignments >= glu._dense_rows * num_experts
 
 
 def mixed_glu(
@@ -229,11 +236,12 @@ def mixed_glu(
     routed: np.ndarray,
     bank: dict[str, mx.array],
     slots: np.ndarray,
-    dense_rows: int,
 ) -> mx.array:
     """`switch_mlp(x, indices)` for a prefill chunk: `routed` [..., k] the experts on the host,
     `slots` the same routing as rows of `bank` (stacked [n, ...] tensors). Experts with at least
-    `dense_rows` rows: dequantized, fp32 GEMMs; the rest: `gather_qmm` (as the exact path)."""
+    the GLU's threshold of rows: dequantized, fp32 GEMMs; the rest: `gather_qmm` (as the exact
+    path)."""
+    dense_rows = glu._dense_rows
     k = routed.shape[-1]
     flat_x = x.reshape(-1, x.shape[-1])
     experts = routed.reshape(-1)
@@ -245,7 +253,6 @@ def mixed_glu(
     small: list[np.ndarray] = []
     pending: list[mx.array] = []
     pending_bytes = 0
-    dense_rows = max(dense_rows, _rows_worth_dequantizing(glu._specs.values()))
     for start, count in zip(starts.tolist(), counts.tolist()):
         ids = order[start : start + count]
         if count < dense_rows:
@@ -350,7 +357,7 @@ class DensePrefillSwitchGLU(SwitchGLU):
         self.down_proj = switch.down_proj
         self.activation = switch.activation
         self._specs = {s.name: s for s in specs}
-        self._dense_rows = dense_rows
+        self._dense_rows = dense_threshold(dense_rows, specs)
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         if (
@@ -368,7 +375,7 @@ class DensePrefillSwitchGLU(SwitchGLU):
             proj = getattr(self, spec.name)
             for part in spec.parts():
                 bank[f"{spec.name}.{part}"] = proj[part]
-        return mixed_glu(self, x, routed, bank, routed, self._dense_rows)
+        return mixed_glu(self, x, routed, bank, routed)
 
     _gather_project = staticmethod(StreamingSwitchGLU._gather_project)
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx_lm.models.bailing_moe import aggregate_expert_outputs
 
 from ..checkpoint.families import Family
 from ..errors import Edge0Error
@@ -28,6 +27,15 @@ from .functions import RoutingSpec, route
 
 def _weighted_sum(y: mx.array, weights: mx.array) -> mx.array:
     return (y * weights[..., None]).sum(axis=-2)
+
+
+def _with_shared_experts(block: nn.Module, x: mx.array, y: mx.array, weights: mx.array):
+    """The weighted sum in the experts' dtype plus ungated shared experts where the block has
+    them (Bailing, DeepSeek-V3, GLM-4.5, ERNIE: mlx-lm's blocks all compute exactly this)."""
+    y = _weighted_sum(y, weights).astype(y.dtype)
+    if block.get("shared_experts") is not None:
+        y = y + block.shared_experts(x)
+    return y
 
 
 class FamilyOps:
@@ -113,12 +121,7 @@ class ErnieOps(FamilyOps):
     def set_top_k(block: nn.Module, k: int) -> None:
         block.k = k
 
-    @staticmethod
-    def combine(block: nn.Module, x: mx.array, y: mx.array, weights: mx.array) -> mx.array:
-        y = _weighted_sum(y, weights).astype(y.dtype)
-        if block.get("shared_experts") is not None:
-            y = y + block.shared_experts(x)
-        return y
+    combine = staticmethod(_with_shared_experts)
 
 
 class MixtralOps(FamilyOps):
@@ -213,12 +216,7 @@ class BailingOps(FamilyOps):
         block.gate.top_k = k
         block.num_experts_per_tok = k
 
-    @staticmethod
-    def combine(block: nn.Module, x: mx.array, y: mx.array, weights: mx.array) -> mx.array:
-        y = aggregate_expert_outputs(y, weights)
-        if block.get("shared_experts") is not None:
-            y = y + block.shared_experts(x)
-        return y
+    combine = staticmethod(_with_shared_experts)
 
 
 class DeepseekOps(FamilyOps):
@@ -251,12 +249,7 @@ class DeepseekOps(FamilyOps):
 
     set_top_k = BailingOps.set_top_k  # K lives on the gate and the block alike
 
-    @staticmethod
-    def combine(block: nn.Module, x: mx.array, y: mx.array, weights: mx.array) -> mx.array:
-        y = _weighted_sum(y, weights).astype(y.dtype)
-        if "shared_experts" in block:
-            y = y + block.shared_experts(x)
-        return y
+    combine = staticmethod(_with_shared_experts)
 
 
 class MiniMaxOps(FamilyOps):

@@ -199,7 +199,7 @@ def load(model_dir: str | Path, config: EngineConfig) -> LoadedModel:
 
     model, model_config = _build_model(model_dir, model_config, index.shards, family)
     _check_dtypes(model, index, model_dir)
-    tokenizer = quiet_load_tokenizer(model_dir, model_config.get("eos_token_id"), family)
+    tokenizer = quiet_load_tokenizer(model_dir, model_config, family)
 
     sites = find_moe_sites(model)
     check_moe_sites(model, sites, family, model_dir)
@@ -419,7 +419,7 @@ def _check_dtypes(model: nn.Module, index: CheckpointIndex, model_dir: Path) -> 
 
 
 def quiet_load_tokenizer(
-    model_dir: Path, eos_token_ids, family: Family | None = None
+    model_dir: Path, config: dict, family: Family | None = None
 ) -> TokenizerWrapper:
     """mlx-lm's tokenizer loader, without transformers' warning about model types it has no class
     for (e.g. bailing_moe): the tokenizer itself loads fine. A failure names the file at fault
@@ -427,8 +427,8 @@ def quiet_load_tokenizer(
     previous = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
     try:
-        with _tokenizer_view(model_dir, family) as folder:
-            tokenizer = load_tokenizer(folder, eos_token_ids=eos_token_ids)
+        with _tokenizer_view(model_dir, config, family) as folder:
+            tokenizer = load_tokenizer(folder, eos_token_ids=config.get("eos_token_id"))
     except Exception as e:  # tokenizers raise many types for a broken file
         _diagnose_tokenizer(model_dir)
         _diagnose_config(model_dir, e)
@@ -444,12 +444,11 @@ def quiet_load_tokenizer(
 
 
 @contextlib.contextmanager
-def _tokenizer_view(model_dir: Path, family: Family | None):
+def _tokenizer_view(model_dir: Path, config: dict, family: Family | None):
     """The folder transformers reads the tokenizer from: the model's own, or, for a model_type
     alias transformers has no config class for (kimi_k2: Kimi-K2 ships its own code), a view whose
     config.json says the family's name. transformers reads config.json too, and for an unknown
     model type builds a generic config that fails on DeepSeek's yarn rope fields."""
-    config = read_config(model_dir)
     model_type = config.get("model_type")
     if family is None or model_type == family.name or model_type in CONFIG_MAPPING:
         yield model_dir

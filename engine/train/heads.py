@@ -211,6 +211,7 @@ def heldout_recalls(
     """Held-out recall@K per owner of heads `forward` ([n, M, H+2E] -> [n, M, E]) over the first
     `held` windows, EVAL_WINDOWS at a time."""
     hits = dict.fromkeys(owners, 0)
+    consumers = {owner: next_moe_layer(owner, traces.shape.layers) for owner in owners}
     total = 0
     for start in range(0, held, EVAL_WINDOWS):
         ws = slice(start, min(held, start + EVAL_WINDOWS))
@@ -220,12 +221,11 @@ def heldout_recalls(
             sets = routing.top_k(traces.read("logits", owner, ws), owner)
             z = sequence_features(mx.array(x), mx.array(sets), routing.experts)[:, :-1]
             features.append(z.reshape(-1, z.shape[-1]))
-            consumer = next_moe_layer(owner, traces.shape.layers)
-            targets.append(traces.read("logits", consumer, ws)[:, 1:].reshape(-1, routing.experts))
+            logits = traces.read("logits", consumers[owner], ws)
+            targets.append(logits[:, 1:].reshape(-1, routing.experts))
         pred = np.array(forward(mx.stack(features)))
         for i, owner in enumerate(owners):
-            consumer = next_moe_layer(owner, traces.shape.layers)
-            hits[owner] += recall_hits(pred[i], targets[i], routing, consumer)
+            hits[owner] += recall_hits(pred[i], targets[i], routing, consumers[owner])
         total += targets[0].shape[0] * routing.k
     return {owner: hits[owner] / total for owner in owners}
 
