@@ -418,9 +418,7 @@ def _check_dtypes(model: nn.Module, index: CheckpointIndex, model_dir: Path) -> 
         raise Edge0Error(f"{where}: tensor {name!r} is {dtype} but must be {need}")
 
 
-def quiet_load_tokenizer(
-    model_dir: Path, config: dict, family: Family | None = None
-) -> TokenizerWrapper:
+def quiet_load_tokenizer(model_dir: Path, config: dict, family: Family) -> TokenizerWrapper:
     """mlx-lm's tokenizer loader, without transformers' warning about model types it has no class
     for (e.g. bailing_moe): the tokenizer itself loads fine. A failure names the file at fault
     when a check of the tokenizer's files finds it."""
@@ -444,13 +442,13 @@ def quiet_load_tokenizer(
 
 
 @contextlib.contextmanager
-def _tokenizer_view(model_dir: Path, config: dict, family: Family | None):
+def _tokenizer_view(model_dir: Path, config: dict, family: Family):
     """The folder transformers reads the tokenizer from: the model's own, or, for a model_type
     alias transformers has no config class for (kimi_k2: Kimi-K2 ships its own code), a view whose
     config.json says the family's name. transformers reads config.json too, and for an unknown
     model type builds a generic config that fails on DeepSeek's yarn rope fields."""
     model_type = config.get("model_type")
-    if family is None or model_type == family.name or model_type in CONFIG_MAPPING:
+    if model_type == family.name or model_type in CONFIG_MAPPING:
         yield model_dir
         return
     with tempfile.TemporaryDirectory(prefix="edge0-tokenizer-") as view:
