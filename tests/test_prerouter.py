@@ -377,10 +377,11 @@ def test_pending_request_is_visible_until_applied(profiled):
         engine.close()
 
 
-def test_heads_of_self_routed_owners_start_their_reads_a_step_early(profiled):
-    """The first owner routes by its own router, so its head runs as that layer executes and its
-    consumer's reads for the next step start during this step, not at the flush; the prediction
-    is still the routing."""
+def test_every_head_starts_its_reads_during_the_step(profiled):
+    """Every owner's head runs as (or right after) its layer executes, so its consumer's reads for
+    the next step start during this step, not at the flush: the self-routed first owner at once,
+    the owners that route by a prediction when the next layer runs. The prediction is still the
+    routing."""
     engine = Engine(
         profiled("qwen3_moe"), EngineConfig(mode="prerouter", expert_cache_bytes=60_000)
     )
@@ -411,7 +412,7 @@ def test_heads_of_self_routed_owners_start_their_reads_a_step_early(profiled):
         # Within every decode forward, the early heads ran before its flush.
         before = events[: events.index(("flush", step))]
         early_this_step = {e[2] for e in before if e[0] == "early" and e[1] == step}
-        assert early_this_step == {o + 1 for o in early}
+        assert early_this_step == {o + 1 for o in owners}
     for flushed, used in zip(predictions, executed):
         for owner in owners:
             assert flushed[owner + 1] == used[owner + 1]

@@ -119,8 +119,9 @@ class ExpertPool:
         self.reserved_bytes = 0
         self.evictions = 0
         self.step = 0
-        # Experts a coming step is known to route to (predictions): never evicted until unpinned.
-        self.pinned: set[ExpertKey] = set()
+        # Experts a step is known to route to (predictions), with the step: never evicted until
+        # that step's layer has computed (`unpin_layer`) or the step ended (`unpin_through`).
+        self.pinned: dict[ExpertKey, int] = {}
         # Layers whose misses block the forward while others' are read a step ahead (prerouter
         # mode: the layers that route by their own router). Their experts are evicted last: a
         # miss there costs blocked time, a predicted layer's miss only a read hidden under compute.
@@ -163,6 +164,19 @@ class ExpertPool:
         self.reserved_bytes += nbytes
         return True
 
+    def pin(self, key: ExpertKey, step: int) -> None:
+        self.pinned[key] = max(step, self.pinned.get(key, step))
+
+    def unpin_layer(self, layer: int) -> None:
+        """This step's pins of `layer` end: the layer has computed (pins for later steps stay)."""
+        done = [k for k, step in self.pinned.items() if k[0] == layer and step <= self.step]
+        for key in done:
+            del self.pinned[key]
+
+    def unpin_through(self, step: int) -> None:
+        """Every pin for `step` or before ends: the step is over."""
+        self.pinned = {k: s for k, s in self.pinned.items() if s > step}
+
     def release(self, nbytes: int) -> None:
         """Take back a promise: the read ahead was admitted with `put`, or dropped."""
         self.reserved_bytes = max(0, self.reserved_bytes - nbytes)
@@ -171,7 +185,7 @@ class ExpertPool:
         """Evict until `nbytes` more fit in the budget, or only protected (or pinned) experts are
         left."""
         if self.pinned:
-            protected = self.pinned.union(protected)
+            protected = self.pinned.keys() | set(protected)
         while self.resident_bytes + self.reserved_bytes + nbytes > self.budget_bytes:
             victim = None
             if self.kept_layers:

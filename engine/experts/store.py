@@ -139,7 +139,7 @@ class ExpertStore:
         for future in pending.values():
             if future.exception() is None:
                 self._account(future.result())  # a read already issued still cost its bytes
-        self.pool.pinned.clear()
+        self.pool.unpin_through(self.pool.step)
         self._drop_unused_reads_ahead()
         self._enforce_page_cache()
         return self.counters
@@ -172,7 +172,7 @@ class ExpertStore:
         for expert in experts:
             key = (layer, expert)
             if key in self.pool:
-                self.pool.pinned.add(key)
+                self.pool.pin(key, self.pool.step + 1)
             elif key not in self._staged:
                 # Room in the budget first: a read ahead lands in memory the pool accounts for.
                 # Without room (a budget below one step's reads) the layer reads it when it runs.
@@ -186,6 +186,11 @@ class ExpertStore:
                 self._issued_for_next_step += 1
                 if self.page_cache is not None:  # in the cache once read, used or not
                     self.page_cache.note_read(layer, expert)
+
+    def layer_computed(self, layer: int) -> None:
+        """`layer` has computed this step: the experts pinned for it may be evicted again, which
+        makes room for the next step's reads ahead while this step still runs."""
+        self.pool.unpin_layer(layer)
 
     def load_all(self) -> None:
         """Read every expert into the pool (budget permitting): for the bench's compute-only arm,

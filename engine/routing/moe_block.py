@@ -373,9 +373,9 @@ class RoutedMoE(nn.Module):
             if routed is None:  # resident experts (training): the routing is read back here
                 routed = np.array(indices)
         y = ops.combine(self, x, y, weights)
-        state.executed(self._layer, x, routed)
         if prediction is not None:
             # The next layers' graph is built while this one computes (and reads land).
             mx.async_eval(y)
             state.tracer.instant(f"submit {self._layer}", "compute")
+        state.executed(self._layer, x, routed)
         return y

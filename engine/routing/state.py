@@ -48,6 +48,9 @@ class RoutingState:
         # its reads) at once instead of at the flush.
         self.early_heads = False
         self.on_early_prediction = None
+        # Called with a layer once its computation this step is known to be done (its queued
+        # head has been read back, and the stream runs in order): its experts may go.
+        self.on_layer_computed = None
         self.reset()
 
     def reset(self) -> None:
@@ -59,6 +62,8 @@ class RoutingState:
         self._owner_x: dict[int, mx.array] = {}
         self._owner_now: dict[int, np.ndarray] = {}
         self._owner_before: dict[int, np.ndarray | None] = {}
+        # Heads queued behind their layer, not yet read back: (owners, inds, weights).
+        self._queued: list[tuple[list[int], mx.array, mx.array]] = []
 
     def set_heads(self, heads: PrerouterHeads | None, route_by_predictions: bool = True) -> None:
         """Heads whose every owner has a consumer, its next MoE layer (see `keep_owners`). With
@@ -72,6 +77,12 @@ class RoutingState:
         # run, so their heads run right then (see `executed`), a whole step before the flush.
         # In prefetch mode that is every owner.
         self._early_owners = self._owners - consumers if route_by_predictions else self._owners
+        # Owners that route by a prediction: their routing is on the host before they run, but
+        # their MoE input is a lazy array the forward has only queued. Their heads are queued
+        # right behind the layer (`mx.async_eval`) and read back when the next layer runs, so
+        # the reads they start get a whole step too, and the engine thread never waits for a
+        # layer it could build the next one's graph under.
+        self._queued_owners = self._owners & consumers if route_by_predictions else set()
         self.reset()
 
     def begin_step(self) -> RoutingCounters:
@@ -88,6 +99,9 @@ class RoutingState:
             chosen = set(routed.reshape(-1).tolist())
             self.counters.prefetch_hits += len(chosen & self._staged[layer])
             self.counters.prefetch_routed += len(chosen)
+        if self.early_heads:
+            # The head queued behind the layer before this one has run by now (or nearly).
+            self._read_back_queued()
         if layer not in self._owners:
             return
         per_token = routed.reshape(-1, routed.shape[-1])
@@ -95,12 +109,34 @@ class RoutingState:
         self._owner_before[layer] = before
         self._owner_now[layer] = per_token[-1]
         self._owner_x[layer] = x.reshape(-1, x.shape[-1])[-1]
-        if self.early_heads and layer in self._early_owners:
+        if not self.early_heads:
+            return
+        if layer in self._early_owners:
             with self.tracer.span(f"early head {layer}", "prerouter"):
-                predicted = self._predict([layer])
-            if self.on_early_prediction is not None:
-                for consumer, experts in predicted.items():
-                    self.on_early_prediction(consumer, experts)
+                inds, weights = self._head_graph([layer])
+                mx.eval(inds, weights)
+            self._hand_over([layer], inds, weights)
+        elif layer in self._queued_owners:
+            inds, weights = self._head_graph([layer])
+            mx.async_eval(inds, weights)
+            self._queued.append(([layer], inds, weights))
+
+    def _read_back_queued(self) -> None:
+        for owners, inds, weights in self._queued:
+            with self.tracer.span(f"early head {owners[0]}", "prerouter"):
+                mx.eval(inds, weights)
+            if self.on_layer_computed is not None:
+                for owner in owners:
+                    self.on_layer_computed(owner)
+            self._hand_over(owners, inds, weights)
+        self._queued = []
+
+    def _hand_over(self, owners: list[int], inds: mx.array, weights: mx.array) -> None:
+        """Store a head's predictions for the next step and start their reads."""
+        predicted = self._store_predictions(owners, inds, weights)
+        if self.on_early_prediction is not None:
+            for consumer, experts in predicted.items():
+                self.on_early_prediction(consumer, experts)
 
     def consumed(self, block, x: mx.array, routed: np.ndarray) -> None:
         self.counters.predicted += 1
@@ -122,17 +158,20 @@ class RoutingState:
         if heads is None or any(o not in self._owner_x for o in heads.owners):
             self._predictions, self._staged, self._next = {}, {}, {}
             return {}
+        self._read_back_queued()
         done = {o for o, c in zip(heads.owners, heads.consumers) if c in self._next}
         remaining = [o for o in heads.owners if o not in done]
         if remaining:  # in prefetch mode every head ran early
-            self._predict(remaining)
+            inds, weights = self._head_graph(remaining)
+            mx.eval(inds, weights)
+            self._store_predictions(remaining, inds, weights)
         self._predictions, self._next = self._next, {}
         self._staged = {layer: frozenset(p[0].tolist()) for layer, p in self._predictions.items()}
         return {layer: p[0] for layer, p in self._predictions.items()}
 
-    def _predict(self, owners: list[int]) -> dict[int, np.ndarray]:
-        """Run the heads of `owners` (contiguous runs of the stacked heads at once) into the next
-        step's predictions. Returns consumer -> experts."""
+    def _head_graph(self, owners: list[int]) -> tuple[mx.array, mx.array]:
+        """The (lazy) routing the heads of `owners` predict for their consumers: indices and
+        weights, one row per owner (contiguous runs of the stacked heads at once)."""
         heads = self.heads
         unknown = np.full(self.k, -1)  # no token before the request's first
         rows = [heads.owners.index(o) for o in owners]
@@ -151,13 +190,19 @@ class RoutingState:
         bias = mx.stack(biases) if all(b is not None for b in biases) else None
         if self.float_dtype is not None:
             logits = logits.astype(self.float_dtype)
-        inds, weights = route(logits, consumers[0].routing_spec, self.k, bias)
-        mx.eval(inds, weights)
+        return route(logits, consumers[0].routing_spec, self.k, bias)
+
+    def _store_predictions(
+        self, owners: list[int], inds: mx.array, weights: mx.array
+    ) -> dict[int, np.ndarray]:
+        """Keep evaluated head outputs as the next step's predictions. Returns consumer -> experts."""
+        heads = self.heads
         host = np.array(inds)
         predicted = {}
-        for i, consumer in enumerate(consumers):
-            self._next[consumer.layer] = (host[i], weights[i])
-            predicted[consumer.layer] = host[i]
+        for i, owner in enumerate(owners):
+            consumer = heads.consumers[heads.owners.index(owner)]
+            self._next[consumer] = (host[i], weights[i])
+            predicted[consumer] = host[i]
         return predicted
 
 

@@ -98,6 +98,7 @@ class Engine:
             self.store.trace_to(tracer)
             self.loaded.routing.tracer = tracer
             self.loaded.routing.on_early_prediction = self._stage_early
+            self.loaded.routing.on_layer_computed = self.store.layer_computed
         self.memory = None
         try:
             self._setup()
