@@ -67,3 +67,24 @@ def test_lfu_heap_stays_bounded():
         policy.touch((0, step % 7), step)
     assert len(policy._heap) <= 4 * 7 + 64
     assert policy.victim(protected=()) is not None
+
+
+def test_pins_last_until_their_step_or_their_layer_has_computed():
+    """A pin holds an expert for the step that routes to it: `unpin_layer` ends this step's pins of
+    a layer that has computed (a pin made for the next step stays), `unpin_through` ends a step's."""
+    pool = ExpertPool(budget_bytes=300, policy="lru")
+    pool.step = 5
+    for key in ((1, 0), (1, 1), (2, 0)):
+        pool.put(key, _expert())
+    pool.pin((1, 0), 5)  # this step routes layer 1 to expert 0
+    pool.pin((1, 1), 6)  # the next step routes layer 1 to expert 1
+    pool.pin((2, 0), 5)
+    assert not pool.reserve(100)  # everything pinned: no room for a read ahead
+    pool.unpin_layer(1)  # layer 1 has computed this step
+    assert set(pool.pinned) == {(1, 1), (2, 0)}
+    assert pool.reserve(100)  # the expert layer 1 no longer needs made room
+    assert (1, 0) not in pool and (1, 1) in pool and (2, 0) in pool
+    pool.unpin_through(5)  # the step ended
+    assert set(pool.pinned) == {(1, 1)}
+    pool.pin((1, 1), 5)  # an earlier step's pin never shortens a later one
+    assert pool.pinned[(1, 1)] == 6

@@ -395,6 +395,11 @@ def test_every_head_starts_its_reads_during_the_step(profiled):
             events.append(("early", engine.store.pool.step, layer)),
             staged(layer, experts),
         )
+        computed = engine.routing.on_layer_computed
+        engine.routing.on_layer_computed = lambda layer: (
+            events.append(("computed", engine.store.pool.step, layer)),
+            computed(layer),
+        )
         flush = engine.routing.flush
         engine.routing.flush = lambda: (events.append(("flush", engine.store.pool.step)), flush())[
             1
@@ -413,6 +418,9 @@ def test_every_head_starts_its_reads_during_the_step(profiled):
         before = events[: events.index(("flush", step))]
         early_this_step = {e[2] for e in before if e[0] == "early" and e[1] == step}
         assert early_this_step == {o + 1 for o in owners}
+        # The owners that route by a prediction free their pins once known computed.
+        computed_this_step = {e[2] for e in before if e[0] == "computed" and e[1] == step}
+        assert computed_this_step == set(owners) - set(early)
     for flushed, used in zip(predictions, executed):
         for owner in owners:
             assert flushed[owner + 1] == used[owner + 1]

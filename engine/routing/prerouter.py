@@ -7,7 +7,8 @@ layer's, where dense layers come between, as in Llama-4-Maverick: `next_moe_laye
     z = [x; onehot_K(A_t); onehot_K(A_{t-1})]
     u = linear_init(z) + fc2(gelu_erf(fc1(z)))
 
-All heads run in one batched flush per step. The predicted logits go through the consumer layer's own
+At decode each head runs as soon as its owner has computed (`RoutingState`); after a prefill chunk
+all heads run in one batched flush. The predicted logits go through the consumer layer's own
 routing function (`routing.route`), and at decode the consumer routes by them: the prediction *is*
 the routing, so the experts read ahead are exactly the experts used.
 

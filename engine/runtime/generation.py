@@ -4,9 +4,10 @@ Prefill runs the prompt except its last token in chunks, evaluating only the cac
 mlx-lm does; the forward on the last prompt token yields the first generated token. Everything up to
 that token is the `prefill` phase (its sum is time-to-first-token); every later forward is `decode`.
 
-In prerouter mode each forward that leads to a one-token forward ends with the head flush: all heads
-predict the next step's routing at once, and every consumer layer's predicted experts are issued to
-the reader threads right away, so the reads run while the next forward computes.
+In prerouter mode, during a one-token forward every head predicts its consumer's routing for the
+next step as soon as its layer has computed, and the predicted experts go to the reader threads
+right away, so each read has about a whole step to land. The flush at the end of the forward makes
+those predictions the next step's routing (after a prefill chunk, it runs every head at once).
 
 K and mode can be changed from any thread with `request_k` / `request_mode`; the change applies
 before the next step (between steps of a reply, or before the next reply). Base and pool are kept.
@@ -479,8 +480,8 @@ class Engine:
         tracer = self.tracer
         routing_counters = self.routing.begin_step() if self.routing is not None else None
         if self.routing is not None:
-            # Heads of owners that route themselves run as their layer executes, so the reads
-            # for their consumers start a whole step ahead instead of at the flush. Not in a
+            # Every head runs as (or right after) its layer executes, so the reads for its
+            # consumer start a whole step ahead instead of at the flush. Not in a
             # prefill chunk: its reads ahead would land while whole-layer reads are held (the
             # prefetch arm of the 384 MiB wall was killed there); the flush after it issues them.
             self.routing.early_heads = flush and self.routing.heads is not None and len(tokens) == 1
