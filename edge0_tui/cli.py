@@ -244,6 +244,14 @@ def build_parser() -> argparse.ArgumentParser:
         "implies --cold unless --warm",
     )
     bench.add_argument(
+        "--read-limit-by",
+        choices=("cgroup", "pacing"),
+        default="cgroup",
+        help="how --read-limit is applied: the kernel's throttle (Linux; lets an idle reader "
+        "burst above the limit) or pacing in edge0's reader threads (any OS; one device of that "
+        "bandwidth for cold bytes, no bursts)",
+    )
+    bench.add_argument(
         "--trace",
         type=Path,
         default=None,
@@ -642,6 +650,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         # A throttle acts on cold reads only: with a warm page cache it would measure nothing.
         cold=args.cold or (args.read_limit is not None and not args.warm),
         read_limit_bps=args.read_limit,
+        read_limit_by=args.read_limit_by,
         trace_dir=args.trace,
         exact_kernels=args.exact,
         adapter_dirs=_adapter_dirs(args.adapters),

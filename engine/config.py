@@ -113,6 +113,9 @@ class EngineConfig:
     # automatic adapter folder DATA_DIR/adapters/<base fingerprint> is searched after the model
     # directory, and training writes there by default.
     data_dir: Path | None = None
+    # Cold bytes per second the reader threads may take from disk, as one simulated device
+    # (experts/read_pacing.py; the bench's --read-limit-by pacing); None: the disk's own speed.
+    read_pace_bps: int | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -123,6 +126,8 @@ class EngineConfig:
             )
         if not 0.0 < self.whole_layer_fraction <= 1.0:
             raise Edge0Error("whole_layer_fraction must be in (0, 1]")
+        if self.read_pace_bps is not None and self.read_pace_bps <= 0:
+            raise Edge0Error("read_pace_bps must be positive (None: no pacing)")
         if self.page_cache_bytes is not None and self.page_cache_bytes < 0:
             raise Edge0Error("page_cache_bytes must be 0 or more (None: no budget)")
         if self.page_cache_bytes is not None and self.mode == "resident":

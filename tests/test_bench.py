@@ -150,3 +150,55 @@ def test_achieved_bandwidth_counts_overlapping_reads_once():
     assert spans.achieved(disk_bytes=None)["read_mib_per_s"] == pytest.approx(2.0)  # mincore
     assert spans.achieved(disk_bytes=0) == {}  # warm: nothing came from disk
     assert ReadSpans().achieved(disk_bytes=1 << 20) == {}
+
+
+def test_paced_reads_move_cold_bytes_at_the_limit_one_device_for_every_thread():
+    """Two threads reading at once share one simulated device: 2 x 1 MiB of cold bytes at
+    8 MiB/s take >= 0.25 s together; page-cache bytes are not paced."""
+    import threading
+    import time
+
+    from engine.experts.read_pacing import ReadPacer
+
+    pacer = ReadPacer(8 << 20)
+    start = time.perf_counter()
+    threads = [
+        threading.Thread(target=pacer.pace, args=(1 << 20, time.perf_counter())) for _ in range(2)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert time.perf_counter() - start >= 0.25 - 1e-3
+    before = time.perf_counter()
+    pacer.pace(0, before)  # warm: at once
+    assert time.perf_counter() - before < 0.05
+    with pytest.raises(ValueError):
+        ReadPacer(0)
+
+
+def test_read_limit_by_pacing_limits_the_streaming_arms_on_any_os(checkpoint_dir, tmp_path):
+    """The pacing limiter needs no cgroup: each streaming arm's reads get at most the limit
+    (achieved cold bandwidth over read-busy time), and the report says how it was limited."""
+    model = checkpoint_dir("qwen3_moe")
+    limit = 2 << 20
+    config = BenchConfig(
+        model,
+        ["on-demand"],
+        rounds=1,
+        tokens=4,
+        cold=True,
+        expert_cache_bytes=64 << 10,
+        read_limit_bps=limit,
+        read_limit_by="pacing",
+    )
+    report = run_bench(config, progress=lambda line: None)
+    [run] = report["runs"]
+    assert run["ok"] and run["read_limit_rules"] == []  # no kernel throttle was made
+    summary = run["summary"]
+    assert summary["read_cold_mib"] > 0
+    cold_mib_per_s = summary["read_cold_mib"] / (summary["read_busy_ms"] / 1e3)
+    assert cold_mib_per_s <= limit / 2**20 * 1.05
+    assert "(paced in the readers)" in markdown(report)
+    with pytest.raises(Edge0Error, match="unknown read limiter"):
+        run_bench(BenchConfig(model, ["on-demand"], read_limit_by="tc"), lambda line: None)

@@ -29,6 +29,7 @@ import numpy as np
 from ..checkpoint.index import CheckpointIndex, LayerExperts
 from ..trace import NO_TRACE, Tracer
 from .page_cache import FileResidency
+from .read_pacing import ReadPacer
 
 # NumPy has no bfloat16: BF16 data is read as uint16 and reinterpreted by MLX.
 _NUMPY_DTYPES = {
@@ -114,9 +115,12 @@ class ExpertReader:
         build_arrays: bool = False,
         bypass_page_cache: bool = False,
         tracer: Tracer = NO_TRACE,
+        pacer: ReadPacer | None = None,
     ) -> None:
         self.index = index
         self.tracer = tracer
+        # A simulated disk of a set bandwidth for cold bytes (bench --read-limit-by pacing).
+        self.pacer = pacer
         # On CPU the engine computes in float32: widening bf16/fp16 here, in NumPy on the reader
         # threads, keeps the engine thread from running MLX ops (which would wait behind the
         # forward pass it has queued) just to convert experts.
@@ -220,6 +224,8 @@ class ExpertReader:
             else:
                 buffer = np.empty(length, dtype=np.uint8)
             self._pread_into(fd, buffer, offset, plan.file)
+            if self.pacer is not None:
+                self.pacer.pace(tensor_cold, began)
             read = tracer.now()
             tracer.complete(f"pread {what}", "read", began, read, bytes=length, cold=tensor_cold)
             widen = self.widen_to_float32 and plan.dtype in ("BF16", "F16")

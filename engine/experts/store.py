@@ -21,6 +21,7 @@ from ..errors import Edge0Error
 from ..trace import NO_TRACE, Tracer
 from .page_cache_budget import CAN_EVICT_RANGES, PageCacheBudget
 from .pool import ExpertKey, ExpertPool, ResidentExpert
+from .read_pacing import ReadPacer
 from .reader_core import pin_threads, reader_cores, unpin_all_threads
 from .reads import ExpertReader, ReadResult, to_mlx
 
@@ -68,6 +69,7 @@ class ExpertStore:
             # Without range eviction (macOS), a page-cache budget means reads bypass the cache.
             bypass_page_cache=config.page_cache_bytes is not None and not CAN_EVICT_RANGES,
             tracer=tracer,
+            pacer=ReadPacer(config.read_pace_bps) if config.read_pace_bps else None,
         )
         self._reader_core_on = False
         # Set by the loader once the resident weights are read (`set_page_cache_budget`).

@@ -41,6 +41,7 @@ ARMS = ("resident", "on-demand", "prerouter", "prefetch", "compute-only")
 # RAM or read limit, no eviction: it reads nothing). Its step is the compute a streamed step cannot
 # go below, one term of the overlap limit.
 COMPUTE_ONLY = "compute-only"
+READ_LIMITERS = ("cgroup", "pacing")
 # (label, summary key, format) of the figures reported per arm.
 FIGURES = (
     ("decode tok/s", "decode_tok_per_s", "{:.2f}"),
@@ -86,6 +87,9 @@ class BenchConfig:
     ram_limit_bytes: int | None = None
     cold: bool = False
     read_limit_bps: int | None = None  # bytes/s each arm may read from the checkpoint's disk
+    # How: "cgroup" (the kernel's throttle, Linux; lets bursts through) or "pacing" (the reader
+    # threads pace cold bytes as one device of that bandwidth, any OS; experts/read_pacing.py).
+    read_limit_by: str = "cgroup"
     seed: int = 0
     temperature: float = 0.7
     trace_dir: Path | None = None  # each arm's step timeline: DIR/<arm>-round<N>.json
@@ -126,6 +130,7 @@ def run_arm(spec: dict) -> dict:
         exact_kernels=spec.get("exact_kernels", False),
         adapter_dirs=tuple(Path(d) for d in spec["adapter_dirs"]),
         data_dir=Path(spec["data_dir"]) if spec["data_dir"] else None,
+        read_pace_bps=spec.get("read_pace_bps"),
     )
     reads = ReadSpans(whole_trace=spec.get("trace") is not None)
     with Engine(spec["model"], config, tracer=reads) as engine:
@@ -282,8 +287,13 @@ def run_bench(config: BenchConfig, progress=print, timeout_s: float = 3600) -> d
     }
     if config.ram_limit_bytes is not None:  # fail before any work if the limit cannot be made
         MemoryCgroup.create(config.ram_limit_bytes, "edge0-bench-probe").remove()
+    if config.read_limit_by not in READ_LIMITERS:
+        raise Edge0Error(
+            f"unknown read limiter {config.read_limit_by!r}: choose one of {', '.join(READ_LIMITERS)}"
+        )
+    paced = config.read_limit_bps is not None and config.read_limit_by == "pacing"
     devices = []
-    if config.read_limit_bps is not None:
+    if config.read_limit_bps is not None and not paced:
         devices = sorted({block_device(shard) for shard in shards})
         ReadLimitCgroup.create(
             config.read_limit_bps, devices, f"edge0-bench-{os.getpid()}-probe"
@@ -315,6 +325,8 @@ def run_bench(config: BenchConfig, progress=print, timeout_s: float = 3600) -> d
                 streamed = "prerouter" if "prerouter" in config.arms else "on-demand"
                 spec.update(mode=streamed, preload_experts=True, expert_cache_bytes=1 << 60)
             else:
+                if paced:
+                    spec["read_pace_bps"] = config.read_limit_bps
                 if config.cold:
                     run.evicted_check = _evict_and_check(shards)
                 cgroups = _arm_cgroups(config, devices, f"{arm}-{r}")
@@ -357,7 +369,7 @@ def _arm_cgroups(
     try:
         if config.ram_limit_bytes is not None:
             groups.append(MemoryCgroup.create(config.ram_limit_bytes, name))
-        if config.read_limit_bps is not None:
+        if config.read_limit_bps is not None and config.read_limit_by == "cgroup":
             memory = groups[0] if groups and groups[0].version == 2 else None
             inside = memory.path if memory is not None else None
             groups.append(
@@ -464,7 +476,8 @@ def markdown(report: dict) -> str:
     cfg = report["config"]
     limit = format_bytes(cfg["ram_limit_bytes"]) if cfg["ram_limit_bytes"] else "none"
     read_limit = cfg.get("read_limit_bps")
-    reads = f"read limit {format_bytes(read_limit)}/s, " if read_limit else ""
+    how = " (paced in the readers)" if cfg.get("read_limit_by") == "pacing" else ""
+    reads = f"read limit {format_bytes(read_limit)}/s{how}, " if read_limit else ""
     lines = [
         f"Model `{cfg['model']}`, K={cfg['k'] or 'native'}, expert cache "
         f"{format_bytes(cfg['expert_cache_bytes'])}, RAM limit {limit}, {reads}"
