@@ -172,10 +172,12 @@ def _cores_of_threads() -> dict[int, set[int]]:
 
 
 def test_reader_threads_get_a_core_of_their_own_in_prerouter_mode(profiled_overlap):
-    """On Linux CPU with 2+ cores, in prerouter mode (reads ahead), the readers run on the last
-    core and every other thread on the rest; other modes (whose misses the engine thread helps
-    read) and a closed engine leave every thread on every core."""
+    """On Linux CPU with 2+ cores, in prerouter mode (reads ahead), the readers and the Python
+    threads (the engine's, building the next layer's graph) run on the last core, and MLX's
+    compute worker with every other native thread on the rest; other modes (whose misses the
+    engine thread helps read) and a closed engine leave every thread on every core."""
     import os
+    import threading
 
     allowed = sorted(os.sched_getaffinity(0))
     assert len(allowed) >= 2, "this check needs two cores (the CI box has two)"
@@ -186,8 +188,12 @@ def test_reader_threads_get_a_core_of_their_own_in_prerouter_mode(profiled_overl
         readers = engine.store.reader.native_ids
         cores = _cores_of_threads()
         assert len(readers) == 4
-        assert all(cores[t] == {allowed[-1]} for t in readers)
-        assert all(c == set(allowed[:-1]) for t, c in cores.items() if t not in readers)
+        python = {thread.native_id for thread in threading.enumerate()}
+        assert threading.get_native_id() in python
+        assert all(cores[t] == {allowed[-1]} for t in readers | python)
+        native = {t: c for t, c in cores.items() if t not in readers | python}
+        assert native, "MLX's compute worker is a native thread"
+        assert all(c == set(allowed[:-1]) for c in native.values())
         engine.request_mode("on-demand")
         engine.apply_requests()
         assert all(c == everywhere for c in _cores_of_threads().values())
