@@ -157,6 +157,7 @@ class RoutingState:
         heads = self.heads
         if heads is None or any(o not in self._owner_x for o in heads.owners):
             self._predictions, self._staged, self._next = {}, {}, {}
+            self._queued = []
             return {}
         self._read_back_queued()
         done = {o for o, c in zip(heads.owners, heads.consumers) if c in self._next}
