@@ -365,6 +365,9 @@ class ChatScreen(Screen):
         self.sub_title = self.chat.title
         await self.query_one(Conversation).show(self.messages)
         self.query_one(PromptInput).focus()
+        # The footer's bindings depend on the messages (Regenerate: the last is a finished
+        # reply); focus staying on the prompt would not refresh them.
+        self.refresh_bindings()
         if self.ready:  # the status line shows it once the engine has counted
             self.session.count_context(chat_id, self._prompt())
 
