@@ -100,6 +100,16 @@ class BenchConfig:
     adapter_dirs: tuple[Path, ...] = ()
     data_dir: Path | None = None
 
+    @property
+    def throttled(self) -> bool:
+        """A read limit the kernel applies: each streaming arm in a read-throttled cgroup."""
+        return self.read_limit_bps is not None and self.read_limit_by == "cgroup"
+
+    @property
+    def paced(self) -> bool:
+        """A read limit the arms' reader threads apply (`ReadPacer`)."""
+        return self.read_limit_bps is not None and self.read_limit_by == "pacing"
+
 
 @dataclass
 class ArmRun:
@@ -291,9 +301,8 @@ def run_bench(config: BenchConfig, progress=print, timeout_s: float = 3600) -> d
         raise Edge0Error(
             f"unknown read limiter {config.read_limit_by!r}: choose one of {', '.join(READ_LIMITERS)}"
         )
-    paced = config.read_limit_bps is not None and config.read_limit_by == "pacing"
     devices = []
-    if config.read_limit_bps is not None and not paced:
+    if config.throttled:
         devices = sorted({block_device(shard) for shard in shards})
         ReadLimitCgroup.create(
             config.read_limit_bps, devices, f"edge0-bench-{os.getpid()}-probe"
@@ -325,7 +334,7 @@ def run_bench(config: BenchConfig, progress=print, timeout_s: float = 3600) -> d
                 streamed = "prerouter" if "prerouter" in config.arms else "on-demand"
                 spec.update(mode=streamed, preload_experts=True, expert_cache_bytes=1 << 60)
             else:
-                if paced:
+                if config.paced:
                     spec["read_pace_bps"] = config.read_limit_bps
                 if config.cold:
                     run.evicted_check = _evict_and_check(shards)
@@ -369,7 +378,7 @@ def _arm_cgroups(
     try:
         if config.ram_limit_bytes is not None:
             groups.append(MemoryCgroup.create(config.ram_limit_bytes, name))
-        if config.read_limit_bps is not None and config.read_limit_by == "cgroup":
+        if config.throttled:
             memory = groups[0] if groups and groups[0].version == 2 else None
             inside = memory.path if memory is not None else None
             groups.append(

@@ -43,9 +43,10 @@ class RoutingState:
         self.shadow_router = False
         self.tracer: Tracer = NO_TRACE
         self.counters = RoutingCounters()
-        # Set by the engine for forwards that end with a flush: run the early owners' heads as
-        # their layers execute, and hand each prediction to `on_early_prediction` (which starts
-        # its reads) at once instead of at the flush.
+        # Set by the engine for one-token forwards that end with a flush: run every owner's head
+        # as (self-routed owners) or right after (owners routed by a prediction) its layer
+        # executes, and hand each prediction to `on_early_prediction` (which starts its reads)
+        # then instead of at the flush.
         self.early_heads = False
         self.on_early_prediction = None
         # Called with a layer once its computation this step is known to be done (its queued
