@@ -3,14 +3,13 @@ its policy."""
 
 from __future__ import annotations
 
-import mlx.core as mx
 import pytest
 
 from engine.experts.pool import ExpertPool, LFUAgingPolicy, ResidentExpert
 
 
 def _expert(nbytes: int = 100) -> ResidentExpert:
-    return ResidentExpert({"w": mx.zeros((nbytes,), dtype=mx.uint8)}, nbytes)
+    return ResidentExpert(slot=0, nbytes=nbytes)
 
 
 @pytest.mark.parametrize("policy", ["lru", "lfu-aging"])
@@ -70,8 +69,9 @@ def test_lfu_heap_stays_bounded():
 
 
 def test_pins_last_until_their_step_or_their_layer_has_computed():
-    """A pin holds an expert for the step that routes to it: `unpin_layer` ends this step's pins of
-    a layer that has computed (a pin made for the next step stays), `unpin_through` ends a step's."""
+    """A pin holds an expert for the step that routes to it: `unpin_computed` ends this step's pins
+    of a layer that has computed and of the layers before it (a pin made for the next step stays),
+    `unpin_through` ends a step's."""
     pool = ExpertPool(budget_bytes=300, policy="lru")
     pool.step = 5
     for key in ((1, 0), (1, 1), (2, 0)):
@@ -80,7 +80,7 @@ def test_pins_last_until_their_step_or_their_layer_has_computed():
     pool.pin((1, 1), 6)  # the next step routes layer 1 to expert 1
     pool.pin((2, 0), 5)
     assert not pool.reserve(100)  # everything pinned: no room for a read ahead
-    pool.unpin_layer(1)  # layer 1 has computed this step
+    pool.unpin_computed(1)  # layer 1 has computed this step
     assert set(pool.pinned) == {(1, 1), (2, 0)}
     assert pool.reserve(100)  # the expert layer 1 no longer needs made room
     assert (1, 0) not in pool and (1, 1) in pool and (2, 0) in pool
@@ -88,3 +88,23 @@ def test_pins_last_until_their_step_or_their_layer_has_computed():
     assert set(pool.pinned) == {(1, 1)}
     pool.pin((1, 1), 5)  # an earlier step's pin never shortens a later one
     assert pool.pinned[(1, 1)] == 6
+
+
+def test_experts_in_use_are_never_evicted_until_their_layer_has_computed():
+    """An expert a layer of this step computes with keeps its slot until that layer (or a later
+    one) is known computed; `evict_one` picks only among the given layers; every eviction hands
+    the expert back through `on_drop` (its slot is freed there)."""
+    dropped = []
+    pool = ExpertPool(budget_bytes=300, policy="lru", on_drop=lambda k, e: dropped.append(k))
+    pool.step = 3
+    for key in ((0, 0), (1, 0), (1, 1)):
+        pool.put(key, _expert())
+        pool.use(key)
+    assert not pool.evict_one({0, 1})  # all in use
+    pool.unpin_computed(0)  # layer 0 has computed: its expert may go, layer 1's may not
+    assert not pool.evict_one({1})
+    assert pool.evict_one({0, 1}) and dropped == [(0, 0)]
+    pool.unpin_through(3)
+    assert pool.evict_one({1}) and dropped == [(0, 0), (1, 0)]
+    pool.clear()
+    assert dropped == [(0, 0), (1, 0), (1, 1)]

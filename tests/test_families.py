@@ -154,17 +154,26 @@ def test_unsupported_or_malformed_moe_config_is_one_line_naming_the_family(
 
 def test_mxfp4_experts_stay_mxfp4_in_the_pool(checkpoint_dir):
     """gpt-oss experts are read and computed in their own format: packed words and uint8 scales
-    in the pool (no dequantize-on-load), with the output biases widened to the compute dtype."""
-    with Engine(checkpoint_dir("gpt_oss"), EngineConfig(mode="on-demand")) as engine:
+    in the pool's slot bank (no dequantize-on-load), with the output biases widened to the compute
+    dtype, bit for bit the checkpoint's values."""
+    model = checkpoint_dir("gpt_oss")
+    with Engine(model, EngineConfig(mode="on-demand")) as engine:
         engine.generate([5, 9, 13], GenerationConfig(max_tokens=4, temperature=0.0))
-        experts = list(engine.store.pool._experts.values())
-        assert experts
-        for expert in experts:
-            arrays = expert.arrays
-            assert arrays["gate_proj.weight"].dtype == mx.uint32
-            assert arrays["gate_proj.scales"].dtype == mx.uint8
-            assert "gate_proj.biases" not in arrays  # mxfp4 has no quantization biases
-            assert arrays["gate_proj.bias"].dtype == mx.float32
+        resident = engine.store.pool._experts
+        assert resident
+        layer, expert = next(iter(resident))
+        arrays = engine.store.bank(layer).arrays
+        assert arrays["gate_proj.weight"].dtype == mx.uint32
+        assert arrays["gate_proj.scales"].dtype == mx.uint8
+        assert "gate_proj.biases" not in arrays  # mxfp4 has no quantization biases
+        assert arrays["gate_proj.bias"].dtype == mx.float32
+        slot = resident[(layer, expert)].slot
+        for tensor in engine.store.index.layers[layer].tensors:
+            name = f"{tensor.projection}.{tensor.part}"
+            want = mx.load(str(tensor.entry.file))[tensor.entry.name][expert]
+            if want.dtype == mx.bfloat16:
+                want = want.astype(mx.float32)
+            assert mx.array_equal(arrays[name][slot], want), name
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,6 @@ import shutil
 import threading
 import time
 
-import mlx.core as mx
 import pytest
 from adapters import write_random_profile
 
@@ -92,7 +91,7 @@ def test_reads_for_the_next_step_go_after_this_steps_reads_ahead():
 
 
 def _expert() -> ResidentExpert:
-    return ResidentExpert({"w": mx.zeros((100,), dtype=mx.uint8)}, 100)
+    return ResidentExpert(slot=0, nbytes=100)
 
 
 def test_pool_evicts_predicted_layers_before_self_routed_ones():

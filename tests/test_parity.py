@@ -74,8 +74,10 @@ def test_on_demand_matches_resident(checkpoint_dir, resident_tokens, family, pro
     if prompt_name == "long":
         assert whole_layer_reads > 0, "long prompts must read whole layers"
         assert max(s.transient_peak_mib for s in prefill) > 0
-    else:
+    elif cache == "everything":
         assert whole_layer_reads == 0, "short prompts must take the per-expert path"
+    # (A short prompt under the one-layer budget may touch more experts than the cache holds:
+    # those chunks read their layers whole.)
     assert all(s.whole_layer_reads == 0 for s in decode)
     if cache == "one-layer":
         # Little more than one layer fits, so routed experts are read again step after step

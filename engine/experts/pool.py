@@ -1,7 +1,8 @@
 """The bounded pool of routed experts resident in MLX memory.
 
-One byte budget covers every layer. Each resident expert is its own set of MLX arrays, so a miss
-allocates only that expert and an eviction frees only that expert: nothing is re-stacked.
+One byte budget covers every layer. A resident expert is a slot of a `SlotBank` (the store owns
+the banks and hands slots out); the pool decides which experts stay, and gives an evicted expert's
+slot back through `on_drop`.
 
 Eviction policies:
 - `lru`: least recently used.
@@ -18,17 +19,15 @@ from __future__ import annotations
 import heapq
 import math
 from collections import OrderedDict
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
-
-import mlx.core as mx
 
 ExpertKey = tuple[int, int]  # (layer, expert)
 
 
 @dataclass
 class ResidentExpert:
-    arrays: dict[str, mx.array]  # "gate_proj.weight" -> array
+    slot: int  # in its layer's slot bank
     nbytes: int
 
 
@@ -108,8 +107,14 @@ def make_policy(name: str) -> LRUPolicy | LFUAgingPolicy:
 class ExpertPool:
     """Resident experts under a byte budget. Experts in `protected` are never evicted."""
 
-    def __init__(self, budget_bytes: int, policy: str = "lfu-aging") -> None:
+    def __init__(
+        self,
+        budget_bytes: int,
+        policy: str = "lfu-aging",
+        on_drop: Callable[[ExpertKey, ResidentExpert], None] | None = None,
+    ) -> None:
         self.budget_bytes = budget_bytes
+        self.on_drop = on_drop  # an expert left the pool (evicted or cleared): free its slot
         self.policy = make_policy(policy)
         self._experts: dict[ExpertKey, ResidentExpert] = {}
         self.resident_bytes = 0
@@ -120,8 +125,11 @@ class ExpertPool:
         self.evictions = 0
         self.step = 0
         # Experts a step is known to route to (predictions), with the step: never evicted until
-        # that step's layer has computed (`unpin_layer`) or the step ended (`unpin_through`).
+        # that step's layer has computed (`unpin_computed`) or the step ended (`unpin_through`).
         self.pinned: dict[ExpertKey, int] = {}
+        # Experts a layer of this step computes with (`use`): their slots must not be written
+        # while the layer may still be queued on the MLX stream. Released like pins.
+        self.in_use: dict[ExpertKey, int] = {}
         # Layers whose misses block the forward while others' are read a step ahead (prerouter
         # mode: the layers that route by their own router). Their experts are evicted last: a
         # miss there costs blocked time, a predicted layer's miss only a read hidden under compute.
@@ -167,25 +175,47 @@ class ExpertPool:
     def pin(self, key: ExpertKey, step: int) -> None:
         self.pinned[key] = max(step, self.pinned.get(key, step))
 
-    def unpin_layer(self, layer: int) -> None:
-        """This step's pins of `layer` end: the layer has computed (pins for later steps stay)."""
-        done = [k for k, step in self.pinned.items() if k[0] == layer and step <= self.step]
-        for key in done:
-            del self.pinned[key]
+    def use(self, key: ExpertKey) -> None:
+        """A layer of this step computes with `key`."""
+        self.in_use[key] = self.step
+
+    def unpin_computed(self, layer: int) -> None:
+        """This step's pins of `layer` and of every layer before it end: the layer has computed,
+        and MLX's stream runs in order, so every layer before it has too (pins for later steps
+        stay)."""
+        for held in (self.pinned, self.in_use):
+            done = [k for k, step in held.items() if k[0] <= layer and step <= self.step]
+            for key in done:
+                del held[key]
 
     def unpin_through(self, step: int) -> None:
-        """Every pin for `step` or before ends: the step is over."""
+        """Every pin and use for `step` or before ends: the step is over."""
         self.pinned = {k: s for k, s in self.pinned.items() if s > step}
+        self.in_use = {k: s for k, s in self.in_use.items() if s > step}
 
     def release(self, nbytes: int) -> None:
         """Take back a promise: the read ahead was admitted with `put`, or dropped."""
         self.reserved_bytes = max(0, self.reserved_bytes - nbytes)
 
+    def evict_one(self, layers: Collection[int], protected: Collection[ExpertKey] = ()) -> bool:
+        """Evict one expert of `layers` (never a protected or pinned one; kept layers' last).
+        False when there is none: every expert of those layers is protected or pinned."""
+        excluded = _Excluded(protected, self.pinned, self.in_use, self.kept_layers, layers)
+        victim = self.policy.victim(excluded)
+        if victim is None and self.kept_layers:
+            excluded.kept_layers = frozenset()
+            victim = self.policy.victim(excluded)
+        if victim is None:
+            return False
+        self._drop(victim)
+        self.evictions += 1
+        return True
+
     def _make_room(self, nbytes: int, protected: Collection[ExpertKey]) -> None:
         """Evict until `nbytes` more fit in the budget, or only protected (or pinned) experts are
         left."""
-        if self.pinned:
-            protected = self.pinned.keys() | set(protected)
+        if self.pinned or self.in_use:
+            protected = self.pinned.keys() | self.in_use.keys() | set(protected)
         while self.resident_bytes + self.reserved_bytes + nbytes > self.budget_bytes:
             victim = None
             if self.kept_layers:
@@ -201,6 +231,8 @@ class ExpertPool:
         expert = self._experts.pop(key)
         self.resident_bytes -= expert.nbytes
         self.policy.remove(key)
+        if self.on_drop is not None:
+            self.on_drop(key, expert)
 
     def keys(self) -> list[ExpertKey]:
         return list(self._experts)
@@ -208,6 +240,27 @@ class ExpertPool:
     def clear(self) -> None:
         for key in list(self._experts):
             self._drop(key)
+
+
+class _Excluded:
+    """The keys `evict_one` must not pick (`in` only): protected, pinned, in use, of a kept layer,
+    or of a layer outside `layers`."""
+
+    def __init__(self, protected, pinned, in_use, kept_layers: frozenset[int], layers) -> None:
+        self.protected = protected
+        self.pinned = pinned
+        self.in_use = in_use
+        self.kept_layers = kept_layers
+        self.layers = layers
+
+    def __contains__(self, key: object) -> bool:
+        return (
+            key in self.protected
+            or key in self.pinned
+            or key in self.in_use
+            or key[0] in self.kept_layers
+            or key[0] not in self.layers
+        )
 
 
 class _ProtectedOrKept:

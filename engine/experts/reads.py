@@ -4,10 +4,12 @@ Reads go straight into NumPy buffers with `os.preadv` (cold mmap page faults mea
 than pread on the reference Linux box). Just before each read, `mincore` over the exact byte ranges
 says how much of it was already in the page cache, so every read reports its cold bytes.
 
-Where the bytes land: on the CPU backend, straight into MLX arrays allocated by the reader thread
-(`pread` into the array's memory, then views and dtype casts evaluated there, on the reader's own
-stream), so the engine thread receives ready arrays and no byte is copied twice. On Metal, MLX wants
-its work on the engine's thread: readers fill NumPy buffers, and `to_mlx` turns them into arrays.
+Where the bytes land: an expert the store reads goes into its slot of a `SlotBank` (`into`):
+`pread` straight into the bank's MLX memory when the dtypes agree, else into a scratch buffer and
+converted into the slot (bf16 scales widened to the CPU's float32). No MLX op runs on a reader, on
+any backend. A whole layer (prefill) lands, on the CPU backend, in MLX arrays allocated by the
+reader thread (`pread` into the array's memory, casts evaluated there); on Metal, where MLX wants
+its work on the engine's thread, in NumPy buffers that `to_mlx` turns into arrays.
 """
 
 from __future__ import annotations
@@ -70,7 +72,7 @@ class ReadResult:
     wall_ms: float
 
 
-_MLX_DTYPES = {
+MLX_DTYPES = {
     "BOOL": mx.bool_,
     "U8": mx.uint8,
     "I8": mx.int8,
@@ -151,17 +153,24 @@ class ExpertReader:
         return self._queue.native_ids
 
     def submit_expert(
-        self, layer: int, expert: int, ahead: bool = False, step: int = 0
+        self,
+        layer: int,
+        expert: int,
+        ahead: bool = False,
+        step: int = 0,
+        into: dict[str, np.ndarray] | None = None,
     ) -> Future[ReadResult]:
         """Read one expert: needed now, or `ahead` for `step` (reads ahead go after every read the
-        forward waits for, by the step and then the layer that will use them)."""
+        forward waits for, by the step and then the layer that will use them). With `into` (a
+        slot of a `SlotBank`), the bytes land there, converted to the slot's dtypes, and the
+        result holds no arrays."""
         layer_experts = self.index.layers[layer]
         if not 0 <= expert < layer_experts.num_experts:
             raise IndexError(f"layer {layer} has no expert {expert}")
         submitted = self.tracer.now()
         if ahead:
             return self._queue.submit(
-                (AHEAD[0], step, layer), self._read, layer_experts, expert, submitted, True
+                (AHEAD[0], step, layer), self._read, layer_experts, expert, submitted, True, into
             )
         plans = self._plans_of(layer_experts)
         if layer_experts.expert_nbytes < SPLIT_BYTES:
@@ -170,7 +179,7 @@ class ExpertReader:
             # cache (0.22 ms blocked per load on the demo, against 0.09 ms for the read itself).
             # A reader that is awake anyway still takes it between two tensors of a read ahead.
             return self._queue.submit(
-                NOW, self._read, layer_experts, expert, submitted, False, wake=False
+                NOW, self._read, layer_experts, expert, submitted, False, into, wake=False
             )
         # A miss the forward waits for: one read per projection, so that every free thread (the
         # waiting engine thread included) reads a part of it at once.
@@ -178,7 +187,9 @@ class ExpertReader:
         for plan in plans:
             by_projection.setdefault(plan.key.split(".")[0], []).append(plan)
         parts = [
-            self._queue.submit(NOW, self._read, layer_experts, expert, submitted, False, group)
+            self._queue.submit(
+                NOW, self._read, layer_experts, expert, submitted, False, into, group
+            )
             for group in by_projection.values()
         ]
         return _joined(parts)
@@ -195,18 +206,21 @@ class ExpertReader:
         expert: int | None,
         submitted: float,
         ahead: bool,
+        into: dict[str, np.ndarray] | None = None,
         plans: list[_TensorPlan] | None = None,
     ) -> ReadResult:
-        """Read an expert (or the whole layer, `expert` None): its tensors, or only `plans`."""
+        """Read an expert (or the whole layer, `expert` None): its tensors, or only `plans`; into
+        the host views `into` (a bank slot) when given."""
         start = time.perf_counter()
         what = f"{layer_experts.layer}.{'all' if expert is None else expert}"
         self.tracer.complete(f"queued {what}", "read", submitted, start)
         arrays, dtypes = {}, {}
         nbytes = cold = 0
         tracer = self.tracer
+        plans = plans or self._plans_of(layer_experts)
         # One tensor at a time, read then copied, so that a whole layer's bytes are never held
         # twice (host buffer and MLX array) under a tight memory limit.
-        for plan in plans or self._plans_of(layer_experts):
+        for plan in plans:
             if expert is None:
                 offset, length, fd = plan.offset, plan.whole_nbytes, plan.layer_fd
                 shape = plan.whole_shape
@@ -216,7 +230,13 @@ class ExpertReader:
             began = tracer.now()
             tensor_cold = length - plan.residency.resident_bytes(offset, length)
             whole_on_cpu = self.build_arrays and expert is None
-            if whole_on_cpu:  # a whole layer lands in MLX memory: no second copy of its bytes
+            slot = None if into is None else into[plan.key]
+            direct = slot is not None and slot.dtype == plan.numpy_dtype
+            if direct:  # the slot's dtype is the file's: the read lands in the bank itself
+                buffer = slot.reshape(-1).view(np.uint8)
+            elif slot is not None:  # read here, converted into the slot below
+                buffer = self._scratch(length)
+            elif whole_on_cpu:  # a whole layer lands in MLX memory: no second copy of its bytes
                 buffer = mx.zeros((length,), dtype=mx.uint8)
                 mx.eval(buffer)
             elif self.build_arrays:  # an expert: this thread's scratch buffer, copied below
@@ -229,8 +249,14 @@ class ExpertReader:
             read = tracer.now()
             tracer.complete(f"pread {what}", "read", began, read, bytes=length, cold=tensor_cold)
             widen = self.widen_to_float32 and plan.dtype in ("BF16", "F16")
-            if whole_on_cpu:
-                array = buffer.view(_MLX_DTYPES[plan.dtype]).reshape(shape)
+            if slot is not None:
+                if not direct:
+                    convert_into(
+                        buffer.view(plan.numpy_dtype).reshape(slot.shape), plan.dtype, slot
+                    )
+                array = slot
+            elif whole_on_cpu:
+                array = buffer.view(MLX_DTYPES[plan.dtype]).reshape(shape)
                 if widen:
                     array = array.astype(mx.float32)
                 mx.eval(array)  # here, so the engine's stream gets a ready array
@@ -488,6 +514,22 @@ def _to_float32(array: np.ndarray, dtype: str) -> np.ndarray:
     if dtype == "BF16":  # bfloat16 is the top half of a float32
         return (array.astype(np.uint32) << 16).view(np.float32)
     return array.astype(np.float32)
+
+
+def convert_into(source: np.ndarray, dtype: str, slot: np.ndarray) -> None:
+    """Write `source` (safetensors `dtype`) into `slot` in the slot's dtype, rounding as MLX's
+    `astype` does (bfloat16 slots are stored as uint16: round to nearest even)."""
+    if slot.dtype == np.uint16:  # bfloat16: the top half of a float32, rounded
+        bits = _to_float32(source, dtype).view(np.uint32)
+        rounded = (bits + (0x7FFF + ((bits >> 16) & 1))) >> 16
+        nan = np.isnan(bits.view(np.float32))
+        slot[...] = np.where(nan, (bits >> 16) | 0x40, rounded).astype(np.uint16)
+    elif slot.dtype == np.float32 and dtype == "BF16":  # widened in place, no temporary
+        np.left_shift(source, 16, out=slot.view(np.uint32), dtype=np.uint32)
+    elif slot.dtype in (np.float32, np.float16):
+        slot[...] = _to_float32(source, dtype)
+    else:
+        raise ValueError(f"no conversion from {dtype} to {slot.dtype}")
 
 
 def _host_to_mlx(array: np.ndarray, dtype: str) -> mx.array:

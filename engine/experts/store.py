@@ -1,9 +1,15 @@
 """The expert store: routed experts on demand from the checkpoint, through the bounded pool.
 
-`fetch` returns the experts a layer routes to, reading the missing ones in parallel (the forward
-waits, and that wait is blocked-on-load time). `whole_layer` serves prefill chunks that touch most of
-a layer: it reads the layer's stacked tensors whole, and starts reading the next MoE layer while this
-one computes. Whole-layer buffers live outside the pool's budget and are released after their layer.
+`fetch` returns the slots of the experts a layer routes to, reading the missing ones in parallel
+(the forward waits, and that wait is blocked-on-load time); the layer computes them over its slot
+bank (`bank`). `whole_layer` serves prefill chunks that touch most of a layer: it reads the layer's
+stacked tensors whole, and starts reading the next MoE layer while this one computes. Whole-layer
+buffers live outside the pool's budget and are released after their layer.
+
+Slot banks (`slot_bank.py`) are allocated at the first fetch, one per expert layout (usually one
+for the whole model), sized to the expert cache (`capacity`). The pool decides what is evicted
+and whether a read ahead is made; a slot is taken before its read is issued, evicting in the
+bank's layout when none is free.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from ..checkpoint.index import DTYPE_SIZES, CheckpointIndex
+from ..checkpoint.index import CheckpointIndex
 from ..config import EngineConfig, format_bytes
 from ..errors import Edge0Error
 from ..trace import NO_TRACE, Tracer
@@ -23,7 +29,8 @@ from .page_cache_budget import CAN_EVICT_RANGES, PageCacheBudget
 from .pool import ExpertKey, ExpertPool, ResidentExpert
 from .read_pacing import ReadPacer
 from .reader_core import pin_threads, reader_cores, unpin_all_threads
-from .reads import ExpertReader, ReadResult, to_mlx
+from .reads import MLX_DTYPES, ExpertReader, ReadResult, to_mlx
+from .slot_bank import SlotBank, SlotPart
 
 
 @dataclass
@@ -42,6 +49,7 @@ class LoadCounters:
     prefetch_issued: int = 0  # expert reads issued ahead for this step (prerouter)
     prefetch_in_time: int = 0  # of those, already read when the layer needed them
     prefetch_late: int = 0  # of those, still being read when the layer needed them (blocked)
+    prefetch_given_up: int = 0  # reads ahead dropped to make room for a layer's misses
     page_cache_evicted_bytes: int = 0  # expert bytes dropped from the page cache (its budget)
 
 
@@ -74,15 +82,32 @@ class ExpertStore:
         self._reader_core_on = False
         # Set by the loader once the resident weights are read (`set_page_cache_budget`).
         self.page_cache: PageCacheBudget | None = None
-        self.pool = ExpertPool(config.expert_cache_bytes, config.eviction)
+        self.pool = ExpertPool(config.expert_cache_bytes, config.eviction, on_drop=self._free_slot)
         self.counters = LoadCounters()
         self._moe_layers = sorted(index.layers)
         self._pending_layers: dict[int, Future[ReadResult]] = {}
-        # Reads issued ahead for a coming step's predicted experts, with the step they are for.
-        # Each holds a reservation of its expert's bytes in the pool until it is used or dropped.
-        self._staged: dict[ExpertKey, tuple[int, Future[ReadResult]]] = {}
+        # Reads issued ahead for a coming step's predicted experts, with the step they are for and
+        # the slot they land in. Each holds a reservation of its expert's bytes in the pool until
+        # it is used or dropped.
+        self._staged: dict[ExpertKey, tuple[int, Future[ReadResult], int]] = {}
         self._issued_for_next_step = 0
-        self._expert_nbytes: dict[int, int] = {}  # per layer, see `resident_expert_nbytes`
+        self._given_up_for_next_step = 0
+        self._layouts = {layer: self._layout(layer) for layer in self._moe_layers}
+        self._expert_nbytes = {n: sum(p.nbytes for p in lay) for n, lay in self._layouts.items()}
+        # Every layout's expert bytes in the checkpoint, and the layers of each.
+        self._layout_bytes: dict[tuple[SlotPart, ...], int] = {}
+        for layer, layout in self._layouts.items():
+            nbytes = self.index.layers[layer].num_experts * sum(p.nbytes for p in layout)
+            self._layout_bytes[layout] = self._layout_bytes.get(layout, 0) + nbytes
+        self._group_layers = {
+            layout: frozenset(n for n, other in self._layouts.items() if other == layout)
+            for layout in self._layout_bytes
+        }
+        # Allocated at the first fetch of each layout (`bank`), once the routing width is known
+        # (`check_budget`): a prompt read as whole layers allocates none.
+        self._banks: dict[tuple[SlotPart, ...], SlotBank] = {}
+        self._bank_of: dict[int, SlotBank] = {}  # by layer
+        self._min_slots = 1  # every layout's bank holds at least one layer's routed set
         # When a list, every fetch appends (step, layer, experts): the routing trace that the eviction
         # benchmark replays.
         self.trace: list[tuple[int, int, list[int]]] | None = None
@@ -105,19 +130,21 @@ class ExpertStore:
         """Record reads and blocked waits in `tracer` from now on."""
         self.tracer = self.reader.tracer = tracer
 
+    def _layout(self, layer: int) -> tuple[SlotPart, ...]:
+        """One expert of `layer` as it is resident: each tensor's shape, floating ones in the
+        compute dtype."""
+        parts = []
+        for tensor in self.index.layers[layer].tensors:
+            dtype = MLX_DTYPES[tensor.entry.dtype]
+            if self.float_dtype is not None and tensor.entry.dtype in ("BF16", "F16", "F32"):
+                dtype = self.float_dtype
+            key = f"{tensor.projection}.{tensor.part}"
+            parts.append(SlotPart(key, tuple(tensor.expert_shape), dtype))
+        return tuple(parts)
+
     def resident_expert_nbytes(self, layer: int) -> int:
         """MLX bytes one expert of `layer` takes once resident (floating parts in compute dtype)."""
-        known = self._expert_nbytes.get(layer)
-        if known is not None:
-            return known
-        total = 0
-        for tensor in self.index.layers[layer].tensors:
-            nbytes = tensor.expert_nbytes
-            if self.float_dtype is not None and tensor.entry.dtype in ("BF16", "F16", "F32"):
-                nbytes = nbytes // DTYPE_SIZES[tensor.entry.dtype] * self.float_dtype.size
-            total += nbytes
-        self._expert_nbytes[layer] = total
-        return total
+        return self._expert_nbytes[layer]
 
     def check_budget(self, top_k: int) -> None:
         """Refuse a budget that cannot hold one layer's routed set."""
@@ -128,12 +155,105 @@ class ExpertStore:
                 f"cannot hold the {top_k} experts one layer routes to; the minimum is "
                 f"{format_bytes(need)} ({need} bytes)"
             )
+        if top_k > self._min_slots:
+            self._min_slots = top_k
+            if any(bank.capacity < top_k for bank in self._banks.values()):
+                self._drop_banks()  # made again, larger, at the next fetch
+
+    # -- slot banks --------------------------------------------------------------------------------
+
+    def bank(self, layer: int) -> SlotBank:
+        """The slot bank `layer`'s experts live in, allocated at the first call for its layout."""
+        bank = self._bank_of.get(layer)
+        if bank is None:
+            layout = self._layouts[layer]
+            bank = self._banks.get(layout)
+            if bank is None:
+                bank = self._banks[layout] = SlotBank(layout, self.capacity(layer))
+            self._bank_of[layer] = bank
+        return bank
+
+    def capacity(self, layer: int) -> int:
+        """How many experts of `layer`'s layout the expert cache holds: the byte budget's share
+        for the layout (its share of the checkpoint's expert bytes), at least one routed set, at
+        most every expert of the layout."""
+        layout = self._layouts[layer]
+        slot_nbytes = sum(p.nbytes for p in layout)
+        total = sum(self._layout_bytes.values())
+        share = self.pool.budget_bytes * self._layout_bytes[layout] // total
+        experts = self._layout_bytes[layout] // slot_nbytes
+        return min(experts, max(share // slot_nbytes, self._min_slots))
+
+    @property
+    def bank_bytes(self) -> int:
+        """MLX bytes held by the slot banks (the expert cache, allocated)."""
+        return sum(bank.nbytes for bank in self._banks.values())
+
+    def _drop_banks(self) -> None:
+        self.reset()
+        self.pool.clear()
+        self._banks.clear()
+        self._bank_of.clear()
+
+    def _free_slot(self, key: ExpertKey, expert: ResidentExpert) -> None:
+        """The pool dropped `key`: its slot is free for another expert."""
+        if self._banks:
+            self.bank(key[0]).give(expert.slot)
+
+    def _take_slot(self, layer: int, protected, now: bool) -> int | None:
+        """A free slot in `layer`'s bank, evicting an expert of the same layout if none is. A read
+        ahead (`now` False) gets None when every expert there is pinned or in use, and is not
+        made. The forward (`now`) never fails: it waits for the layers before it to compute and
+        takes their experts' slots, then drops the predictions' pins, then the reads ahead (their
+        experts are read again when used)."""
+        bank = self.bank(layer)
+        layers = self._group_layers[bank.parts]
+        while True:
+            slot = bank.take()
+            if slot is not None:
+                return slot
+            if self.pool.evict_one(layers, protected):
+                continue
+            if not now:
+                return None
+            if any(k[0] < layer for k in self.pool.in_use):
+                # Slots held by layers of this step that may still be queued. Every earlier layer
+                # was submitted (evaluated, or `mx.async_eval`'d at decode: moe_block.py), so
+                # once the stream is drained they have computed and their slots are free to take.
+                mx.synchronize()
+                self.pool.unpin_computed(layer - 1)
+                continue
+            # Then, one at a time, what is needed latest: a prediction's pin (its expert is read
+            # again if used), else a read ahead (given up; its slot comes back once written).
+            pins = [
+                (step, key)
+                for key, step in self.pool.pinned.items()
+                if key[0] in layers and key not in protected and key not in self.pool.in_use
+            ]
+            if pins:
+                del self.pool.pinned[max(pins, key=lambda p: (p[0], p[1][0]))[1]]
+                continue
+            staged = [key for key in self._staged if key[0] in layers]
+            if staged:
+                key = max(staged, key=lambda k: (self._staged[k][0], k[0]))
+                if self._staged[key][0] > self.pool.step:  # counted with the step it was for
+                    self._given_up_for_next_step += 1
+                else:
+                    self.counters.prefetch_given_up += 1
+                self._forget_read_ahead(key)
+                continue
+            raise RuntimeError(
+                f"layer {layer}: all {bank.capacity} slots of its bank are in use at once"
+            )
 
     # -- steps -----------------------------------------------------------------------------------
 
     def begin_step(self) -> None:
-        self.counters = LoadCounters(prefetch_issued=self._issued_for_next_step)
-        self._issued_for_next_step = 0
+        self.counters = LoadCounters(
+            prefetch_issued=self._issued_for_next_step,
+            prefetch_given_up=self._given_up_for_next_step,
+        )
+        self._issued_for_next_step = self._given_up_for_next_step = 0
         self.pool.step += 1
 
     def end_step(self) -> LoadCounters:
@@ -153,18 +273,23 @@ class ExpertStore:
         killed within a few steps). One not started is cancelled (its disk time is not wasted); one
         in flight finishes on its own and is dropped."""
         step = self.pool.step
-        stale = [key for key, (for_step, _) in self._staged.items() if for_step <= step]
+        stale = [key for key, (for_step, _, _) in self._staged.items() if for_step <= step]
         for key in stale:
-            self._staged.pop(key)[1].cancel()
-            self.pool.release(self.resident_expert_nbytes(key[0]))
+            self._forget_read_ahead(key)
+
+    def _forget_read_ahead(self, key: ExpertKey) -> None:
+        """Drop a read ahead: its reservation ends, and its slot is free once it is not written."""
+        _, future, slot = self._staged.pop(key)
+        future.cancel()  # not started: never runs; in flight: finishes on its own
+        self.pool.release(self.resident_expert_nbytes(key[0]))
+        self.bank(key[0]).give(slot, writing=future)
 
     def reset(self) -> None:
         """Forget per-request state; resident experts stay (they are still the checkpoint's)."""
         self.end_step()
-        for layer, _ in self._staged:  # reads in flight finish on their own; their bytes unused
-            self.pool.release(self.resident_expert_nbytes(layer))
-        self._staged.clear()
-        self._issued_for_next_step = 0
+        for key in list(self._staged):  # reads in flight finish on their own; their bytes unused
+            self._forget_read_ahead(key)
+        self._issued_for_next_step = self._given_up_for_next_step = 0
 
     # -- reads ahead (prerouter) -------------------------------------------------------------------
 
@@ -176,85 +301,112 @@ class ExpertStore:
             if key in self.pool:
                 self.pool.pin(key, self.pool.step + 1)
             elif key not in self._staged:
-                # Room in the budget first: a read ahead lands in memory the pool accounts for.
-                # Without room (a budget below one step's reads) the layer reads it when it runs.
-                if not self.pool.reserve(self.resident_expert_nbytes(layer)):
+                # A slot first: a read ahead lands in memory the pool accounts for. Without one
+                # (a budget below one step's reads) the layer reads it when it runs.
+                nbytes = self.resident_expert_nbytes(layer)
+                if not self.pool.reserve(nbytes):
+                    continue
+                slot = self._take_slot(layer, (), now=False)
+                if slot is None:
+                    self.pool.release(nbytes)
                     continue
                 step = self.pool.step + 1
-                self._staged[key] = (
-                    step,
-                    self.reader.submit_expert(layer, expert, ahead=True, step=step),
-                )
+                into = self.bank(layer).views(slot)
+                read = self.reader.submit_expert(layer, expert, ahead=True, step=step, into=into)
+                self._staged[key] = (step, read, slot)
                 self._issued_for_next_step += 1
                 if self.page_cache is not None:  # in the cache once read, used or not
                     self.page_cache.note_read(layer, expert)
 
     def layer_computed(self, layer: int) -> None:
-        """`layer` has computed this step: the experts pinned for it may be evicted again, which
-        makes room for the next step's reads ahead while this step still runs."""
-        self.pool.unpin_layer(layer)
+        """`layer` (and so every layer before it) has computed this step: the experts pinned for
+        them may be evicted again, which makes room for the next step's reads ahead while this
+        step still runs."""
+        self.pool.unpin_computed(layer)
 
     def load_all(self) -> None:
         """Read every expert into the pool (budget permitting): for the bench's compute-only arm,
         whose steps then read nothing and measure the compute a step cannot go below."""
         for layer in self._moe_layers:
-            self.fetch(layer, list(range(self.index.layers[layer].num_experts)))
+            experts = list(range(self.index.layers[layer].num_experts))
+            batch = self.bank(layer).capacity
+            for start in range(0, len(experts), batch):
+                self.fetch(layer, experts[start : start + batch])
+                self.pool.unpin_computed(layer)  # nothing computes with them here
         self.end_step()
 
     # -- per-expert path ---------------------------------------------------------------------------
 
-    def fetch(self, layer: int, experts: list[int]) -> list[ResidentExpert]:
-        """The resident experts for `experts` of `layer`, reading those that are missing."""
+    def fetch(self, layer: int, experts: list[int]) -> list[int]:
+        """The slots of `experts` of `layer` in its bank, reading those that are missing. They
+        stay in use (never evicted) until the layer is known computed (`layer_computed`) or the
+        step ends: a layer still queued on the MLX stream reads its slots then."""
         if self.trace is not None:
             self.trace.append((self.pool.step, layer, list(experts)))
         keys = [(layer, e) for e in experts]
-        found: dict[ExpertKey, ResidentExpert] = {}
+        slots: dict[ExpertKey, int] = {}
         missing = []
         for key in keys:
             resident = self.pool.get(key)
             if resident is None:
                 missing.append(key)
             else:
-                found[key] = resident
-        self.counters.hits += len(found)
+                slots[key] = resident.slot
+            self.pool.use(key)
+        self.counters.hits += len(slots)
         if missing:
             start = time.perf_counter()
-            futures = [self._staged_or_submit(key) for key in missing]
-            for key, (future, how) in zip(missing, futures):
-                waited = self.tracer.now()
-                self.reader.wait(future)
-                result = _result_or_error(future, f"layer {layer} expert {key[1]}")
-                self.tracer.complete(
-                    f"blocked {layer}.{key[1]}", "blocked", waited, self.tracer.now(), read=how
-                )
-                arrays = to_mlx(result, self.float_dtype)
-                expert = ResidentExpert(arrays, sum(a.nbytes for a in arrays.values()))
-                self.pool.put(key, expert, protected=keys)
-                found[key] = expert
-                self._account(result)
-                self.counters.loads += 1
+            nbytes = self.resident_expert_nbytes(layer)
+            reads: list[tuple[ExpertKey, Future[ReadResult], str, int]] = []
+            try:
+                for key in missing:
+                    reads.append((key, *self._staged_or_submit(key, keys)))
+                while reads:
+                    key, future, how, slot = reads[0]
+                    waited = self.tracer.now()
+                    self.reader.wait(future)
+                    result = _result_or_error(future, f"layer {layer} expert {key[1]}")
+                    self.tracer.complete(
+                        f"blocked {layer}.{key[1]}", "blocked", waited, self.tracer.now(), read=how
+                    )
+                    self.pool.put(key, ResidentExpert(slot, nbytes), protected=keys)
+                    reads.pop(0)
+                    slots[key] = slot
+                    self._account(result)
+                    self.counters.loads += 1
+            finally:
+                # A failed read (the error goes up): the reads not admitted are cancelled, and
+                # their slots come back once nothing writes into them.
+                for _, future, _, slot in reads:
+                    future.cancel()  # not started: never runs; running: finishes on its own
+                    self.bank(layer).give(slot, writing=future)
             self.counters.blocked_ms += (time.perf_counter() - start) * 1e3
-        return [found[key] for key in keys]
+        return [slots[key] for key in keys]
 
-    def _staged_or_submit(self, key: ExpertKey) -> tuple[Future[ReadResult], str]:
-        """The read of a missing expert and how it was issued: "ahead, in time" / "ahead, late"
-        (staged by the prerouter) or "on demand" (submitted now)."""
+    def _staged_or_submit(self, key: ExpertKey, protected) -> tuple[Future[ReadResult], str, int]:
+        """The read of a missing expert, how it was issued ("ahead, in time" / "ahead, late":
+        staged by the prerouter; "on demand": submitted now) and the slot it lands in."""
         staged = self._staged.pop(key, None)
         if staged is None:
-            return self.reader.submit_expert(*key), "on demand"
-        future = staged[1]
+            slot = self._take_slot(key[0], protected, now=True)
+            into = self.bank(key[0]).views(slot)
+            return self.reader.submit_expert(*key, into=into), "on demand", slot
+        _, future, slot = staged
         self.pool.release(self.resident_expert_nbytes(key[0]))  # `fetch` puts it in the pool
         if future.done():
             self.counters.prefetch_in_time += 1
-            return future, "ahead, in time"
+            return future, "ahead, in time", slot
         self.counters.prefetch_late += 1
-        return future, "ahead, late"
+        return future, "ahead, late", slot
 
     # -- whole-layer path (prefill) ----------------------------------------------------------------
 
     def wants_whole_layer(self, layer: int, distinct_experts: int) -> bool:
         """Read the layer whole if its read is already under way or the chunk touches enough of it."""
         if layer in self._pending_layers:
+            return True
+        # More experts than the bank holds at once: only the whole layer can serve the chunk.
+        if distinct_experts > self.capacity(layer):
             return True
         return distinct_experts > self.whole_layer_fraction * self.index.layers[layer].num_experts
 
@@ -309,6 +461,8 @@ class ExpertStore:
         self.use_reader_core(False)
         self.set_page_cache_budget(None)
         self.pool.clear()
+        self._banks.clear()
+        self._bank_of.clear()
 
 
 def _result_or_error(future: Future[ReadResult], what: str) -> ReadResult:

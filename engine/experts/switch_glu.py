@@ -6,13 +6,13 @@ or at decode a consumer layer's prediction); only `block.switch_mlp` is swapped 
 `[..., k, hidden]` per-expert outputs.
 
 How the experts are computed is decided here, in one place:
-- decode (one token): each routed expert is its own 4-bit matmul on its own resident arrays. On the
-  MLX CPU backend one expert's `quantized_matmul` costs the same as inside `gather_qmm` and is
-  bit-identical (figures in the README's design choices, from `python -m
-  engine.measure.microbench compute`), and it needs no slot tensors, so a miss allocates only its
-  own expert.
-- prefill (many tokens): the same `gather_qmm` math as mlx-lm over a bank: the layer's whole stacked
-  tensors when the chunk touches most experts, or a transient compact stack of the routed ones.
+- decode (one token) and short prefill chunks: mlx-lm's own `gather_qmm` math over the store's slot
+  bank (`slot_bank.py`), the routing remapped from expert ids to slots: one product per projection
+  for the layer's whole routed set, bit-identical to resident mode (a row's product does not depend
+  on which other rows the kernel is given). On the demo this took 6 layers from 4.3 ms (each
+  expert its own three `quantized_matmul`s, then a stack) to 2.7 ms.
+- prefill (many tokens): the same over the layer's whole stacked tensors when the chunk touches
+  most experts (or more than the bank holds).
   On the CPU with a fast BLAS (`runtime.blas`) the 4-bit kernel costs ~1 ms per row-expert of a
   2.5 MiB expert, linear in rows, while dequantizing the expert costs ~2 rows' worth and the fp32
   GEMM is then ~50x cheaper per row: an expert with at least `dense_rows` rows in the chunk is
@@ -22,8 +22,6 @@ How the experts are computed is decided here, in one place:
   `DensePrefillSwitchGLU` gives resident mode (stock mlx-lm's SwitchGLU) the same path, and
   `dense_prefill_linears` the model's other 4-bit projections (attention, shared experts, routers):
   once the experts ran at GEMM speed those were most of a prefill (the demo: 43 of 83 ms a layer).
-On Metal, where per-kernel launch cost dominates, a slot bank with one `gather_qmm` per projection
-would be the better decode path; it would go in `expert_outputs` below.
 """
 
 from __future__ import annotations
@@ -117,61 +115,33 @@ class StreamingSwitchGLU(nn.Module):
     ) -> mx.array:
         """`indices` as the family passes them; `routed` is the same routing already on the host
         (a prediction), which spares the per-layer sync that reading `indices` back costs."""
+        store = self._store
         if routed is None:
-            # The true router's choice is needed on the host: this waits for every layer before.
-            with self._store.tracer.span(f"router sync {self._layer}", "compute"):
+            # The true router's choice is needed on the host: this waits for every layer before,
+            # which have therefore computed (their experts' slots may be reused).
+            with store.tracer.span(f"router sync {self._layer}", "compute"):
                 mx.eval(indices)
             routed = np.array(indices)
+            store.layer_computed(self._layer - 1)
         self.last_routed = routed
         distinct = np.unique(routed)
         tokens = routed.size // routed.shape[-1]
-        store = self._store
         dense = self._dense_rows is not None and goes_dense(routed.size, self._num_experts, self)
         if tokens > 1 and store.wants_whole_layer(self._layer, len(distinct)):
             bank = store.whole_layer(self._layer)
             if dense:
                 return mixed_glu(self, x, routed, bank, routed)
             return self._gather_glu(x, indices, bank)
-        resident = store.fetch(self._layer, distinct.tolist())
-        if tokens == 1:
-            by_expert = dict(zip(distinct.tolist(), resident))
-            outputs = [
-                self._expert_glu(x, by_expert[e].arrays) for e in routed.reshape(-1).tolist()
-            ]
-            return mx.stack(outputs, axis=-2)
-        # A short prefill chunk: stack just the routed experts (transient) and remap the indices.
-        bank = {key: mx.stack([r.arrays[key] for r in resident]) for key in resident[0].arrays}
+        # The routed experts' slots in the layer's bank, and the routing remapped to them.
         slot_of = np.zeros(self._num_experts, dtype=np.uint32)
-        slot_of[distinct] = np.arange(len(distinct), dtype=np.uint32)
+        slot_of[distinct] = store.fetch(self._layer, distinct.tolist())
+        slots = slot_of[routed]
+        bank = store.bank(self._layer).arrays
         if dense:
-            return mixed_glu(self, x, routed, bank, slot_of[routed])
-        return self._gather_glu(x, mx.array(slot_of[routed]), bank)
+            return mixed_glu(self, x, routed, bank, slots)
+        return self._gather_glu(x, mx.array(slots), bank)
 
-    # -- one expert, one token ---------------------------------------------------------------------
-
-    def _expert_glu(self, x: mx.array, arrays: dict[str, mx.array]) -> mx.array:
-        x_up = self._expert_project(x, arrays, self._specs["up_proj"])
-        x_gate = self._expert_project(x, arrays, self._specs["gate_proj"])
-        return self._expert_project(self.activation(x_up, x_gate), arrays, self._specs["down_proj"])
-
-    @staticmethod
-    def _expert_project(x: mx.array, arrays: dict[str, mx.array], spec: ProjectionSpec) -> mx.array:
-        p = spec.name
-        y = mx.quantized_matmul(
-            x,
-            arrays[f"{p}.weight"],
-            arrays[f"{p}.scales"],
-            arrays.get(f"{p}.biases"),
-            transpose=True,
-            group_size=spec.group_size,
-            bits=spec.bits,
-            mode=spec.mode,
-        )
-        if spec.has_bias:
-            y = y + arrays[f"{p}.bias"]
-        return y
-
-    # -- a bank of stacked experts, many tokens (mirrors mlx-lm's SwitchGLU exactly) ---------------
+    # -- a bank of stacked experts (mirrors mlx-lm's SwitchGLU exactly) ----------------------------
 
     def _gather_glu(self, x: mx.array, indices: mx.array, bank: dict[str, mx.array]) -> mx.array:
         x = mx.expand_dims(x, (-2, -3))

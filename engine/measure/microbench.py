@@ -180,7 +180,7 @@ def replay(trace, budget_experts: int, policy: str, half_life: float | None = No
     pool = ExpertPool(budget_bytes=budget_experts, policy=policy)
     if half_life is not None:
         pool.policy = LFUAgingPolicy(half_life)
-    one = ResidentExpert({}, 1)
+    one = ResidentExpert(slot=0, nbytes=1)
     hits = total = 0
     last_step = None
     for step, layer, experts in trace:

@@ -373,8 +373,10 @@ class RoutedMoE(nn.Module):
             if routed is None:  # resident experts (training): the routing is read back here
                 routed = np.array(indices)
         y = ops.combine(self, x, y, weights)
-        if prediction is not None:
-            # The next layers' graph is built while this one computes (and reads land).
+        if tokens == 1:
+            # The next layers' graph is built while this one computes (and reads land). Every
+            # layer is submitted, so the store knows that draining the stream computes every
+            # layer before the one it is fetching for (`ExpertStore._take_slot`).
             mx.async_eval(y)
             state.tracer.instant(f"submit {self._layer}", "compute")
         state.executed(self._layer, x, routed)

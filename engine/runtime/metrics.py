@@ -61,6 +61,9 @@ class StepMetrics:
     prefetch_issued: int = 0
     prefetch_in_time: int = 0
     prefetch_late: int = 0
+    # Reads ahead given up because the expert cache could not also hold what a layer needed now
+    # (its experts are read again when used): 0 when the cache holds a step's routed experts.
+    prefetch_given_up: int = 0
     dropped: int = 0  # routed experts missing from the staged set: 0 by construction
     shadow_recall: float | None = None  # recall@K of predictions against the true routers
     prefetch_hit_rate: float | None = None  # prefetch: share of routed experts read ahead
@@ -113,6 +116,7 @@ class StepMetrics:
             prefetch_issued=counters.prefetch_issued,
             prefetch_in_time=counters.prefetch_in_time,
             prefetch_late=counters.prefetch_late,
+            prefetch_given_up=counters.prefetch_given_up,
             nonfinite_repaired=nonfinite_repaired,
             flush_ms=flush_ms,
             page_cache_evicted_mib=counters.page_cache_evicted_bytes / MIB,

@@ -1,0 +1,94 @@
+"""Slot banks: the memory the expert pool lives in.
+
+A bank is one persistent `[slots, ...]` MLX tensor per expert tensor ("gate_proj.weight",
+"gate_proj.scales", ...), shared by every MoE layer whose experts have the same layout. A resident
+expert is a slot index; a read lands straight in its slot's bytes (pread into the MLX buffer, the
+way `reads.py` already fills whole layers), and a layer computes its routed experts with one
+`gather_qmm` per projection over the bank, indexed by slot: the same kernel and math as mlx-lm's
+resident `SwitchGLU`, with no per-expert arrays to build and no per-expert products (the paper's
+staged path). On the demo that is 3 products a layer instead of 12 and ~60 fewer MLX arrays a step.
+
+A slot is written only when nothing queued on the MLX stream still reads it: the store evicts only
+experts that no pending layer uses (`ExpertPool.in_use`), and a read ahead that was dropped while
+in flight keeps its slot until the read has finished (`give` with its future).
+"""
+
+from __future__ import annotations
+
+import math
+from concurrent.futures import FIRST_COMPLETED, Future, wait
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+# Host views of bank storage: bfloat16 has no NumPy type, so such a bank is stored as uint16 and
+# computed through an MLX view of the same buffer.
+_STORAGE = {mx.bfloat16: mx.uint16}
+
+
+@dataclass(frozen=True)
+class SlotPart:
+    """One expert tensor of a layout: its name, one expert's shape and its dtype in the bank."""
+
+    key: str  # "gate_proj.weight"
+    shape: tuple[int, ...]
+    dtype: mx.Dtype
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.size
+
+
+class SlotBank:
+    """`capacity` expert slots of one layout, allocated once; slots are handed out and back."""
+
+    def __init__(self, parts: tuple[SlotPart, ...], capacity: int) -> None:
+        self.parts = parts
+        self.capacity = capacity
+        self.slot_nbytes = sum(part.nbytes for part in parts)
+        # What the layers compute with, and writable NumPy views of the same bytes for the reads.
+        self.arrays: dict[str, mx.array] = {}
+        self._host: dict[str, np.ndarray] = {}
+        for part in parts:
+            storage = mx.zeros((capacity, *part.shape), dtype=_STORAGE.get(part.dtype, part.dtype))
+            mx.eval(storage)
+            computed = storage if storage.dtype == part.dtype else storage.view(part.dtype)
+            mx.eval(computed)  # a view shares the storage's buffer
+            self.arrays[part.key] = computed
+            self._host[part.key] = np.asarray(memoryview(storage))
+        self._free = list(range(capacity - 1, -1, -1))  # pop() hands out slot 0 first
+        # Slots of reads ahead that were dropped while in flight: free once the read has finished.
+        self._draining: dict[int, Future] = {}
+
+    @property
+    def nbytes(self) -> int:
+        return self.capacity * self.slot_nbytes
+
+    def take(self) -> int | None:
+        """A free slot, or None when every slot holds an expert (the caller evicts one)."""
+        self._reclaim(block=not self._free)
+        return self._free.pop() if self._free else None
+
+    def give(self, slot: int, writing: Future | None = None) -> None:
+        """Hand `slot` back; with `writing`, a read that may still be writing into it."""
+        if writing is not None and not writing.done():
+            self._draining[slot] = writing
+        else:
+            self._free.append(slot)
+
+    def views(self, slot: int) -> dict[str, np.ndarray]:
+        """Writable host views of one slot, by tensor key (each a contiguous block)."""
+        return {key: host[slot] for key, host in self._host.items()}
+
+    def _reclaim(self, block: bool) -> None:
+        """Free the slots whose dropped reads have finished; with `block` and none finished yet,
+        wait for the first of them (it is in flight: it finishes on its own)."""
+        if not self._draining:
+            return
+        if block:
+            wait(self._draining.values(), return_when=FIRST_COMPLETED)
+        for slot, future in list(self._draining.items()):
+            if future.done():
+                del self._draining[slot]
+                self._free.append(slot)

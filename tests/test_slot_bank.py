@@ -1,0 +1,117 @@
+"""Slot banks: resident experts are slots of persistent tensors, written by reads and never while a
+queued layer may still read them."""
+
+from __future__ import annotations
+
+import shutil
+from concurrent.futures import Future
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from adapters import write_random_profile
+
+from engine import Engine, EngineConfig, GenerationConfig
+from engine.experts.reads import convert_into
+from engine.experts.slot_bank import SlotBank, SlotPart
+
+GREEDY = GenerationConfig(max_tokens=24)
+
+
+def test_a_slot_written_on_the_host_is_what_the_bank_computes_with():
+    """Host views write the MLX buffers themselves; a bfloat16 part is stored as uint16 and
+    computed through a view of the same bytes."""
+    parts = (SlotPart("w", (2, 3), mx.float32), SlotPart("s", (4,), mx.bfloat16))
+    bank = SlotBank(parts, capacity=3)
+    assert bank.nbytes == 3 * (2 * 3 * 4 + 4 * 2)
+    slot = bank.take()
+    views = bank.views(slot)
+    views["w"][...] = np.arange(6, dtype=np.float32).reshape(2, 3)
+    convert_into(np.array([1.5, -2.0, 0.25, 3.0], dtype=np.float32), "F32", views["s"])
+    assert bank.arrays["w"][slot].tolist() == [[0, 1, 2], [3, 4, 5]]
+    assert bank.arrays["s"].dtype == mx.bfloat16
+    assert bank.arrays["s"][slot].astype(mx.float32).tolist() == [1.5, -2.0, 0.25, 3.0]
+    other = bank.take()
+    assert other != slot and bank.arrays["w"][other].tolist() == [[0] * 3] * 2
+
+
+def test_a_slot_still_being_written_is_not_handed_out_until_the_write_ends():
+    bank = SlotBank((SlotPart("w", (8,), mx.uint8),), capacity=2)
+    first, second = bank.take(), bank.take()
+    assert bank.take() is None  # all taken: the caller evicts
+    bank.give(first)
+    assert bank.take() == first
+    writing: Future = Future()
+    writing.set_running_or_notify_cancel()
+    bank.give(second, writing=writing)
+    bank.give(first)
+    assert bank.take() == first  # the free slot, not the one still written
+    writing.set_result(None)
+    assert bank.take() == second  # the write ended: its slot comes back
+
+
+@pytest.fixture(scope="module")
+def profiled(checkpoint_dir, tmp_path_factory):
+    model = tmp_path_factory.mktemp("slots") / "qwen3_moe-tiny"
+    shutil.copytree(checkpoint_dir("qwen3_moe"), model)
+    write_random_profile(model, 4)
+    return model
+
+
+@pytest.mark.parametrize("mode", ["on-demand", "prerouter"])
+def test_the_cache_size_never_changes_the_tokens(profiled, mode):
+    """A cache of a routed set and a little more (every slot reused layer after layer, reads ahead
+    given up, the stream drained to free slots) gives the tokens of a cache holding everything:
+    no slot is ever written while a queued layer reads it. The bank never exceeds the budget."""
+    big = EngineConfig(mode=mode, k=4, expert_cache_bytes=1 << 30)
+    with Engine(profiled, big) as engine:
+        want = engine.generate([5, 9, 13, 17], GREEDY).tokens
+        one = engine.store.resident_expert_nbytes(min(engine.store.index.layers))
+    for budget in (5 * one, 9 * one):
+        tight = EngineConfig(mode=mode, k=4, expert_cache_bytes=budget)
+        with Engine(profiled, tight) as engine:
+            evicted_in_use = _watch_evictions(engine.store)
+            result = engine.generate([5, 9, 13, 17], GREEDY)
+            assert evicted_in_use == [], budget
+            decode = [s for s in result.steps if s.phase == "decode"]
+            assert result.tokens == want, budget
+            assert sum(s.loads for s in decode) > len(decode)  # evicting all along
+            assert engine.store.bank_bytes <= budget
+            assert not engine.store.pool.in_use  # every use ended with its step
+
+
+def _watch_evictions(store) -> list:
+    """Record every expert evicted while a layer that used it this step is not yet known to have
+    computed (its slot could then be rewritten under it). Watched from the outside: which experts
+    each layer fetched, and which layers the store was told have computed."""
+    pool = store.pool
+    used: dict = {}  # key -> step it was fetched in
+    computed: dict = {}  # step -> the last layer known computed
+    violations: list = []
+    fetch, on_drop = store.fetch, pool.on_drop
+    unpin_computed, unpin_through = pool.unpin_computed, pool.unpin_through
+
+    def watched_fetch(layer, experts):
+        slots = fetch(layer, experts)
+        for expert in experts:
+            used[(layer, expert)] = pool.step
+        return slots
+
+    def watched_unpin_computed(layer):
+        computed[pool.step] = max(layer, computed.get(pool.step, -1))
+        unpin_computed(layer)
+
+    def watched_unpin_through(step):  # the step is over: all of it computed
+        computed[step] = float("inf")
+        unpin_through(step)
+
+    def watched_drop(key, expert):
+        if used.get(key) == pool.step and key[0] > computed.get(pool.step, -1):
+            violations.append((pool.step, key))
+        on_drop(key, expert)
+
+    store.fetch = watched_fetch
+    pool.unpin_computed = watched_unpin_computed
+    pool.unpin_through = watched_unpin_through
+    pool.on_drop = watched_drop
+    return violations
