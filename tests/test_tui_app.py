@@ -314,10 +314,10 @@ async def test_read_error_is_a_notification_and_next_message_works(model, tmp_pa
         disk_failing = False
         pread_into = reader._pread_into
 
-        def failing_pread(*args) -> None:
+        def failing_pread(*args) -> int:
             if disk_failing:
                 raise OSError(5, "Input/output error", "model.safetensors")
-            pread_into(*args)
+            return pread_into(*args)
 
         reader._pread_into = failing_pread
         await send(app, pilot, "read from a failing disk")

@@ -1,8 +1,9 @@
 """Reading routed experts from the checkpoint with pread, on a pool of reader threads.
 
 Reads go straight into NumPy buffers with `os.preadv` (cold mmap page faults measured 3-4x slower
-than pread on the reference Linux box). Just before each read, `mincore` over the exact byte ranges
-says how much of it was already in the page cache, so every read reports its cold bytes.
+than pread on the reference Linux box). Every read reports its cold bytes: what the page cache
+held is read first without blocking (`RWF_NOWAIT`, Linux), and `mincore` over the rest of the
+exact byte range, just before it is read, says how much of that was cached (all of it, elsewhere).
 
 Where the bytes land: an expert the store reads goes into its slot of a `SlotBank` (`into`):
 `pread` straight into the bank's MLX memory when the dtypes agree, else into a scratch buffer and
@@ -54,6 +55,8 @@ _NUMPY_DTYPES = {
 # Read priorities: reads the forward waits for now go first, then reads ahead by layer.
 NOW = (0, 0)
 AHEAD = (1,)
+# preadv's flag to read only what the page cache holds (Linux 4.14+); 0 where there is none.
+_NOWAIT = getattr(os, "RWF_NOWAIT", 0)
 # An expert at least this big that the forward waits for is read in parts, one per projection, on
 # as many threads; below it the per-read fixed cost outweighs what parallel parts would save.
 SPLIT_BYTES = 1 << 20
@@ -146,6 +149,7 @@ class ExpertReader:
         self._plans: dict[int, list[_TensorPlan]] = {}
         self._local = threading.local()
         self._queue = ReadQueue(threads, "edge0-read")
+        self._nowait = True  # until a read says the file system has no RWF_NOWAIT
 
     @property
     def native_ids(self) -> set[int]:
@@ -169,17 +173,19 @@ class ExpertReader:
             raise IndexError(f"layer {layer} has no expert {expert}")
         submitted = self.tracer.now()
         if ahead:
+            read = self._read if into is None else self._read_into
             return self._queue.submit(
-                (AHEAD[0], step, layer), self._read, layer_experts, expert, submitted, True, into
+                (AHEAD[0], step, layer), read, layer_experts, expert, submitted, True, into
             )
         plans = self._plans_of(layer_experts)
+        read = self._read if into is None else self._read_into
         if layer_experts.expert_nbytes < SPLIT_BYTES:
             # A small miss is read by the thread that waits for it (see `wait`), with no reader
             # woken: the hand-off (wake-up, GIL, future) cost more than reading 52 KB from the page
             # cache (0.22 ms blocked per load on the demo, against 0.09 ms for the read itself).
             # A reader that is awake anyway still takes it between two tensors of a read ahead.
             return self._queue.submit(
-                NOW, self._read, layer_experts, expert, submitted, False, into, wake=False
+                NOW, read, layer_experts, expert, submitted, False, into, wake=False
             )
         # A miss the forward waits for: one read per projection, so that every free thread (the
         # waiting engine thread included) reads a part of it at once.
@@ -187,9 +193,7 @@ class ExpertReader:
         for plan in plans:
             by_projection.setdefault(plan.key.split(".")[0], []).append(plan)
         parts = [
-            self._queue.submit(
-                NOW, self._read, layer_experts, expert, submitted, False, into, group
-            )
+            self._queue.submit(NOW, read, layer_experts, expert, submitted, False, into, group)
             for group in by_projection.values()
         ]
         return _joined(parts)
@@ -206,11 +210,11 @@ class ExpertReader:
         expert: int | None,
         submitted: float,
         ahead: bool,
-        into: dict[str, np.ndarray] | None = None,
+        into: None = None,  # (an expert read into a bank slot is `_read_into`)
         plans: list[_TensorPlan] | None = None,
     ) -> ReadResult:
-        """Read an expert (or the whole layer, `expert` None): its tensors, or only `plans`; into
-        the host views `into` (a bank slot) when given."""
+        """Read an expert (or the whole layer, `expert` None): its tensors, or only `plans`, into
+        arrays of their own."""
         start = time.perf_counter()
         what = f"{layer_experts.layer}.{'all' if expert is None else expert}"
         self.tracer.complete(f"queued {what}", "read", submitted, start)
@@ -228,34 +232,21 @@ class ExpertReader:
                 offset, length = plan.offset + expert * plan.expert_nbytes, plan.expert_nbytes
                 fd, shape = plan.expert_fd, plan.expert_shape
             began = tracer.now()
-            tensor_cold = length - plan.residency.resident_bytes(offset, length)
             whole_on_cpu = self.build_arrays and expert is None
-            slot = None if into is None else into[plan.key]
-            direct = slot is not None and slot.dtype == plan.numpy_dtype
-            if direct:  # the slot's dtype is the file's: the read lands in the bank itself
-                buffer = slot.reshape(-1).view(np.uint8)
-            elif slot is not None:  # read here, converted into the slot below
-                buffer = self._scratch(length)
-            elif whole_on_cpu:  # a whole layer lands in MLX memory: no second copy of its bytes
+            if whole_on_cpu:  # a whole layer lands in MLX memory: no second copy of its bytes
                 buffer = mx.zeros((length,), dtype=mx.uint8)
                 mx.eval(buffer)
             elif self.build_arrays:  # an expert: this thread's scratch buffer, copied below
                 buffer = self._scratch(length)
             else:
                 buffer = np.empty(length, dtype=np.uint8)
-            self._pread_into(fd, buffer, offset, plan.file)
+            tensor_cold = self._pread_into(fd, buffer, offset, plan.file, plan.residency)
             if self.pacer is not None:
                 self.pacer.pace(tensor_cold, began)
             read = tracer.now()
             tracer.complete(f"pread {what}", "read", began, read, bytes=length, cold=tensor_cold)
             widen = self.widen_to_float32 and plan.dtype in ("BF16", "F16")
-            if slot is not None:
-                if not direct:
-                    convert_into(
-                        buffer.view(plan.numpy_dtype).reshape(slot.shape), plan.dtype, slot
-                    )
-                array = slot
-            elif whole_on_cpu:
+            if whole_on_cpu:
                 array = buffer.view(MLX_DTYPES[plan.dtype]).reshape(shape)
                 if widen:
                     array = array.astype(mx.float32)
@@ -282,6 +273,48 @@ class ExpertReader:
         end = time.perf_counter()
         wall_ms = (end - start) * 1e3
         return ReadResult(layer_experts.layer, expert, arrays, dtypes, nbytes, cold, wall_ms)
+
+    def _read_into(
+        self,
+        layer_experts: LayerExperts,
+        expert: int,
+        submitted: float,
+        ahead: bool,
+        into: dict[str, np.ndarray],
+        plans: list[_TensorPlan] | None = None,
+    ) -> ReadResult:
+        """Read an expert (its tensors, or only `plans`) into a bank slot, `into`: straight into
+        the slot's bytes where the dtypes agree, else through this thread's scratch buffer and
+        converted (bf16 scales widened to float32 on the CPU). The result holds no arrays."""
+        start = time.perf_counter()
+        tracer = self.tracer
+        what = f"{layer_experts.layer}.{expert}" if tracer.enabled else ""
+        tracer.complete(f"queued {what}", "read", submitted, start)
+        nbytes = cold = 0
+        for plan in plans or self._plans_of(layer_experts):
+            slot = into[plan.key]
+            length = plan.expert_nbytes
+            began = tracer.now()
+            direct = slot.dtype == plan.numpy_dtype
+            buffer = slot.reshape(-1).view(np.uint8) if direct else self._scratch(length)
+            offset = plan.offset + expert * length
+            tensor_cold = self._pread_into(
+                plan.expert_fd, buffer, offset, plan.file, plan.residency
+            )
+            if self.pacer is not None:
+                self.pacer.pace(tensor_cold, began)
+            if not direct:
+                convert_into(buffer.view(plan.numpy_dtype).reshape(slot.shape), plan.dtype, slot)
+            if tracer.enabled:
+                tracer.complete(
+                    f"pread {what}", "read", began, tracer.now(), bytes=length, cold=tensor_cold
+                )
+            nbytes += length
+            cold += tensor_cold
+            if ahead:  # between two tensors of a read ahead, a read needed now goes first
+                self._queue.run_urgent()
+        wall_ms = (time.perf_counter() - start) * 1e3
+        return ReadResult(layer_experts.layer, expert, {}, {}, nbytes, cold, wall_ms)
 
     def _scratch(self, nbytes: int) -> np.ndarray:
         """This thread's reusable read buffer, grown to the largest expert tensor seen. Reusing
@@ -317,12 +350,30 @@ class ExpertReader:
             self._plans[layer_experts.layer] = plans
         return plans
 
-    def _pread_into(self, fd: int, buffer: np.ndarray, offset: int, file: Path) -> None:
-        view = memoryview(buffer)
-        try:
-            done = os.preadv(fd, [view], offset)  # nearly always the whole range at once
-        except OSError as e:
-            raise OSError(e.errno, e.strerror, str(file)) from None
+    def _pread_into(
+        self, fd: int, buffer: np.ndarray, offset: int, file: Path, residency: FileResidency
+    ) -> int:
+        """Fill `buffer` from `offset` of the file; returns how many of its bytes were not in the
+        page cache before the read (cold).
+
+        Where the kernel can (Linux, `RWF_NOWAIT`), the bytes already cached are read first
+        without blocking: one system call reads a warm range and proves it warm, where `mincore`
+        and then `pread` took two (on the demo, mincore was a third of a small expert's read).
+        The rest, from the first page not cached, is measured with `mincore` and then read."""
+        view = memoryview(buffer).cast("B")
+        done = 0
+        if _NOWAIT and self._nowait:
+            try:
+                done = os.preadv(fd, [view], offset, _NOWAIT)
+            except BlockingIOError:  # its first page is not cached
+                pass
+            except OSError as e:
+                if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                    raise OSError(e.errno, e.strerror, str(file)) from None
+                self._nowait = False  # this file system cannot: mincore then pread
+        if done == len(view):
+            return 0
+        cold = len(view) - done - residency.resident_bytes(offset + done, len(view) - done)
         while done < len(view):
             try:
                 n = os.preadv(fd, [view[done:]], offset + done)
@@ -333,6 +384,7 @@ class ExpertReader:
                     errno.EIO, f"unexpected end of file at byte {offset + done}", str(file)
                 )
             done += n
+        return cold
 
     def wait(self, future: Future[ReadResult]) -> None:
         """Wait for a read, doing reads needed now on this thread meanwhile."""
