@@ -14,6 +14,8 @@ bank's layout when none is free.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import os
 import time
 from concurrent.futures import Future
@@ -169,6 +171,9 @@ class ExpertStore:
             layout = self._layouts[layer]
             bank = self._banks.get(layout)
             if bank is None:
+                # A prompt read as whole layers left their buffers behind: give them back first,
+                # or the process holds both (on the 384 MiB wall: 445 MiB RSS, killed).
+                release_freed_memory()
                 bank = self._banks[layout] = SlotBank(layout, self.capacity(layer))
             self._bank_of[layer] = bank
         return bank
@@ -262,6 +267,11 @@ class ExpertStore:
             if future.exception() is None:
                 self._account(future.result())  # a read already issued still cost its bytes
         self.pool.unpin_through(self.pool.step)
+        pending = None  # (its buffers, for the cache clear below)
+        if self.counters.whole_layer_reads:
+            # A prefill chunk's whole-layer buffers are free now; MLX's cache and the C heap
+            # would keep them (a layer or two of expert bytes, outside the expert cache).
+            release_freed_memory()
         self._drop_unused_reads_ahead()
         self._enforce_page_cache()
         return self.counters
@@ -463,6 +473,28 @@ class ExpertStore:
         self.pool.clear()
         self._banks.clear()
         self._bank_of.clear()
+
+
+def release_freed_memory() -> None:
+    """Hand freed buffers back to the OS: MLX's buffer cache, then glibc's heap, which keeps what
+    reader threads freed in their arenas (on the 384 MiB wall, after a prompt read as whole
+    layers: 445 MiB RSS for 100 MiB of live MLX arrays, 232 MiB once trimmed)."""
+    mx.clear_cache()
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)
+
+
+def _glibc() -> ctypes.CDLL | None:
+    """The C library when it has `malloc_trim` (glibc), else None (macOS, musl)."""
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name)
+    except OSError:
+        return None
+    return libc if hasattr(libc, "malloc_trim") else None
+
+
+_LIBC = _glibc()
 
 
 def _result_or_error(future: Future[ReadResult], what: str) -> ReadResult:
