@@ -115,3 +115,22 @@ def _watch_evictions(store) -> list:
     pool.unpin_through = watched_unpin_through
     pool.on_drop = watched_drop
     return violations
+
+
+def test_a_bank_too_small_for_a_wider_k_is_made_again_at_the_next_step(profiled):
+    """`check_budget` (any thread) only records the K; the engine's next step remakes a bank that
+    cannot hold one routed set of it, and the tokens do not change. (With one layout the budget
+    check already guarantees room; a model whose layers differ in layout can need this.)"""
+    with Engine(profiled, EngineConfig(mode="on-demand", k=4)) as engine:
+        one = engine.store.resident_expert_nbytes(min(engine.store.index.layers))
+    config = EngineConfig(mode="on-demand", k=4, expert_cache_bytes=6 * one)
+    with Engine(profiled, config) as engine:
+        want = engine.generate([5, 9, 13, 17], GREEDY).tokens
+        store = engine.store
+        layer = min(store.index.layers)
+        small = store.bank(layer)
+        assert small.capacity == 6
+        store._min_slots = small.capacity + 1  # as a wider K's check would record it
+        assert engine.generate([5, 9, 13, 17], GREEDY).tokens == want
+        assert store.bank(layer) is not small
+        assert store.bank(layer).capacity == small.capacity + 1

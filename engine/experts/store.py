@@ -157,10 +157,9 @@ class ExpertStore:
                 f"cannot hold the {top_k} experts one layer routes to; the minimum is "
                 f"{format_bytes(need)} ({need} bytes)"
             )
-        if top_k > self._min_slots:
-            self._min_slots = top_k
-            if any(bank.capacity < top_k for bank in self._banks.values()):
-                self._drop_banks()  # made again, larger, at the next fetch
+        # Recorded only: this may run on any thread (`Engine.request_k`); a bank too small for
+        # the new K is made again, larger, at the next step (`begin_step`, the engine's thread).
+        self._min_slots = max(self._min_slots, top_k)
 
     # -- slot banks --------------------------------------------------------------------------------
 
@@ -254,6 +253,8 @@ class ExpertStore:
     # -- steps -----------------------------------------------------------------------------------
 
     def begin_step(self) -> None:
+        if any(bank.capacity < self._min_slots for bank in self._banks.values()):
+            self._drop_banks()  # a wider K than the banks were made for
         self.counters = LoadCounters(
             prefetch_issued=self._issued_for_next_step,
             prefetch_given_up=self._given_up_for_next_step,
