@@ -79,8 +79,12 @@ def test_the_budget_changes_live_and_a_zero_budget_drops_every_page_each_step(mo
         result = engine.generate(PROMPT, GREEDY)
         # Pages are dropped between steps: within one, the tiny model's experts share pages (one
         # expert's tensors are a few hundred bytes each), so a read can find a page another read
-        # of the same step brought in (measured 0.73-0.86 cold per step; warm it is 0).
-        assert all(s.cold_fraction > 0.6 for s in result.steps if s.mib_read)
+        # of the same step brought in (measured 0.73-0.86 cold per step; warm it is 0). Decode
+        # steps only: a prompt too wide for this 60 KiB cache is read as whole layers, whose
+        # sequential readahead brings a tensor's pages in before its own read looks (cold is
+        # undercounted there, as docs/benchmarks.md says of whole-layer reads).
+        decode = [s for s in result.steps if s.phase == "decode" and s.mib_read]
+        assert decode and all(s.cold_fraction > 0.6 for s in decode)
         engine.request_page_cache(None)  # off: the OS decides again
         engine.apply_requests()
         assert engine.store.page_cache is None
