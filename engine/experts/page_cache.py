@@ -16,9 +16,10 @@ from pathlib import Path
 
 PAGE_SIZE = mmap.PAGESIZE
 
-_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [
+# The C library (mincore, mmap; the store also asks it for malloc_trim where it is glibc).
+LIBC = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+LIBC.mmap.restype = ctypes.c_void_p
+LIBC.mmap.argtypes = [
     ctypes.c_void_p,
     ctypes.c_size_t,
     ctypes.c_int,
@@ -26,8 +27,8 @@ _libc.mmap.argtypes = [
     ctypes.c_int,
     ctypes.c_long,
 ]
-_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+LIBC.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+LIBC.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
 _MAP_FAILED = ctypes.c_void_p(-1).value
 # mincore sets bit 0 of a page's byte when it is resident; the other bits are reserved.
 _LOW_BIT = bytes(b & 1 for b in range(256))
@@ -44,7 +45,7 @@ class FileResidency:
             return
         fd = os.open(self.path, os.O_RDONLY)
         try:
-            addr = _libc.mmap(None, self.size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+            addr = LIBC.mmap(None, self.size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
         finally:
             os.close(fd)
         if addr in (None, _MAP_FAILED):
@@ -64,7 +65,7 @@ class FileResidency:
         start = first * PAGE_SIZE
         span = min(npages * PAGE_SIZE, self.size - start)
         vector = (ctypes.c_ubyte * npages)()
-        if _libc.mincore(self._addr + start, span, vector) != 0:
+        if LIBC.mincore(self._addr + start, span, vector) != 0:
             raise OSError(ctypes.get_errno(), f"mincore failed for {self.path}")
         pages = bytes(vector).translate(_LOW_BIT)  # 1 per resident page, 0 otherwise
         resident = pages.count(1) * PAGE_SIZE
@@ -77,7 +78,7 @@ class FileResidency:
 
     def close(self) -> None:
         if self._addr is not None:
-            _libc.munmap(self._addr, self.size)
+            LIBC.munmap(self._addr, self.size)
             self._addr = None
 
     def __del__(self) -> None:

@@ -197,9 +197,11 @@ class ExpertPool:
         """Take back a promise: the read ahead was admitted with `put`, or dropped."""
         self.reserved_bytes = max(0, self.reserved_bytes - nbytes)
 
-    def evict_one(self, layers: Collection[int], protected: Collection[ExpertKey] = ()) -> bool:
-        """Evict one expert of `layers` (never a protected or pinned one; kept layers' last).
-        False when there is none: every expert of those layers is protected or pinned."""
+    def evict_one(
+        self, layers: Collection[int] | None = None, protected: Collection[ExpertKey] = ()
+    ) -> bool:
+        """Evict one expert of `layers` (None: any layer), never a protected, pinned or in-use
+        one, kept layers' last. False when there is none to evict."""
         excluded = _Excluded(protected, self.pinned, self.in_use, self.kept_layers, layers)
         victim = self.policy.victim(excluded)
         if victim is None and self.kept_layers:
@@ -212,20 +214,11 @@ class ExpertPool:
         return True
 
     def _make_room(self, nbytes: int, protected: Collection[ExpertKey]) -> None:
-        """Evict until `nbytes` more fit in the budget, or only protected (or pinned) experts are
-        left."""
-        if self.pinned or self.in_use:
-            protected = self.pinned.keys() | self.in_use.keys() | set(protected)
+        """Evict until `nbytes` more fit in the budget, or only protected (or pinned, or in-use)
+        experts are left."""
         while self.resident_bytes + self.reserved_bytes + nbytes > self.budget_bytes:
-            victim = None
-            if self.kept_layers:
-                victim = self.policy.victim(_ProtectedOrKept(protected, self.kept_layers))
-            if victim is None:
-                victim = self.policy.victim(protected)
-            if victim is None:
+            if not self.evict_one(protected=protected):
                 break
-            self._drop(victim)
-            self.evictions += 1
 
     def _drop(self, key: ExpertKey) -> None:
         expert = self._experts.pop(key)
@@ -244,7 +237,7 @@ class ExpertPool:
 
 class _Excluded:
     """The keys `evict_one` must not pick (`in` only): protected, pinned, in use, of a kept layer,
-    or of a layer outside `layers`."""
+    or of a layer outside `layers` (None: every layer is in)."""
 
     def __init__(self, protected, pinned, in_use, kept_layers: frozenset[int], layers) -> None:
         self.protected = protected
@@ -259,16 +252,5 @@ class _Excluded:
             or key in self.pinned
             or key in self.in_use
             or key[0] in self.kept_layers
-            or key[0] not in self.layers
+            or (self.layers is not None and key[0] not in self.layers)
         )
-
-
-class _ProtectedOrKept:
-    """The keys a victim must not be: protected ones and those of kept layers (`in` only)."""
-
-    def __init__(self, protected: Collection[ExpertKey], kept_layers: frozenset[int]) -> None:
-        self.protected = protected
-        self.kept_layers = kept_layers
-
-    def __contains__(self, key: object) -> bool:
-        return key in self.protected or key[0] in self.kept_layers

@@ -168,13 +168,12 @@ class ExpertReader:
         if not 0 <= expert < layer_experts.num_experts:
             raise IndexError(f"layer {layer} has no expert {expert}")
         submitted = self.tracer.now()
+        read = self._read if into is None else self._read_into
         if ahead:
-            read = self._read if into is None else self._read_into
             return self._queue.submit(
                 (AHEAD[0], step, layer), read, layer_experts, expert, submitted, True, into
             )
         plans = self._plans_of(layer_experts)
-        read = self._read if into is None else self._read_into
         if layer_experts.expert_nbytes < SPLIT_BYTES:
             # A small miss is read by the thread that waits for it (see `wait`), with no reader
             # woken: the hand-off (wake-up, GIL, future) cost more than reading 52 KB from the page

@@ -14,8 +14,6 @@ bank's layout when none is free.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import os
 import time
 from concurrent.futures import Future
@@ -27,6 +25,7 @@ from ..checkpoint.index import CheckpointIndex
 from ..config import EngineConfig, format_bytes
 from ..errors import Edge0Error
 from ..trace import NO_TRACE, Tracer
+from .page_cache import LIBC
 from .page_cache_budget import CAN_EVICT_RANGES, PageCacheBudget
 from .pool import ExpertKey, ExpertPool, ResidentExpert
 from .read_pacing import ReadPacer
@@ -99,7 +98,7 @@ class ExpertStore:
         # Every layout's expert bytes in the checkpoint, and the layers of each.
         self._layout_bytes: dict[tuple[SlotPart, ...], int] = {}
         for layer, layout in self._layouts.items():
-            nbytes = self.index.layers[layer].num_experts * sum(p.nbytes for p in layout)
+            nbytes = self.index.layers[layer].num_experts * self._expert_nbytes[layer]
             self._layout_bytes[layout] = self._layout_bytes.get(layout, 0) + nbytes
         self._group_layers = {
             layout: frozenset(n for n, other in self._layouts.items() if other == layout)
@@ -182,7 +181,7 @@ class ExpertStore:
         for the layout (its share of the checkpoint's expert bytes), at least one routed set, at
         most every expert of the layout."""
         layout = self._layouts[layer]
-        slot_nbytes = sum(p.nbytes for p in layout)
+        slot_nbytes = self._expert_nbytes[layer]
         total = sum(self._layout_bytes.values())
         share = self.pool.budget_bytes * self._layout_bytes[layout] // total
         experts = self._layout_bytes[layout] // slot_nbytes
@@ -194,7 +193,7 @@ class ExpertStore:
         return sum(bank.nbytes for bank in self._banks.values())
 
     def _drop_banks(self) -> None:
-        self.reset()
+        """Forget every resident expert and its bank (made again at the next fetch)."""
         self.pool.clear()
         self._banks.clear()
         self._bank_of.clear()
@@ -254,7 +253,8 @@ class ExpertStore:
 
     def begin_step(self) -> None:
         if any(bank.capacity < self._min_slots for bank in self._banks.values()):
-            self._drop_banks()  # a wider K than the banks were made for
+            self.reset()  # a wider K than the banks were made for
+            self._drop_banks()
         self.counters = LoadCounters(
             prefetch_issued=self._issued_for_next_step,
             prefetch_given_up=self._given_up_for_next_step,
@@ -471,31 +471,17 @@ class ExpertStore:
         self.reader.close()
         self.use_reader_core(False)
         self.set_page_cache_budget(None)
-        self.pool.clear()
-        self._banks.clear()
-        self._bank_of.clear()
+        self._drop_banks()
 
 
 def release_freed_memory() -> None:
     """Hand freed buffers back to the OS: MLX's buffer cache, then glibc's heap, which keeps what
     reader threads freed in their arenas (on the 384 MiB wall, after a prompt read as whole
-    layers: 445 MiB RSS for 100 MiB of live MLX arrays, 232 MiB once trimmed)."""
+    layers: 445 MiB RSS for 100 MiB of live MLX arrays, 232 MiB once trimmed). Other C libraries
+    (macOS, musl) have no `malloc_trim`."""
     mx.clear_cache()
-    if _LIBC is not None:
-        _LIBC.malloc_trim(0)
-
-
-def _glibc() -> ctypes.CDLL | None:
-    """The C library when it has `malloc_trim` (glibc), else None (macOS, musl)."""
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name)
-    except OSError:
-        return None
-    return libc if hasattr(libc, "malloc_trim") else None
-
-
-_LIBC = _glibc()
+    if hasattr(LIBC, "malloc_trim"):
+        LIBC.malloc_trim(0)
 
 
 def _result_or_error(future: Future[ReadResult], what: str) -> ReadResult:
