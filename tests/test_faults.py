@@ -29,11 +29,11 @@ def test_read_error_mid_reply_then_a_correct_reply(checkpoint_dir, tmp_path, mod
         healthy = reader._pread_into
         reads = {"n": 0}
 
-        def failing(fd, buffer, offset, file, residency):
+        def failing(fd, buffer, offset, file):
             reads["n"] += 1
             if reads["n"] > 40:  # well into the reply
                 raise OSError(5, "Input/output error", str(file))
-            return healthy(fd, buffer, offset, file, residency)
+            return healthy(fd, buffer, offset, file)
 
         reader._pread_into = failing
         with pytest.raises(

@@ -125,34 +125,21 @@ def test_bench_reports_the_overlap_limit_from_a_compute_only_arm(checkpoint_dir,
     assert overlap["step_vs_limit"] > 0
 
 
-def test_a_small_miss_is_read_by_the_thread_that_waits_for_it():
-    queue = ReadQueue(threads=2, name="test-read")
-    try:
-        time.sleep(0.05)  # both readers idle
-        miss = queue.submit(NOW, lambda: threading.current_thread().name, wake=False)
-        time.sleep(0.05)
-        assert not miss.done()  # no reader was woken for it
-        queue.help_until(miss)
-        assert miss.result() == threading.current_thread().name
-    finally:
-        queue.shutdown()
+def test_a_small_miss_is_read_by_the_thread_that_needs_it(checkpoint_dir, monkeypatch):
+    """No reader thread is handed a small miss: the forward's thread reads it at once, and the
+    tokens are the resident model's."""
+    model_dir = checkpoint_dir("qwen3_moe")
+    resident = _tokens(model_dir, mode="resident")
+    readers = []
+    read_into = reads.ExpertReader._read_into
 
+    def recording(self, *args, **kwargs):
+        readers.append(threading.current_thread().name)
+        return read_into(self, *args, **kwargs)
 
-def test_a_small_miss_waited_on_by_result_alone_is_read_not_hung():
-    # A caller that only calls `result()` (no help_until) must still get the read: before, the
-    # future waited for a reader that was never woken, and the test suite hung in CI.
-    queue = ReadQueue(threads=2, name="test-read")
-    got: list[str] = []
-    try:
-        time.sleep(0.05)  # both readers idle
-        miss = queue.submit(NOW, lambda: threading.current_thread().name, wake=False)
-        waiter = threading.Thread(target=lambda: got.append(miss.result()), name="waiter")
-        waiter.start()
-        waiter.join(timeout=10)
-        assert not waiter.is_alive(), "result() hung on a read no reader was woken for"
-        assert got == ["waiter"]
-    finally:
-        queue.shutdown()
+    monkeypatch.setattr(reads.ExpertReader, "_read_into", recording)
+    assert _tokens(model_dir, mode="on-demand", expert_cache_bytes=60_000) == resident
+    assert readers and set(readers) == {threading.current_thread().name}
 
 
 @pytest.fixture

@@ -35,6 +35,17 @@ def test_a_slot_written_on_the_host_is_what_the_bank_computes_with():
     assert other != slot and bank.arrays["w"][other].tolist() == [[0] * 3] * 2
 
 
+def test_bf16_widened_into_a_float32_slot_is_what_mlx_casts_whatever_the_slot_held():
+    """The reads widen bf16 scales into float32 slots by copying the high halves: the low halves
+    are zeroed too, so a slot that held other floats gets exactly MLX's cast."""
+    values = mx.array([1.5, -2.0, 3.0e-39, float("inf"), float("nan"), 0.1], dtype=mx.bfloat16)
+    bits = np.array(values.view(mx.uint16))
+    slot = np.full((2, 3), np.pi, dtype=np.float32)  # low halves not zero
+    convert_into(bits.reshape(2, 3), "BF16", slot)
+    expected = np.array(values.astype(mx.float32)).reshape(2, 3)
+    assert slot.view(np.uint32).tolist() == expected.view(np.uint32).tolist()
+
+
 def test_a_slot_still_being_written_is_not_handed_out_until_the_write_ends():
     bank = SlotBank((SlotPart("w", (8,), mx.uint8),), capacity=2)
     first, second = bank.take(), bank.take()

@@ -124,7 +124,8 @@ class StreamingSwitchGLU(nn.Module):
             routed = np.array(indices)
             store.layer_computed(self._layer - 1)
         self.last_routed = routed
-        distinct = np.unique(routed)
+        # (sorted(set()) rather than np.unique: ~1 us against ~20 for a decode step's K experts)
+        distinct = sorted(set(routed.ravel().tolist()))
         tokens = routed.size // routed.shape[-1]
         dense = self._dense_rows is not None and goes_dense(routed.size, self._num_experts, self)
         if tokens > 1 and store.wants_whole_layer(self._layer, len(distinct)):
@@ -134,7 +135,7 @@ class StreamingSwitchGLU(nn.Module):
             return self._gather_glu(x, indices, bank)
         # The routed experts' slots in the layer's bank, and the routing remapped to them.
         slot_of = np.zeros(self._num_experts, dtype=np.uint32)
-        slot_of[distinct] = store.fetch(self._layer, distinct.tolist())
+        slot_of[distinct] = store.fetch(self._layer, distinct)
         slots = slot_of[routed]
         bank = store.bank(self._layer).arrays
         if dense:
