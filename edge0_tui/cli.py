@@ -333,27 +333,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     heads.add_argument("--start-layer", type=int, default=None)
     heads.add_argument("--steps", type=int, default=400)
-    wrap = heads.add_mutually_exclusive_group()
-    wrap.add_argument(
-        "--no-wrap",
-        action="store_true",
-        help="no wrap head (default: one more head, predicting the first MoE layer a token ahead "
-        "so its experts are read ahead; that layer still routes by its own router)",
-    )
-    wrap.add_argument(
-        "--wrap-only",
-        action="store_true",
-        help="train the wrap head alone and add it to K's heads file (--out, else the one the "
-        "adapter search finds), keeping its heads as they are",
-    )
-    heads.add_argument(
-        "--wrap-owner",
-        type=int,
-        default=None,
-        metavar="LAYER",
-        help="the MoE layer that owns the wrap head (default: the second-to-last); an earlier "
-        "one gives its reads more time and predicts less well",
-    )
     heads.add_argument("--max-tokens", type=int, default=60_000)
     corpus = phases.add_parser(
         "corpus", help="the demo corpus: OUT/train.txt and OUT/held_out.txt (the phases' --text)"
@@ -773,9 +752,6 @@ def cmd_train(args: argparse.Namespace) -> int:
         steps=args.steps,
         max_tokens=args.max_tokens,
         window=args.window,
-        wrap=not args.no_wrap,
-        wrap_owner=args.wrap_owner,
-        wrap_only=args.wrap_only,
     )
     engine_config = EngineConfig(expert_cache_bytes=args.expert_cache, data_dir=_data_dir())
     train_heads(

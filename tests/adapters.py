@@ -26,12 +26,8 @@ def profile_k(family: str, k: int = 4) -> int:
     return k if FAMILIES[family].other_k else 1
 
 
-def write_random_profile(
-    model_dir: Path, k: int, seed: int = 0, lora_scale: float = 0.05, wrap_owner: int | None = None
-) -> None:
-    """prerouter_k{k} and lora_k{k} files with random weights for the model in `model_dir`; with
-    `wrap_owner` (a MoE layer, or -i: the i-th MoE layer from the last), the heads file has a wrap
-    head owned by that layer, drawn last: the other heads and the LoRA are those without it."""
+def write_random_profile(model_dir: Path, k: int, seed: int = 0, lora_scale: float = 0.05) -> None:
+    """prerouter_k{k} and lora_k{k} files with random weights for the model in `model_dir`."""
     engine = Engine(model_dir, EngineConfig(mode="on-demand"))
     try:
         loaded = engine.loaded
@@ -49,6 +45,9 @@ def write_random_profile(
             mx.random.normal((n, e, inner)) * 0.3,
             mx.random.normal((n, e, width)) * 0.3,
         )
+        save_prerouter(
+            model_dir / f"prerouter_k{k}.safetensors", heads, owners[0] + 1, engine.fingerprint
+        )
         weights = {}
         for path, module in engine.model.named_modules():
             if path.endswith(LORA_TARGETS):
@@ -58,21 +57,5 @@ def write_random_profile(
                 weights[path] = (a, b)
         assert weights, "no LoRA targets found"
         save_lora(model_dir / f"lora_k{k}.safetensors", weights, 4, 8.0, k, engine.fingerprint)
-        if wrap_owner is not None:
-            moe_layers = sorted(loaded.blocks)
-            owner = moe_layers[wrap_owner] if wrap_owner < 0 else wrap_owner
-            heads.wrap = PrerouterHeads(
-                None,
-                k,
-                [owner],
-                loaded.hidden,
-                e,
-                mx.random.normal((1, inner, width)) * 0.3,
-                mx.random.normal((1, e, inner)) * 0.3,
-                mx.random.normal((1, e, width)) * 0.3,
-            )
-        save_prerouter(
-            model_dir / f"prerouter_k{k}.safetensors", heads, owners[0] + 1, engine.fingerprint
-        )
     finally:
         engine.close()

@@ -68,36 +68,3 @@ def test_cli_train_heads(checkpoint_dir, tmp_path, capsys, monkeypatch):
     assert "K=2: prerouter" not in capsys.readouterr().out  # not in the search without --adapters
     assert main(["info", str(model_dir), "--adapters", str(adapters)]) == 0
     assert "K=2: prerouter (quality not recovered, --adapters folder" in capsys.readouterr().out
-
-
-def test_a_wrap_head_joins_the_heads_it_finds_and_leaves_them_as_they_are(checkpoint_dir, tmp_path):
-    """`--wrap-only` trains the wrap head alone and adds it to K's heads file: the heads a LoRA
-    was trained against stay bit for bit; the engine then reads the first layer ahead too."""
-    from safetensors.numpy import load_file
-
-    model_dir = tmp_path / "model"
-    shutil.copytree(checkpoint_dir("qwen3_moe"), model_dir)
-    text = tmp_path / "text.txt"
-    text.write_text(_text()[:60_000])
-    adapters = tmp_path / "adapters"
-    common = ["--k", "4", "--text", str(text), "--max-tokens", "3000", "--window", "64"]
-    common += ["--steps", "20", "--adapters", str(adapters)]
-    assert main(["train", "heads", str(model_dir), "--no-wrap", *common]) == 0
-    heads_file = adapters / "prerouter_k4.safetensors"
-    before = load_file(heads_file)
-    assert not [name for name in before if name.startswith("wrap.")]
-    assert main(["train", "heads", str(model_dir), "--wrap-only", *common]) == 0
-    after = load_file(heads_file)
-    assert sorted(n for n in after if n.startswith("wrap.")) == [
-        "wrap.fc1.weight",
-        "wrap.fc2.weight",
-        "wrap.linear_init.weight",
-    ]
-    assert all((after[name] == before[name]).all() for name in before)
-    engine = Engine(model_dir, EngineConfig(mode="prerouter", adapter_dirs=(adapters,)))
-    try:
-        wrap = engine.routing.heads.wrap
-        layers = sorted(engine.loaded.blocks)
-        assert wrap.owners == [layers[-2]] and wrap.consumers == [layers[0]]
-    finally:
-        engine.close()

@@ -58,12 +58,11 @@ def _fit(model_dir, traces, state_dir, config, on_step=None):
     loaded = _load(model_dir, "resident")
     layers = traces.shape.layers
     owners = [n for n in layers if n + 1 in layers]
-    consumers = [n + 1 for n in owners]
-    heads = init_heads(loaded, owners, consumers, config.k, config.inner, config.seed)
+    heads = init_heads(loaded, owners, config.k, config.inner, config.seed)
     routing = routing_of(loaded, config.k)
     return fit_heads(
         traces,
-        list(zip(owners, consumers)),
+        owners,
         routing,
         heads,
         config,
@@ -123,7 +122,7 @@ def test_collection_writes_memmaps_window_by_window(checkpoint_dir, tmp_path):
     loaded = _load(model_dir, "resident")
     owners = [n for n in shape.layers if n + 1 in shape.layers]
     w, t = np.array([1, 2, 5]), np.array([0, 3, WINDOW - 2])
-    z, y = batch(traces, [(n, n + 1) for n in owners], w, t, routing_of(loaded, 2))
+    z, y = batch(traces, owners, w, t, routing_of(loaded, 2))
     assert z.shape == (len(owners), 3, shape.hidden + 2 * shape.experts)
     assert y.shape == (len(owners), 3, shape.experts)
     # A window's first position has no previous top-K set: its one-hot is all zero.

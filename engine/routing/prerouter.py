@@ -17,14 +17,6 @@ File format (the reference implementation's, read as published): per owner N,
 [E, H+2E]`, fp16, no biases; nested names such as `layers.N.mlp.prerouter.fc1.weight` are accepted.
 Metadata: ours is flat (`kind`, `K`, `owners`, `start_layer`, `hidden`, `experts`,
 `base_fingerprint`); the reference's is one `__metadata__` key holding a JSON string.
-
-The wrap head (edge0's, optional): `wrap.fc1.weight`, `wrap.fc2.weight`, `wrap.linear_init.weight`
-of the same shapes, owned by the layer in the `wrap_owner` metadata, predicts the *first* MoE
-layer's routing at token t+1. That layer routes by its own router (nothing before it could predict
-it a token ahead), so every miss there blocks; the wrap head's prediction is only read ahead, never
-routed by, and the tokens stay exactly those without it. A late owner gives the reads less time
-(the layers after it, the LM head, sampling) and a better guess; the default is the second-to-last
-MoE layer.
 """
 
 from __future__ import annotations
@@ -104,9 +96,6 @@ class PrerouterHeads:
     linear_init: mx.array  # [n, E, H+2E]
     # The layer each head predicts (its owner's next MoE layer); owner + 1 unless set.
     consumers: list[int] | None = None
-    # The wrap head, one row: owner `wrap.owners[0]`, predicting the first MoE layer a token ahead
-    # for reading ahead only (see the module docstring). None in files without one.
-    wrap: PrerouterHeads | None = None
     # The same weights as [n, in, out] for the flush, once prepared for serving.
     _serving: tuple[mx.array, mx.array, mx.array] | None = field(default=None, repr=False)
 
@@ -137,8 +126,6 @@ class PrerouterHeads:
             mx.contiguous(a.swapaxes(1, 2)) for a in (self.fc1, self.fc2, self.linear_init)
         )
         mx.eval(self._serving)
-        if self.wrap is not None:
-            self.wrap.prepare_for_serving(dtype)
         return self
 
 
@@ -157,17 +144,8 @@ def load_prerouter(
             raise Edge0Error(f"{path}: K={value} is not between 1 and the {experts} experts")
 
     parts: dict[int, dict[str, str]] = {}
-    wrap_parts = {}
     for name in entries:
         pieces = name.split(".")
-        if (
-            len(pieces) == 3
-            and pieces[0] == "wrap"
-            and pieces[1] in HEAD_PARTS
-            and pieces[2] == "weight"
-        ):
-            wrap_parts[pieces[1]] = name
-            continue
         if len(pieces) >= 4 and pieces[0] == "layers" and pieces[-1] == "weight":
             if pieces[-2] in HEAD_PARTS and pieces[1].isascii() and pieces[1].isdigit():
                 head = parts.setdefault(int(pieces[1]), {})
@@ -192,58 +170,37 @@ def load_prerouter(
             f"{num_layers} layers; the last layer owns no head)"
         )
 
-    wrap_owner = metadata_int(meta, "wrap_owner", path)
-    if bool(wrap_parts) != (wrap_owner is not None):
-        raise Edge0Error(
-            f"{path}: a wrap head needs both its wrap.* tensors and the wrap_owner metadata"
-        )
-    if wrap_owner is not None and not 0 <= wrap_owner < num_layers:
-        raise Edge0Error(
-            f"{path}: wrap_owner {wrap_owner} is outside 0..{num_layers - 1} (the model has "
-            f"{num_layers} layers)"
-        )
-
+    width = hidden + 2 * experts
     tensors = load_arrays(path)
     check_finite(path, tensors)
     stacks: dict[str, list[mx.array]] = {p: [] for p in HEAD_PARTS}
-    # The heads' inner width is the file's own: the first fc1 sets it.
-    first = tensors[parts[owners[0]]["fc1"]].shape if "fc1" in parts[owners[0]] else ()
-    inner = first[0] if len(first) == 2 else "inner"
+    inner = None
     for owner in owners:
-        _check_head(path, f"layer {owner}", parts[owner], tensors, entries, inner, hidden, experts)
-        for part in HEAD_PARTS:
-            stacks[part].append(tensors[parts[owner][part]])
+        missing = [p for p in HEAD_PARTS if p not in parts[owner]]
+        if missing:
+            raise Edge0Error(f"{path}: head of layer {owner} lacks {', '.join(missing)}")
+        if inner is None:  # the heads' inner width is the file's own: the first fc1 sets it
+            first = tensors[parts[owner]["fc1"]].shape
+            inner = first[0] if len(first) == 2 else "inner"
+        for part, want in (
+            ("fc1", (inner, width)),
+            ("fc2", (experts, inner)),
+            ("linear_init", (experts, width)),
+        ):
+            name = parts[owner][part]
+            array = tensors[name]
+            if tuple(array.shape) != want:
+                raise Edge0Error(
+                    f"{path}: {part} of layer {owner} of shape {list(array.shape)} does not fit "
+                    f"this model (expected {list(want)}: hidden {hidden} + 2 x {experts} experts)"
+                )
+            if not floating(array):
+                raise Edge0Error(
+                    f"{path}: {part} of layer {owner} is {entries[name].dtype}, not floating point"
+                )
+            stacks[part].append(array)
     fc1, fc2, linear_init = (mx.stack(stacks[p]) for p in HEAD_PARTS)
-    file_k = file_k or k or 0
-    heads = PrerouterHeads(path, file_k, owners, hidden, experts, fc1, fc2, linear_init)
-    if wrap_owner is not None:
-        _check_head(path, "the wrap head", wrap_parts, tensors, entries, inner, hidden, experts)
-        wrap = (tensors[wrap_parts[p]][None] for p in HEAD_PARTS)
-        heads.wrap = PrerouterHeads(path, file_k, [wrap_owner], hidden, experts, *wrap)
-    return heads
-
-
-def _check_head(path, what, names, tensors, entries, inner, hidden: int, experts: int) -> None:
-    """Refuse a head with a part missing, of the wrong shape or not floating point."""
-    missing = [p for p in HEAD_PARTS if p not in names]
-    if missing:
-        raise Edge0Error(f"{path}: {what} lacks {', '.join(missing)}")
-    width = hidden + 2 * experts
-    for part, want in (
-        ("fc1", (inner, width)),
-        ("fc2", (experts, inner)),
-        ("linear_init", (experts, width)),
-    ):
-        array = tensors[names[part]]
-        if tuple(array.shape) != want:
-            raise Edge0Error(
-                f"{path}: {part} of {what} of shape {list(array.shape)} does not fit "
-                f"this model (expected {list(want)}: hidden {hidden} + 2 x {experts} experts)"
-            )
-        if not floating(array):
-            raise Edge0Error(
-                f"{path}: {part} of {what} is {entries[names[part]].dtype}, not floating point"
-            )
+    return PrerouterHeads(path, file_k or k or 0, owners, hidden, experts, fc1, fc2, linear_init)
 
 
 def load_profile_heads(
@@ -266,13 +223,7 @@ def load_profile_heads(
     owners = [o for o in heads.owners if next_moe_layer(o, moe_layers) is not None]
     if not owners:
         raise Edge0Error(f"{path}: none of its owner layers precedes a MoE layer")
-    kept = keep_owners(heads, owners, moe_layers)
-    if heads.wrap is not None:
-        if heads.wrap.owners[0] not in moe_layers:
-            raise Edge0Error(f"{path}: wrap_owner {heads.wrap.owners[0]} is not a MoE layer")
-        kept.wrap = heads.wrap
-        kept.wrap.consumers = [min(moe_layers)]
-    return kept.prepare_for_serving(dtype)
+    return keep_owners(heads, owners, moe_layers).prepare_for_serving(dtype)
 
 
 def next_moe_layer(layer: int, moe_layers) -> int | None:
@@ -308,11 +259,6 @@ def save_prerouter(path: Path, heads: PrerouterHeads, start_layer: int, fingerpr
         tensors[f"layers.{owner}.fc1.weight"] = heads.fc1[i].astype(mx.float16)
         tensors[f"layers.{owner}.fc2.weight"] = heads.fc2[i].astype(mx.float16)
         tensors[f"layers.{owner}.linear_init.weight"] = heads.linear_init[i].astype(mx.float16)
-    wrap = {}
-    if heads.wrap is not None:
-        for part in HEAD_PARTS:
-            tensors[f"wrap.{part}.weight"] = getattr(heads.wrap, part)[0].astype(mx.float16)
-        wrap = {"wrap_owner": str(heads.wrap.owners[0])}
     metadata = {
         "kind": "prerouter",
         "K": str(heads.k),
@@ -322,6 +268,5 @@ def save_prerouter(path: Path, heads: PrerouterHeads, start_layer: int, fingerpr
         "experts": str(heads.experts),
         "base_fingerprint": fingerprint,
         "format_version": "1",
-        **wrap,
     }
     mx.save_safetensors(str(path), tensors, metadata=metadata)

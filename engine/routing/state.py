@@ -63,7 +63,7 @@ class RoutingState:
         self._owner_x: dict[int, mx.array] = {}
         self._owner_now: dict[int, np.ndarray] = {}
         self._owner_before: dict[int, np.ndarray | None] = {}
-        # Heads queued behind their layer, not yet read back: (heads, owners, inds, weights).
+        # Heads queued behind their layer, not yet read back: (owners, inds, weights).
         self._queued: list[tuple[list[int], mx.array, mx.array]] = []
 
     def set_heads(self, heads: PrerouterHeads | None, route_by_predictions: bool = True) -> None:
@@ -74,13 +74,6 @@ class RoutingState:
         self.route_by_predictions = route_by_predictions
         self._owners = set(heads.owners) if heads is not None else set()
         consumers = set(heads.consumers) if heads is not None else set()
-        # The wrap head predicts the first MoE layer a token ahead; that layer still routes by its
-        # own router, so its prediction is only read ahead (a hint), as in prefetch mode.
-        self._wrap = heads.wrap if heads is not None else None
-        self._wrap_owner = self._wrap.owners[0] if self._wrap is not None else None
-        self._hints = set(self._wrap.consumers) if self._wrap is not None else set()
-        self._recorded = self._owners | ({self._wrap_owner} if self._wrap is not None else set())
-        self._routed_consumers = consumers if route_by_predictions else set()
         # Owners that route by their own router: their routing is on the host as soon as they
         # run, so their heads run right then (see `executed`), a whole step before the flush.
         # In prefetch mode that is every owner.
@@ -100,20 +93,17 @@ class RoutingState:
     # -- called by the blocks during the forward ---------------------------------------------------
 
     def prediction_for(self, layer: int) -> tuple[np.ndarray, mx.array] | None:
-        if not self.route_by_predictions or layer in self._hints:
-            return None
-        return self._predictions.get(layer)
+        return self._predictions.get(layer) if self.route_by_predictions else None
 
     def executed(self, layer: int, x: mx.array, routed: np.ndarray) -> None:
-        hinted = not self.route_by_predictions or layer in self._hints
-        if hinted and layer in self._staged:
+        if not self.route_by_predictions and layer in self._staged:
             chosen = set(routed.reshape(-1).tolist())
             self.counters.prefetch_hits += len(chosen & self._staged[layer])
             self.counters.prefetch_routed += len(chosen)
         if self.early_heads:
             # The head queued behind the layer before this one has run by now (or nearly).
             self._read_back_queued()
-        if layer not in self._recorded:
+        if layer not in self._owners:
             return
         per_token = routed.reshape(-1, routed.shape[-1])
         before = per_token[-2] if len(per_token) >= 2 else self._owner_now.get(layer)
@@ -123,43 +113,28 @@ class RoutingState:
         if not self.early_heads:
             return
         if layer in self._early_owners:
-            self._run_early(self.heads, layer)
+            with self.tracer.span(f"early head {layer}", "prerouter"):
+                inds, weights = self._head_graph([layer])
+                mx.eval(inds, weights)
+            self._hand_over([layer], inds, weights)
         elif layer in self._queued_owners:
-            self._queue_behind(self.heads, layer)
-        if layer == self._wrap_owner:
-            if layer in self._routed_consumers:
-                self._queue_behind(self._wrap, layer)
-            else:
-                self._run_early(self._wrap, layer)
-
-    def _run_early(self, heads: PrerouterHeads, layer: int) -> None:
-        """Run `layer`'s head now (its MoE input has computed) and start its reads."""
-        with self.tracer.span(f"early head {layer}", "prerouter"):
-            inds, weights = self._head_graph(heads, [layer])
-            mx.eval(inds, weights)
-        self._hand_over(heads, [layer], inds, weights)
-
-    def _queue_behind(self, heads: PrerouterHeads, layer: int) -> None:
-        """Queue `layer`'s head behind the layer, to read back when the next layer runs."""
-        inds, weights = self._head_graph(heads, [layer])
-        mx.async_eval(inds, weights)
-        self._queued.append((heads, [layer], inds, weights))
+            inds, weights = self._head_graph([layer])
+            mx.async_eval(inds, weights)
+            self._queued.append(([layer], inds, weights))
 
     def _read_back_queued(self) -> None:
-        for heads, owners, inds, weights in self._queued:
+        for owners, inds, weights in self._queued:
             with self.tracer.span(f"early head {owners[0]}", "prerouter"):
                 mx.eval(inds, weights)
             if self.on_layer_computed is not None:
                 for owner in owners:
                     self.on_layer_computed(owner)
-            self._hand_over(heads, owners, inds, weights)
+            self._hand_over(owners, inds, weights)
         self._queued = []
 
-    def _hand_over(
-        self, heads: PrerouterHeads, owners: list[int], inds: mx.array, weights: mx.array
-    ) -> None:
+    def _hand_over(self, owners: list[int], inds: mx.array, weights: mx.array) -> None:
         """Store a head's predictions for the next step and start their reads."""
-        predicted = self._store_predictions(heads, owners, inds, weights)
+        predicted = self._store_predictions(owners, inds, weights)
         if self.on_early_prediction is not None:
             for consumer, experts in predicted.items():
                 self.on_early_prediction(consumer, experts)
@@ -181,26 +156,25 @@ class RoutingState:
         """Run every head not run early this step; the predictions route the next step. Returns
         consumer -> experts for every consumer (early ones included)."""
         heads = self.heads
-        if heads is None or any(o not in self._owner_x for o in self._recorded):
+        if heads is None or any(o not in self._owner_x for o in heads.owners):
             self._predictions, self._staged, self._next = {}, {}, {}
             self._queued = []
             return {}
         self._read_back_queued()
-        for run in (heads, self._wrap):
-            if run is None:
-                continue
-            remaining = [o for o, c in zip(run.owners, run.consumers) if c not in self._next]
-            if remaining:  # in prefetch mode every head ran early
-                inds, weights = self._head_graph(run, remaining)
-                mx.eval(inds, weights)
-                self._store_predictions(run, remaining, inds, weights)
+        done = {o for o, c in zip(heads.owners, heads.consumers) if c in self._next}
+        remaining = [o for o in heads.owners if o not in done]
+        if remaining:  # in prefetch mode every head ran early
+            inds, weights = self._head_graph(remaining)
+            mx.eval(inds, weights)
+            self._store_predictions(remaining, inds, weights)
         self._predictions, self._next = self._next, {}
         self._staged = {layer: frozenset(p[0].tolist()) for layer, p in self._predictions.items()}
         return {layer: p[0] for layer, p in self._predictions.items()}
 
-    def _head_graph(self, heads: PrerouterHeads, owners: list[int]) -> tuple[mx.array, mx.array]:
-        """The (lazy) routing the `heads` of `owners` predict for their consumers: indices and
+    def _head_graph(self, owners: list[int]) -> tuple[mx.array, mx.array]:
+        """The (lazy) routing the heads of `owners` predict for their consumers: indices and
         weights, one row per owner (contiguous runs of the stacked heads at once)."""
+        heads = self.heads
         unknown = np.full(self.k, -1)  # no token before the request's first
         rows = [heads.owners.index(o) for o in owners]
         logits = []
@@ -221,9 +195,10 @@ class RoutingState:
         return route(logits, consumers[0].routing_spec, self.k, bias)
 
     def _store_predictions(
-        self, heads: PrerouterHeads, owners: list[int], inds: mx.array, weights: mx.array
+        self, owners: list[int], inds: mx.array, weights: mx.array
     ) -> dict[int, np.ndarray]:
         """Keep evaluated head outputs as the next step's predictions. Returns consumer -> experts."""
+        heads = self.heads
         host = np.array(inds)
         predicted = {}
         for i, owner in enumerate(owners):

@@ -48,7 +48,6 @@ from ..routing.prerouter import (
     PrerouterHeads,
     head_features,
     head_forward,
-    load_prerouter,
     next_moe_layer,
     save_prerouter,
     sequence_features,
@@ -80,13 +79,6 @@ class TrainHeadsConfig:
     grad_clip: float = 1e6  # in effect none: the loss is smooth (shared loop of every phase)
     checkpoint_every: int = 50  # steps between saved training states
     log_every: int = 50
-    # The wrap head (routing/prerouter.py): owned by this MoE layer (None: the second-to-last),
-    # it predicts the first MoE layer a token ahead, for reading ahead only.
-    wrap: bool = True
-    wrap_owner: int | None = None
-    # Train the wrap head alone and add it to the heads file K already has (`out`, else the one the
-    # adapter search finds), whose heads are kept as they are (a LoRA was trained against them).
-    wrap_only: bool = False
 
 
 @dataclass
@@ -115,24 +107,22 @@ def routing_of(loaded: LoadedModel, k: int) -> Routing:
     return Routing(spec, k, loaded.num_experts, biases)
 
 
-def init_heads(
-    loaded: LoadedModel, owners: list[int], consumers: list[int], k: int, inner: int, seed: int
-):
-    """Heads for owner -> consumer pairs: linear_init starts as the consumer's router."""
+def init_heads(loaded: LoadedModel, owners: list[int], k: int, inner: int, seed: int):
     mx.random.seed(seed)
     hidden, experts = loaded.hidden, loaded.num_experts
     width = hidden + 2 * experts
     blocks = {site.layer: site.parent for site in loaded.sites}  # the family's own blocks
     ops = ops_for(loaded.family.name)
     linear_init = []
-    for consumer in consumers:
-        w = router_weight(ops.router(blocks[consumer])).astype(mx.float32)  # [E, H]
+    for owner in owners:
+        consumer = blocks[next_moe_layer(owner, blocks)]
+        w = router_weight(ops.router(consumer)).astype(mx.float32)  # [E, H]
         linear_init.append(mx.concatenate([w, mx.zeros((experts, 2 * experts))], axis=1))
     n = len(owners)
     fc1 = mx.random.normal((n, inner, width)) * (1.0 / math.sqrt(width))
     fc2 = mx.zeros((n, experts, inner))
     heads = PrerouterHeads(None, k, list(owners), hidden, experts, fc1, fc2, mx.stack(linear_init))
-    heads.consumers = list(consumers)
+    heads.consumers = [next_moe_layer(owner, blocks) for owner in owners]
     mx.eval(heads.fc1, heads.fc2, heads.linear_init)
     return heads
 
@@ -173,18 +163,13 @@ class _Trainee:
 
 
 def batch(
-    traces: TraceFiles,
-    pairs: list[tuple[int, int]],
-    windows: np.ndarray,
-    positions: np.ndarray,
-    routing,
+    traces: TraceFiles, owners: list[int], windows: np.ndarray, positions: np.ndarray, routing
 ) -> tuple[mx.array, mx.array]:
-    """Features [n, B, H+2E] and targets [n, B, E] of (owner, consumer) pairs at (window, position)
-    pairs, read from the traces for this batch only. A position is a token t <= T-2 (its target,
-    the consumer's router logits, is at t+1)."""
+    """Features [n, B, H+2E] and targets [n, B, E] of owners at (window, position) pairs, read from
+    the traces for this batch only. A position is a token t <= T-2 (its target is at t+1)."""
     features, targets = [], []
     first = positions == 0
-    for owner, consumer in pairs:
+    for owner in owners:
         x = traces.read("x", owner, windows, positions)
         sets = routing.top_k(traces.read("logits", owner, windows, positions), owner)
         before = routing.top_k(
@@ -194,6 +179,7 @@ def batch(
         features.append(
             head_features(mx.array(x), mx.array(sets), mx.array(before), routing.experts)
         )
+        consumer = next_moe_layer(owner, traces.shape.layers)
         targets.append(mx.array(traces.read("logits", consumer, windows, positions + 1)))
     return mx.stack(features), mx.stack(targets)
 
@@ -217,30 +203,31 @@ def recall_hits(pred: np.ndarray, target: np.ndarray, routing: Routing, consumer
 
 def heldout_recalls(
     traces: TraceFiles,
-    pairs: list[tuple[int, int]],
+    owners: list[int],
     held: int,
     forward: Callable[[mx.array], mx.array],
     routing: Routing,
-) -> list[float]:
-    """Held-out recall@K of each (owner, consumer) head of `forward` ([n, M, H+2E] -> [n, M, E])
-    over the first `held` windows, EVAL_WINDOWS at a time."""
-    hits = [0] * len(pairs)
+) -> dict[int, float]:
+    """Held-out recall@K per owner of heads `forward` ([n, M, H+2E] -> [n, M, E]) over the first
+    `held` windows, EVAL_WINDOWS at a time."""
+    hits = dict.fromkeys(owners, 0)
+    consumers = {owner: next_moe_layer(owner, traces.shape.layers) for owner in owners}
     total = 0
     for start in range(0, held, EVAL_WINDOWS):
         ws = slice(start, min(held, start + EVAL_WINDOWS))
         features, targets = [], []
-        for owner, consumer in pairs:
+        for owner in owners:
             x = traces.read("x", owner, ws)  # [c, T, H]
             sets = routing.top_k(traces.read("logits", owner, ws), owner)
             z = sequence_features(mx.array(x), mx.array(sets), routing.experts)[:, :-1]
             features.append(z.reshape(-1, z.shape[-1]))
-            logits = traces.read("logits", consumer, ws)
+            logits = traces.read("logits", consumers[owner], ws)
             targets.append(logits[:, 1:].reshape(-1, routing.experts))
         pred = np.array(forward(mx.stack(features)))
-        for i, (_, consumer) in enumerate(pairs):
-            hits[i] += recall_hits(pred[i], targets[i], routing, consumer)
+        for i, owner in enumerate(owners):
+            hits[owner] += recall_hits(pred[i], targets[i], routing, consumers[owner])
         total += targets[0].shape[0] * routing.k
-    return [h / total for h in hits]
+    return {owner: hits[owner] / total for owner in owners}
 
 
 # -- the phase ------------------------------------------------------------------------------------------
@@ -295,27 +282,15 @@ def train_heads(
         owners = [n for n in moe_layers if (next_moe_layer(n, moe_layers) or -1) >= start]
         if not owners:
             raise Edge0Error(f"no owner layers: start layer {start} leaves no MoE layer to predict")
-        pairs = [(owner, next_moe_layer(owner, moe_layers)) for owner in owners]
-        wrap = _wrap_pair(config, moe_layers)
-        base = None
-        if config.wrap_only:  # the heads stay those of the file the wrap head joins
-            out = out or _heads_file(model_dir, fingerprint, engine_config, config.k, folder)
-            base = load_prerouter(
-                out, loaded.num_layers, loaded.hidden, loaded.num_experts, fingerprint, config.k
-            )
-            pairs, owners = [], base.owners
-        trained = pairs + [wrap] * (wrap is not None)
         with training_progress(bar) as bars:
             traces = collect_traces(loaded, windows, work / f"traces-{key}", bars, on_window)
         progress(
             f"collected {describe(traces.shape)} in {time.perf_counter() - started:.1f} s "
-            f"(expert cache {format_bytes(engine_config.expert_cache_bytes)}); training "
-            + (f"{len(pairs)} heads (owners {owners[0]}..{owners[-1]})" if pairs else "")
-            + (" and " if pairs and wrap else "")
-            + (f"the wrap head (layer {wrap[0]} -> layer {wrap[1]}, a token ahead)" if wrap else "")
+            f"(expert cache {format_bytes(engine_config.expert_cache_bytes)}); "
+            f"training {len(owners)} heads (owners {owners[0]}..{owners[-1]})"
         )
         routing = routing_of(loaded, config.k)
-        heads = init_heads(loaded, *map(list, zip(*trained)), config.k, config.inner, config.seed)
+        heads = init_heads(loaded, owners, config.k, config.inner, config.seed)
         baseline = existing_heads(model_dir, fingerprint, engine_config, loaded, config.k)
     finally:
         loaded.store.close()  # the model's part is done; its reader threads and pool go
@@ -327,63 +302,33 @@ def train_heads(
         raise Edge0Error(f"holdout {config.holdout} leaves no windows to train on")
     stack = fit_heads(
         traces,
-        trained,
+        owners,
         routing,
         heads,
         config,
-        work / f"{'wrap' if config.wrap_only else 'heads'}-k{config.k}-{key}",
+        work / f"heads-k{config.k}-{key}",
         fingerprint,
         held,
         progress,
         bar,
     )
+    heads.fc1, heads.fc2, heads.linear_init = stack.fc1, stack.fc2, stack.linear_init
 
     # -- 3. evaluate and save -------------------------------------------------------------------------
-    recalls = heldout_recalls(traces, trained, held, stack, routing)
-    for (owner, consumer), r in zip(trained, recalls):
-        what = "wrap head" if (owner, consumer) == wrap else "head"
+    recalls = heldout_recalls(traces, owners, held, stack, routing)
+    for owner, r in recalls.items():
         progress(
-            f"  {what} of layer {owner:3d} -> layer {consumer:3d}: held-out recall@{config.k} "
-            f"{r:.3f}"
+            f"  head of layer {owner:3d} -> layer {heads.consumers[owners.index(owner)]:3d}: "
+            f"held-out recall@{config.k} {r:.3f}"
         )
     chance = config.k / routing.experts
-    if pairs:
-        mean = float(np.mean(recalls[: len(pairs)]))
-        progress(f"mean recall@{config.k} {mean:.3f} (chance {chance:.3f})")
-    if baseline is not None and pairs:
-        found = heldout_recalls(
-            traces,
-            list(zip(baseline.owners, baseline.consumers)),
-            held,
-            heads_forward(baseline),
-            routing,
-        )
+    mean = float(np.mean(list(recalls.values())))
+    progress(f"mean recall@{config.k} {mean:.3f} (chance {chance:.3f})")
+    if baseline is not None:
+        found = heldout_recalls(traces, baseline.owners, held, heads_forward(baseline), routing)
         progress(
             f"the heads found before for K={config.k} ({baseline.path}): mean recall@{config.k} "
-            f"{np.mean(found):.3f} on the same held-out windows"
-        )
-    n, shape = len(pairs), (heads.hidden, heads.experts)
-    if base is not None:
-        heads, start = base, base.owners[0] + 1
-    else:
-        heads = PrerouterHeads(
-            None,
-            config.k,
-            owners,
-            *shape,
-            stack.fc1[:n],
-            stack.fc2[:n],
-            stack.linear_init[:n],
-        )
-    if wrap is not None:
-        heads.wrap = PrerouterHeads(
-            None,
-            config.k,
-            [wrap[0]],
-            *shape,
-            stack.fc1[n:],
-            stack.fc2[n:],
-            stack.linear_init[n:],
+            f"{np.mean(list(found.values())):.3f} on the same held-out windows"
         )
     out = Path(out) if out is not None else folder / f"prerouter_k{config.k}.safetensors"
     save_prerouter(make_folder(out.parent) / out.name, heads, start, fingerprint)
@@ -397,41 +342,12 @@ def train_heads(
     )
     if note := shadow_note(model_dir, fingerprint, engine_config, config.k, out):
         progress(note)
-    return out, dict(zip(owners, recalls[:n])) if n else {wrap[0]: recalls[-1]}
-
-
-def _wrap_pair(config: TrainHeadsConfig, moe_layers: list[int]) -> tuple[int, int] | None:
-    """(owner, consumer) of the wrap head to train, or None."""
-    if not (config.wrap or config.wrap_only):
-        return None
-    owner = config.wrap_owner
-    if owner is None:  # the second-to-last MoE layer: its head is read back while the last runs
-        owner = moe_layers[-2] if len(moe_layers) > 1 else moe_layers[0]
-    if owner not in moe_layers:
-        raise Edge0Error(f"wrap owner {owner} is not a MoE layer of this model")
-    return owner, moe_layers[0]
-
-
-def _heads_file(
-    model_dir: Path, fingerprint: str, engine_config: EngineConfig, k: int, folder: Path
-) -> Path:
-    """The heads file a wrap head joins: K's in the adapter folder written to, else the one the
-    adapter search serves for K."""
-    own = folder / f"prerouter_k{k}.safetensors"
-    if own.is_file():
-        return own
-    files = search_profiles(model_dir, fingerprint, engine_config).profiles.get(k)
-    if files is None or files.prerouter is None:
-        raise Edge0Error(
-            f"{model_dir}: no prerouter heads for K={k} to add a wrap head to (train them first, "
-            "or name the file with --out)"
-        )
-    return files.prerouter
+    return out, recalls
 
 
 def fit_heads(
     traces: TraceFiles,
-    pairs: list[tuple[int, int]],
+    owners: list[int],
     routing: Routing,
     heads: PrerouterHeads,
     config: TrainHeadsConfig,
@@ -457,7 +373,7 @@ def fit_heads(
         rng = np.random.default_rng([config.seed, 0])  # steps count from 1: 0 is the held-out draw
         flat = rng.integers(0, held * (shape.window - 1), size=config.batch)
         w, t = flat // (shape.window - 1), flat % (shape.window - 1)
-        return loss_fn(*batch(traces, pairs, w, t, routing)).item()
+        return loss_fn(*batch(traces, owners, w, t, routing)).item()
 
     run = TrainingRun(state_dir, _Trainee(stack, fingerprint), config, loss_fn, heldout_loss, log)
     with training_progress(bar) as bars:
@@ -465,7 +381,7 @@ def fit_heads(
         for step in range(run.done + 1, config.steps + 1):
             rng = np.random.default_rng([config.seed, step])
             w, t = sample_positions(rng, held, shape.windows, shape.window, config.batch)
-            loss = run.step(step, *batch(traces, pairs, w, t, routing))
+            loss = run.step(step, *batch(traces, owners, w, t, routing))
             bars.update(task, advance=1, status=f"loss {loss:.4f}")
             if on_step is not None:
                 on_step(step)
