@@ -36,8 +36,8 @@ def test_a_slot_written_on_the_host_is_what_the_bank_computes_with():
 
 
 def test_bf16_widened_into_a_float32_slot_is_what_mlx_casts_whatever_the_slot_held():
-    """The reads widen bf16 scales into float32 slots by copying the high halves: the low halves
-    are zeroed too, so a slot that held other floats gets exactly MLX's cast."""
+    """The reads widen bf16 scales into float32 slots: a slot that held other floats gets
+    exactly MLX's cast."""
     values = mx.array([1.5, -2.0, 3.0e-39, float("inf"), float("nan"), 0.1], dtype=mx.bfloat16)
     bits = np.array(values.view(mx.uint16))
     slot = np.full((2, 3), np.pi, dtype=np.float32)  # low halves not zero

@@ -19,7 +19,6 @@ import fcntl
 import heapq
 import itertools
 import os
-import sys
 import threading
 import time
 from concurrent.futures import Future, wait
@@ -540,10 +539,6 @@ def _to_float32(array: np.ndarray, dtype: str) -> np.ndarray:
     return array.astype(np.float32)
 
 
-# Which uint16 of a float32 holds its high half.
-_HIGH_HALF = 1 if sys.byteorder == "little" else 0
-
-
 def convert_into(source: np.ndarray, dtype: str, slot: np.ndarray) -> None:
     """Write `source` (safetensors `dtype`) into `slot` in the slot's dtype, rounding as MLX's
     `astype` does (bfloat16 slots are stored as uint16: round to nearest even)."""
@@ -552,12 +547,10 @@ def convert_into(source: np.ndarray, dtype: str, slot: np.ndarray) -> None:
         rounded = (bits + (0x7FFF + ((bits >> 16) & 1))) >> 16
         nan = np.isnan(bits.view(np.float32))
         slot[...] = np.where(nan, (bits >> 16) | 0x40, rounded).astype(np.uint16)
-    elif slot.dtype == np.float32 and dtype == "BF16":
-        # bfloat16 is the high half of a float32: copy it there and zero the low half (two
-        # strided copies, 8x cheaper than a widening shift for the demo's 1 KB scales).
-        halves = slot.reshape(-1).view(np.uint16)
-        halves[_HIGH_HALF::2] = source.reshape(-1)
-        halves[1 - _HIGH_HALF :: 2] = 0
+    elif slot.dtype == np.float32 and dtype == "BF16":  # widened in place, no temporary
+        # (Copying the halves with two strided writes is no faster for the demo's 1 KB scales
+        # and 3x slower for the 2.5 MiB experts' 48 KB: 24.8 against 8.2 us.)
+        np.left_shift(source, 16, out=slot.view(np.uint32), dtype=np.uint32)
     elif slot.dtype in (np.float32, np.float16):
         slot[...] = _to_float32(source, dtype)
     else:
