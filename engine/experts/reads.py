@@ -300,17 +300,12 @@ class ExpertReader:
                 convert_into(buffer.view(plan.numpy_dtype).reshape(slot.shape), plan.dtype, slot)
             if tracer.enabled:
                 tracer.complete(
-                    f"pread {what}",
-                    "read",
-                    began,
-                    tracer.now(),
-                    bytes=plan.expert_nbytes,
-                    cold=tensor_cold,
+                    f"pread {what}", "read", began, tracer.now(), bytes=length, cold=tensor_cold
                 )
-            if ahead:  # between two tensors of a read ahead, a read needed now goes first
-                self._queue.run_urgent()
             nbytes += length
             cold += tensor_cold
+            if ahead:  # between two tensors of a read ahead, a read needed now goes first
+                self._queue.run_urgent()
         wall_ms = (time.perf_counter() - start) * 1e3
         return ReadResult(layer_experts.layer, expert, {}, {}, nbytes, cold, wall_ms)
 
