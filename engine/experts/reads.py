@@ -1,4 +1,5 @@
-"""Reading routed experts from the checkpoint with pread, on a pool of reader threads.
+"""Reading routed experts from the checkpoint with pread, on a pool of reader threads (a small
+miss the forward waits for: on the thread that needs it).
 
 Reads go straight into NumPy buffers with `os.preadv` (cold mmap page faults measured 3-4x slower
 than pread on the reference Linux box). Just before each read, `mincore` over the exact byte ranges
@@ -289,9 +290,10 @@ class ExpertReader:
         for plan in plans:
             slot = into[plan.key]
             began = tracer.now()
+            length = plan.expert_nbytes
+            offset = plan.offset + expert * length
             direct = slot.dtype == plan.numpy_dtype
-            buffer = slot if direct else self._scratch(plan.expert_nbytes)
-            offset, length = plan.offset + expert * plan.expert_nbytes, plan.expert_nbytes
+            buffer = slot if direct else self._scratch(length)
             tensor_cold = self._cold_bytes(plan, offset, length)
             self._pread_into(plan.expert_fd, buffer, offset, plan.file)
             if self.pacer is not None:

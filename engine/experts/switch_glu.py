@@ -124,7 +124,7 @@ class StreamingSwitchGLU(nn.Module):
             routed = np.array(indices)
             store.layer_computed(self._layer - 1)
         self.last_routed = routed
-        # (sorted(set()) rather than np.unique: ~1 us against ~20 for a decode step's K experts)
+        # (sorted(set()) rather than np.unique: 0.6 against 3.8 us for a decode step's K experts)
         distinct = sorted(set(routed.ravel().tolist()))
         tokens = routed.size // routed.shape[-1]
         dense = self._dense_rows is not None and goes_dense(routed.size, self._num_experts, self)
