@@ -42,6 +42,7 @@ _ON_FIRST_USE = {
     "cgroup_memory": "engine.runtime.linux_memory",
     "read_meminfo": "engine.runtime.linux_memory",
     "blas_in_use": "engine.runtime.blas",
+    "compute_waits": "engine.runtime.compute_activity",
     "preload_fast_blas": "engine.runtime.blas",
 }
 

@@ -5,9 +5,13 @@ router, blocked waits on expert reads with the expert they waited for, the final
 head flush, sampling); each reader thread records its reads (time queued, pread, copy into MLX
 memory). Open the written JSON in https://ui.perfetto.dev or chrome://tracing.
 
-MLX computes lazily on its own stream thread, which this module cannot see: a layer's compute runs
-between its `async_eval` (an instant marked "submit") and the step's final evaluation. Blocked
-waits while earlier layers were submitted are reads that compute did not hide.
+MLX computes lazily on its own stream thread, which records nothing itself: a layer's compute runs
+between its `async_eval` (an instant marked "submit") and the step's final evaluation. Where that
+thread's CPU clock can be read (Linux, compute on the CPU: `runtime/compute_activity.py`), every
+event also samples it, and the trace gets a counter track: the share of the time since the
+previous event that compute was on a core. Its dips are compute waiting, and the engine span
+above a dip says for what. Blocked waits while earlier layers were submitted are reads that
+compute did not hide.
 
 Tracing is off unless a `Tracer` is passed down; `NO_TRACE` records nothing at almost no cost.
 """
@@ -26,21 +30,31 @@ class Tracer:
     """Collects trace events from any thread; `write` saves them as Chrome trace JSON."""
 
     enabled = True
+    # Whether the engine has this trace follow MLX's compute thread (`follow_clock`).
+    samples_compute = True
 
     def __init__(self) -> None:
         self._origin = time.perf_counter()
         self._events: list[dict] = []
         self._lock = threading.Lock()
         self._named_threads: set[int] = set()
+        # A thread's CPU clock sampled at every event: (clock id, track name), and the samples.
+        self._clock: tuple[int, str] | None = None
+        self._clock_samples: list[tuple[float, int]] = []
+
+    def follow_clock(self, clock_id: int, track: str) -> None:
+        """Sample the CPU-time clock `clock_id` (of a thread that records nothing itself) at every
+        event from now on; `write` turns the samples into the counter track `track`."""
+        self._clock = (clock_id, track)
 
     def now(self) -> float:
         """A timestamp for `complete` (seconds, perf_counter)."""
-        return time.perf_counter()
+        return self._tick()
 
     @contextmanager
     def span(self, name: str, category: str, **args):
         """Record the time the `with` block takes, on the calling thread."""
-        start = time.perf_counter()
+        start = self._tick()
         try:
             yield
         finally:
@@ -77,21 +91,52 @@ class Tracer:
 
     def write(self, path: str | Path) -> Path:
         path = Path(path)
-        with self._lock:
-            events = list(self._events)
+        events = self.events
         document = {"traceEvents": events, "displayTimeUnit": "ms"}
         path.write_text(json.dumps(document, separators=(",", ":")) + "\n")
         return path
 
     @property
     def events(self) -> list[dict]:
+        """The events so far, the followed clock's counter track included."""
         with self._lock:
-            return list(self._events)
+            return list(self._events) + self._clock_track()
 
     def _us(self, t: float) -> float:
         return (t - self._origin) * 1e6
 
+    def _tick(self) -> float:
+        """The time now, and a sample of the followed clock (if any) at that time."""
+        now = time.perf_counter()
+        if self._clock is not None:
+            try:
+                cpu = time.clock_gettime_ns(self._clock[0])
+            except OSError:  # the thread ended: stop following it
+                self._clock = None
+            else:
+                self._clock_samples.append((now, cpu))  # append is thread-safe
+        return now
+
+    def _clock_track(self) -> list[dict]:
+        """Counter events: at each sample, the share of the time until the next one that the
+        followed thread was on a core (samples from several threads, so sorted first)."""
+        if not self._clock_samples:
+            return []
+        track = self._clock[1] if self._clock is not None else "clock"
+        samples = sorted(self._clock_samples)
+        pid = os.getpid()
+        counters = []
+        for (t0, cpu0), (t1, cpu1) in zip(samples, samples[1:]):
+            if t1 > t0:
+                busy = min(max((cpu1 - cpu0) / 1e9 / (t1 - t0), 0.0), 1.0)
+                counters.append(
+                    {"name": track, "ph": "C", "pid": pid, "ts": self._us(t0)}
+                    | {"args": {"busy": round(busy, 4)}}
+                )
+        return counters
+
     def _add(self, event: dict, args: dict) -> None:
+        self._tick()
         thread = threading.current_thread()
         event["pid"], event["tid"] = os.getpid(), thread.ident
         if args:
@@ -116,9 +161,16 @@ class _NoTrace(Tracer):
     """Records nothing: the default, so traced code needs no `if tracer` around each call."""
 
     enabled = False
+    samples_compute = False
 
     def __init__(self) -> None:
         pass
+
+    def follow_clock(self, clock_id: int, track: str) -> None:
+        pass
+
+    def now(self) -> float:
+        return time.perf_counter()
 
     @contextmanager
     def span(self, name: str, category: str, **args):

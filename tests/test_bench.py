@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 import pytest
 
@@ -20,7 +21,8 @@ def test_rotated_arms_replay_the_same_tokens(checkpoint_dir, tmp_path, capsys):
     model = checkpoint_dir("qwen3_moe")
     out = tmp_path / "report.json"
     args = ["bench", str(model), "--arms", "resident,on-demand", "--rounds", "2", "--tokens", "8"]
-    assert main(args + ["--json", str(out), "--expert-cache", "60K"]) == 0
+    traces = tmp_path / "traces"
+    assert main(args + ["--json", str(out), "--expert-cache", "60K", "--trace", str(traces)]) == 0
     printed = capsys.readouterr().out
     assert (
         "| resident |" in printed and "| on-demand |" in printed and "ms/step per decode" in printed
@@ -33,6 +35,17 @@ def test_rotated_arms_replay_the_same_tokens(checkpoint_dir, tmp_path, capsys):
     assert on_demand["figures"]["median_loads"]["median"] > 0
     assert report["arms"]["resident"]["figures"]["median_loads"]["median"] == 0
     assert on_demand["ratios"]["tok_s_vs_resident"] > 0
+    # --trace: a timeline per arm and round, and on Linux how long compute waited a step.
+    assert sorted(p.name for p in traces.iterdir()) == [
+        "on-demand-round1.json",
+        "on-demand-round2.json",
+        "resident-round1.json",
+        "resident-round2.json",
+    ]
+    if sys.platform == "linux":
+        assert "**Compute waits**" in printed
+        waited = on_demand["figures"]["compute_waited_ms"]["median"]
+        assert 0 < waited < on_demand["figures"]["median_wall_ms"]["max"]
 
 
 def test_cold_evicts_and_memory_limit_failures_are_reported(checkpoint_dir):

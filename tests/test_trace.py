@@ -4,6 +4,7 @@ reads are served most urgent first."""
 from __future__ import annotations
 
 import json
+import sys
 import threading
 import time
 from pathlib import Path
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from edge0_tui.cli import main
-from engine import NO_TRACE, Tracer
+from engine import NO_TRACE, Tracer, compute_waits
 from engine.experts.reads import ReadQueue
 
 DEMO = Path(__file__).resolve().parent.parent / "assets" / "demo"
@@ -40,7 +41,8 @@ def test_generate_writes_a_trace_of_steps_reads_and_waits(tmp_path, capsys):
         ]
     )
     assert code == 0
-    assert "trace written" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "trace written" in err
     events = json.loads(trace.read_text())["traceEvents"]
     spans = [e for e in events if e["ph"] == "X"]
     kinds = {e["name"].rsplit(" ", 1)[0] for e in spans}
@@ -59,6 +61,70 @@ def test_generate_writes_a_trace_of_steps_reads_and_waits(tmp_path, capsys):
     steps = [e for e in spans if e["name"].endswith(" step")]
     decode = [e for e in steps if e["name"] == "decode step"]
     assert len(steps) == len(decode) + 2 and 1 <= len(decode) <= 5
+    if sys.platform == "linux":  # MLX's compute thread's clock, sampled at every event
+        busy = [e for e in events if e["ph"] == "C" and e["name"] == "MLX compute busy"]
+        first, last = min(e["ts"] for e in decode), max(e["ts"] + e["dur"] for e in decode)
+        during = [e["args"]["busy"] for e in busy if first <= e["ts"] <= last]
+        assert len(during) > 10 * len(decode) and all(0 <= b <= 1 for b in during)
+        assert min(during) < 0.5 < max(during)  # it computed, and it waited
+        waits = compute_waits(events)
+        assert waits.steps == len(decode) and 0 < waits.waited_ms < waits.step_ms
+        assert "MLX compute waited" in err
+
+
+def _span(name: str, tid: int, start: float, end: float) -> dict:
+    return {"name": name, "ph": "X", "tid": tid, "ts": start, "dur": end - start}
+
+
+def test_compute_waits_add_up_the_idle_share_by_what_the_engine_thread_did():
+    engine = 1
+    busy = [(0, 0.0), (200, 1.0), (600, 0.5), (700, 1.0), (2100, 1.0)]  # from each ts on
+    events = [
+        _span("decode step", engine, 0, 1000),
+        _span("layer 0", engine, 0, 300),
+        _span("blocked 0.5", engine, 100, 250),  # inside layer 0
+        _span("layer 1", engine, 300, 700),
+        _span("sample", engine, 900, 1000),
+        _span("decode step", engine, 1000, 2000),  # the compute never waited in this one
+    ] + [{"name": "MLX compute busy", "ph": "C", "ts": t, "args": {"busy": b}} for t, b in busy]
+    waits = compute_waits(events)
+    assert waits.steps == 2 and waits.step_ms == pytest.approx(1.0)
+    # Waits: 0-200 all idle (layer 0 100, blocked 100), 600-700 half idle (layer 1 50 us).
+    assert waits.waited_ms == pytest.approx(0.125)
+    assert waits.by_engine_span == pytest.approx({"layer": 0.075, "blocked": 0.05})
+    assert compute_waits([e for e in events if e["ph"] != "C"]) is None
+
+
+def test_a_followed_clock_becomes_a_counter_track_of_busy_shares():
+    tracer = Tracer()
+    tracer.follow_clock(time.CLOCK_THREAD_CPUTIME_ID, "this thread busy")
+    with tracer.span("spin", "test"):
+        end = time.perf_counter() + 0.02
+        while time.perf_counter() < end:  # on a core
+            pass
+    with tracer.span("sleep", "test"):
+        time.sleep(0.05)  # off it
+    tracer.instant("done", "test")
+    shares = [e["args"]["busy"] for e in tracer.events if e["ph"] == "C"]
+    assert len(shares) >= 3 and all(0 <= s <= 1 for s in shares)
+    # Samples at the span starts and ends: spinning, then sleeping.
+    assert max(shares) > 0.5 and min(shares) < 0.2
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="per-thread CPU clocks of other threads: Linux")
+def test_the_compute_thread_found_is_the_one_whose_cpu_time_grows_with_mlx_work():
+    import mlx.core as mx
+
+    from engine.runtime.compute_activity import find_compute_thread, thread_cpu_ns
+
+    tid = find_compute_thread()
+    assert tid is not None and tid not in {t.native_id for t in threading.enumerate()}
+    before = thread_cpu_ns(tid)
+    x = mx.random.uniform(shape=(1 << 20,))
+    for _ in range(30):
+        x = mx.exp(-x)
+        mx.eval(x)
+    assert thread_cpu_ns(tid) - before > 1_000_000  # over 1 ms of CPU for 30 MiB-passes
 
 
 def test_trace_of_an_unwritable_path_is_a_clear_error(tmp_path, capsys):

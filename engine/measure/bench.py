@@ -60,6 +60,7 @@ FIGURES = (
     ("disk MiB read", "read_disk_mib", "{:.1f}"),
     ("cold MiB read", "read_cold_mib", "{:.1f}"),
     ("read-busy ms", "read_busy_ms", "{:.0f}"),
+    ("compute waited ms/step", "compute_waited_ms", "{:.1f}"),
 )
 
 
@@ -131,6 +132,7 @@ class ArmRun:
 def run_arm(spec: dict) -> dict:
     """Run one arm (in the child process) and return its figures as plain data."""
     from ..config import EngineConfig, GenerationConfig
+    from ..runtime.compute_activity import compute_waits
     from ..runtime.generation import Engine
 
     config = EngineConfig(
@@ -155,9 +157,12 @@ def run_arm(spec: dict) -> dict:
         disk_before = disk_read_bytes()
         result = engine.generate(spec["prompt_tokens"], forced_tokens=spec["forced_tokens"])
         disk_after = disk_read_bytes()
+        summary = dict(result.summary)
         if spec.get("trace") is not None:
             reads.write(spec["trace"])
-        summary = dict(result.summary)
+            if (waits := compute_waits(reads.events)) is not None:
+                summary["compute_waited_ms"] = waits.waited_ms
+                summary["compute_waits_by_span"] = waits.by_engine_span
         summary["peak_mlx_mib"] = summary["peak_mlx_bytes"] / 2**20
         summary["peak_rss_mib"] = summary["peak_rss_bytes"] / 2**20
         expert_bytes = engine.loaded.index.expert_nbytes
@@ -186,6 +191,7 @@ class ReadSpans(Tracer):
         super().__init__()
         self.spans: list[tuple[float, float, int]] = []
         self.whole_trace = whole_trace  # also keep every event, for `bench --trace`
+        self.samples_compute = whole_trace
 
     def complete(self, name: str, category: str, start: float, end: float, **args) -> None:
         if category == "read" and name.startswith("pread"):
@@ -546,6 +552,25 @@ def markdown(report: dict) -> str:
                 f"| {arm} | {_cell(f, 'read_mib_per_s', '{:.1f}')} | {_x(share)} "
                 f"| {_cell(f, 'read_disk_mib', '{:.1f}')} | {_cell(f, 'read_cold_mib', '{:.1f}')} "
                 f"| {_cell(f, 'read_busy_ms', '{:.0f}')} |"
+            )
+    waits = {a: d for a, d in report["arms"].items() if "compute_waited_ms" in d["figures"]}
+    if waits:
+        lines += [
+            "",
+            "**Compute waits** (`--trace`: ms a decode step that MLX's compute thread was off its "
+            "core, and what the engine thread was doing meanwhile, in the first round)",
+            "",
+            "| arm | compute waited ms/step | the engine thread meanwhile (ms/step) |",
+            "|---|---|---|",
+        ]
+        for arm, data in waits.items():
+            first = next(
+                r for r in report["runs"] if r["arm"] == arm and "compute_waited_ms" in r["summary"]
+            )
+            parts = list(first["summary"]["compute_waits_by_span"].items())[:4]
+            during = ", ".join(f"{name} {ms:.1f}" for name, ms in parts)
+            lines.append(
+                f"| {arm} | {_cell(data['figures'], 'compute_waited_ms', '{:.1f}')} | {during} |"
             )
     overlap = {a: d["overlap"] for a, d in report["arms"].items() if "overlap" in d}
     if overlap:

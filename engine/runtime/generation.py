@@ -37,6 +37,7 @@ from ..routing.moe_block import set_top_k
 from ..routing.prerouter import PrerouterHeads
 from ..trace import NO_TRACE, Tracer
 from .blas import blas_in_use, prefill_kernels
+from .compute_activity import follow_compute
 from .loader import LoadedModel, load, render_chat_template
 from .metrics import MemorySampler, StepMetrics, merged, metal_wired_limit_bytes, summarize
 from .numerics import HiddenGuard, guard_layers
@@ -134,6 +135,8 @@ class Engine:
         self._requested: dict[str, object] = {}
         self._prompt_cache = None  # (KV cache, tokens it holds, (K, mode)) of the last reply
         self.last_prefill: StepMetrics | None = None  # the latest prompt's forwards as one
+        # Whether the tracer samples MLX's compute thread (Linux CPU); None: not tried yet.
+        self._following_compute: bool | None = None
         if self.routing is not None:
             self.routing.shadow_router = self.config.shadow_router
         self.guard = None
@@ -386,6 +389,8 @@ class Engine:
         profile = (self.k, self.mode)
         cache, reused = self._take_prompt_cache(prompt_tokens, profile)
         self._reset_request_state()
+        if self.tracer.samples_compute and self._following_compute is None:
+            self._following_compute = follow_compute(self.tracer)  # once: MLX's thread stays
         try:
             result = self._generate(
                 prompt_tokens, gen, sampler, cache, reused, on_token, should_stop, forced_tokens
