@@ -197,3 +197,38 @@ def test_reader_threads_get_a_core_of_their_own_in_prerouter_mode(profiled_overl
         assert all(c == everywhere for c in _cores_of_threads().values())
     finally:
         engine.close()
+
+
+def test_reads_ahead_in_chunks_land_the_same_bytes_and_let_misses_in(
+    checkpoint_dir, monkeypatch, tmp_path
+):
+    """A read ahead of a tensor bigger than a chunk is read chunk by chunk, with the reads needed
+    now run in between; the experts it lands are the same (the tokens of unchunked reads)."""
+    model_dir = tmp_path / "qwen3_moe-tiny"
+    shutil.copytree(checkpoint_dir("qwen3_moe"), model_dir)
+    write_random_profile(model_dir, 4)
+    config = dict(mode="prerouter", k=4, expert_cache_bytes=60_000)
+    whole = _tokens(model_dir, **config)
+    chunked, between_chunks, inside = [], [], threading.local()
+    real_chunks = reads.ExpertReader._read_ahead_in_chunks
+    real_urgent = reads.ReadQueue.run_urgent
+
+    def chunks(self, plan, buffer, offset, length):
+        chunked.append(length)
+        inside.now = True
+        try:
+            return real_chunks(self, plan, buffer, offset, length)
+        finally:
+            inside.now = False
+
+    def urgent(self):
+        if getattr(inside, "now", False):
+            between_chunks.append(1)
+        return real_urgent(self)
+
+    monkeypatch.setattr(reads, "READ_AHEAD_CHUNK", 512)
+    monkeypatch.setattr(reads.ExpertReader, "_read_ahead_in_chunks", chunks)
+    monkeypatch.setattr(reads.ReadQueue, "run_urgent", urgent)
+    assert _tokens(model_dir, **config) == whole
+    assert chunked and min(chunked) > 512
+    assert len(between_chunks) >= sum((n - 1) // 512 for n in chunked)

@@ -58,6 +58,8 @@ AHEAD = (1,)
 # An expert at least this big that the forward waits for is read in parts, one per projection, on
 # as many threads; below it the per-read fixed cost outweighs what parallel parts would save.
 SPLIT_BYTES = 1 << 20
+# A read ahead reads tensors bigger than this in chunks of it, with reads needed now in between.
+READ_AHEAD_CHUNK = 256 << 10
 
 
 @dataclass
@@ -294,10 +296,13 @@ class ExpertReader:
             offset = plan.offset + expert * length
             direct = slot.dtype == plan.numpy_dtype
             buffer = slot if direct else self._scratch(length)
-            tensor_cold = self._cold_bytes(plan, offset, length)
-            self._pread_into(plan.expert_fd, buffer, offset, plan.file)
-            if self.pacer is not None:
-                self.pacer.pace(tensor_cold, began)
+            if ahead and length > READ_AHEAD_CHUNK:
+                tensor_cold = self._read_ahead_in_chunks(plan, buffer, offset, length)
+            else:
+                tensor_cold = self._cold_bytes(plan, offset, length)
+                self._pread_into(plan.expert_fd, buffer, offset, plan.file)
+                if self.pacer is not None:
+                    self.pacer.pace(tensor_cold, began)
             if not direct:
                 convert_into(buffer.view(plan.numpy_dtype).reshape(slot.shape), plan.dtype, slot)
             if tracer.enabled:
@@ -310,6 +315,29 @@ class ExpertReader:
                 self._queue.run_urgent()
         wall_ms = (time.perf_counter() - start) * 1e3
         return ReadResult(layer_experts.layer, expert, {}, {}, nbytes, cold, wall_ms)
+
+    def _read_ahead_in_chunks(
+        self, plan: _TensorPlan, buffer: np.ndarray, offset: int, length: int
+    ) -> int:
+        """Read a big tensor of a read ahead in chunks, doing any read needed now between two
+        (returns its cold bytes). A miss that arrives meanwhile then waits behind one chunk per
+        reader instead of one tensor: a disk serves requests in turn (the pacer models that). On
+        the wall paced at 240 MiB/s, layer 0's misses took 28 ms a step for ~15 ms of their own
+        cold bytes; with 256 KiB chunks prerouter's step went 170 -> 159 and 188 -> 166 ms
+        (two alternations, 3 rounds each)."""
+        flat = memoryview(buffer).cast("B")
+        cold = 0
+        for start in range(0, length, READ_AHEAD_CHUNK):
+            end = min(start + READ_AHEAD_CHUNK, length)
+            began = time.perf_counter()
+            chunk_cold = self._cold_bytes(plan, offset + start, end - start)
+            self._pread_into(plan.expert_fd, flat[start:end], offset + start, plan.file)
+            if self.pacer is not None:
+                self.pacer.pace(chunk_cold, began)
+            cold += chunk_cold
+            if end < length:
+                self._queue.run_urgent()
+        return cold
 
     @staticmethod
     def _cold_bytes(plan: _TensorPlan, offset: int, length: int) -> int:
@@ -353,7 +381,9 @@ class ExpertReader:
             self._plans[layer_experts.layer] = plans
         return plans
 
-    def _pread_into(self, fd: int, buffer: np.ndarray, offset: int, file: Path) -> None:
+    def _pread_into(
+        self, fd: int, buffer: np.ndarray | memoryview, offset: int, file: Path
+    ) -> None:
         """Fill `buffer` (contiguous) from `offset` of the file."""
         view = memoryview(buffer).cast("B")
         done = 0
