@@ -38,14 +38,16 @@ class Tracer:
         self._events: list[dict] = []
         self._lock = threading.Lock()
         self._named_threads: set[int] = set()
-        # A thread's CPU clock sampled at every event: (clock id, track name), and the samples.
-        self._clock: tuple[int, str] | None = None
+        # A thread's CPU clock sampled at every event (None: none followed, or its thread ended),
+        # the counter track its samples make, and the samples: (perf_counter time, CPU ns).
+        self._clock: int | None = None
+        self._clock_name = ""
         self._clock_samples: list[tuple[float, int]] = []
 
     def follow_clock(self, clock_id: int, track: str) -> None:
         """Sample the CPU-time clock `clock_id` (of a thread that records nothing itself) at every
         event from now on; `write` turns the samples into the counter track `track`."""
-        self._clock = (clock_id, track)
+        self._clock, self._clock_name = clock_id, track
 
     def now(self) -> float:
         """A timestamp for `complete` (seconds, perf_counter)."""
@@ -110,7 +112,7 @@ class Tracer:
         now = time.perf_counter()
         if self._clock is not None:
             try:
-                cpu = time.clock_gettime_ns(self._clock[0])
+                cpu = time.clock_gettime_ns(self._clock)
             except OSError:  # the thread ended: stop following it
                 self._clock = None
             else:
@@ -120,9 +122,6 @@ class Tracer:
     def _clock_track(self) -> list[dict]:
         """Counter events: at each sample, the share of the time until the next one that the
         followed thread was on a core (samples from several threads, so sorted first)."""
-        if not self._clock_samples:
-            return []
-        track = self._clock[1] if self._clock is not None else "clock"
         samples = sorted(self._clock_samples)
         pid = os.getpid()
         counters = []
@@ -130,8 +129,13 @@ class Tracer:
             if t1 > t0:
                 busy = min(max((cpu1 - cpu0) / 1e9 / (t1 - t0), 0.0), 1.0)
                 counters.append(
-                    {"name": track, "ph": "C", "pid": pid, "ts": self._us(t0)}
-                    | {"args": {"busy": round(busy, 4)}}
+                    {
+                        "name": self._clock_name,
+                        "ph": "C",
+                        "pid": pid,
+                        "ts": self._us(t0),
+                        "args": {"busy": round(busy, 4)},
+                    }
                 )
         return counters
 
