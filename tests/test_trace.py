@@ -187,3 +187,17 @@ def test_read_queue_shutdown_cancels_queued_reads_and_reports_errors():
     assert queued.cancelled() or queued.result() == "never"
     with pytest.raises(RuntimeError):
         queue.submit((0, 0), lambda: None)
+
+
+def test_tracing_leaves_a_seeded_reply_as_it_is():
+    """Following MLX's compute thread (a probe evaluation when first traced) draws no random
+    numbers: a sampled reply with a seed is the same traced or not."""
+    from engine import Engine, EngineConfig, GenerationConfig
+
+    gen = GenerationConfig(max_tokens=8, temperature=1.0, seed=7)
+    config = EngineConfig(mode="on-demand", k=4, expert_cache_bytes=4 << 20)
+    replies = []
+    for tracer in (NO_TRACE, Tracer()):
+        with Engine(DEMO, config, tracer=tracer) as engine:
+            replies.append(engine.generate(engine.encode("Where is the duke?"), gen).tokens)
+    assert replies[0] == replies[1]

@@ -63,7 +63,7 @@ def find_compute_thread() -> int | None:
     python = {thread.native_id for thread in threading.enumerate()}
     mx.eval(mx.zeros(1) + 1)  # MLX starts its stream thread on the first evaluation
     before = {tid: thread_cpu_ns(tid) for tid in _native_threads() if tid not in python}
-    probe = mx.random.uniform(shape=(1 << 20,))
+    probe = mx.arange(1 << 20, dtype=mx.float32)  # not mx.random: a seeded reply stays the same
     for _ in range(20):
         probe = mx.sin(probe)  # elementwise, on the stream thread (no BLAS, no helper threads)
         mx.eval(probe)
