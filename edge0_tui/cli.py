@@ -597,16 +597,13 @@ def write_trace(tracer, path: Path) -> None:
     except OSError as e:
         raise Edge0Error(f"{path}: cannot write the trace ({e.strerror or e})") from None
     print(f"edge0: trace written to {path} (open it in https://ui.perfetto.dev)", file=sys.stderr)
-    from engine import compute_waits
+    from engine import compute_waits, largest_waits
 
     waits = compute_waits(tracer.events)
     if waits is not None and waits.steps:
-        during = ", ".join(
-            f"{name} {ms:.1f}" for name, ms in list(waits.by_engine_span.items())[:4]
-        )
         print(
             f"edge0: MLX compute waited {waits.waited_ms:.1f} of a {waits.step_ms:.1f} ms decode "
-            f"step; the engine thread meanwhile (ms a step): {during}",
+            f"step; the engine thread meanwhile (ms a step): {largest_waits(waits.by_engine_span)}",
             file=sys.stderr,
         )
 

@@ -43,6 +43,7 @@ _ON_FIRST_USE = {
     "read_meminfo": "engine.runtime.linux_memory",
     "blas_in_use": "engine.runtime.blas",
     "compute_waits": "engine.runtime.compute_activity",
+    "largest_waits": "engine.runtime.compute_activity",
     "preload_fast_blas": "engine.runtime.blas",
 }
 

@@ -236,10 +236,7 @@ class ExpertReader:
                 buffer = self._scratch(length)
             else:
                 buffer = np.empty(length, dtype=np.uint8)
-            tensor_cold = self._cold_bytes(plan, offset, length)
-            self._pread_into(fd, buffer, offset, plan.file)
-            if self.pacer is not None:
-                self.pacer.pace(tensor_cold, began)
+            tensor_cold = self._read_paced(plan, fd, buffer, offset, length, began)
             read = tracer.now()
             tracer.complete(f"pread {what}", "read", began, read, bytes=length, cold=tensor_cold)
             widen = self.widen_to_float32 and plan.dtype in ("BF16", "F16")
@@ -299,10 +296,7 @@ class ExpertReader:
             if ahead and length > READ_AHEAD_CHUNK:
                 tensor_cold = self._read_ahead_in_chunks(plan, buffer, offset, length)
             else:
-                tensor_cold = self._cold_bytes(plan, offset, length)
-                self._pread_into(plan.expert_fd, buffer, offset, plan.file)
-                if self.pacer is not None:
-                    self.pacer.pace(tensor_cold, began)
+                tensor_cold = self._read_paced(plan, plan.expert_fd, buffer, offset, length, began)
             if not direct:
                 convert_into(buffer.view(plan.numpy_dtype).reshape(slot.shape), plan.dtype, slot)
             if tracer.enabled:
@@ -329,14 +323,33 @@ class ExpertReader:
         cold = 0
         for start in range(0, length, READ_AHEAD_CHUNK):
             end = min(start + READ_AHEAD_CHUNK, length)
-            began = time.perf_counter()
-            chunk_cold = self._cold_bytes(plan, offset + start, end - start)
-            self._pread_into(plan.expert_fd, flat[start:end], offset + start, plan.file)
-            if self.pacer is not None:
-                self.pacer.pace(chunk_cold, began)
-            cold += chunk_cold
+            cold += self._read_paced(
+                plan,
+                plan.expert_fd,
+                flat[start:end],
+                offset + start,
+                end - start,
+                time.perf_counter(),
+            )
             if end < length:
                 self._queue.run_urgent()
+        return cold
+
+    def _read_paced(
+        self,
+        plan: _TensorPlan,
+        fd: int,
+        buffer: np.ndarray | memoryview | mx.array,
+        offset: int,
+        length: int,
+        began: float,
+    ) -> int:
+        """Fill `buffer` with the `length` bytes at `offset` of `plan`'s file, held to the
+        pacer's bandwidth (read began at `began`); returns the bytes that were cold."""
+        cold = self._cold_bytes(plan, offset, length)
+        self._pread_into(fd, buffer, offset, plan.file)
+        if self.pacer is not None:
+            self.pacer.pace(cold, began)
         return cold
 
     @staticmethod

@@ -555,6 +555,8 @@ def markdown(report: dict) -> str:
             )
     waits = {a: d for a, d in report["arms"].items() if "compute_waited_ms" in d["figures"]}
     if waits:
+        from ..runtime.compute_activity import largest_waits  # MLX only with traced arms
+
         lines += [
             "",
             "**Compute waits** (`--trace`: ms a decode step that MLX's compute thread was off its "
@@ -567,8 +569,7 @@ def markdown(report: dict) -> str:
             first = next(
                 r for r in report["runs"] if r["arm"] == arm and "compute_waited_ms" in r["summary"]
             )
-            parts = list(first["summary"]["compute_waits_by_span"].items())[:4]
-            during = ", ".join(f"{name} {ms:.1f}" for name, ms in parts)
+            during = largest_waits(first["summary"]["compute_waits_by_span"])
             lines.append(
                 f"| {arm} | {_cell(data['figures'], 'compute_waited_ms', '{:.1f}')} | {during} |"
             )

@@ -140,6 +140,12 @@ def compute_waits(events: list[dict], step_name: str = "decode step") -> Compute
     return ComputeWaits(len(steps), step_ms, waited / n / 1e3, {k: v / n / 1e3 for k, v in ordered})
 
 
+def largest_waits(by_engine_span: dict[str, float], count: int = 4) -> str:
+    """The `count` engine spans compute waited under the longest, as "layer 7.3, pread 3.3"."""
+    parts = sorted(by_engine_span.items(), key=lambda kv: -kv[1])[:count]
+    return ", ".join(f"{name} {ms:.1f}" for name, ms in parts)
+
+
 def _doing(event: dict, step_name: str) -> bool:
     """Whether a span of the engine thread says what it was doing: not the step itself, and not
     a read's `queued` span (from its submission to its start, whoever ran it meanwhile)."""
