@@ -3,6 +3,8 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# Test workers (pytest-xdist): one per core by default; `make test TEST_WORKERS=0` runs in-process.
+TEST_WORKERS ?= auto
 
 .PHONY: demo test lint format clean
 
@@ -17,7 +19,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/ruff check engine edge0_tui tests
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS)
 
 lint: $(STAMP)
 	$(BIN)/ruff format engine edge0_tui tests
