@@ -73,3 +73,21 @@ def test_residency_answers_are_right_from_many_threads_at_once(tmp_path):
         t.join()
     residency.close()
     assert wrong == []
+
+
+def test_a_whole_layer_read_after_eviction_is_all_cold(checkpoint_dir):
+    """A whole layer (prefill) is read tensor after tensor through a descriptor with readahead,
+    which runs on into the next tensors: their cold bytes are counted before any is read (counted
+    just before each read, the readahead's pages made them look warm)."""
+    engine = Engine(checkpoint_dir("qwen3_moe", "small"), EngineConfig(mode="on-demand"))
+    try:
+        index = engine.loaded.index
+        layer = sorted(index.layers)[0]
+        assert len(index.layers[layer].tensors) > 1
+        for shard in index.shards:
+            evict_file(shard)
+        result = engine.store.reader.submit_layer(layer).result()
+    finally:
+        engine.close()
+    assert result.nbytes == index.layers[layer].nbytes
+    assert result.cold_bytes == result.nbytes

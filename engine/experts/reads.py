@@ -218,9 +218,19 @@ class ExpertReader:
         nbytes = cold = 0
         tracer = self.tracer
         plans = plans or self._plans_of(layer_experts)
+        # A whole layer's cold bytes are counted before any of it is read: the kernel's readahead
+        # for one tensor runs megabytes into the next, and `mincore` just before that one's read
+        # counted those pages warm. On the real-routing wall in a 384 MiB cgroup, cold, prefill's
+        # whole-layer reads counted 262-273 of their 503 MB cold, 355-382 counted first (the rest
+        # were resident when the layer's read began); the disk delivered 586-666 MB for them.
+        layer_cold = (
+            [self._cold_bytes(plan, plan.offset, plan.whole_nbytes) for plan in plans]
+            if expert is None
+            else None
+        )
         # One tensor at a time, read then copied, so that a whole layer's bytes are never held
         # twice (host buffer and MLX array) under a tight memory limit.
-        for plan in plans:
+        for i, plan in enumerate(plans):
             if expert is None:
                 offset, length, fd = plan.offset, plan.whole_nbytes, plan.layer_fd
                 shape = plan.whole_shape
@@ -236,7 +246,8 @@ class ExpertReader:
                 buffer = self._scratch(length)
             else:
                 buffer = np.empty(length, dtype=np.uint8)
-            tensor_cold = self._read_paced(plan, fd, buffer, offset, length, began)
+            cold_now = None if layer_cold is None else layer_cold[i]
+            tensor_cold = self._read_paced(plan, fd, buffer, offset, length, began, cold_now)
             read = tracer.now()
             tracer.complete(f"pread {what}", "read", began, read, bytes=length, cold=tensor_cold)
             widen = self.widen_to_float32 and plan.dtype in ("BF16", "F16")
@@ -343,10 +354,13 @@ class ExpertReader:
         offset: int,
         length: int,
         began: float,
+        cold: int | None = None,
     ) -> int:
         """Fill `buffer` with the `length` bytes at `offset` of `plan`'s file, held to the
-        pacer's bandwidth (read began at `began`); returns the bytes that were cold."""
-        cold = self._cold_bytes(plan, offset, length)
+        pacer's bandwidth (read began at `began`); returns the bytes that were cold (`cold`:
+        counted already, else by `mincore` now)."""
+        if cold is None:
+            cold = self._cold_bytes(plan, offset, length)
         self._pread_into(fd, buffer, offset, plan.file)
         if self.pacer is not None:
             self.pacer.pace(cold, began)
