@@ -46,6 +46,24 @@ def test_bf16_widened_into_a_float32_slot_is_what_mlx_casts_whatever_the_slot_he
     assert slot.view(np.uint32).tolist() == expected.view(np.uint32).tolist()
 
 
+def test_a_bank_that_widens_bf16_takes_the_checkpoints_bits_in_its_high_halves():
+    """A float32 part read from bf16 is written as it is, into the high 16 bits of each float32
+    (the low ones stay zero): that is MLX's cast, slot after slot, with no shift per read."""
+    values = mx.array([1.5, -2.0, 3.0e-39, float("inf"), float("nan"), 0.1], dtype=mx.bfloat16)
+    bits = np.array(values.view(mx.uint16)).reshape(2, 3)
+    bank = SlotBank((SlotPart("s", (2, 3), mx.float32, "BF16"),), capacity=2)
+    for slot in (bank.take(), bank.take()):
+        view = bank.views(slot)["s"]
+        assert view.dtype == np.uint16 and not view.flags.c_contiguous
+        convert_into(bits, "BF16", view)
+        expected = np.array(values.astype(mx.float32)).reshape(2, 3)
+        held = np.array(bank.arrays["s"][slot])
+        assert held.view(np.uint32).tolist() == expected.view(np.uint32).tolist()
+    # A part of another source dtype (or none given) is a plain float32 slot.
+    plain = SlotBank((SlotPart("s", (2, 3), mx.float32, "F16"),), capacity=1)
+    assert plain.views(plain.take())["s"].dtype == np.float32
+
+
 def test_a_slot_still_being_written_is_not_handed_out_until_the_write_ends():
     bank = SlotBank((SlotPart("w", (8,), mx.uint8),), capacity=2)
     first, second = bank.take(), bank.take()

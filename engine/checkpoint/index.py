@@ -19,6 +19,7 @@ import re
 import stat
 import struct
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 from ..errors import Edge0Error
@@ -149,7 +150,7 @@ class LayerExperts:
     num_experts: int
     tensors: tuple[ExpertTensor, ...]
 
-    @property
+    @cached_property  # asked for every expert read
     def expert_nbytes(self) -> int:
         """Bytes on disk of one expert (all its ranges)."""
         return sum(t.expert_nbytes for t in self.tensors)

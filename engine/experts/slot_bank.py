@@ -16,6 +16,7 @@ in flight keeps its slot until the read has finished (`give` with its future).
 from __future__ import annotations
 
 import math
+import sys
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 
@@ -29,11 +30,19 @@ _STORAGE = {mx.bfloat16: mx.uint16}
 
 @dataclass(frozen=True)
 class SlotPart:
-    """One expert tensor of a layout: its name, one expert's shape and its dtype in the bank."""
+    """One expert tensor of a layout: its name, one expert's shape, its dtype in the bank and its
+    dtype in the checkpoint (safetensors name; "" where it does not matter)."""
 
     key: str  # "gate_proj.weight"
     shape: tuple[int, ...]
     dtype: mx.Dtype
+    source: str = ""
+
+    @property
+    def widens_bf16(self) -> bool:
+        """bf16 in the checkpoint, float32 in the bank: a float32 whose low 16 bits are zero *is*
+        the bf16 widened, so the bank keeps those bits zero and a read writes only the high ones."""
+        return self.dtype == mx.float32 and self.source == "BF16" and sys.byteorder == "little"
 
     @property
     def nbytes(self) -> int:
@@ -56,7 +65,14 @@ class SlotBank:
             computed = storage if storage.dtype == part.dtype else storage.view(part.dtype)
             mx.eval(computed)  # a view shares the storage's buffer
             self.arrays[part.key] = computed
-            self._host[part.key] = np.asarray(memoryview(storage))
+            host = np.asarray(memoryview(storage))
+            if part.widens_bf16:
+                # The high halves of the (zeroed) float32s. Copying bf16 bits there is one strided
+                # copy, no casting: 0.6 us for the demo's 1 KB scales against 2.3 us for a widening
+                # shift into the whole float32 (tight loop; 12 us against 5 in the engine, whose
+                # forward has just been through the caches), the same for a 48 KB part.
+                host = host.view(np.uint16)[..., 1::2]
+            self._host[part.key] = host
         self._free = list(range(capacity - 1, -1, -1))  # pop() hands out slot 0 first
         # Slots of reads ahead that were dropped while in flight: free once the read has finished.
         self._draining: dict[int, Future] = {}
@@ -78,7 +94,9 @@ class SlotBank:
             self._free.append(slot)
 
     def views(self, slot: int) -> dict[str, np.ndarray]:
-        """Writable host views of one slot, by tensor key (each a contiguous block)."""
+        """Writable host views of one slot, by tensor key: each a contiguous block, except for
+        parts that widen bf16 (`SlotPart.widens_bf16`), whose view is the high 16 bits of each
+        float32, in uint16: the checkpoint's bf16 bits are written there as they are."""
         return {key: host[slot] for key, host in self._host.items()}
 
     def _reclaim(self, block: bool) -> None:

@@ -140,7 +140,7 @@ class ExpertStore:
             if self.float_dtype is not None and tensor.entry.dtype in ("BF16", "F16", "F32"):
                 dtype = self.float_dtype
             key = f"{tensor.projection}.{tensor.part}"
-            parts.append(SlotPart(key, tuple(tensor.expert_shape), dtype))
+            parts.append(SlotPart(key, tuple(tensor.expert_shape), dtype, tensor.entry.dtype))
         return tuple(parts)
 
     def resident_expert_nbytes(self, layer: int) -> int:
