@@ -592,14 +592,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def write_trace(tracer, path: Path) -> None:
+    events = tracer.events
     try:
-        tracer.write(path)
+        tracer.write(path, events)
     except OSError as e:
         raise Edge0Error(f"{path}: cannot write the trace ({e.strerror or e})") from None
     print(f"edge0: trace written to {path} (open it in https://ui.perfetto.dev)", file=sys.stderr)
     from engine import compute_waits, largest_waits
 
-    waits = compute_waits(tracer.events)
+    waits = compute_waits(events)
     if waits is not None and waits.steps:
         print(
             f"edge0: MLX compute waited {waits.waited_ms:.1f} of a {waits.step_ms:.1f} ms decode "

@@ -159,8 +159,9 @@ def run_arm(spec: dict) -> dict:
         disk_after = disk_read_bytes()
         summary = dict(result.summary)
         if spec.get("trace") is not None:
-            reads.write(spec["trace"])
-            if (waits := compute_waits(reads.events)) is not None:
+            events = reads.events
+            reads.write(spec["trace"], events)
+            if (waits := compute_waits(events)) is not None:
                 summary["compute_waited_ms"] = waits.waited_ms
                 summary["compute_waits_by_span"] = waits.by_engine_span
         summary["peak_mlx_mib"] = summary["peak_mlx_bytes"] / 2**20
