@@ -100,9 +100,11 @@ class ExpertStore:
         for layer, layout in self._layouts.items():
             nbytes = self.index.layers[layer].num_experts * self._expert_nbytes[layer]
             self._layout_bytes[layout] = self._layout_bytes.get(layout, 0) + nbytes
-        self._group_layers = {
-            layout: frozenset(n for n, other in self._layouts.items() if other == layout)
-            for layout in self._layout_bytes
+        # By layer, the layers whose experts share its bank (keyed by layer, not by layout: hashing
+        # a layout's parts on every slot taken cost more than a small expert's pread).
+        self._bank_layers = {
+            layer: frozenset(n for n, other in self._layouts.items() if other == layout)
+            for layer, layout in self._layouts.items()
         }
         # Allocated at the first fetch of each layout (`bank`), once the routing width is known
         # (`check_budget`): a prompt read as whole layers allocates none.
@@ -210,7 +212,7 @@ class ExpertStore:
         takes their experts' slots, then drops the predictions' pins, then the reads ahead (their
         experts are read again when used)."""
         bank = self.bank(layer)
-        layers = self._group_layers[bank.parts]
+        layers = self._bank_layers[layer]
         while True:
             slot = bank.take()
             if slot is not None:
