@@ -43,3 +43,38 @@ def test_read_error_mid_reply_then_a_correct_reply(checkpoint_dir, tmp_path, mod
             engine.generate([1, 2, 3, 4], GREEDY)
         reader._pread_into = healthy
         assert engine.generate([5, 6, 7], GREEDY).tokens == expected
+
+
+def test_a_short_read_goes_on_where_it_stopped_and_the_end_of_a_file_is_an_error(
+    tmp_path, monkeypatch
+):
+    """`preadv` may return fewer bytes than asked: the read goes on from there until the buffer is
+    full; a file that ends first is an error naming it."""
+    import os
+
+    import numpy as np
+
+    from engine.experts.reads import ExpertReader
+
+    path = tmp_path / "shard.safetensors"
+    data = bytes(range(256)) * 4
+    path.write_bytes(data)
+    real = os.preadv
+    offsets = []
+
+    def at_most_30_bytes(fd, buffers, offset):
+        offsets.append(offset)
+        return real(fd, [memoryview(buffers[0]).cast("B")[:30]], offset)
+
+    monkeypatch.setattr(os, "preadv", at_most_30_bytes)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        buffer = np.zeros(100, dtype=np.uint8)
+        ExpertReader._pread_into(None, fd, buffer, 10, path)
+        assert bytes(buffer) == data[10:110]
+        assert offsets == [10, 40, 70, 100]
+        with pytest.raises(OSError, match="unexpected end of file at byte 1024") as error:
+            ExpertReader._pread_into(None, fd, np.zeros(100, dtype=np.uint8), 1000, path)
+        assert error.value.filename == str(path)
+    finally:
+        os.close(fd)

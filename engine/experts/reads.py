@@ -291,7 +291,8 @@ class ExpertReader:
     ) -> ReadResult:
         """Read an expert (its tensors, or only `plans`) into a bank slot, `into`: straight into
         the slot's bytes where the dtypes agree, else through this thread's scratch buffer and
-        converted (bf16 scales widened to float32 on the CPU). The result holds no arrays."""
+        copied or converted into it (bf16 scales widened to float32 on the CPU:
+        `SlotPart.widens_bf16`). The result holds no arrays."""
         start = time.perf_counter()
         tracer = self.tracer
         traced = tracer.enabled
@@ -364,7 +365,7 @@ class ExpertReader:
         pacer's bandwidth (read began at `began`); returns the bytes that were cold (`cold`:
         counted already, else by `mincore` now)."""
         if cold is None:
-            cold = length - plan.residency.resident_bytes(offset, length)
+            cold = self._cold_bytes(plan, offset, length)
         self._pread_into(fd, buffer, offset, plan.file)
         if self.pacer is not None:
             self.pacer.pace(cold, began)
@@ -415,17 +416,14 @@ class ExpertReader:
     def _pread_into(
         self, fd: int, buffer: np.ndarray | memoryview, offset: int, file: Path
     ) -> None:
-        """Fill `buffer` (contiguous) from `offset` of the file."""
-        try:
-            done = os.preadv(fd, [buffer], offset)  # nearly always all at once
-        except OSError as e:
-            raise OSError(e.errno, e.strerror, str(file)) from None
-        if done == buffer.nbytes:
-            return
-        view = memoryview(buffer).cast("B")
-        while done < len(view):
+        """Fill `buffer` (contiguous) from `offset` of the file. The buffer goes to `preadv` as
+        it is (no memoryview to make for the read that nearly always fills it at once); a short
+        read goes on from where it stopped."""
+        remaining = buffer
+        done = 0
+        while done < buffer.nbytes:
             try:
-                n = os.preadv(fd, [view[done:]], offset + done)
+                n = os.preadv(fd, [remaining], offset + done)
             except OSError as e:
                 raise OSError(e.errno, e.strerror, str(file)) from None
             if n == 0:
@@ -433,6 +431,7 @@ class ExpertReader:
                     errno.EIO, f"unexpected end of file at byte {offset + done}", str(file)
                 )
             done += n
+            remaining = memoryview(buffer).cast("B")[done:]
 
     def wait(self, future: Future[ReadResult]) -> None:
         """Wait for a read, doing reads needed now on this thread meanwhile."""
