@@ -18,7 +18,6 @@ from adapters import write_random_profile
 import engine.experts.reads as reads
 from edge0_tui.cli import main
 from engine.config import EngineConfig, GenerationConfig
-from engine.experts.pool import ExpertPool, ResidentExpert
 from engine.experts.reads import NOW, ReadQueue
 from engine.runtime.generation import Engine
 
@@ -88,25 +87,6 @@ def test_reads_for_the_next_step_go_after_this_steps_reads_ahead():
     finally:
         queue.shutdown()
     assert order == ["step 7, layer 2", "step 7, layer 4", "step 8, layer 1"]
-
-
-def _expert() -> ResidentExpert:
-    return ResidentExpert(slot=0, nbytes=100)
-
-
-def test_pool_evicts_predicted_layers_before_self_routed_ones():
-    pool = ExpertPool(budget_bytes=400, policy="lru")
-    pool.kept_layers = frozenset({0})
-    for key in [(0, 0), (0, 1), (1, 0), (1, 1)]:
-        pool.put(key, _expert())
-    pool.get((1, 0))
-    pool.get((1, 1))  # layer 0's experts are now the least recent: LRU alone would evict them
-    pool.put((2, 0), _expert())
-    pool.put((2, 1), _expert())
-    assert (0, 0) in pool and (0, 1) in pool
-    # Only kept and protected experts left: a kept layer's expert goes rather than overrun.
-    pool.put((3, 0), _expert(), protected=[(2, 0), (2, 1), (3, 0)])
-    assert pool.resident_bytes <= 400 and (3, 0) in pool and (0, 0) not in pool
 
 
 def test_bench_reports_the_overlap_limit_from_a_compute_only_arm(checkpoint_dir, tmp_path):

@@ -392,16 +392,20 @@ def test_every_head_starts_its_reads_during_the_step(profiled):
         owners = engine.routing.heads.owners
         early = [o for o in owners if o not in {p + 1 for p in owners}]
         assert early, "the profile has no self-routed owner"
-        staged = engine.routing.on_early_prediction
-        engine.routing.on_early_prediction = lambda layer, experts: (
-            events.append(("early", engine.store.pool.step, layer)),
-            staged(layer, experts),
-        )
-        computed = engine.routing.on_layer_computed
-        engine.routing.on_layer_computed = lambda layer: (
-            events.append(("computed", engine.store.pool.step, layer)),
-            computed(layer),
-        )
+        store = engine.store
+
+        class RecordingReads:
+            """What the routing state hands the store during the forward, recorded."""
+
+            def stage(self, layer, experts):
+                events.append(("early", store.pool.step, layer))
+                store.stage(layer, experts)
+
+            def layer_computed(self, layer):
+                events.append(("computed", store.pool.step, layer))
+                store.layer_computed(layer)
+
+        engine.routing.reads_ahead = RecordingReads()
         flush = engine.routing.flush
         engine.routing.flush = lambda: (events.append(("flush", engine.store.pool.step)), flush())[
             1
@@ -471,7 +475,8 @@ def test_prefetch_drops_reads_ahead_its_step_did_not_use(profiled):
     def recording_end_step():
         counters = end_step()
         # What stays staged is only what was issued during this step for the next one.
-        held_after_step.append((len(store._staged), store._issued_for_next_step))
+        held = sum(store.pool.is_read_ahead(key) for key in _all_experts(store))
+        held_after_step.append((held, store._issued_for_next_step))
         return counters
 
     store.end_step = recording_end_step
@@ -484,6 +489,10 @@ def test_prefetch_drops_reads_ahead_its_step_did_not_use(profiled):
     used = sum(s.prefetch_in_time + s.prefetch_late for s in decode)
     assert used < issued  # the heads mispredict, so some reads ahead go unused
     assert all(held <= next_step for held, next_step in held_after_step)
+
+
+def _all_experts(store) -> list[tuple[int, int]]:
+    return [(n, e) for n, layer in store.index.layers.items() for e in range(layer.num_experts)]
 
 
 TWELVE_TOKENS = GenerationConfig(max_tokens=12)

@@ -112,13 +112,13 @@ def test_the_cache_size_never_changes_the_tokens(profiled, mode):
 def _watch_evictions(store) -> list:
     """Record every expert evicted while a layer that used it this step is not yet known to have
     computed (its slot could then be rewritten under it). Watched from the outside: which experts
-    each layer fetched, and which layers the store was told have computed."""
+    each layer fetched, and which layers the pool was told have computed."""
     pool = store.pool
     used: dict = {}  # key -> step it was fetched in
     computed: dict = {}  # step -> the last layer known computed
     violations: list = []
-    fetch, on_drop = store.fetch, pool.on_drop
-    unpin_computed, unpin_through = pool.unpin_computed, pool.unpin_through
+    fetch, drop = store.fetch, pool._drop
+    layer_computed, end_step = pool.layer_computed, pool.end_step
 
     def watched_fetch(layer, experts):
         slots = fetch(layer, experts)
@@ -126,28 +126,28 @@ def _watch_evictions(store) -> list:
             used[(layer, expert)] = pool.step
         return slots
 
-    def watched_unpin_computed(layer):
+    def watched_layer_computed(layer):
         computed[pool.step] = max(layer, computed.get(pool.step, -1))
-        unpin_computed(layer)
+        layer_computed(layer)
 
-    def watched_unpin_through(step):  # the step is over: all of it computed
-        computed[step] = float("inf")
-        unpin_through(step)
+    def watched_end_step():  # the step is over: all of it computed
+        computed[pool.step] = float("inf")
+        end_step()
 
-    def watched_drop(key, expert):
+    def watched_drop(key):
         if used.get(key) == pool.step and key[0] > computed.get(pool.step, -1):
             violations.append((pool.step, key))
-        on_drop(key, expert)
+        drop(key)
 
     store.fetch = watched_fetch
-    pool.unpin_computed = watched_unpin_computed
-    pool.unpin_through = watched_unpin_through
-    pool.on_drop = watched_drop
+    pool.layer_computed = watched_layer_computed
+    pool.end_step = watched_end_step
+    pool._drop = watched_drop
     return violations
 
 
 def test_a_bank_too_small_for_a_wider_k_is_made_again_at_the_next_step(profiled):
-    """`check_budget` (any thread) only records the K; the engine's next step remakes a bank that
+    """`set_top_k` (any thread) only records the K; the engine's next step remakes a bank that
     cannot hold one routed set of it, and the tokens do not change. (With one layout the budget
     check already guarantees room; a model whose layers differ in layout can need this.)"""
     with Engine(profiled, EngineConfig(mode="on-demand", k=4)) as engine:
@@ -159,7 +159,7 @@ def test_a_bank_too_small_for_a_wider_k_is_made_again_at_the_next_step(profiled)
         layer = min(store.index.layers)
         small = store.bank(layer)
         assert small.capacity == 6
-        store._min_slots = small.capacity + 1  # as a wider K's check would record it
+        store.pool.require_slots(small.capacity + 1)  # as a wider K's `set_top_k` does
         assert engine.generate([5, 9, 13, 17], GREEDY).tokens == want
         assert store.bank(layer) is not small
         assert store.bank(layer).capacity == small.capacity + 1

@@ -1,210 +1,322 @@
-"""The bounded pool of routed experts resident in MLX memory.
+"""The expert pool: the one owner of the expert cache.
 
-One byte budget covers every layer. A resident expert is a slot of a `SlotBank` (the store owns
-the banks and hands slots out); the pool decides which experts stay, and gives an evicted expert's
-slot back through `on_drop`.
+The pool knows, for every routed expert in memory, which slot of which slot bank it sits in; and
+for every slot, why it may or may not be given to another expert:
+- **in use**: a layer of this step computes with it and may still be queued on the MLX stream;
+- **pinned**: a coming step is known to route to it (a prediction);
+- **read ahead**: a read for a coming step is writing into it (with its bytes reserved);
+- **kept**: its layer's misses block the forward, so it is evicted after the others.
+One byte budget covers every layer. Which expert to evict among those that may go is the eviction
+policy's answer (`eviction.py`); everything else about residency is decided here, and the store
+(`store.py`), the engine and the routing state change it only through these methods.
 
-Eviction policies:
-- `lru`: least recently used.
-- `lfu-aging`: least frequently used, where every use adds 1 to an expert's score and all scores
-  decay by half every `half_life` steps. Recency and frequency both count: an expert used on every
-  token survives a burst of one-off experts, and a formerly hot expert fades. Scores outlive
-  residency (a ghost history), so an expert that keeps coming back is kept over one-offs even when
-  the pool is smaller than one step's working set. It is kept as a heap on a static key,
-  `log(score) + step * ln2 / half_life`, since uniform decay never reorders entries.
+Slot banks (`slot_bank.py`) are allocated at the first slot taken for each expert layout (usually
+one for the whole model), sized to the budget's share for the layout and to at least one routed
+set (`require_slots`).
 """
 
 from __future__ import annotations
 
-import heapq
-import math
-from collections import OrderedDict
+from collections import Counter
 from collections.abc import Callable, Collection
+from concurrent.futures import Future
 from dataclasses import dataclass
 
-ExpertKey = tuple[int, int]  # (layer, expert)
+import mlx.core as mx
+import numpy as np
+
+from .eviction import ExpertKey, make_policy
+from .freed_memory import release_freed_memory
+from .slot_bank import SlotBank, SlotPart
+
+Layout = tuple[SlotPart, ...]
 
 
 @dataclass
-class ResidentExpert:
-    slot: int  # in its layer's slot bank
-    nbytes: int
+class ReadAhead:
+    """A read issued for a coming step's expert: the step it is for, the read, its slot."""
 
-
-class LRUPolicy:
-    def __init__(self) -> None:
-        self._order: OrderedDict[ExpertKey, None] = OrderedDict()
-
-    def touch(self, key: ExpertKey, step: int) -> None:
-        self._order[key] = None
-        self._order.move_to_end(key)
-
-    def remove(self, key: ExpertKey) -> None:
-        self._order.pop(key, None)
-
-    def victim(self, protected: Collection[ExpertKey]) -> ExpertKey | None:
-        return next((k for k in self._order if k not in protected), None)
-
-
-class LFUAgingPolicy:
-    def __init__(self, half_life: float = 32.0) -> None:
-        self._rate = math.log(2) / half_life
-        # key -> (score, step of last use, version) for every expert ever used, resident or not: an
-        # expert evicted and routed again comes back with its history, so in a pool smaller than a
-        # step's working set the experts that recur win over one-offs (else all newcomers tie).
-        self._score: dict[ExpertKey, tuple[float, int, int]] = {}
-        self._resident: set[ExpertKey] = set()
-        # Heap entries carry the version they were pushed with: an entry superseded by a later
-        # touch, or of an expert no longer resident, is skipped.
-        self._heap: list[tuple[float, int, ExpertKey]] = []
-        self._version = 0
-
-    def touch(self, key: ExpertKey, step: int) -> None:
-        score, last, _ = self._score.get(key, (0.0, step, 0))
-        score = score * math.exp(-self._rate * (step - last)) + 1.0
-        self._version += 1
-        self._score[key] = (score, step, self._version)
-        self._resident.add(key)
-        heapq.heappush(self._heap, (self._priority(score, step), self._version, key))
-        if len(self._heap) > 4 * len(self._resident) + 64:
-            self._heap = [
-                (self._priority(s, t), v, k)
-                for k, (s, t, v) in self._score.items()
-                if k in self._resident
-            ]
-            heapq.heapify(self._heap)
-
-    def _priority(self, score: float, step: int) -> float:
-        return math.log(score) + self._rate * step
-
-    def remove(self, key: ExpertKey) -> None:
-        self._resident.discard(key)
-
-    def victim(self, protected: Collection[ExpertKey]) -> ExpertKey | None:
-        kept, found = [], None
-        while self._heap:
-            entry = heapq.heappop(self._heap)
-            _, version, key = entry
-            if key not in self._resident or self._score[key][2] != version:
-                continue  # superseded by a later touch, or evicted
-            kept.append(entry)
-            if key not in protected:
-                found = key
-                break
-        for entry in kept:
-            heapq.heappush(self._heap, entry)
-        return found
-
-
-def make_policy(name: str) -> LRUPolicy | LFUAgingPolicy:
-    # Half-life 32 steps: the best of 4/8/32 in `python -m engine.measure.microbench eviction`. On the
-    # demo model's real routing (4,800 layer fetches) LFU-aging beat LRU at 10%, 50% and 75%
-    # budgets (8.3 vs 0.0%, 55.5 vs 49.7%, 79.8 vs 76.7% hits) and lost at 25% (27.9 vs 31.2%);
-    # on the synthetic small model it won or tied at every budget.
-    return LRUPolicy() if name == "lru" else LFUAgingPolicy(half_life=32.0)
+    step: int
+    read: Future
+    slot: int
 
 
 class ExpertPool:
-    """Resident experts under a byte budget. Experts in `protected` are never evicted."""
-
     def __init__(
         self,
+        layouts: dict[int, Layout],
+        experts_per_layer: dict[int, int],
         budget_bytes: int,
         policy: str = "lfu-aging",
-        on_drop: Callable[[ExpertKey, ResidentExpert], None] | None = None,
     ) -> None:
         self.budget_bytes = budget_bytes
-        self.on_drop = on_drop  # an expert left the pool (evicted or cleared): free its slot
         self.policy = make_policy(policy)
-        self._experts: dict[ExpertKey, ResidentExpert] = {}
-        self.resident_bytes = 0
-        # Bytes promised to reads ahead in flight or waiting for their step (`reserve`): they count
-        # against the budget from the moment they are issued, so experts read ahead never take
-        # memory beyond it.
-        self.reserved_bytes = 0
-        self.evictions = 0
         self.step = 0
-        # Experts a step is known to route to (predictions), with the step: never evicted until
-        # that step's layer has computed (`unpin_computed`) or the step ended (`unpin_through`).
-        self.pinned: dict[ExpertKey, int] = {}
-        # Experts a layer of this step computes with (`use`): their slots must not be written
-        # while the layer may still be queued on the MLX stream. Released like pins.
-        self.in_use: dict[ExpertKey, int] = {}
-        # Layers whose misses block the forward while others' are read a step ahead (prerouter
-        # mode: the layers that route by their own router). Their experts are evicted last: a
-        # miss there costs blocked time, a predicted layer's miss only a read hidden under compute.
-        self.kept_layers: frozenset[int] = frozenset()
+        self.evictions = 0
+        self.resident_bytes = 0
+        # Bytes promised to reads ahead in flight or waiting for their step: they count against
+        # the budget from the moment they are issued, so experts read ahead never take memory
+        # beyond it.
+        self.reserved_bytes = 0
+        self._slots: dict[ExpertKey, int] = {}  # resident expert -> its slot in its layer's bank
+        self._pinned: dict[ExpertKey, int] = {}  # -> the step that routes to it
+        self._in_use: dict[ExpertKey, int] = {}  # -> the step whose layer computes with it
+        self._reads_ahead: dict[ExpertKey, ReadAhead] = {}
+        self._given_up: Counter[int] = Counter()  # reads ahead given up, by the step they were for
+        self._kept_layers: frozenset[int] = frozenset()
+
+        self._layouts = layouts
+        self.expert_nbytes = {layer: sum(p.nbytes for p in lay) for layer, lay in layouts.items()}
+        # Every layout's expert bytes in the checkpoint, and by layer the layers sharing its bank
+        # (keyed by layer, not by layout: hashing a layout's parts on every slot taken is slow).
+        self._layout_bytes: Counter[Layout] = Counter()
+        for layer, layout in layouts.items():
+            self._layout_bytes[layout] += experts_per_layer[layer] * self.expert_nbytes[layer]
+        self._bank_layers = {
+            layer: frozenset(n for n, other in layouts.items() if other == layout)
+            for layer, layout in layouts.items()
+        }
+        self._banks: dict[Layout, SlotBank] = {}
+        self._bank_of: dict[int, SlotBank] = {}  # by layer
+        self._min_slots = 1  # every bank holds at least one layer's routed set
+
+    # -- what is resident ---------------------------------------------------------------------------
 
     def __contains__(self, key: ExpertKey) -> bool:
-        return key in self._experts
+        return key in self._slots
 
     def __len__(self) -> int:
-        return len(self._experts)
+        return len(self._slots)
 
-    def get(self, key: ExpertKey) -> ResidentExpert | None:
-        expert = self._experts.get(key)
-        if expert is not None:
-            self.policy.touch(key, self.step)
-        return expert
+    def keys(self) -> list[ExpertKey]:
+        return list(self._slots)
 
-    def put(
-        self, key: ExpertKey, expert: ResidentExpert, protected: Collection[ExpertKey] = ()
-    ) -> None:
-        """Admit an expert, evicting others (never `protected` ones) until the budget holds.
+    def slot_of(self, key: ExpertKey) -> int | None:
+        """The slot `key` sits in (None: not resident), without counting a use."""
+        return self._slots.get(key)
 
-        If only protected experts remain the pool runs over budget until they are released: the
-        experts a layer routes to are always all there.
-        """
-        if key in self._experts:
-            self._drop(key)
-        self._make_room(expert.nbytes, protected)
-        self._experts[key] = expert
-        self.resident_bytes += expert.nbytes
-        self.policy.touch(key, self.step)
+    @property
+    def in_use(self) -> bool:
+        """Whether any layer of this step still computes with a slot."""
+        return bool(self._in_use)
 
-    def reserve(self, nbytes: int) -> bool:
-        """Promise `nbytes` to a read ahead, evicting (never pinned experts) to keep the budget.
-        False, promising nothing, when even that leaves no room: the read is then not made ahead
-        (its layer reads it when it runs) rather than taking memory beyond the budget."""
-        self._make_room(nbytes, ())
-        if self.resident_bytes + self.reserved_bytes + nbytes > self.budget_bytes:
+    def is_read_ahead(self, key: ExpertKey) -> bool:
+        return key in self._reads_ahead
+
+    # -- slot banks ---------------------------------------------------------------------------------
+
+    def bank(self, layer: int) -> SlotBank:
+        """The slot bank `layer`'s experts live in, allocated at the first call for its layout."""
+        bank = self._bank_of.get(layer)
+        if bank is None:
+            layout = self._layouts[layer]
+            bank = self._banks.get(layout)
+            if bank is None:
+                # A prompt read as whole layers left their buffers behind: give them back first,
+                # or the process holds both.
+                release_freed_memory()
+                bank = self._banks[layout] = SlotBank(layout, self.capacity(layer))
+            self._bank_of[layer] = bank
+        return bank
+
+    def views(self, layer: int, slot: int) -> dict[str, np.ndarray]:
+        """Writable host views of `slot` in `layer`'s bank: where a read lands."""
+        return self.bank(layer).views(slot)
+
+    def capacity(self, layer: int) -> int:
+        """How many experts of `layer`'s layout the cache holds: the budget's share for the
+        layout (its share of the checkpoint's expert bytes), at least one routed set, at most
+        every expert of the layout."""
+        layout = self._layouts[layer]
+        slot_nbytes = self.expert_nbytes[layer]
+        share = self.budget_bytes * self._layout_bytes[layout] // sum(self._layout_bytes.values())
+        experts = self._layout_bytes[layout] // slot_nbytes
+        return min(experts, max(share // slot_nbytes, self._min_slots))
+
+    @property
+    def bank_bytes(self) -> int:
+        """MLX bytes held by the slot banks (the expert cache, allocated)."""
+        return sum(bank.nbytes for bank in self._banks.values())
+
+    def require_slots(self, routed: int) -> None:
+        """Every bank must hold `routed` experts (one layer's routed set at a new K). May be called
+        from any thread: a bank too small is made again at the next `begin_step`, on the engine's."""
+        self._min_slots = max(self._min_slots, routed)
+
+    # -- steps --------------------------------------------------------------------------------------
+
+    def begin_step(self) -> bool:
+        """A step starts. True when the pool started again, empty: its banks were made for a
+        narrower K than `require_slots` now asks (every resident expert and read ahead dropped)."""
+        self.step += 1
+        if all(bank.capacity >= self._min_slots for bank in self._banks.values()):
             return False
-        self.reserved_bytes += nbytes
+        self.close()
         return True
 
-    def pin(self, key: ExpertKey, step: int) -> None:
-        self.pinned[key] = max(step, self.pinned.get(key, step))
-
-    def use(self, key: ExpertKey) -> None:
-        """A layer of this step computes with `key`."""
-        self.in_use[key] = self.step
-
-    def unpin_computed(self, layer: int) -> None:
-        """This step's pins of `layer` and of every layer before it end: the layer has computed,
-        and MLX's stream runs in order, so every layer before it has too (pins for later steps
-        stay)."""
-        for held in (self.pinned, self.in_use):
+    def layer_computed(self, layer: int) -> None:
+        """`layer`, and so every layer before it (MLX's stream runs in order), has computed this
+        step: its experts are no longer in use, and this step's pins of them end (pins for
+        later steps stay)."""
+        for held in (self._pinned, self._in_use):
             done = [k for k, step in held.items() if k[0] <= layer and step <= self.step]
             for key in done:
                 del held[key]
 
-    def unpin_through(self, step: int) -> None:
-        """Every pin and use for `step` or before ends: the step is over."""
-        self.pinned = {k: s for k, s in self.pinned.items() if s > step}
-        self.in_use = {k: s for k, s in self.in_use.items() if s > step}
+    def end_step(self) -> None:
+        """The step is over: every use and pin for it ends, and the reads ahead made for it that
+        it did not use are dropped. In prefetch mode the true router routes, so a mispredicted
+        expert's read is never consumed; kept, its slot and bytes would stay taken until the
+        request ended. One not started is cancelled (its disk time is not wasted); one in
+        flight finishes on its own and is dropped."""
+        self._pinned = {k: s for k, s in self._pinned.items() if s > self.step}
+        self._in_use = {k: s for k, s in self._in_use.items() if s > self.step}
+        for key in [k for k, ahead in self._reads_ahead.items() if ahead.step <= self.step]:
+            self._forget_read_ahead(key)
 
-    def release(self, nbytes: int) -> None:
-        """Take back a promise: the read ahead was admitted with `put`, or dropped."""
+    def keep_layers(self, layers: Collection[int]) -> None:
+        """Evict experts of `layers` last: layers whose misses block the forward while others' are
+        read a step ahead (prerouter mode: the layers that route by their own router)."""
+        self._kept_layers = frozenset(layers)
+
+    def pop_given_up(self, through_step: int) -> int:
+        """How many reads ahead for steps up to `through_step` were given up for a miss's slot."""
+        done = [step for step in self._given_up if step <= through_step]
+        return sum(self._given_up.pop(step) for step in done)
+
+    # -- the forward --------------------------------------------------------------------------------
+
+    def use(self, key: ExpertKey) -> int | None:
+        """A layer of this step computes with `key`: its slot, or None when it is not resident
+        (then it is read into `slot_for_miss`). Either way its slot stays in use until the layer
+        is known computed or the step ends."""
+        self._in_use[key] = self.step
+        slot = self._slots.get(key)
+        if slot is not None:
+            self.policy.touch(key, self.step)
+        return slot
+
+    def claim_read_ahead(self, key: ExpertKey) -> ReadAhead | None:
+        """The read ahead of `key`, if one was made: it is the forward's now (`admit` it)."""
+        ahead = self._reads_ahead.pop(key, None)
+        if ahead is not None:
+            self._release(self.expert_nbytes[key[0]])
+        return ahead
+
+    def slot_for_miss(self, layer: int, protected: Collection[ExpertKey]) -> int:
+        """A slot for a miss of `layer` that the forward waits for. It never fails: it evicts an
+        expert of the same bank (never a `protected` one, the layer's own routed set), else waits
+        for the layers before it to compute and takes their experts' slots, else drops a
+        prediction's pin (its expert is read again if used), else gives up a read ahead."""
+        bank, layers = self.bank(layer), self._bank_layers[layer]
+        while True:
+            slot = bank.take()
+            if slot is not None:
+                return slot
+            if self._evict_one(layers, protected):
+                continue
+            if any(key[0] < layer for key in self._in_use):
+                # Slots held by layers of this step that may still be queued. Every earlier
+                # layer was submitted (evaluated, or `mx.async_eval`'d at decode: moe_block.py),
+                # so once the stream is drained they have computed and their slots are free.
+                mx.synchronize()
+                self.layer_computed(layer - 1)
+                continue
+            if self._drop_latest_pin(layers, protected) or self._give_up_latest_read(layers):
+                continue
+            raise RuntimeError(
+                f"layer {layer}: all {bank.capacity} slots of its bank are in use at once"
+            )
+
+    def admit(self, key: ExpertKey, slot: int, protected: Collection[ExpertKey] = ()) -> None:
+        """`key` has been read into `slot`: it is resident, evicting others (never `protected`
+        ones) until the budget holds. If only protected experts remain the pool runs over budget
+        until they are released: the experts a layer routes to are always all there."""
+        if key in self._slots:
+            self._drop(key)
+        nbytes = self.expert_nbytes[key[0]]
+        self._make_room(nbytes, protected)
+        self._slots[key] = slot
+        self.resident_bytes += nbytes
+        self.policy.touch(key, self.step)
+
+    def give_back(self, layer: int, slot: int, writing: Future | None = None) -> None:
+        """A slot taken for a read that was not admitted (it failed, or was cancelled); with
+        `writing`, the read that may still be writing into it."""
+        self.bank(layer).give(slot, writing=writing)
+
+    # -- reads ahead --------------------------------------------------------------------------------
+
+    def pin(self, key: ExpertKey, step: int) -> None:
+        """Step `step` routes to the resident `key`: it stays until that step's layer computed."""
+        self._pinned[key] = max(step, self._pinned.get(key, step))
+
+    def read_ahead(self, key: ExpertKey, step: int, submit: Callable[..., Future]) -> bool:
+        """Start reading `key` for step `step`: reserve its bytes, take a slot and call
+        `submit(into=views)` with the slot's host views. False, reading nothing, when the budget or the bank has no room
+        that is not pinned or in use: the layer then reads it when it runs, rather than a read
+        ahead taking memory beyond the budget."""
+        nbytes = self.expert_nbytes[key[0]]
+        self._make_room(nbytes, ())
+        if self.resident_bytes + self.reserved_bytes + nbytes > self.budget_bytes:
+            return False
+        self.reserved_bytes += nbytes
+        bank, layers = self.bank(key[0]), self._bank_layers[key[0]]
+        slot = bank.take()
+        while slot is None and self._evict_one(layers, ()):
+            slot = bank.take()
+        if slot is None:
+            self._release(nbytes)
+            return False
+        self._reads_ahead[key] = ReadAhead(step, submit(into=bank.views(slot)), slot)
+        return True
+
+    def forget_reads_ahead(self) -> None:
+        """Drop every read ahead (a new request): reads in flight finish on their own."""
+        for key in list(self._reads_ahead):
+            self._forget_read_ahead(key)
+        self._given_up.clear()
+
+    def _forget_read_ahead(self, key: ExpertKey) -> None:
+        """Drop a read ahead: its reservation ends, and its slot is free once it is not written."""
+        ahead = self._reads_ahead.pop(key)
+        ahead.read.cancel()  # not started: never runs; in flight: finishes on its own
+        self._release(self.expert_nbytes[key[0]])
+        self.bank(key[0]).give(ahead.slot, writing=ahead.read)
+
+    def _release(self, nbytes: int) -> None:
         self.reserved_bytes = max(0, self.reserved_bytes - nbytes)
 
-    def evict_one(
-        self, layers: Collection[int] | None = None, protected: Collection[ExpertKey] = ()
-    ) -> bool:
+    def _drop_latest_pin(self, layers: frozenset[int], protected: Collection[ExpertKey]) -> bool:
+        """Unpin the pinned expert of `layers` needed latest (it becomes evictable)."""
+        pins = [
+            (step, key)
+            for key, step in self._pinned.items()
+            if key[0] in layers and key not in protected and key not in self._in_use
+        ]
+        if not pins:
+            return False
+        del self._pinned[max(pins, key=lambda p: (p[0], p[1][0]))[1]]
+        return True
+
+    def _give_up_latest_read(self, layers: frozenset[int]) -> bool:
+        """Give up the read ahead of `layers` needed latest; its slot comes back once written."""
+        candidates = [key for key in self._reads_ahead if key[0] in layers]
+        if not candidates:
+            return False
+        key = max(candidates, key=lambda k: (self._reads_ahead[k].step, k[0]))
+        self._given_up[self._reads_ahead[key].step] += 1
+        self._forget_read_ahead(key)
+        return True
+
+    # -- eviction -----------------------------------------------------------------------------------
+
+    def _evict_one(self, layers: Collection[int] | None, protected: Collection[ExpertKey]) -> bool:
         """Evict one expert of `layers` (None: any layer), never a protected, pinned or in-use
         one, kept layers' last. False when there is none to evict."""
-        excluded = _Excluded(protected, self.pinned, self.in_use, self.kept_layers, layers)
+        excluded = _Excluded(self, protected, layers, self._kept_layers)
         victim = self.policy.victim(excluded)
-        if victim is None and self.kept_layers:
+        if victim is None and self._kept_layers:
             excluded.kept_layers = frozenset()
             victim = self.policy.victim(excluded)
         if victim is None:
@@ -214,43 +326,46 @@ class ExpertPool:
         return True
 
     def _make_room(self, nbytes: int, protected: Collection[ExpertKey]) -> None:
-        """Evict until `nbytes` more fit in the budget, or only protected (or pinned, or in-use)
-        experts are left."""
+        """Evict until `nbytes` more fit in the budget, or only experts that may not go are left."""
         while self.resident_bytes + self.reserved_bytes + nbytes > self.budget_bytes:
-            if not self.evict_one(protected=protected):
+            if not self._evict_one(None, protected):
                 break
 
     def _drop(self, key: ExpertKey) -> None:
-        expert = self._experts.pop(key)
-        self.resident_bytes -= expert.nbytes
+        """`key` leaves the pool: its slot is free for another expert."""
+        slot = self._slots.pop(key)
+        self.resident_bytes -= self.expert_nbytes[key[0]]
         self.policy.remove(key)
-        if self.on_drop is not None:
-            self.on_drop(key, expert)
-
-    def keys(self) -> list[ExpertKey]:
-        return list(self._experts)
+        self.bank(key[0]).give(slot)
 
     def clear(self) -> None:
-        for key in list(self._experts):
+        """Forget every resident expert (their slots go back to their banks)."""
+        for key in list(self._slots):
             self._drop(key)
+
+    def close(self) -> None:
+        """Drop every read ahead, resident expert and bank."""
+        self.forget_reads_ahead()
+        self.clear()
+        self._banks.clear()
+        self._bank_of.clear()
 
 
 class _Excluded:
-    """The keys `evict_one` must not pick (`in` only): protected, pinned, in use, of a kept layer,
-    or of a layer outside `layers` (None: every layer is in)."""
+    """The experts `_evict_one` must not pick (`in` only): protected, pinned, in use, of a kept
+    layer, or of a layer outside `layers` (None: every layer is in)."""
 
-    def __init__(self, protected, pinned, in_use, kept_layers: frozenset[int], layers) -> None:
+    def __init__(self, pool: ExpertPool, protected, layers, kept_layers: frozenset[int]) -> None:
+        self.pool = pool
         self.protected = protected
-        self.pinned = pinned
-        self.in_use = in_use
-        self.kept_layers = kept_layers
         self.layers = layers
+        self.kept_layers = kept_layers
 
     def __contains__(self, key: object) -> bool:
         return (
             key in self.protected
-            or key in self.pinned
-            or key in self.in_use
+            or key in self.pool._pinned
+            or key in self.pool._in_use
             or key[0] in self.kept_layers
             or (self.layers is not None and key[0] not in self.layers)
         )

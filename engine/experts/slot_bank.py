@@ -6,10 +6,11 @@ expert is a slot index; a read lands straight in its slot's bytes (pread into th
 way `reads.py` already fills whole layers), and a layer computes its routed experts with one
 `gather_qmm` per projection over the bank, indexed by slot: the same kernel and math as mlx-lm's
 resident `SwitchGLU`, with no per-expert arrays to build and no per-expert products (the paper's
-staged path). On the demo that is 3 products a layer instead of 12 and ~60 fewer MLX arrays a step.
+staged path): 3 products a layer, whatever its K.
 
-A slot is written only when nothing queued on the MLX stream still reads it: the store evicts only
-experts that no pending layer uses (`ExpertPool.in_use`), and a read ahead that was dropped while
+Which expert sits in which slot is the expert pool's (`pool.py`): a bank only hands slots out and
+back. A slot is written only when nothing queued on the MLX stream still reads it: the pool evicts
+only experts that no pending layer uses (`ExpertPool.use`), and a read ahead that was dropped while
 in flight keeps its slot until the read has finished (`give` with its future).
 """
 
@@ -68,9 +69,8 @@ class SlotBank:
             host = np.asarray(memoryview(storage))
             if part.widens_bf16:
                 # The high halves of the (zeroed) float32s. Copying bf16 bits there is one strided
-                # copy, no casting: 0.6 us for the demo's 1 KB scales against 2.3 us for a widening
-                # shift into the whole float32 (tight loop; 12 us against 5 in the engine, whose
-                # forward has just been through the caches), the same for a 48 KB part.
+                # copy, no casting: faster than a widening shift into the whole float32 for the
+                # small parts, no slower for large ones (docs/benchmarks.md).
                 host = host.view(np.uint16)[..., 1::2]
             self._host[part.key] = host
         self._free = list(range(capacity - 1, -1, -1))  # pop() hands out slot 0 first

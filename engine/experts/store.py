@@ -1,15 +1,15 @@
-"""The expert store: routed experts on demand from the checkpoint, through the bounded pool.
+"""The expert store: routed experts on demand from the checkpoint, into the expert pool.
 
 `fetch` returns the slots of the experts a layer routes to, reading the missing ones in parallel
 (the forward waits, and that wait is blocked-on-load time); the layer computes them over its slot
-bank (`bank`). `whole_layer` serves prefill chunks that touch most of a layer: it reads the layer's
-stacked tensors whole, and starts reading the next MoE layer while this one computes. Whole-layer
-buffers live outside the pool's budget and are released after their layer.
+bank (`bank`). `stage` reads a coming step's predicted experts ahead. `whole_layer` serves prefill
+chunks that touch most of a layer: it reads the layer's stacked tensors whole, and starts reading
+the next MoE layer while this one computes. Whole-layer buffers live outside the pool's budget and
+are released after their layer.
 
-Slot banks (`slot_bank.py`) are allocated at the first fetch, one per expert layout (usually one
-for the whole model), sized to the expert cache (`capacity`). The pool decides what is evicted
-and whether a read ahead is made; a slot is taken before its read is issued, evicting in the
-bank's layout when none is free.
+The store does the reading and counts it; which expert sits in which slot, and what may be
+evicted, belongs to the pool (`pool.py`): the store asks it for a slot before a read is issued
+and hands it the expert once read.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import os
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
+from functools import partial
 
 import mlx.core as mx
 
@@ -25,9 +26,10 @@ from ..checkpoint.index import CheckpointIndex
 from ..config import EngineConfig, format_bytes
 from ..errors import Edge0Error
 from ..trace import NO_TRACE, Tracer
-from .page_cache import LIBC
+from .eviction import ExpertKey
+from .freed_memory import release_freed_memory
 from .page_cache_budget import CAN_EVICT_RANGES, PageCacheBudget
-from .pool import ExpertKey, ExpertPool, ResidentExpert
+from .pool import ExpertPool
 from .read_pacing import ReadPacer
 from .reader_core import pin_threads, reader_cores, unpin_all_threads
 from .reads import MLX_DTYPES, ExpertReader, ReadResult, to_mlx
@@ -83,34 +85,16 @@ class ExpertStore:
         self._reader_core_on = False
         # Set by the loader once the resident weights are read (`set_page_cache_budget`).
         self.page_cache: PageCacheBudget | None = None
-        self.pool = ExpertPool(config.expert_cache_bytes, config.eviction, on_drop=self._free_slot)
-        self.counters = LoadCounters()
         self._moe_layers = sorted(index.layers)
+        self.pool = ExpertPool(
+            {layer: self._layout(layer) for layer in self._moe_layers},
+            {layer: index.layers[layer].num_experts for layer in self._moe_layers},
+            config.expert_cache_bytes,
+            config.eviction,
+        )
+        self.counters = LoadCounters()
         self._pending_layers: dict[int, Future[ReadResult]] = {}
-        # Reads issued ahead for a coming step's predicted experts, with the step they are for and
-        # the slot they land in. Each holds a reservation of its expert's bytes in the pool until
-        # it is used or dropped.
-        self._staged: dict[ExpertKey, tuple[int, Future[ReadResult], int]] = {}
-        self._issued_for_next_step = 0
-        self._given_up_for_next_step = 0
-        self._layouts = {layer: self._layout(layer) for layer in self._moe_layers}
-        self._expert_nbytes = {n: sum(p.nbytes for p in lay) for n, lay in self._layouts.items()}
-        # Every layout's expert bytes in the checkpoint, and the layers of each.
-        self._layout_bytes: dict[tuple[SlotPart, ...], int] = {}
-        for layer, layout in self._layouts.items():
-            nbytes = self.index.layers[layer].num_experts * self._expert_nbytes[layer]
-            self._layout_bytes[layout] = self._layout_bytes.get(layout, 0) + nbytes
-        # By layer, the layers whose experts share its bank (keyed by layer, not by layout: hashing
-        # a layout's parts on every slot taken cost more than a small expert's pread).
-        self._bank_layers = {
-            layer: frozenset(n for n, other in self._layouts.items() if other == layout)
-            for layer, layout in self._layouts.items()
-        }
-        # Allocated at the first fetch of each layout (`bank`), once the routing width is known
-        # (`check_budget`): a prompt read as whole layers allocates none.
-        self._banks: dict[tuple[SlotPart, ...], SlotBank] = {}
-        self._bank_of: dict[int, SlotBank] = {}  # by layer
-        self._min_slots = 1  # every layout's bank holds at least one layer's routed set
+        self._issued_for_next_step = 0  # reads ahead issued during this step for the next
         # When a list, every fetch appends (step, layer, experts): the routing trace that the eviction
         # benchmark replays.
         self.trace: list[tuple[int, int, list[int]]] | None = None
@@ -129,10 +113,6 @@ class ExpertStore:
         else:
             self.page_cache.set_budget(budget_bytes)
 
-    def trace_to(self, tracer: Tracer) -> None:
-        """Record reads and blocked waits in `tracer` from now on."""
-        self.tracer = self.reader.tracer = tracer
-
     def _layout(self, layer: int) -> tuple[SlotPart, ...]:
         """One expert of `layer` as it is resident: each tensor's shape, floating ones in the
         compute dtype."""
@@ -147,10 +127,12 @@ class ExpertStore:
 
     def resident_expert_nbytes(self, layer: int) -> int:
         """MLX bytes one expert of `layer` takes once resident (floating parts in compute dtype)."""
-        return self._expert_nbytes[layer]
+        return self.pool.expert_nbytes[layer]
 
-    def check_budget(self, top_k: int) -> None:
-        """Refuse a budget that cannot hold one layer's routed set."""
+    def set_top_k(self, top_k: int) -> None:
+        """Route `top_k` experts a layer from the next step. Refuses an expert cache that cannot
+        hold one layer's routed set; else the pool makes its banks hold one. Safe from any thread
+        (`Engine.request_k`)."""
         need = max(self.resident_expert_nbytes(layer) for layer in self._moe_layers) * top_k
         if self.pool.budget_bytes < need:
             raise Edge0Error(
@@ -158,184 +140,72 @@ class ExpertStore:
                 f"cannot hold the {top_k} experts one layer routes to; the minimum is "
                 f"{format_bytes(need)} ({need} bytes)"
             )
-        # Recorded only: this may run on any thread (`Engine.request_k`); a bank too small for
-        # the new K is made again, larger, at the next step (`begin_step`, the engine's thread).
-        self._min_slots = max(self._min_slots, top_k)
+        self.pool.require_slots(top_k)
 
-    # -- slot banks --------------------------------------------------------------------------------
+    # -- slot banks (the pool's) -----------------------------------------------------------------
 
     def bank(self, layer: int) -> SlotBank:
-        """The slot bank `layer`'s experts live in, allocated at the first call for its layout."""
-        bank = self._bank_of.get(layer)
-        if bank is None:
-            layout = self._layouts[layer]
-            bank = self._banks.get(layout)
-            if bank is None:
-                # A prompt read as whole layers left their buffers behind: give them back first,
-                # or the process holds both (on the 384 MiB wall: 445 MiB RSS, killed).
-                release_freed_memory()
-                bank = self._banks[layout] = SlotBank(layout, self.capacity(layer))
-            self._bank_of[layer] = bank
-        return bank
-
-    def capacity(self, layer: int) -> int:
-        """How many experts of `layer`'s layout the expert cache holds: the byte budget's share
-        for the layout (its share of the checkpoint's expert bytes), at least one routed set, at
-        most every expert of the layout."""
-        layout = self._layouts[layer]
-        slot_nbytes = self._expert_nbytes[layer]
-        total = sum(self._layout_bytes.values())
-        share = self.pool.budget_bytes * self._layout_bytes[layout] // total
-        experts = self._layout_bytes[layout] // slot_nbytes
-        return min(experts, max(share // slot_nbytes, self._min_slots))
+        """The slot bank `layer`'s experts live in."""
+        return self.pool.bank(layer)
 
     @property
     def bank_bytes(self) -> int:
         """MLX bytes held by the slot banks (the expert cache, allocated)."""
-        return sum(bank.nbytes for bank in self._banks.values())
-
-    def _drop_banks(self) -> None:
-        """Forget every resident expert and its bank (made again at the next fetch)."""
-        self.pool.clear()
-        self._banks.clear()
-        self._bank_of.clear()
-
-    def _free_slot(self, key: ExpertKey, expert: ResidentExpert) -> None:
-        """The pool dropped `key`: its slot is free for another expert."""
-        if self._banks:
-            self.bank(key[0]).give(expert.slot)
-
-    def _take_slot(self, layer: int, protected, now: bool) -> int | None:
-        """A free slot in `layer`'s bank, evicting an expert of the same layout if none is. A read
-        ahead (`now` False) gets None when every expert there is pinned or in use, and is not
-        made. The forward (`now`) never fails: it waits for the layers before it to compute and
-        takes their experts' slots, then drops the predictions' pins, then the reads ahead (their
-        experts are read again when used)."""
-        bank = self.bank(layer)
-        layers = self._bank_layers[layer]
-        while True:
-            slot = bank.take()
-            if slot is not None:
-                return slot
-            if self.pool.evict_one(layers, protected):
-                continue
-            if not now:
-                return None
-            if any(k[0] < layer for k in self.pool.in_use):
-                # Slots held by layers of this step that may still be queued. Every earlier layer
-                # was submitted (evaluated, or `mx.async_eval`'d at decode: moe_block.py), so
-                # once the stream is drained they have computed and their slots are free to take.
-                mx.synchronize()
-                self.pool.unpin_computed(layer - 1)
-                continue
-            # Then, one at a time, what is needed latest: a prediction's pin (its expert is read
-            # again if used), else a read ahead (given up; its slot comes back once written).
-            pins = [
-                (step, key)
-                for key, step in self.pool.pinned.items()
-                if key[0] in layers and key not in protected and key not in self.pool.in_use
-            ]
-            if pins:
-                del self.pool.pinned[max(pins, key=lambda p: (p[0], p[1][0]))[1]]
-                continue
-            staged = [key for key in self._staged if key[0] in layers]
-            if staged:
-                key = max(staged, key=lambda k: (self._staged[k][0], k[0]))
-                if self._staged[key][0] > self.pool.step:  # counted with the step it was for
-                    self._given_up_for_next_step += 1
-                else:
-                    self.counters.prefetch_given_up += 1
-                self._forget_read_ahead(key)
-                continue
-            raise RuntimeError(
-                f"layer {layer}: all {bank.capacity} slots of its bank are in use at once"
-            )
+        return self.pool.bank_bytes
 
     # -- steps -----------------------------------------------------------------------------------
 
     def begin_step(self) -> None:
-        if any(bank.capacity < self._min_slots for bank in self._banks.values()):
-            self.reset()  # a wider K than the banks were made for
-            self._drop_banks()
-        self.counters = LoadCounters(
-            prefetch_issued=self._issued_for_next_step,
-            prefetch_given_up=self._given_up_for_next_step,
-        )
-        self._issued_for_next_step = self._given_up_for_next_step = 0
-        self.pool.step += 1
+        started_again = self.pool.begin_step()  # (a wider K: every read ahead was dropped)
+        issued = 0 if started_again else self._issued_for_next_step
+        self.counters = LoadCounters(prefetch_issued=issued)
+        self._issued_for_next_step = 0
 
     def end_step(self) -> LoadCounters:
         pending, self._pending_layers = self._pending_layers, {}
         for future in pending.values():
             if future.exception() is None:
                 self._account(future.result())  # a read already issued still cost its bytes
-        self.pool.unpin_through(self.pool.step)
+        self.pool.end_step()
+        self.counters.prefetch_given_up += self.pool.pop_given_up(self.pool.step)
         pending = None  # (its buffers, for the cache clear below)
         if self.counters.whole_layer_reads:
             # A prefill chunk's whole-layer buffers are free now; MLX's cache and the C heap
             # would keep them (a layer or two of expert bytes, outside the expert cache).
             release_freed_memory()
-        self._drop_unused_reads_ahead()
         self._enforce_page_cache()
         return self.counters
-
-    def _drop_unused_reads_ahead(self) -> None:
-        """Forget reads ahead made for this step that it did not use. In prefetch mode the true
-        router routes, so a mispredicted expert's read is never consumed; kept, its bytes sat
-        outside the pool's budget until the request ended (2.5 MiB per miss: a 384 MiB wall was
-        killed within a few steps). One not started is cancelled (its disk time is not wasted); one
-        in flight finishes on its own and is dropped."""
-        step = self.pool.step
-        stale = [key for key, (for_step, _, _) in self._staged.items() if for_step <= step]
-        for key in stale:
-            self._forget_read_ahead(key)
-
-    def _forget_read_ahead(self, key: ExpertKey) -> None:
-        """Drop a read ahead: its reservation ends, and its slot is free once it is not written."""
-        _, future, slot = self._staged.pop(key)
-        future.cancel()  # not started: never runs; in flight: finishes on its own
-        self.pool.release(self.resident_expert_nbytes(key[0]))
-        self.bank(key[0]).give(slot, writing=future)
 
     def reset(self) -> None:
         """Forget per-request state; resident experts stay (they are still the checkpoint's)."""
         self.end_step()
-        for key in list(self._staged):  # reads in flight finish on their own; their bytes unused
-            self._forget_read_ahead(key)
-        self._issued_for_next_step = self._given_up_for_next_step = 0
+        self.pool.forget_reads_ahead()  # reads in flight finish on their own; their bytes unused
+        self._issued_for_next_step = 0
 
     # -- reads ahead (prerouter) -------------------------------------------------------------------
 
     def stage(self, layer: int, experts: list[int]) -> None:
         """The next step routes `layer` to `experts`: pin the resident ones, start reading the rest
         (after this step's own reads ahead, if this step is still running)."""
+        step = self.pool.step + 1
         for expert in experts:
             key = (layer, expert)
             if key in self.pool:
-                self.pool.pin(key, self.pool.step + 1)
-            elif key not in self._staged:
-                # A slot first: a read ahead lands in memory the pool accounts for. Without one
-                # (a budget below one step's reads) the layer reads it when it runs.
-                nbytes = self.resident_expert_nbytes(layer)
-                if not self.pool.reserve(nbytes):
-                    continue
-                slot = self._take_slot(layer, (), now=False)
-                if slot is None:
-                    self.pool.release(nbytes)
-                    continue
-                step = self.pool.step + 1
-                into = self.bank(layer).views(slot)
-                read = self.reader.submit_expert(layer, expert, ahead=True, step=step, into=into)
-                self._staged[key] = (step, read, slot)
+                self.pool.pin(key, step)
+                continue
+            if self.pool.is_read_ahead(key):
+                continue
+            submit = partial(self.reader.submit_expert, layer, expert, ahead=True, step=step)
+            if self.pool.read_ahead(key, step, submit):
                 self._issued_for_next_step += 1
                 if self.page_cache is not None:  # in the cache once read, used or not
                     self.page_cache.note_read(layer, expert)
 
     def layer_computed(self, layer: int) -> None:
-        """`layer` (and so every layer before it) has computed this step: the experts pinned for
-        them may be evicted again, which makes room for the next step's reads ahead while this
-        step still runs."""
-        self.pool.unpin_computed(layer)
+        """`layer` (and so every layer before it) has computed this step: the experts it used or
+        that were pinned for it may be evicted again, which makes room for the next step's reads
+        ahead while this step still runs."""
+        self.pool.layer_computed(layer)
 
     def load_all(self) -> None:
         """Read every expert into the pool (budget permitting): for the bench's compute-only arm,
@@ -345,7 +215,7 @@ class ExpertStore:
             batch = self.bank(layer).capacity
             for start in range(0, len(experts), batch):
                 self.fetch(layer, experts[start : start + batch])
-                self.pool.unpin_computed(layer)  # nothing computes with them here
+                self.pool.layer_computed(layer)  # nothing computes with them here
         self.end_step()
 
     # -- per-expert path ---------------------------------------------------------------------------
@@ -360,16 +230,14 @@ class ExpertStore:
         slots: dict[ExpertKey, int] = {}
         missing = []
         for key in keys:
-            resident = self.pool.get(key)
-            if resident is None:
+            slot = self.pool.use(key)
+            if slot is None:
                 missing.append(key)
             else:
-                slots[key] = resident.slot
-            self.pool.use(key)
+                slots[key] = slot
         self.counters.hits += len(slots)
         if missing:
             start = time.perf_counter()
-            nbytes = self.resident_expert_nbytes(layer)
             reads: list[tuple[ExpertKey, Future[ReadResult], str, int]] = []
             try:
                 for key in missing:
@@ -382,7 +250,7 @@ class ExpertStore:
                     self.tracer.complete(
                         f"blocked {layer}.{key[1]}", "blocked", waited, self.tracer.now(), read=how
                     )
-                    self.pool.put(key, ResidentExpert(slot, nbytes), protected=keys)
+                    self.pool.admit(key, slot, protected=keys)
                     reads.pop(0)
                     slots[key] = slot
                     self._account(result)
@@ -392,20 +260,19 @@ class ExpertStore:
                 # their slots come back once nothing writes into them.
                 for _, future, _, slot in reads:
                     future.cancel()  # not started: never runs; running: finishes on its own
-                    self.bank(layer).give(slot, writing=future)
+                    self.pool.give_back(layer, slot, writing=future)
             self.counters.blocked_ms += (time.perf_counter() - start) * 1e3
         return [slots[key] for key in keys]
 
     def _staged_or_submit(self, key: ExpertKey, protected) -> tuple[Future[ReadResult], str, int]:
         """The read of a missing expert, how it was issued ("ahead, in time" / "ahead, late":
         staged by the prerouter; "on demand": submitted now) and the slot it lands in."""
-        staged = self._staged.pop(key, None)
-        if staged is None:
-            slot = self._take_slot(key[0], protected, now=True)
-            into = self.bank(key[0]).views(slot)
+        ahead = self.pool.claim_read_ahead(key)
+        if ahead is None:
+            slot = self.pool.slot_for_miss(key[0], protected)
+            into = self.pool.views(key[0], slot)
             return self.reader.submit_expert(*key, into=into), "on demand", slot
-        _, future, slot = staged
-        self.pool.release(self.resident_expert_nbytes(key[0]))  # `fetch` puts it in the pool
+        future, slot = ahead.read, ahead.slot
         if future.done():
             self.counters.prefetch_in_time += 1
             return future, "ahead, in time", slot
@@ -419,7 +286,7 @@ class ExpertStore:
         if layer in self._pending_layers:
             return True
         # More experts than the bank holds at once: only the whole layer can serve the chunk.
-        if distinct_experts > self.capacity(layer):
+        if distinct_experts > self.pool.capacity(layer):
             return True
         return distinct_experts > self.whole_layer_fraction * self.index.layers[layer].num_experts
 
@@ -473,17 +340,7 @@ class ExpertStore:
         self.reader.close()
         self.use_reader_core(False)
         self.set_page_cache_budget(None)
-        self._drop_banks()
-
-
-def release_freed_memory() -> None:
-    """Hand freed buffers back to the OS: MLX's buffer cache, then glibc's heap, which keeps what
-    reader threads freed in their arenas (on the 384 MiB wall, after a prompt read as whole
-    layers: 445 MiB RSS for 100 MiB of live MLX arrays, 232 MiB once trimmed). Other C libraries
-    (macOS, musl) have no `malloc_trim`."""
-    mx.clear_cache()
-    if hasattr(LIBC, "malloc_trim"):
-        LIBC.malloc_trim(0)
+        self.pool.close()
 
 
 def _result_or_error(future: Future[ReadResult], what: str) -> ReadResult:

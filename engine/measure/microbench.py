@@ -53,7 +53,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..config import EngineConfig, GenerationConfig, parse_size
-from ..experts.pool import ExpertPool, LFUAgingPolicy, ResidentExpert
+from ..experts.eviction import LFUAgingPolicy, make_policy
 from .bench import rotation
 
 GROUP_SIZE, BITS = 64, 4
@@ -176,24 +176,30 @@ def record_trace(model_dir: str, tokens: int) -> tuple[list[tuple[int, int, list
 
 
 def replay(trace, budget_experts: int, policy: str, half_life: float | None = None) -> float:
-    """Hit rate of the decode-step fetches of `trace` under a pool holding `budget_experts`."""
-    pool = ExpertPool(budget_bytes=budget_experts, policy=policy)
-    if half_life is not None:
-        pool.policy = LFUAgingPolicy(half_life)
-    one = ResidentExpert(slot=0, nbytes=1)
-    hits = total = 0
+    """Hit rate of the decode-step fetches of `trace` in a cache of `budget_experts`, evicting by
+    `policy` as the expert pool asks it: never one of the layer's own routed experts."""
+    chooser = make_policy(policy) if half_life is None else LFUAgingPolicy(half_life)
+    resident: set[tuple[int, int]] = set()
+    hits = total = step = 0
     last_step = None
-    for step, layer, experts in trace:
-        if step != last_step:
-            pool.step += 1
-            last_step = step
+    for trace_step, layer, experts in trace:
+        if trace_step != last_step:
+            step += 1
+            last_step = trace_step
         keys = [(layer, e) for e in experts]
         for key in keys:
             total += 1
-            if pool.get(key) is not None:
+            if key in resident:
                 hits += 1
             else:
-                pool.put(key, one, protected=keys)
+                while len(resident) >= budget_experts:
+                    victim = chooser.victim(excluded=keys)
+                    if victim is None:
+                        break
+                    resident.remove(victim)
+                    chooser.remove(victim)
+                resident.add(key)
+            chooser.touch(key, step)
     return hits / total if total else 0.0
 
 

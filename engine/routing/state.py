@@ -13,6 +13,7 @@ Every request starts from `reset()`: nothing of the previous request steers the 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import mlx.core as mx
 import numpy as np
@@ -32,26 +33,40 @@ class RoutingCounters:
     prefetch_routed: int = 0  # prefetch mode: routed experts of consumer layers
 
 
+class ReadsAhead(Protocol):
+    """Where predictions go (the expert store): reads for the next step, and the layers known
+    computed, whose experts may then go."""
+
+    def stage(self, layer: int, experts: list[int]) -> None: ...
+    def layer_computed(self, layer: int) -> None: ...
+
+
 class RoutingState:
-    def __init__(self, k: int, experts: int, blocks: dict, float_dtype: mx.Dtype | None) -> None:
+    def __init__(
+        self,
+        k: int,
+        experts: int,
+        blocks: dict,
+        float_dtype: mx.Dtype | None,
+        reads_ahead: ReadsAhead,
+        tracer: Tracer = NO_TRACE,
+    ) -> None:
         self.k = k
         self.experts = experts
         self.blocks = blocks  # layer -> RoutedMoE
         self.float_dtype = float_dtype
+        self.reads_ahead = reads_ahead
+        self.tracer = tracer
         self.heads: PrerouterHeads | None = None
         self.route_by_predictions = True
         self.shadow_router = False
-        self.tracer: Tracer = NO_TRACE
         self.counters = RoutingCounters()
         # Set by the engine for one-token forwards that end with a flush: run every owner's head
         # as (self-routed owners) or right after (owners routed by a prediction) its layer
-        # executes, and hand each prediction to `on_early_prediction` (which starts its reads)
-        # then instead of at the flush.
+        # executes, and stage each prediction's reads then instead of at the flush. A queued
+        # head read back also tells `reads_ahead` that its layer has computed (the stream runs
+        # in order): that layer's experts may go.
         self.early_heads = False
-        self.on_early_prediction = None
-        # Called with a layer once its computation this step is known to be done (its queued
-        # head has been read back, and the stream runs in order): its experts may go.
-        self.on_layer_computed = None
         self.reset()
 
     def reset(self) -> None:
@@ -126,18 +141,16 @@ class RoutingState:
         for owners, inds, weights in self._queued:
             with self.tracer.span(f"early head {owners[0]}", "prerouter"):
                 mx.eval(inds, weights)
-            if self.on_layer_computed is not None:
-                for owner in owners:
-                    self.on_layer_computed(owner)
+            for owner in owners:
+                self.reads_ahead.layer_computed(owner)
             self._hand_over(owners, inds, weights)
         self._queued = []
 
     def _hand_over(self, owners: list[int], inds: mx.array, weights: mx.array) -> None:
         """Store a head's predictions for the next step and start their reads."""
         predicted = self._store_predictions(owners, inds, weights)
-        if self.on_early_prediction is not None:
-            for consumer, experts in predicted.items():
-                self.on_early_prediction(consumer, experts)
+        for consumer, experts in predicted.items():
+            self.reads_ahead.stage(consumer, experts.tolist())
 
     def consumed(self, block, x: mx.array, routed: np.ndarray) -> None:
         self.counters.predicted += 1

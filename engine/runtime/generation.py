@@ -93,14 +93,9 @@ class Engine:
     ) -> None:
         self.config = config or EngineConfig()
         self.model_dir = Path(model_dir)
-        self.loaded: LoadedModel = load(self.model_dir, self.config)
+        self.loaded: LoadedModel = load(self.model_dir, self.config, tracer)
         self.store = self.loaded.store
         self.tracer = tracer
-        if self.store is not None:
-            self.store.trace_to(tracer)
-            self.loaded.routing.tracer = tracer
-            self.loaded.routing.on_early_prediction = self._stage_early
-            self.loaded.routing.on_layer_computed = self.store.layer_computed
         self.memory = None
         try:
             self._setup()
@@ -193,7 +188,7 @@ class Engine:
             with_heads = ", ".join(str(p.k) for p in self.profiles() if p.prerouter) or "none"
             raise Edge0Error(f"no prerouter heads for K={k} (heads exist for K: {with_heads})")
         if self.store is not None:
-            self.store.check_budget(k)
+            self.store.set_top_k(k)
         return k
 
     def quality_note(self) -> str | None:
@@ -289,15 +284,12 @@ class Engine:
             if heads is not None and mode == "prerouter":
                 predicted = set(heads.consumers)
             self_routed = set(self.loaded.blocks) - predicted if predicted else set()
-            self.store.pool.kept_layers = frozenset(self_routed)
+            self.store.pool.keep_layers(self_routed)
             # Reads ahead only: readers on a core of their own (experts/reader_core.py says why).
             self.store.use_reader_core(mode == "prerouter")
             if adapter is not None:
                 self.lora = AppliedLoRA(self.model, adapter, self.loaded.float_dtype)
         self.k, self.mode = k, mode
-
-    def _stage_early(self, layer: int, experts) -> None:
-        self.store.stage(layer, experts.tolist())
 
     def _load_heads(self, k: int) -> PrerouterHeads:
         return self.loaded.load_heads(self.adapters[k].prerouter, self.fingerprint, k)
@@ -487,8 +479,8 @@ class Engine:
         if self.routing is not None:
             # Every head runs as (or right after) its layer executes, so the reads for its
             # consumer start a whole step ahead instead of at the flush. Not in a
-            # prefill chunk: its reads ahead would land while whole-layer reads are held (the
-            # prefetch arm of the 384 MiB wall was killed there); the flush after it issues them.
+            # prefill chunk: its reads ahead would land while whole-layer reads are held, more
+            # than the memory a wall leaves; the flush after it issues them.
             self.routing.early_heads = flush and self.routing.heads is not None and len(tokens) == 1
         if self.store is not None:
             self.store.begin_step()

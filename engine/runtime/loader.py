@@ -51,6 +51,7 @@ from ..experts.switch_glu import (
 from ..routing.moe_block import RoutedMoE, ops_for
 from ..routing.prerouter import PrerouterHeads, load_profile_heads
 from ..routing.state import RoutingState
+from ..trace import NO_TRACE, Tracer
 from .blas import dense_prefill_rows
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
@@ -193,7 +194,7 @@ def _checked(model_dir: Path) -> tuple[dict, Family, CheckpointIndex]:
     return model_config, family, index
 
 
-def load(model_dir: str | Path, config: EngineConfig) -> LoadedModel:
+def load(model_dir: str | Path, config: EngineConfig, tracer: Tracer = NO_TRACE) -> LoadedModel:
     model_dir = Path(model_dir)
     model_config, family, index = _checked(model_dir)
 
@@ -228,8 +229,9 @@ def load(model_dir: str | Path, config: EngineConfig) -> LoadedModel:
                 dense = DensePrefillSwitchGLU(site.switch, specs, dense_rows)
                 setattr(site.parent, site.attribute, dense)
     if config.mode != "resident":
-        store = ExpertStore(index, config, float_dtype)  # the Engine checks the budget for its K
-        routing = RoutingState(top_k, num_experts, blocks, float_dtype)
+        # The Engine checks the expert cache for its K (`ExpertStore.set_top_k`).
+        store = ExpertStore(index, config, float_dtype, tracer)
+        routing = RoutingState(top_k, num_experts, blocks, float_dtype, store, tracer)
         for site in sites:
             specs = projection_specs(site.switch, f"{model_dir} layer {site.layer}")
             streaming = StreamingSwitchGLU(

@@ -258,7 +258,7 @@ def train_heads(
         fingerprint = base_fingerprint(loaded.index)
         if not 1 <= config.k <= loaded.num_experts:
             raise Edge0Error(f"K={config.k} must be between 1 and {loaded.num_experts}")
-        loaded.store.check_budget(loaded.top_k)
+        loaded.store.set_top_k(loaded.top_k)
         folder = (
             Path(adapters_dir)
             if adapters_dir
