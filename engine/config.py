@@ -79,13 +79,14 @@ class EngineConfig:
     prefill_chunk: int = 512
     # Today's kernels only (4-bit products everywhere): on-demand token-identical to stock mlx-lm.
     # Otherwise, on the CPU with a fast BLAS, a prefill chunk's routed experts with several rows
-    # are dequantized and multiplied in fp32 (GEMM speed; logits within a stated bound, README).
+    # are dequantized and multiplied in fp32 (GEMM speed; logits within a stated bound,
+    # docs/design.md).
     exact_kernels: bool = False
     # A prefill chunk whose routing touches more than this fraction of a layer's experts reads the
     # layer's expert tensors whole (a few large reads) instead of expert by expert.
     whole_layer_fraction: float = 0.5
     # Compute dtype for floating weights and activations: None picks float32 on CPU (4-bit matmuls with
-    # bf16/fp16 activations are 8-40x slower there) and keeps the checkpoint's dtype on Metal/CUDA.
+    # bf16/fp16 activations are far slower there) and keeps the checkpoint's dtype on Metal/CUDA.
     dtype: str | None = None
     # Routing width; None: the model's native K (or, in prerouter mode, the profile closest to it).
     k: int | None = None

@@ -4,21 +4,21 @@ On the MLX CPU backend one thread computes a step (MLX's stream worker) while th
 copy experts: from the page cache into a buffer (`pread`), into MLX memory, and in a memory cgroup
 the kernel reclaims pages on their behalf. Left to the scheduler, the readers share the compute
 thread's core whenever they wake, and a read issued ahead then costs compute time instead of hiding
-under it. Measured on the 2-core CI box (the 486 MiB real-routing wall, 384 MiB RAM limit, cold,
-K=4, 3 rotated rounds): prerouter 5.12 -> 6.31 tok/s, a step 1.53x -> 1.25x the overlap limit.
+under it. On the 2-core CI box, pinning the readers took prerouter on the real-routing wall much
+closer to its overlap limit (docs/benchmarks.md, "Figures that were in code comments").
 
 So in prerouter mode the readers run on the last core the process may use, and with them every
 Python thread (the engine's, which builds the next layer's graph while the current one computes,
 and an app's); MLX's stream worker, which computes, and any other native thread (BLAS) run on the
 rest. With the engine thread on the compute core instead, building a layer took compute time from
-the layer it should run under: on the 7 GB wall, warm, 1.5 GiB cache, K=4, prerouter decode steps
-were 586 and 567 ms against 503 and 538 ms with this split (two rotated rounds; unpinned: 535,
-556). Threads started later inherit their creator's cores (MLX starts its worker on the first
-evaluation, while loading, before anything is pinned). Only in prerouter mode: on-demand and
-prefetch misses are read partly by the engine thread itself while the forward waits, and confined
-to the compute cores those reads cost more than they save (on-demand 211 -> 265 ms a step on the
-same wall). Nothing is pinned with fewer than two cores, off Linux (no thread affinity on macOS)
-or when compute is on a GPU (the CPU then only reads).
+the layer it should run under: on the 7 GB wall, warm, prerouter decode steps were slower than
+with this split, and slower than unpinned (figures as above). Threads started later inherit
+their creator's cores (MLX starts its worker on the first evaluation, while loading, before
+anything is pinned). Only in prerouter mode: on-demand and prefetch misses are read partly by the
+engine thread itself while the forward waits, and confined to the compute cores those reads cost
+more than they save (on-demand's step grew on the same wall). Nothing is pinned with fewer than
+two cores, off Linux (no thread affinity on macOS) or when compute is on a GPU (the CPU then only
+reads).
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """Reading routed experts from the checkpoint with pread, on a pool of reader threads (a small
 miss the forward waits for: on the thread that needs it).
 
-Reads go straight into NumPy buffers with `os.preadv` (cold mmap page faults measured 3-4x slower
-than pread on the reference Linux box). Just before each read, `mincore` over the exact byte ranges
+Reads go straight into NumPy buffers with `os.preadv` (cold mmap page faults were measured slower
+than pread on the reference Linux box: docs/benchmarks.md, "Figures that were in code comments").
+Just before each read, `mincore` over the exact byte ranges
 says how much of it was already in the page cache, so every read reports its cold bytes.
 
 Where the bytes land: an expert the store reads goes into its slot of a `SlotBank` (`into`):
@@ -180,9 +181,9 @@ class ExpertReader:
         plans = self._plans_of(layer_experts)
         if layer_experts.expert_nbytes < SPLIT_BYTES:
             # A small miss is read at once by the thread that needs it: a hand-off to a reader
-            # (wake-up, GIL, future) cost more than reading 52 KB from the page cache (0.22 ms
-            # blocked per load on the demo, against 0.09 ms for the read itself), and so did
-            # queueing it for this thread to run (~40 us a load, in the engine between layers).
+            # (wake-up, GIL, future) cost more than reading a demo-sized expert from the page
+            # cache, and so did queueing it for this thread to run (figures: docs/benchmarks.md,
+            # "Figures that were in code comments").
             return _run_here(read, layer_experts, expert, submitted, False, into)
         # A miss the forward waits for: one read per projection, so that every free thread (the
         # waiting engine thread included) reads a part of it at once.
@@ -221,9 +222,9 @@ class ExpertReader:
         plans = plans or self._plans_of(layer_experts)
         # A whole layer's cold bytes are counted before any of it is read: the kernel's readahead
         # for one tensor runs megabytes into the next, and `mincore` just before that one's read
-        # counted those pages warm. On the real-routing wall in a 384 MiB cgroup, cold, prefill's
-        # whole-layer reads counted 262-273 of their 503 MB cold, 355-382 counted first (the rest
-        # were resident when the layer's read began); the disk delivered 586-666 MB for them.
+        # counted those pages warm. Counted first, the figure is higher but still below what the
+        # disk delivers under a cgroup that takes pages back (docs/benchmarks.md, "prefill's cold
+        # count").
         layer_cold = (
             [self._cold_bytes(plan, plan.offset, plan.whole_nbytes) for plan in plans]
             if expert is None
@@ -264,7 +265,7 @@ class ExpertReader:
                 if self.build_arrays:
                     # A plain copy on this thread: no MLX evaluation, which would hand off to this
                     # thread's stream and back twice per tensor and, with the forward keeping the
-                    # cores busy, wait for a core each time (traced at ~6 ms per expert).
+                    # cores busy, wait for a core each time (a trace showed it per expert).
                     array = _host_to_mlx(array, "F32" if widen else plan.dtype)
             arrays[plan.key] = array
             dtypes[plan.key] = "F32" if widen else plan.dtype
@@ -332,9 +333,8 @@ class ExpertReader:
         """Read a big tensor of a read ahead in chunks, doing any read needed now between two
         (returns its cold bytes). A miss that arrives meanwhile then waits behind one chunk per
         reader instead of one tensor: a disk serves requests in turn (the pacer models that). On
-        the wall paced at 240 MiB/s, layer 0's misses took 28 ms a step for ~15 ms of their own
-        cold bytes; with 256 KiB chunks prerouter's step went 170 -> 159 and 188 -> 166 ms
-        (two alternations, 3 rounds each)."""
+        the paced wall, layer 0's misses had waited behind whole tensors read ahead, and chunking
+        shortened prerouter's step (docs/benchmarks.md, "Reads ahead in 256 KiB chunks")."""
         flat = memoryview(buffer).cast("B")
         cold = 0
         for start in range(0, length, READ_AHEAD_CHUNK):
@@ -375,8 +375,8 @@ class ExpertReader:
     def _cold_bytes(plan: _TensorPlan, offset: int, length: int) -> int:
         """Bytes of the range not in the page cache now, by `mincore`: asked just before its read.
         (Reading with `preadv(RWF_NOWAIT)` first would spare the mincore of a warm read, but it
-        undercounted cold bytes under a page-cache budget on this kernel: decode reads measured
-        10% cold where mincore says 20%+.)"""
+        undercounted cold bytes under a page-cache budget on this kernel: it counted warm many
+        decode reads that mincore counts cold.)"""
         return length - plan.residency.resident_bytes(offset, length)
 
     def _scratch(self, nbytes: int) -> np.ndarray:
@@ -612,8 +612,9 @@ def convert_into(source: np.ndarray, dtype: str, slot: np.ndarray) -> None:
         nan = np.isnan(bits.view(np.float32))
         slot[...] = np.where(nan, (bits >> 16) | 0x40, rounded).astype(np.uint16)
     elif slot.dtype == np.float32 and dtype == "BF16":  # widened in place, no temporary
-        # (Copying the halves with two strided writes is no faster for the demo's 1 KB scales
-        # and 3x slower for the 2.5 MiB experts' 48 KB: 24.8 against 8.2 us.)
+        # (Copying the halves with two strided writes is no faster for the demo's small scales
+        # and slower for the wall's larger ones: docs/benchmarks.md, "Figures that were in code
+        # comments".)
         np.left_shift(source, 16, out=slot.view(np.uint32), dtype=np.uint32)
     elif slot.dtype in (np.float32, np.float16):
         slot[...] = _to_float32(source, dtype)

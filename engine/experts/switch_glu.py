@@ -9,19 +9,20 @@ How the experts are computed is decided here, in one place:
 - decode (one token) and short prefill chunks: mlx-lm's own `gather_qmm` math over the store's slot
   bank (`slot_bank.py`), the routing remapped from expert ids to slots: one product per projection
   for the layer's whole routed set, bit-identical to resident mode (a row's product does not depend
-  on which other rows the kernel is given). On the demo this took 6 layers from 4.3 ms (each
-  expert its own three `quantized_matmul`s, then a stack) to 2.7 ms.
+  on which other rows the kernel is given). On the demo this cut a step's layers against each
+  expert's own three `quantized_matmul`s and a stack (docs/design.md, "Slot banks").
 - prefill (many tokens): the same over the layer's whole stacked tensors when the chunk touches
   most experts (or more than the bank holds).
-  On the CPU with a fast BLAS (`runtime.blas`) the 4-bit kernel costs ~1 ms per row-expert of a
-  2.5 MiB expert, linear in rows, while dequantizing the expert costs ~2 rows' worth and the fp32
-  GEMM is then ~50x cheaper per row: an expert with at least `dense_rows` rows in the chunk is
+  On the CPU with a fast BLAS (`runtime.blas`) the 4-bit kernel's cost is linear in rows, while
+  dequantizing the expert costs a couple of rows' worth and the fp32 GEMM is then far cheaper per
+  row (docs/benchmarks.md, "Figures that were in code comments"): an expert with at least
+  `dense_rows` rows in the chunk is
   dequantized (one expert at a time: the fp32 copy lives only until its product is computed) and
   multiplied densely; the others keep `gather_qmm`, bit-identical row by row. `dense_rows=None`
   (`EngineConfig.exact_kernels`, or no fast BLAS) keeps today's kernels everywhere.
   `DensePrefillSwitchGLU` gives resident mode (stock mlx-lm's SwitchGLU) the same path, and
   `dense_prefill_linears` the model's other 4-bit projections (attention, shared experts, routers):
-  once the experts ran at GEMM speed those were most of a prefill (the demo: 43 of 83 ms a layer).
+  once the experts ran at GEMM speed those were most of a prefill (on the demo, traced).
 """
 
 from __future__ import annotations
@@ -45,7 +46,8 @@ from .store import ExpertStore
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 # An expert with at least this many rows in a prefill chunk is dequantized and multiplied in fp32
 # (crossover measured with `python -m engine.measure.microbench prefill`: dequantizing one
-# projection costs about two rows of the 4-bit kernel, for 2.5 MiB and 100 KiB experts alike).
+# projection costs a couple of rows of the 4-bit kernel, for the wall's and the demo's experts
+# alike; docs/benchmarks.md, "Figures that were in code comments").
 DENSE_MIN_ROWS = 4
 
 
@@ -124,7 +126,7 @@ class StreamingSwitchGLU(nn.Module):
             routed = np.array(indices)
             store.layer_computed(self._layer - 1)
         self.last_routed = routed
-        # (sorted(set()) rather than np.unique: 0.6 against 3.8 us for a decode step's K experts)
+        # (sorted(set()) rather than np.unique: cheaper for a decode step's few K experts)
         distinct = sorted(set(routed.ravel().tolist()))
         tokens = routed.size // routed.shape[-1]
         dense = self._dense_rows is not None and goes_dense(routed.size, self._num_experts, self)
@@ -195,9 +197,10 @@ def dense_threshold(dense_rows: int | None, specs) -> int | None:
 def goes_dense(assignments: int, num_experts: int, glu) -> bool:
     """Whether a prefill chunk takes the dense path: only when its average expert has enough rows
     to be worth dequantizing. Below that, few experts would go dense and splitting the chunk by
-    expert (and, resident, reading the routing back every layer) costs more than it saves: a
-    16-token prompt on the demo (4 rows an expert on average, 8 needed) took 175 ms dense against
-    125 ms on the 4-bit kernels. Decided from sizes alone, so resident and streamed modes agree."""
+    expert (and, resident, reading the routing back every layer) costs more than it saves (a
+    short prompt on the demo was slower dense than on the 4-bit kernels: docs/benchmarks.md,
+    "Figures that were in code comments"). Decided from sizes alone, so resident and streamed
+    modes agree."""
     return assignments >= glu._dense_rows * num_experts
 
 
@@ -233,8 +236,8 @@ def mixed_glu(
         outputs.append(_dense_expert_glu(glu, rows, bank, int(slots[ids[0]])))
         done.append(ids)
         # Computed in groups of DENSE_EVAL_BYTES of fp32 copies: left to one evaluation at the
-        # end, every copy of the layer could be alive at once (32 x 19 MiB on the wall); one
-        # evaluation per expert costs more than small experts' products (the demo's: 0.1 ms).
+        # end, every copy of the layer could be alive at once (every expert's copy, on the wall);
+        # one evaluation per expert costs more than small experts' products.
         pending.append(outputs[-1])
         pending_bytes += 4 * _expert_weights(glu._specs.values())
         if pending_bytes >= DENSE_EVAL_BYTES:
@@ -257,13 +260,14 @@ def mixed_glu(
     return y.reshape(*routed.shape, y.shape[-1])
 
 
-# Measured on the 2-core box (microbench products, and prefill on the demo at 16 tokens): the affine
-# 4-bit kernel costs ~0.87 ns per weight per row, dequantizing ~1.3 ns per weight, and taking one
-# expert down the dense path ~0.5 ms of fixed cost (a dozen MLX ops and their dispatch). Small
-# experts (the demo's 100 KiB) need more rows than DENSE_MIN_ROWS to be worth it (8), large ones do
-# not (4). mxfp4 (`microbench formats`, wall-shaped experts): its kernel is cheaper (~0.64 ns) and
-# its dequantize far dearer (~12 ns per weight on the CPU), so only experts with ~20+ rows go dense.
-# Other modes (nvfp4, mxfp8) are taken as mxfp4.
+# The cost model of the dense path, per format: what the 4-bit kernel costs per weight per row,
+# what dequantizing costs per weight, and the fixed cost of taking one expert down the dense path
+# (a dozen MLX ops and their dispatch). The values were measured on the 2-core box (microbench
+# products and formats, prefill on the demo; docs/benchmarks.md, "Figures that were in code
+# comments" and "mxfp4 vs affine 4-bit experts"). With them small experts (the demo's) need more
+# rows than DENSE_MIN_ROWS to be worth it, large ones do not; mxfp4's kernel is cheaper and its
+# dequantize far dearer, so only experts with many more rows go dense. Other modes (nvfp4,
+# mxfp8) are taken as mxfp4.
 QMM_NS_PER_WEIGHT_ROW = {"affine": 0.87, "mxfp4": 0.64}
 DEQUANTIZE_NS_PER_WEIGHT = {"affine": 1.3, "mxfp4": 12.0}
 DENSE_EXPERT_OVERHEAD_NS = 500_000
@@ -278,9 +282,10 @@ def _rows_worth_dequantizing(specs) -> int:
     return math.ceil(dense / (QMM_NS_PER_WEIGHT_ROW[mode] * weights))
 
 
-# At most this many bytes of dequantized (fp32) expert weights wait for one evaluation: a 2.5 MiB
-# expert's 19 MiB copy is then used while in the cache (wall, 256 tokens, resident: 8.8/7.6/8.1 s
-# against 9.1/8.6/8.9 s with 32 MiB groups), the demo's 0.4 MiB copies go 20 at a time.
+# At most this many bytes of dequantized (fp32) expert weights wait for one evaluation: a wall
+# expert's copy is then used while in the cache (faster than larger groups on the wall's prefill:
+# docs/benchmarks.md, "Figures that were in code comments"), and the demo's small copies go about
+# twenty at a time.
 DENSE_EVAL_BYTES = 8 << 20
 
 

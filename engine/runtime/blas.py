@@ -1,7 +1,8 @@
 """Which BLAS computes MLX's dense matrix products on Linux, and making it a fast one.
 
 MLX's Linux CPU wheel links its matrix products (`cblas_sgemm`) to a bundled reference BLAS
-(`mlx_cpu.libs/libblas-*.so`): single-threaded and 10-20x slower than OpenBLAS for fp32 GEMM.
+(`mlx_cpu.libs/libblas-*.so`): single-threaded and many times slower than OpenBLAS for fp32 GEMM
+(docs/benchmarks.md, "Figures that were in code comments").
 `libmlx.so` binds those symbols when it is loaded, so only a library loaded before it can take
 them over: `preload_fast_blas()` re-executes the process once with a fast BLAS in `LD_PRELOAD`. The `edge0`
 command calls it first thing (`edge0_tui.cli.entry`) for every command; a process that imported
