@@ -6,6 +6,7 @@ import argparse
 import os
 import sys
 from collections.abc import Callable
+from typing import TextIO
 
 from engine import Edge0Error
 
@@ -21,7 +22,7 @@ class CheckedStdout:
     instead of an OSError traceback. BrokenPipeError passes through as it is: the reader went away
     (`| head`), which is not an error."""
 
-    def __init__(self, stream) -> None:
+    def __init__(self, stream: TextIO) -> None:
         self._stream = stream
 
     def write(self, text: str) -> int:

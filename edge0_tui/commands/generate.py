@@ -6,10 +6,14 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from edge0_tui.commands import options
 from edge0_tui.commands.common import print_warnings
 from engine import Edge0Error, EngineConfig, GenerationConfig, format_bytes
+
+if TYPE_CHECKING:
+    from engine import Tracer
 
 NAME = "generate"
 
@@ -138,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def write_trace(tracer, path: Path) -> None:
+def write_trace(tracer: Tracer, path: Path) -> None:
     """Write --trace's file and say on stderr where MLX compute waited in a decode step."""
     events = tracer.events
     try:
