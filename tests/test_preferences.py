@@ -13,6 +13,7 @@ from test_tui_app import SHORT, SIZE, ready, reply_done, send, status_text, wait
 
 from edge0_tui import cli
 from edge0_tui.app import Edge0App
+from edge0_tui.commands import options
 from edge0_tui.preferences import (
     FILE_NAME,
     KeptPreferences,
@@ -154,7 +155,7 @@ def test_cli_chat_uses_kept_budgets_unless_given(checkpoint_dir, monkeypatch):
     launched = []
     monkeypatch.setattr(Edge0App, "run", lambda self: launched.append(self))
     model = str(checkpoint_dir())
-    store = PreferenceStore(cli._config_dir())
+    store = PreferenceStore(options.config_dir())
     store.save(model_key(model), ModelPreferences(expert_cache_bytes=3 << 20, page_cache=2 << 20))
     assert cli.main(["chat", model]) == 0
     config = launched[-1].session.engine_config

@@ -1,0 +1,110 @@
+"""`edge0 bench`: a same-session rotated A/B of modes on this machine."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from edge0_tui.commands import options
+from edge0_tui.commands.common import read_text
+from engine import Edge0Error
+
+NAME = "bench"
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(NAME, help="same-session rotated A/B of modes on this machine")
+    options.add_model(parser)
+    parser.add_argument(
+        "--arms",
+        default="resident,on-demand,prerouter",
+        help="comma-separated: resident, on-demand, prerouter, compute-only (every expert "
+        "resident before the replay, no limits: the compute a step cannot go below, for the "
+        "overlap-limit table; needs every expert in memory)",
+    )
+    options.add_k(parser, help=None)
+    parser.add_argument("--rounds", type=options.count(1), default=3)
+    parser.add_argument("--tokens", type=options.count(1), default=64)
+    parser.add_argument("--prompt-file", type=Path, default=None)
+    options.add_expert_cache(parser)
+    parser.add_argument("--ram-limit", type=options.size, default=None)
+    parser.add_argument(
+        "--read-limit",
+        type=options.size,
+        default=None,
+        metavar="BW",
+        help="throttle each arm's disk reads to BW per second, e.g. 100M (Linux cgroups); "
+        "implies --cold unless --warm",
+    )
+    parser.add_argument(
+        "--read-limit-by",
+        choices=("cgroup", "pacing"),
+        default="cgroup",
+        help="how --read-limit is applied: the kernel's throttle (Linux; lets an idle reader "
+        "burst above the limit) or pacing in edge0's reader threads (any OS; one device of that "
+        "bandwidth for cold bytes, no bursts)",
+    )
+    parser.add_argument(
+        "--trace",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="write each arm's step timeline to DIR/<arm>-round<N>.json (Perfetto)",
+    )
+    warmth = parser.add_mutually_exclusive_group()
+    warmth.add_argument("--cold", action="store_true", help="evict the checkpoint before each arm")
+    warmth.add_argument(
+        "--warm",
+        action="store_true",
+        help="read the checkpoint once first (default, except with --read-limit)",
+    )
+    options.add_exact(parser)
+    options.add_adapters(parser)
+    parser.add_argument("--json", type=Path, default=None, dest="json_out")
+    parser.add_argument("--markdown", type=Path, default=None)
+
+
+def run(args: argparse.Namespace) -> int:
+    from engine import check_checkpoint
+    from engine.measure.bench import DEFAULT_PROMPT, BenchConfig, markdown, run_bench, terminal_plot
+
+    check_checkpoint(args.model)  # in this process: the arms' processes would each say it again
+    prompt = DEFAULT_PROMPT
+    if args.prompt_file is not None:
+        prompt = read_text(args.prompt_file, "the prompt")
+    config = BenchConfig(
+        model=args.model,
+        arms=[a.strip() for a in args.arms.split(",") if a.strip()],
+        k=args.k,
+        rounds=args.rounds,
+        tokens=args.tokens,
+        prompt=prompt,
+        expert_cache_bytes=args.expert_cache,
+        ram_limit_bytes=args.ram_limit,
+        # A throttle acts on cold reads only: with a warm page cache it would measure nothing.
+        cold=args.cold or (args.read_limit is not None and not args.warm),
+        read_limit_bps=args.read_limit,
+        read_limit_by=args.read_limit_by,
+        trace_dir=args.trace,
+        exact_kernels=args.exact,
+        adapter_dirs=options.adapter_dirs(args.adapters),
+        data_dir=options.data_dir(),
+    )
+    if args.trace is not None:
+        try:
+            args.trace.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise Edge0Error(
+                f"{args.trace}: cannot make the trace folder ({e.strerror or e})"
+            ) from None
+    report = run_bench(config, progress=lambda line: print(line, file=sys.stderr, flush=True))
+    table = markdown(report)
+    print(table)
+    print(terminal_plot(report))
+    if args.json_out:
+        args.json_out.write_text(json.dumps(report, indent=1))
+    if args.markdown:
+        args.markdown.write_text(table)
+    return 0

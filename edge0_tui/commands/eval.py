@@ -1,0 +1,50 @@
+"""`edge0 eval`: held-out perplexity, recall@K, distinct-4 and LoRA merge retention."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from edge0_tui.commands import options
+from edge0_tui.commands.common import read_text
+
+NAME = "eval"
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        NAME, help="held-out perplexity, recall@K, distinct-4, LoRA merge retention"
+    )
+    options.add_model(parser)
+    parser.add_argument("--text", type=Path, required=True, help="held-out UTF-8 text")
+    options.add_k(parser, help=None)
+    options.add_mode(parser, default=None, help="default: prerouter when heads exist")
+    parser.add_argument("--no-lora", action="store_true")
+    options.add_exact(parser)
+    options.add_adapters(parser)
+    parser.add_argument("--max-tokens", type=options.count(1), default=16_384)
+    parser.add_argument(
+        "--samples", type=options.count(1), default=8, help="continuations for distinct-4"
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+
+
+def run(args: argparse.Namespace) -> int:
+    from engine.measure.evaluate import EvalConfig, evaluate, format_report
+
+    config = EvalConfig(
+        k=args.k,
+        mode=args.mode,
+        lora=not args.no_lora,
+        max_tokens=args.max_tokens,
+        samples=args.samples,
+        exact_kernels=args.exact,
+        adapter_dirs=options.adapter_dirs(args.adapters),
+        data_dir=options.data_dir(),
+    )
+    log = None if args.json else (lambda line: print(line, file=sys.stderr, flush=True))
+    report = evaluate(args.model, read_text(args.text), config, log=log)
+    print(json.dumps(report) if args.json else format_report(report))
+    return 0

@@ -1,0 +1,188 @@
+"""`edge0 generate`: text from a prompt, with per-step metrics."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from edge0_tui.commands import options
+from edge0_tui.commands.common import print_warnings
+from engine import Edge0Error, EngineConfig, GenerationConfig, format_bytes
+
+if TYPE_CHECKING:
+    from engine import Tracer
+
+NAME = "generate"
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(NAME, help="generate text from a prompt, with per-step metrics")
+    options.add_model(parser, help="local mlx-lm checkpoint directory")
+    parser.add_argument(
+        "--prompt",
+        type=options.utf8,
+        required=True,
+        help="the user's message, wrapped in the model's chat template when it has one (as "
+        "mlx_lm.generate does; see --raw)",
+    )
+    template = parser.add_mutually_exclusive_group()
+    template.add_argument(
+        "--raw", action="store_true", help="encode the prompt as is, without the chat template"
+    )
+    # The default since the chat template became the default; kept so that scripts still run.
+    template.add_argument("--chat", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--max-tokens", type=int, default=64, help="at least 1")
+    parser.add_argument("--temp", type=float, default=0.0, help="0 is greedy")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=None)
+    options.add_mode(parser)
+    options.add_expert_cache(parser, help="routed-expert budget, e.g. 400K, 512M, 2G")
+    options.add_page_cache(parser)
+    parser.add_argument("--eviction", choices=("lfu-aging", "lru"), default="lfu-aging")
+    options.add_k(parser)
+    parser.add_argument("--no-lora", action="store_true", help="prerouter mode without the LoRA")
+    options.add_exact(parser)
+    options.add_adapters(parser)
+    parser.add_argument(
+        "--shadow-router",
+        action="store_true",
+        help="also run the true routers to report the prediction's recall@K (costs compute)",
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    parser.add_argument(
+        "--trace",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="write a step timeline (Chrome/Perfetto trace JSON: compute, reads, blocked waits)",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from engine import NO_TRACE, Engine, Tracer
+
+    config = EngineConfig(
+        mode=args.mode,
+        expert_cache_bytes=args.expert_cache,
+        page_cache_bytes=options.page_cache_bytes(args.page_cache),
+        eviction=args.eviction,
+        k=args.k,
+        lora=not args.no_lora,
+        shadow_router=args.shadow_router,
+        exact_kernels=args.exact,
+        adapter_dirs=options.adapter_dirs(args.adapters),
+        data_dir=options.data_dir(),
+    )
+    gen = GenerationConfig(
+        max_tokens=args.max_tokens,
+        temperature=args.temp,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+    )
+    tracer = Tracer() if args.trace is not None else NO_TRACE
+    with Engine(args.model, config, tracer=tracer) as engine:
+        print_warnings(engine.warnings)
+        if note := engine.quality_note():
+            print(f"edge0: note: {note}", file=sys.stderr)
+        # Like mlx_lm.generate: the chat template when the tokenizer has one, unless --raw.
+        chat = not args.raw and engine.tokenizer.has_chat_template
+        prompt = engine.encode(args.prompt, chat=chat)
+        printed = 0
+
+        def stream(token: int, step) -> None:
+            nonlocal printed
+            if args.json:
+                return
+            result_tokens.append(token)
+            text = engine.reply_text(result_tokens)
+            # A token may end inside a multi-byte character: hold it back until it completes.
+            stable = len(text.rstrip("\ufffd"))
+            sys.stdout.write(text[printed:stable])
+            sys.stdout.flush()
+            printed = stable
+
+        result_tokens: list[int] = []
+        try:
+            result = engine.generate(prompt, gen, on_token=stream)
+        finally:
+            if tracer.enabled:  # also the steps before a failure: they may show why
+                write_trace(tracer, args.trace)
+        engine_k = engine.k
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "mode": args.mode,
+                    "k": engine_k,
+                    "prompt_tokens": result.prompt_tokens,
+                    "tokens": result.tokens,
+                    "text": result.text,
+                    "stopped_by": result.stopped_by,
+                    "steps": [s.as_dict() for s in result.steps],
+                    "summary": result.summary,
+                }
+            )
+        )
+    else:
+        print(result.text[printed:], flush=True)  # before the summary on stderr
+        print(summary_line(result.summary), file=sys.stderr)
+    if repaired := result.summary.get("nonfinite_repaired", 0):
+        # The guard kept the reply going, but a reply that needed repair is not to be trusted.
+        print_warnings(
+            [
+                f"{repaired} NaN or overflowing hidden values were repaired while generating this "
+                "reply; the output may be garbage (numerically broken weights or adapters?)"
+            ]
+        )
+    return 0
+
+
+def write_trace(tracer: Tracer, path: Path) -> None:
+    """Write --trace's file and say on stderr where MLX compute waited in a decode step."""
+    events = tracer.events
+    try:
+        tracer.write(path, events)
+    except OSError as e:
+        raise Edge0Error(f"{path}: cannot write the trace ({e.strerror or e})") from None
+    print(f"edge0: trace written to {path} (open it in https://ui.perfetto.dev)", file=sys.stderr)
+    from engine import compute_waits, largest_waits
+
+    waits = compute_waits(events)
+    if waits is not None and waits.steps:
+        print(
+            f"edge0: MLX compute waited {waits.waited_ms:.1f} of a {waits.step_ms:.1f} ms decode "
+            f"step; the engine thread meanwhile (ms a step): {largest_waits(waits.by_engine_span)}",
+            file=sys.stderr,
+        )
+
+
+def summary_line(s: dict) -> str:
+    """The one line on stderr after a reply: prompt, decode, reads, memory, the prerouter."""
+    prerouter = ""
+    if s.get("median_predicted"):
+        prerouter = (
+            f" | prerouter: {s['median_predicted']:.0f} layers predicted, "
+            f"{s['median_prefetch_issued']:.0f} reads ahead/step "
+            f"({s['median_prefetch_in_time']:.0f} in time, {s['median_prefetch_late']:.0f} late), "
+            f"dropped {s['dropped']}"
+        )
+        if "shadow_recall" in s:
+            prerouter += f", recall {s['shadow_recall']:.2f}"
+    if "prefetch_hit_rate" in s:
+        prerouter = (
+            f" | prefetch: {s['median_prefetch_issued']:.0f} reads ahead/step, "
+            f"{s['prefetch_hit_rate']:.0%} of routed experts were read ahead"
+        )
+    return (
+        f"[{s['prompt_tokens']} prompt tokens, TTFT {s['ttft_ms']:.0f} ms, "
+        f"prefill {s['prefill_tok_per_s']:.1f} tok/s | decode {s['decode_tok_per_s']:.2f} tok/s, "
+        f"blocked {s['median_blocked_ms']:.1f} ms/step, {s['median_loads']:.0f} loads/step, "
+        f"{s['median_mib_read']:.1f} MiB/step, cold {s['median_cold_fraction']:.0%} | "
+        f"peak MLX {format_bytes(s['peak_mlx_bytes'])}, RSS {format_bytes(s['peak_rss_bytes'])}"
+        f"{prerouter}]"
+    )

@@ -1,0 +1,65 @@
+"""`edge0 info`: a checkpoint's family, layers, experts, expert bytes and K profiles."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from edge0_tui.commands import options
+from edge0_tui.commands.common import print_warnings
+from engine import EngineConfig, format_bytes
+
+NAME = "info"
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(NAME, help="family, layers, experts, expert bytes, K profiles")
+    options.add_model(parser)
+    options.add_adapters(parser)
+    parser.add_argument("--json", action="store_true")
+
+
+def run(args: argparse.Namespace) -> int:
+    from engine import Engine
+
+    config = EngineConfig(
+        mode="on-demand",
+        adapter_dirs=options.adapter_dirs(args.adapters),
+        data_dir=options.data_dir(),
+    )
+    with Engine(args.model, config) as engine:
+        info = engine.info()
+        search = engine.adapter_search
+    info["adapter_folders"] = [{"path": str(f.path), "origin": f.origin} for f in search.folders]
+    for p in info["profiles"]:
+        files = search.profiles.get(p["k"])
+        p["origin"] = files.origin if files is not None else None
+        p["files"] = [str(f) for f in (files.prerouter, files.lora) if f] if files else []
+    info["shadowed"] = [
+        {"k": f.k, "origin": f.origin, "files": [str(x) for x in (f.prerouter, f.lora) if x]}
+        for f in search.shadowed
+    ]
+    print_warnings(info["warnings"])
+    if args.json:
+        print(json.dumps(info))
+        return 0
+    print(f"{info['model']}: {info['family']}, {info['layers']} layers ({info['moe_layers']} MoE)")
+    print(f"  {info['family_description']}; modes: {', '.join(info['family_modes'])}")
+    print(f"  experts stored {info['expert_format']}")
+    print(
+        f"  {info['experts']} routed experts per layer, native K={info['native_k']}, hidden {info['hidden']}"
+    )
+    print(
+        f"  routed-expert bytes {format_bytes(info['expert_bytes'])}, fingerprint {info['fingerprint']}"
+    )
+    print(f"  BLAS: {info['blas']['text']}; prefill experts: {info['prefill_kernels']}")
+    for p in info["profiles"]:
+        parts = [name for name in ("prerouter", "lora") if p[name]]
+        quality = "recovered" if p["recovered"] else "quality not recovered"
+        where = f", {p['origin']} folder: {', '.join(p['files'])}" if p["files"] else ""
+        print(f"  K={p['k']}: {' + '.join(parts) or 'true router'} ({quality}{where})")
+    for s in info["shadowed"]:
+        print(f"  K={s['k']} shadowed (an earlier folder has K={s['k']}): {', '.join(s['files'])}")
+    for folder in info["adapter_folders"]:
+        print(f"  adapters searched: {folder['origin']} {folder['path']}")
+    return 0

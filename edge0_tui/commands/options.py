@@ -1,0 +1,181 @@
+"""Options that several commands share: argument types, the engine options (--mode, --k,
+--expert-cache, --page-cache, --exact, --adapters), and their values as the engine takes them."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from engine import MAX_SEED, MODES, Edge0Error, format_bytes, parse_size
+
+# edge0's user data folder (trained adapters, chats) when set; read here, at the top, only.
+DATA_DIR_ENV = "EDGE0_DATA_DIR"
+CONFIG_DIR_ENV = "EDGE0_CONFIG_DIR"
+
+PAGE_CACHE_HELP = (
+    "at most SIZE of the checkpoint's expert bytes stay in the OS page cache (the least recently "
+    "read are dropped; on macOS expert reads bypass the cache): a memory wall on a machine whose "
+    "RAM holds the checkpoint; off lets the OS decide"
+)
+ADAPTERS_HELP = (
+    "an adapter folder or a Hugging Face repo id (owner/name: only its prerouter_*/lora_* files "
+    "are downloaded), searched for K profiles before the model folder and the automatic folder; "
+    "repeatable"
+)
+EXACT_HELP = (
+    "today's kernels only (4-bit products everywhere; on-demand token-identical to resident); "
+    "default: on the CPU with a fast BLAS, a prefill's routed experts with several tokens are "
+    "dequantized and multiplied in fp32 (GEMM speed, logits within a tested bound)"
+)
+K_HELP = "routing width (default: the model's)"
+
+
+# -- argument types ------------------------------------------------------------------------------
+
+
+def size(text: str) -> int:
+    """A byte size as `parse_size` reads it (400K, 512M, 2G)."""
+    try:
+        return parse_size(text)
+    except Edge0Error as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def page_cache(text: str) -> int | str:
+    """--page-cache: a SIZE, or "off" (the OS decides what stays cached)."""
+    if text.strip().lower() in ("off", "none"):
+        return "off"
+    return size(text)
+
+
+def utf8(text: str) -> str:
+    """Command-line text as given. Python hands over bytes that are not UTF-8 as surrogate escapes
+    (U+DC80..U+DCFF), which the tokenizer cannot encode: refuse them here, naming the byte."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        byte = ord(text[e.start]) & 0xFF
+        raise argparse.ArgumentTypeError(
+            f"not valid UTF-8 (byte 0x{byte:02x} at character {e.start})"
+        ) from None
+    return text
+
+
+def count(least: int) -> Callable[[str], int]:
+    """An argparse type: a whole number of at least `least` (rounds, tokens, turns, samples)."""
+
+    def at_least(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+        if value < least:
+            raise argparse.ArgumentTypeError(f"{value} must be at least {least}")
+        return value
+
+    return at_least
+
+
+def int_between(low: int, high: int) -> Callable[[str], int]:
+    """An argparse type: a whole number from `low` to `high` (a seed as MLX takes it, a port)."""
+
+    def between(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{value} must be between {low} and {high}")
+        return value
+
+    return between
+
+
+seed = int_between(0, MAX_SEED)  # an unsigned 64-bit integer
+port = int_between(0, 65535)  # 0: a free one
+
+
+# -- shared options ------------------------------------------------------------------------------
+
+
+def add_model(parser: argparse.ArgumentParser, help: str | None = None) -> None:
+    """The local checkpoint folder a command runs (chat and serve also take a Hub repo id or
+    demo, so they define their own)."""
+    parser.add_argument("model", type=Path, help=help)
+
+
+def add_mode(
+    parser: argparse.ArgumentParser, default: str | None = "on-demand", help: str | None = None
+) -> None:
+    parser.add_argument("--mode", choices=MODES, default=default, help=help)
+
+
+def add_k(parser: argparse.ArgumentParser, help: str | None = K_HELP) -> None:
+    parser.add_argument("--k", type=int, default=None, help=help)
+
+
+def add_expert_cache(
+    parser: argparse.ArgumentParser,
+    default: str | None = "1G",
+    help: str | None = None,
+    metavar: str | None = None,
+) -> None:
+    """--expert-cache: the routed-expert budget. A default given as text goes through `size`
+    (argparse converts a string default with the option's type)."""
+    parser.add_argument("--expert-cache", type=size, default=default, metavar=metavar, help=help)
+
+
+def add_page_cache(
+    parser: argparse.ArgumentParser, default: object = None, help: str = PAGE_CACHE_HELP
+) -> None:
+    parser.add_argument(
+        "--page-cache", type=page_cache, default=default, metavar="SIZE|off", help=help
+    )
+
+
+def add_exact(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--exact", action="store_true", help=EXACT_HELP)
+
+
+def add_adapters(parser: argparse.ArgumentParser, help: str = ADAPTERS_HELP) -> None:
+    parser.add_argument(
+        "--adapters", action="append", default=[], metavar="DIR|REPO_ID", type=utf8, help=help
+    )
+
+
+# -- option values as the engine takes them ------------------------------------------------------
+
+
+def page_cache_bytes(value: int | str | None) -> int | None:
+    """EngineConfig.page_cache_bytes from a --page-cache value: "off" (or none given) is None."""
+    return None if value == "off" else value
+
+
+def config_dir() -> Path | None:
+    """edge0's user config folder (kept settings) from EDGE0_CONFIG_DIR; None: the platform's."""
+    value = os.environ.get(CONFIG_DIR_ENV)
+    return Path(value).expanduser() if value else None
+
+
+def data_dir() -> Path | None:
+    """edge0's user data folder from EDGE0_DATA_DIR; None: the platform's."""
+    value = os.environ.get(DATA_DIR_ENV)
+    return Path(value).expanduser() if value else None
+
+
+def adapter_dirs(specs: list[str]) -> tuple[Path, ...]:
+    """The folders `--adapters` names, Hub repos downloaded first (progress on stderr)."""
+    from edge0_tui.model_source import resolve_adapters
+
+    def on_progress(what: str, done: float, total: float | None) -> None:
+        if sys.stderr.isatty():
+            shown = f"{format_bytes(done)} / {format_bytes(total)}" if total else ""
+            print(f"\r\x1b[2Kedge0: {what} {shown}", end="", file=sys.stderr, flush=True)
+
+    dirs = tuple(resolve_adapters(spec, on_progress) for spec in specs)
+    if specs and sys.stderr.isatty():
+        print("\r\x1b[2K", end="", file=sys.stderr, flush=True)
+    return dirs

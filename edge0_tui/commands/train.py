@@ -1,0 +1,221 @@
+"""`edge0 train PHASE`: the demo corpus and teacher, the prerouter heads, the recovery LoRA and
+its on-policy distillation."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from edge0_tui.commands import options
+from edge0_tui.commands.common import read_text
+from engine import EngineConfig
+
+NAME = "train"
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(NAME, help="training phases")
+    phases = parser.add_subparsers(dest="phase", required=True)
+    _add_heads(phases)
+    _add_corpus(phases)
+    _add_base(phases)
+    _add_lora_and_distill(phases)
+
+
+def _add_heads(phases: argparse._SubParsersAction) -> None:
+    heads = phases.add_parser("heads", help="phase 1: distill prerouter heads for width K")
+    options.add_model(heads)
+    heads.add_argument("--k", type=int, required=True)
+    heads.add_argument(
+        "--text",
+        type=Path,
+        default=None,
+        help="UTF-8 text to run the model over (default: Python's own documentation, in every "
+        "Python install, as chat exchanges in the model's chat template: role tokens and "
+        "assistant turns as in a chat, explanatory English with code; no download)",
+    )
+    heads.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="the heads file (default ADAPTERS/prerouter_k{K}.safetensors)",
+    )
+    heads.add_argument(
+        "--adapters",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="the adapter folder to write to, traces and training state in DIR/work (default: "
+        "the model's automatic folder, $EDGE0_DATA_DIR or the user data folder, "
+        "adapters/<fingerprint>); a rerun resumes there",
+    )
+    options.add_expert_cache(
+        heads,
+        help="routed-expert budget while collecting, e.g. 512M, 2G (the model runs on-demand)",
+    )
+    heads.add_argument(
+        "--window",
+        type=options.count(2),
+        default=128,
+        metavar="N",
+        help="tokens per teacher-forced forward while collecting (default 128); a window that "
+        "touches most experts reads each layer whole, so on a model that does not fit, larger "
+        "windows read the checkpoint fewer times",
+    )
+    heads.add_argument("--start-layer", type=int, default=None)
+    heads.add_argument("--steps", type=int, default=400)
+    heads.add_argument("--max-tokens", type=int, default=60_000)
+
+
+def _add_corpus(phases: argparse._SubParsersAction) -> None:
+    corpus = phases.add_parser(
+        "corpus", help="the demo corpus: OUT/train.txt and OUT/held_out.txt (the phases' --text)"
+    )
+    corpus.add_argument("out", type=Path)
+
+
+def _add_base(phases: argparse._SubParsersAction) -> None:
+    base = phases.add_parser("base", help="phase 0: train the demo teacher (resumable)")
+    base.add_argument("out", type=Path, help="training directory: state, loss.csv, teacher/, base/")
+    base.add_argument("--steps", type=int, default=None, help="total steps (default 720)")
+    base.add_argument("--resume", action="store_true", help="require a saved state in OUT")
+    base.add_argument("--seed", type=int, default=0)
+
+
+def _add_lora_and_distill(phases: argparse._SubParsersAction) -> None:
+    lora = phases.add_parser("lora", help="phase 2: SFT of the recovery LoRA on teacher text")
+    distill = phases.add_parser("distill", help="phase 3: on-policy distillation (reverse KL)")
+    for phase, steps, out_dir in ((lora, 300, "lora"), (distill, 40, "distill")):
+        options.add_model(phase)
+        phase.add_argument("--k", type=int, required=True)
+        phase.add_argument(
+            "--teacher",
+            type=Path,
+            default=None,
+            help="the unquantized float model (mlx-lm); default: the checkpoint itself (its 4-bit "
+            "weights routed by its own routers at its native K, without the LoRA)",
+        )
+        phase.add_argument(
+            "--text", type=Path, required=True, help="UTF-8 text to draw prompts from"
+        )
+        phase.add_argument("--steps", type=int, default=steps)
+        phase.add_argument("--lr", type=float, default=None, help="AdamW learning rate")
+        phase.add_argument(
+            "--batch", type=int, default=None, help="rows (lora) or rollouts (distill) per step"
+        )
+        phase.add_argument(
+            "--out",
+            type=Path,
+            default=None,
+            help="default lora_k{K}.safetensors in the folder of the K profile's heads",
+        )
+        phase.add_argument(
+            "--out-dir",
+            type=Path,
+            default=None,
+            help=f"checkpoints (default HEADS_FOLDER/train/{out_dir}_k{{K}}); a rerun resumes "
+            "there",
+        )
+        options.add_adapters(phase)
+    lora.add_argument(
+        "--generate", type=int, default=1600, help="teacher continuations (cached, see --rows)"
+    )
+    lora.add_argument(
+        "--rows",
+        type=Path,
+        default=None,
+        help="teacher rows cache (default HEADS_FOLDER/train/teacher_rows.npz, shared by every K)",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.phase == "corpus":
+        return run_corpus(args)
+    if args.phase == "base":
+        return run_base(args)
+    if args.phase in ("lora", "distill"):
+        return run_lora_or_distill(args)
+    return run_heads(args)
+
+
+def run_heads(args: argparse.Namespace) -> int:
+    from engine.train.heads import TrainHeadsConfig, train_heads
+
+    text = read_text(args.text) if args.text is not None else None
+    config = TrainHeadsConfig(
+        k=args.k,
+        start_layer=args.start_layer,
+        steps=args.steps,
+        max_tokens=args.max_tokens,
+        window=args.window,
+    )
+    engine_config = EngineConfig(expert_cache_bytes=args.expert_cache, data_dir=options.data_dir())
+    train_heads(
+        args.model,
+        text,
+        config,
+        out=args.out,
+        progress=lambda line: print(line, flush=True),
+        engine_config=engine_config,
+        adapters_dir=args.adapters,
+        bar=sys.stderr.isatty(),
+    )
+    return 0
+
+
+def run_corpus(args: argparse.Namespace) -> int:
+    from engine.train.corpus import write_split_texts
+
+    split = write_split_texts(args.out)
+    print(
+        f"wrote {args.out / 'train.txt'} ({len(split.train)} works) and "
+        f"{args.out / 'held_out.txt'} (held out: {', '.join(split.held_out)})"
+    )
+    return 0
+
+
+def run_base(args: argparse.Namespace) -> int:
+    from engine.train.base import TrainBaseConfig, train_base
+
+    config = TrainBaseConfig(seed=args.seed)
+    if args.steps is not None:
+        config.steps = args.steps
+    train_base(args.out, config, resume=args.resume, progress=lambda line: print(line, flush=True))
+    return 0
+
+
+def run_lora_or_distill(args: argparse.Namespace) -> int:
+    extra = {}
+    if args.phase == "lora":
+        from engine.train.lora import TrainLoRAConfig as Config
+        from engine.train.lora import train_lora as train
+
+        config = Config(k=args.k, rows=args.generate, steps=args.steps)
+        extra["rows_path"] = args.rows
+        if args.batch is not None:
+            config.batch = args.batch
+    else:
+        from engine.train.distill import TrainDistillConfig as Config
+        from engine.train.distill import train_distill as train
+
+        config = Config(k=args.k, steps=args.steps)
+        if args.batch is not None:
+            config.prompts_per_step = args.batch
+    if args.lr is not None:
+        config.lr = args.lr
+    train(
+        args.model,
+        args.teacher,
+        read_text(args.text),  # read before --adapters resolves: its error comes first
+        config,
+        out=args.out,
+        out_dir=args.out_dir,
+        log=lambda line: print(line, flush=True),
+        bar=sys.stderr.isatty(),
+        engine_config=EngineConfig(
+            adapter_dirs=options.adapter_dirs(args.adapters), data_dir=options.data_dir()
+        ),
+        **extra,
+    )
+    return 0
