@@ -1,29 +1,4 @@
-"""The one thread that owns the engine, shared by the chat app and the HTTP server.
-
-Thread rule: every MLX call (loading, generating, reading MLX memory, closing) happens on the
-thread that runs `EngineService.run`: the service's own thread (`start`, the server) or one the
-caller gives it (the app's Textual thread worker). MLX streams are thread-local, so the engine is
-never touched from another thread, and that thread frees its streams before it returns.
-
-Other threads talk to the engine thread only through this object:
-- `submit` queues a `ReplyJob` in arrival order, or refuses it (`EngineUnavailable` until the
-  model is loaded and after it closed, `QueueFull` past `queue_limit` waiting jobs);
-- `ReplyJob.stop` ends a reply early (the engine checks after every token, so within one step)
-  and `ReplyJob.cancel` also drops a job that has not started;
-- `request_k`, `request_mode`, `request_page_cache` call the engine's thread-safe request methods
-  (applied before its next step, mid-reply too) and queue a chore that applies them at once when
-  idle; `reload` closes the engine and opens another; `count_tokens` counts a chat's tokens;
-- the engine thread answers each job with `NewText`, then `ReplyDone` or `ReplyError`, handed to
-  the job's `post`; loading and idle switches are reported to `on_event` (`EngineOpened`,
-  `OpenFailed`, `SwitchNotApplied`). Both callbacks run on the engine thread and must not wait;
-- `live`, `memory`, `kv_cache_bytes`, `info`, `profiles`, `modes`, `last_figures`, `state` are
-  snapshots the engine thread replaces (plain attribute swaps) and any thread reads.
-The engine serves one request at a time by design: one conversation's KV cache is kept between
-requests, so a chat that sends its history again continues from it.
-
-No UI here (neither Textual nor the HTTP stack) and no MLX math: the adapters in
-`engine_session` (the app) and `server.engine_worker` (the server) turn these events into theirs.
-"""
+"""`EngineService`: the thread that owns the Engine, its queue, and one reply's run."""
 
 from __future__ import annotations
 
@@ -32,174 +7,32 @@ import time
 import traceback
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Protocol
+from dataclasses import replace
+from typing import TYPE_CHECKING
 
-from engine import Edge0Error, GenerationConfig
+from engine import Edge0Error
 
-from .live_metrics import HISTORY_STEPS, LiveMetrics
+from ..live_metrics import HISTORY_STEPS, LiveMetrics
+from .jobs import (
+    EngineOpened,
+    EngineUnavailable,
+    NewText,
+    OpenFailed,
+    QueueFull,
+    ReplyDone,
+    ReplyError,
+    ReplyJob,
+    ServiceClosed,
+    ServiceEvent,
+    SwitchNotApplied,
+    SwitchRefused,
+)
 
 if TYPE_CHECKING:
     from engine import Engine, GenerationResult, KProfile, StepMetrics
 
 # How often an idle engine thread looks at its quit flags (a caller's flag cannot wake it).
 POLL_S = 0.1
-
-
-class EngineUnavailable(Exception):
-    """The engine takes no request: it is still loading, it failed to load, or it closed."""
-
-    def __init__(self, state: str, error: str | None) -> None:
-        self.state = state
-        self.error = error
-        if state == "loading":
-            message = "the model is loading"
-        else:
-            message = f"the model is not available: {error or 'the engine is shutting down'}"
-        super().__init__(message)
-
-
-class QueueFull(Exception):
-    """`queue_limit` jobs already wait behind the one running."""
-
-    def __init__(self, waiting: int) -> None:
-        self.waiting = waiting
-        super().__init__(f"{waiting} requests already wait")
-
-
-class SwitchRefused(Edge0Error):
-    """A job's own K or mode cannot be used; `param` names which ("k" or "mode")."""
-
-    def __init__(self, message: str, param: str) -> None:
-        self.param = param
-        super().__init__(message)
-
-
-class ServiceClosed(Exception):
-    """Raised inside a long preparation step (a download) to abandon it when the service quits."""
-
-
-# -- events ---------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class NewText:
-    text: str  # new reply text, never taken back
-
-
-@dataclass(frozen=True)
-class ReplyDone:
-    rest: str  # what NewText events have not carried yet
-    text: str  # the whole reply, decoded once more from all its tokens
-    stopped_by: str  # the engine's: "eos", "max_tokens" or "cancelled"
-    stopped_at_text: bool  # the job's text filter ended the reply (a stop sequence)
-    prompt_tokens: int
-    completion_tokens: int
-    summary: dict  # the engine's summary of the request's steps
-    figures: dict  # the request's own measurements (`request_figures`)
-    nonfinite_repaired: int  # hidden values the numerical guard repaired (NaN, inf)
-
-
-@dataclass(frozen=True)
-class ReplyError:
-    # Edge0Error (SwitchRefused before the prompt), EngineUnavailable (never started), or a bug
-    # when the service keeps going after bugs.
-    error: Exception
-    text: str  # the reply decoded so far, as the engine wrote it
-    completion_tokens: int  # tokens generated before the error (0: nothing was sent)
-    nonfinite_repaired: int
-
-
-JobEvent = NewText | ReplyDone | ReplyError
-
-
-@dataclass(frozen=True)
-class EngineOpened:
-    """Loaded (or loaded again) and ready; the engine's facts as the snapshots now hold them."""
-
-    info: dict
-    profiles: list[KProfile]
-    modes: list[str]
-
-
-@dataclass(frozen=True)
-class OpenFailed:
-    message: str  # the model could not be prepared or loaded; the engine thread has ended
-
-
-@dataclass(frozen=True)
-class SwitchNotApplied:
-    message: str  # a K, mode or page-cache change the engine accepted could not be applied
-
-
-ServiceEvent = EngineOpened | OpenFailed | SwitchNotApplied
-
-
-# -- jobs -----------------------------------------------------------------------------------------
-
-
-class TextFilter(Protocol):
-    """What of the reply may be sent as it is written: the app cleans it for the terminal, the
-    server cuts it at stop sequences. Called on the engine thread with the whole reply so far."""
-
-    @property
-    def stopped(self) -> bool:
-        """True once the reply must end here (a stop sequence): the engine stops at once."""
-        ...
-
-    def update(self, text: str) -> str:
-        """The new text that may be sent, given the whole reply decoded so far."""
-        ...
-
-    def finish(self, text: str) -> str:
-        """The rest of the reply once generation has ended."""
-        ...
-
-
-class ReplyJob:
-    """One reply to write: a prompt, its sampling settings, and where its events go."""
-
-    def __init__(
-        self,
-        prompt: str | list[dict],
-        generation: GenerationConfig,
-        post: Callable[[JobEvent], object],
-        text: TextFilter,
-        text_every_s: float = 0.0,
-        k: int | None = None,
-        mode: str | None = None,
-        fit_context: bool = False,
-    ) -> None:
-        # A list of `role`/`content` dicts goes through the chat template; a string as it is.
-        self.prompt = prompt
-        self.generation = generation
-        self.post = post  # called on the engine thread; must hand the event on without waiting
-        self.text = text
-        # NewText at most this often (0: after every token), so that a few hundred tokens a
-        # second do not flood a UI, and the reply is decoded only as often.
-        self.text_every_s = text_every_s
-        # Switched to before the prompt (and kept for later jobs); None: what stands.
-        self.k = k
-        self.mode = mode
-        # The length was not asked for: never past the model's context.
-        self.fit_context = fit_context
-        self.stop_asked = threading.Event()
-        self.dropped = False
-        self.service: EngineService | None = None
-
-    def stop(self) -> None:
-        """End the reply early: it stops before its next step and answers with what it wrote."""
-        self.stop_asked.set()
-
-    def cancel(self) -> None:
-        """Nobody wants the answer: a waiting job is dropped unanswered, a running one stops."""
-        self.dropped = True
-        self.stop_asked.set()
-        if self.service is not None:
-            self.service.discard(self)
-
-
-# -- the service ----------------------------------------------------------------------------------
 
 
 class EngineService:
