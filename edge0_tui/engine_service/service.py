@@ -229,7 +229,7 @@ class EngineService:
         self._publish_facts(engine)
         self._refresh_memory(engine)
         with self._cv:
-            if self._quit:
+            if self.quitting:
                 return False
             self.state = "ready"
         self._on_event(EngineOpened(self.info, self.profiles, self.modes))
