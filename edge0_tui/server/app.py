@@ -1,10 +1,10 @@
 """The ASGI app (Starlette) and `serve`, which runs it under uvicorn beside the engine thread.
 
 Requests are checked here, on the event loop, and queued for the engine thread
-(`engine_worker.EngineWorker`, the server's side of `engine_service.EngineService`); a reply is an ASGI response that relays the engine thread's events
-as they come, as server-sent events or as one JSON body. Each reply also listens for the client's
-disconnect: a client that goes away cancels its job, waiting or running (the engine stops before
-its next step).
+(`engine_worker.EngineWorker`, the server's side of `engine_service.EngineService`); a reply is
+an ASGI response that relays the engine thread's events as they come, as server-sent events or
+as one JSON body. Each reply also listens for the client's disconnect: a client that goes away
+cancels its job, waiting or running (the engine stops before its next step).
 
 Bodies are read incrementally and refused past `max_body_bytes` (413); every error is OpenAI's
 JSON error shape with its status (`openai_shapes.ApiError`).
