@@ -1,43 +1,43 @@
-"""The engine and the one thread it runs on.
+"""The app's side of the engine thread: the chat screen's requests in, Textual messages out.
 
-Thread rule: every MLX call (writing the synthetic demo model, loading, generating, closing) happens
-on the thread that runs `EngineSession.serve`, a Textual thread worker started by the chat screen.
-MLX streams are thread-local on Metal, so the engine must never be touched from two threads.
-
-The UI thread talks to that thread only through this object:
-- `submit` queues a reply; `stop_reply` and `shutdown` set events that the engine checks after
-  every token (through `should_stop`), so a reply stops within one decode step;
-- `request_k` / `request_mode` call the engine's thread-safe request methods, which take effect
-  before the engine's next step, so they work in the middle of a reply; they also queue an
-  `APPLY_SWITCH`, so that an idle engine applies the switch at once instead of at the next reply;
-- `metrics` is a frozen snapshot the engine thread replaces after every token, and the UI reads.
-The engine thread answers with the messages in `edge0_tui.messages`, posted, never awaited.
+The engine thread is `edge0_tui.engine_service.EngineService` (the server runs on it too); here it
+runs on a Textual thread worker that the chat screen starts and that calls `EngineSession.serve`.
+The UI thread talks to that thread only through this object (method calls down):
+- `submit` queues a reply; `stop_reply` and `shutdown` make the engine stop after the token it is
+  writing, so a reply stops within one decode step;
+- `request_k` / `request_mode` / `request_page_cache` take effect before the engine's next step,
+  mid-reply too, and at once when idle; `reload` loads the model again in another mode;
+- `metrics` is the frozen snapshot the engine thread replaces after every token, and the UI reads.
+The engine thread answers with the messages in `edge0_tui.messages`, posted, never awaited
+(messages up): workers never touch widgets.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import queue
 import threading
-import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from textual.message import Message
 
-from engine import (
-    Edge0Error,
-    Engine,
-    EngineConfig,
-    GenerationConfig,
-    KProfile,
-    StepMetrics,
-    release_thread_streams,
-)
+from engine import Edge0Error, Engine, EngineConfig, GenerationConfig, KProfile
 
-from .live_metrics import HISTORY_STEPS, LiveMetrics
+from .engine_service import (
+    EngineOpened,
+    EngineService,
+    EngineUnavailable,
+    JobEvent,
+    NewText,
+    OpenFailed,
+    ReplyDone,
+    ReplyJob,
+    ServiceClosed,
+    ServiceEvent,
+    SwitchNotApplied,
+)
+from .live_metrics import LiveMetrics
 from .messages import (
     ContextCounted,
     EngineFailed,
@@ -64,33 +64,28 @@ class ReplyRequest:
     generation: GenerationConfig
 
 
-class _ApplySwitch:
-    """Queued after a K or mode request: the engine thread applies the switch when it gets here
-    (a reply in between applies it at its first step, and this finds nothing left to do)."""
+class ShownText:
+    """The reply as the terminal may show it while it is written (the service's text filter)."""
 
+    stopped = False  # the app has no stop sequences
 
-APPLY_SWITCH = _ApplySwitch()
+    def __init__(self) -> None:
+        self.shown = ""  # text already posted
 
+    def update(self, text: str) -> str:
+        # A character split across tokens decodes to U+FFFD until its last byte arrives: hold
+        # trailing ones back rather than show a replacement character that then changes.
+        # Cleaned of terminal control sequences as a whole, not per batch, so a sequence split
+        # across two batches still goes (and what was posted stays a prefix of the rest). Should
+        # a tokenizer ever rewrite earlier text, the final full update repairs it.
+        text = sanitize(text.rstrip("\ufffd"))
+        if len(text) <= len(self.shown):
+            return ""
+        new, self.shown = text[len(self.shown) :], text
+        return new
 
-@dataclass(frozen=True)
-class _Reload:
-    """Close the engine and load the model again in `mode`: how the app moves between resident
-    (every expert read into memory) and the streaming modes, which one engine cannot switch."""
-
-    mode: str
-
-
-@dataclass(frozen=True)
-class _CountContext:
-    """Count the tokens of a reopened chat on the engine thread (the chat template renders there,
-    bounded in time, never on the UI thread)."""
-
-    chat_id: int
-    messages: list[dict]
-
-
-class SessionClosed(Exception):
-    """Raised inside a long preparation step (a download) to abandon it when the app quits."""
+    def finish(self, text: str) -> str:
+        return sanitize(text)[len(self.shown) :]
 
 
 class EngineSession:
@@ -105,68 +100,75 @@ class EngineSession:
         self.engine_config = engine_config
         self.cache_dir = Path(cache_dir)
         self.offline = offline
-        # Set by the engine thread once loaded. The UI thread may call only its thread-safe
-        # methods (request_k, request_mode) and read plain attributes.
-        self.engine: Engine | None = None
-        self.metrics = LiveMetrics()
-        # Set once the engine thread has closed the engine and is about to return.
-        self.closed = threading.Event()
-        self._requests: queue.Queue = queue.Queue()  # replies and the engine thread's chores
+        # A bug (not an Edge0Error) ends the engine thread: the chat screen says so.
+        self.service = EngineService(self._open, on_event=self._on_event, bugs_end_service=True)
         # The streaming run's page-cache budget, restored when leaving resident mode.
         self._streaming_page_cache = engine_config.page_cache_bytes
-        self._stop_reply = threading.Event()
-        self._quit = threading.Event()
-        self._worker_cancelled: Callable[[], bool] = lambda: False
+        self._post: Post = lambda message: None
+        self._reply: ReplyJob | None = None  # the latest reply submitted
+        self._opened: tuple[str, list[str]] = ("", [])  # the model's name and notices
+
+    @property
+    def engine(self) -> Engine | None:
+        """Set by the engine thread once loaded. The UI thread may call only its thread-safe
+        methods (request_k, request_mode) and read plain attributes."""
+        return self.service.engine
+
+    @property
+    def metrics(self) -> LiveMetrics:
+        return self.service.live
+
+    @property
+    def closed(self) -> threading.Event:
+        """Set once the engine thread has closed the engine and is about to return."""
+        return self.service.closed
 
     # -- called on the UI thread -------------------------------------------------------------------
 
     def submit(self, request: ReplyRequest) -> None:
-        # Cleared here, not on the engine thread: a stop pressed before the engine picks the
-        # request up must not be lost.
-        self._stop_reply.clear()
-        self._requests.put(request)
+        job = ReplyJob(
+            request.messages,
+            request.generation,
+            self._on_reply_event,
+            ShownText(),
+            text_every_s=TEXT_BATCH_S,
+        )
+        self._reply = job
+        try:
+            self.service.submit(job)
+        except EngineUnavailable as e:  # the screen sends only once ready: a closed engine
+            self._post(ReplyFailed(str(e), ""))
 
     def stop_reply(self) -> None:
-        self._stop_reply.set()
+        # The latest reply's own flag: a stop pressed before the engine picks it up is kept.
+        if self._reply is not None:
+            self._reply.stop()
 
     def request_k(self, k: int) -> KProfile:
         """Switch routing width; applied before the engine's next step. Raises Edge0Error."""
-        if self.engine is None:
-            raise Edge0Error("the model is not loaded")
-        profile = self.engine.request_k(k)
-        self._requests.put(APPLY_SWITCH)
-        return profile
+        return self.service.request_k(k)
 
     def request_mode(self, mode: str) -> KProfile:
         """Switch expert-loading mode; applied before the engine's next step. Returns the profile
         that will be used (a mode with heads may bring another K). Raises Edge0Error."""
-        if self.engine is None:
-            raise Edge0Error("the model is not loaded")
-        profile = self.engine.request_mode(mode)
-        self._requests.put(APPLY_SWITCH)
-        return profile
+        return self.service.request_mode(mode)
+
+    def request_page_cache(self, budget_bytes: int | None) -> None:
+        """Set the experts' page-cache budget (None: off); applied at once when idle."""
+        self.service.request_page_cache(budget_bytes)
 
     def reload(self, mode: str) -> None:
         """Load the model again in `mode` (resident <-> streaming); answered with EngineReady,
         or SwitchFailed and the old mode loaded back."""
-        self._requests.put(_Reload(mode))
+        self.service.reload(lambda: self._open_in(mode))
 
     def count_context(self, chat_id: int, messages: list[dict]) -> None:
         """Ask for a chat's context size; answered with `ContextCounted` (nothing on failure)."""
-        self._requests.put(_CountContext(chat_id, messages))
-
-    def request_page_cache(self, budget_bytes: int | None) -> None:
-        """Set the experts' page-cache budget (None: off); applied at once when idle."""
-        if self.engine is None:
-            raise Edge0Error("the model is not loaded")
-        self.engine.request_page_cache(budget_bytes)
-        self._requests.put(APPLY_SWITCH)
+        self.service.count_tokens(messages, lambda n: self._post(ContextCounted(chat_id, n)))
 
     def shutdown(self) -> None:
         """Make the engine thread stop its reply, close the engine and return. Does not wait."""
-        self._quit.set()
-        self._stop_reply.set()
-        self._requests.put(None)
+        self.service.shutdown()
 
     # -- the engine thread -------------------------------------------------------------------------
 
@@ -176,51 +178,35 @@ class EngineSession:
         Runs on the engine thread for the whole session. `worker_cancelled` is the Textual
         worker's own flag, set when the app exits by any path, not only through `shutdown`.
         """
-        self._worker_cancelled = worker_cancelled
-        engine: Engine | None = None
-        try:
-            engine = self._open(post)
-            while not self._quitting():
-                try:
-                    request = self._requests.get(timeout=0.1)
-                except queue.Empty:
-                    continue
-                if request is None:
-                    break
-                if isinstance(request, _ApplySwitch):
-                    self._apply_switch(engine, post)
-                elif isinstance(request, _Reload):
-                    engine = self._reload(engine, request.mode, post)
-                elif isinstance(request, _CountContext):
-                    try:
-                        tokens = len(engine.encode_chat(request.messages))
-                    except Edge0Error:
-                        continue  # the next reply reports the template's error
-                    post(ContextCounted(request.chat_id, tokens))
-                else:
-                    self._reply(engine, request, post)  # reports its own Edge0Errors
-        except Edge0Error as e:  # the model could not be prepared or loaded
-            post(EngineFailed(str(e)))
-        except SessionClosed:
-            pass
-        finally:
-            self.engine = None
-            if engine is not None:
-                engine.close()
-            release_thread_streams()  # this thread made MLX streams: it must free them
-            self.closed.set()
+        self._post = post
+        self.service.run(stop_when=worker_cancelled)
 
-    def _quitting(self) -> bool:
-        return self._quit.is_set() or self._worker_cancelled()
+    def _on_event(self, event: ServiceEvent) -> None:
+        if isinstance(event, EngineOpened):
+            name, notices = self._opened
+            self._post(EngineReady(name, event.info, event.profiles, event.modes, notices))
+        elif isinstance(event, OpenFailed):
+            self._post(EngineFailed(event.message))
+        elif isinstance(event, SwitchNotApplied):
+            self._post(SwitchFailed(event.message))
 
-    def _should_stop(self) -> bool:
-        return self._stop_reply.is_set() or self._quitting()
+    def _on_reply_event(self, event: JobEvent) -> None:
+        if isinstance(event, NewText):
+            self._post(ReplyText(event.text))
+        elif isinstance(event, ReplyDone):
+            text = sanitize(event.text)
+            self._post(
+                ReplyFinished(text, event.stopped_by, event.summary, event.nonfinite_repaired)
+            )
+        else:
+            text = sanitize(event.text.rstrip("\ufffd"))  # as it was shown
+            self._post(ReplyFailed(str(event.error), text, event.nonfinite_repaired))
 
-    def _open(self, post: Post) -> Engine:
+    def _open(self) -> Engine:
         def on_progress(what: str, done: float, total: float | None) -> None:
-            if self._quitting():
-                raise SessionClosed
-            post(ModelProgress(what, done, total))
+            if self.service.quitting:
+                raise ServiceClosed
+            self._post(ModelProgress(what, done, total))
 
         source = resolve_model(self.model, self.cache_dir, on_progress, offline=self.offline)
         # `--adapters` may name Hub repos: their adapter files are fetched here, on this thread.
@@ -229,114 +215,22 @@ class EngineSession:
             for spec in self.engine_config.adapter_dirs
         )
         config = dataclasses.replace(self.engine_config, adapter_dirs=adapter_dirs)
-        post(ModelProgress(f"loading {source.name}", 0, None))
+        self._post(ModelProgress(f"loading {source.name}", 0, None))
         engine = Engine(source.path, config)
-        self.engine = engine
-        self.metrics = LiveMetrics(k=engine.k, mode=engine.mode)
         notices = [n for n in (source.notice, engine.quality_note()) if n]
-        post(EngineReady(source.name, engine.info(), engine.profiles(), engine.modes(), notices))
+        self._opened = (source.name, notices)
         return engine
 
-    def _reload(self, engine: Engine, mode: str, post: Post) -> Engine:
+    def _open_in(self, mode: str) -> Engine:
+        """The engine thread, the old engine closed: the model in `mode`, or back as it was."""
         previous = self.engine_config
         if previous.mode != "resident":
             self._streaming_page_cache = previous.page_cache_bytes
         page_cache = None if mode == "resident" else self._streaming_page_cache
-        self.engine = None
-        engine.close()  # first: resident and streaming copies of the experts never coexist
         self.engine_config = dataclasses.replace(previous, mode=mode, page_cache_bytes=page_cache)
         try:
-            return self._open(post)
+            return self._open()
         except Edge0Error as e:
-            post(SwitchFailed(f"cannot load the model {mode}: {e}"))
+            self._post(SwitchFailed(f"cannot load the model {mode}: {e}"))
             self.engine_config = previous
-            return self._open(post)
-
-    def _apply_switch(self, engine: Engine, post: Post) -> None:
-        """Apply a requested K or mode now, while idle: what the engine does before its next step."""
-        error: str | None = None
-        try:
-            engine.apply_requests()
-        except Edge0Error as e:  # e.g. a heads file that cannot be read
-            error = str(e)
-        # Published before the message, so the screen reads the K and mode that stand.
-        self.metrics = dataclasses.replace(self.metrics, k=engine.k, mode=engine.mode)
-        if error is not None:
-            post(SwitchFailed(error))
-
-    def _reply(self, engine: Engine, request: ReplyRequest, post: Post) -> None:
-        reply = _ReplyStream(engine, self, post)
-        try:
-            prompt = engine.encode_chat(request.messages)
-            reply.prompt_tokens = len(prompt)
-            result = engine.generate(
-                prompt, request.generation, on_token=reply.on_token, should_stop=self._should_stop
-            )
-        except Edge0Error as e:
-            post(ReplyFailed(str(e), reply.text_so_far(), reply.nonfinite_repaired))
-            return
-        # The summary counts every step, prefill chunks that produced no token included.
-        repaired = result.summary.get("nonfinite_repaired", reply.nonfinite_repaired)
-        post(ReplyFinished(sanitize(result.text), result.stopped_by, result.summary, repaired))
-
-
-class _ReplyStream:
-    """One reply on the engine thread: batches its text to the UI and publishes the metrics."""
-
-    def __init__(self, engine: Engine, session: EngineSession, post: Post) -> None:
-        self._engine = engine
-        self._session = session
-        self._post = post
-        self._tokens: list[int] = []
-        self._shown = ""  # text already posted
-        self._last_post = time.perf_counter()
-        self._last_token_at: float | None = None
-        previous = session.metrics
-        self._steps: deque[StepMetrics] = deque(previous.recent_steps, maxlen=HISTORY_STEPS)
-        self._token_ms: deque[float] = deque(previous.recent_token_ms, maxlen=HISTORY_STEPS)
-        self.prompt_tokens = 0
-        self.nonfinite_repaired = 0  # over the steps seen so far
-
-    def on_token(self, token: int, step: StepMetrics) -> None:
-        now = time.perf_counter()
-        self._tokens.append(token)
-        self.nonfinite_repaired += step.nonfinite_repaired
-        if step.phase == "decode" and self._last_token_at is not None:
-            self._steps.append(step)
-            self._token_ms.append((now - self._last_token_at) * 1e3)
-        self._last_token_at = now
-        self._publish_metrics(step)
-        if now - self._last_post >= TEXT_BATCH_S:
-            self._last_post = now
-            self._post_new_text()
-
-    def _publish_metrics(self, step: StepMetrics) -> None:
-        previous = self._session.metrics
-        self._session.metrics = LiveMetrics(
-            k=step.k,
-            mode=step.mode,
-            context_tokens=self.prompt_tokens + len(self._tokens),
-            peak_memory_bytes=max(previous.peak_memory_bytes, step.mlx_peak_bytes),
-            last_step=step,
-            # The engine thread: the engine's own attribute is safe to read here.
-            last_prefill=self._engine.last_prefill
-            if step.phase == "prefill"
-            else previous.last_prefill,
-            recent_steps=tuple(self._steps),
-            recent_token_ms=tuple(self._token_ms),
-        )
-
-    def _post_new_text(self) -> None:
-        text = self.text_so_far()
-        if len(text) > len(self._shown):
-            # Decoding the whole reply (not token by token) keeps multi-token characters whole.
-            # Should a tokenizer ever rewrite earlier text, the final full update repairs it.
-            self._post(ReplyText(text[len(self._shown) :]))
-            self._shown = text
-
-    def text_so_far(self) -> str:
-        # A character split across tokens decodes to U+FFFD until its last byte arrives: hold
-        # trailing ones back rather than show a replacement character that then changes.
-        # Cleaned of terminal control sequences as a whole, not per batch, so a sequence split
-        # across two batches still goes (and what was posted stays a prefix of the rest).
-        return sanitize(self._engine.reply_text(self._tokens).rstrip("\ufffd"))
+            return self._open()

@@ -1,7 +1,7 @@
 """The metrics snapshot the engine thread publishes and the panels read.
 
 The engine thread builds a new, frozen `LiveMetrics` after every token and swaps it into
-`EngineSession.metrics` (a plain attribute assignment, atomic in Python). The UI reads that attribute
+`EngineService.live` (a plain attribute assignment, atomic in Python). The UI reads that attribute
 from one timer a few times a second, so the decode speed never sets the UI's refresh rate and neither
 side ever waits for the other. The figures the panels show are properties computed from the recent
 steps here, so they can be tested without a UI.

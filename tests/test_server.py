@@ -795,7 +795,12 @@ class FakeEngine:
         snapshot = SimpleNamespace(page_cache_expert_bytes=0, **zeros)
         self.memory = SimpleNamespace(snapshot=lambda: snapshot)
         self.step = SimpleNamespace(
-            phase="decode", k=4, mode="on-demand", page_cache_expert_bytes=0, **zeros
+            phase="decode",
+            k=4,
+            mode="on-demand",
+            page_cache_expert_bytes=0,
+            nonfinite_repaired=0,
+            **zeros,
         )
         self.asked: list[int] = []
         self.broken = False

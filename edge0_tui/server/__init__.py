@@ -1,7 +1,7 @@
 """`edge0 serve`: an OpenAI-compatible HTTP server with the memory wall as live metrics.
 
     app.py            the ASGI app (Starlette) and `serve` (uvicorn, the listening socket)
-    engine_worker.py  the one thread that owns the Engine; the request queue; stop sequences
+    engine_worker.py  requests to the engine thread (../engine_service.py) and back; stop sequences
     openai_shapes.py  request checks and reply/error JSON in the OpenAI API's shapes
     metrics.py        GET /metrics in Prometheus's text format
 

@@ -1,10 +1,10 @@
 """The ASGI app (Starlette) and `serve`, which runs it under uvicorn beside the engine thread.
 
 Requests are checked here, on the event loop, and queued for the engine thread
-(`engine_worker.EngineWorker`); a reply is an ASGI response that relays the engine thread's events
-as they come, as server-sent events or as one JSON body. Each reply also listens for the client's
-disconnect: a client that goes away cancels its job, waiting or running (the engine stops before
-its next step).
+(`engine_worker.EngineWorker`, the server's side of `engine_service.EngineService`); a reply is
+an ASGI response that relays the engine thread's events as they come, as server-sent events or
+as one JSON body. Each reply also listens for the client's disconnect: a client that goes away
+cancels its job, waiting or running (the engine stops before its next step).
 
 Bodies are read incrementally and refused past `max_body_bytes` (413); every error is OpenAI's
 JSON error shape with its status (`openai_shapes.ApiError`).
@@ -301,7 +301,7 @@ def create_app(worker: EngineWorker, settings: ServerSettings) -> Starlette:
             try:
                 loop.call_soon_threadsafe(events.put_nowait, event)
             except RuntimeError:  # the loop is closed: nobody is listening any more
-                job.cancelled.set()
+                job.stop()
 
         job = Job(parsed, post)
         worker.submit(job)  # ApiError: 503 loading, 429 queue full

@@ -1,34 +1,41 @@
-"""The one thread that owns the engine, and the queue of requests in front of it.
+"""The server's side of the engine thread: HTTP requests in, their streaming events out.
 
-Thread rule (as in the app's `EngineSession`): every MLX call (loading, generating, reading MLX
-memory, closing) happens on the thread that runs `EngineWorker._serve`. The event loop that
-answers HTTP talks to it only through this object:
-- `submit` queues a `Job` in arrival order, or refuses it (503 while the model loads, 429 when
+The engine thread is `edge0_tui.engine_service.EngineService` (the app runs on it too), started
+on a thread of its own. This adapter turns what the event loop needs into the service's terms:
+- `Job` makes a `ReplyJob` of a checked request, with `StopText` as its text filter, and hands the
+  service's events to the request's `post` as `Text`, `Finished` and `Failed` (an `ApiError` with
+  the status to send), which `post` puts on the event loop without waiting;
+- `EngineWorker.submit` queues a job, or refuses it (503 while the model loads, 429 when
   `queue_limit` requests already wait behind the one running);
-- `Job.cancel` (a client that went away) drops a waiting job, or makes the running generation stop
-  before its next step (the engine checks `should_stop` after every token);
-- the engine thread answers each job with events (`Text`, `Finished`, `Failed`) handed to the
-  job's `post`, which puts them on the event loop without waiting;
-- `live`, `memory`, `kv_cache_bytes`, `info` are snapshots the engine thread replaces and
-  `/metrics` reads (plain attribute swaps).
-The engine is single-request by design: one conversation's KV cache is kept between requests, so
-a chat that sends its history again continues from it (`reused_prompt_tokens` in the figures).
+- `Job.cancel` (a client that went away) drops a waiting job, or makes the running generation
+  stop before its next step;
+- `live`, `memory`, `kv_cache_bytes`, `info`, `profiles`, `modes` are the service's snapshots in
+  the shapes `/metrics` and `/v1/models` send (read, never waited for).
 """
 
 from __future__ import annotations
 
 import sys
-import threading
-import time
-import traceback
-from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from engine import Edge0Error
 
-from ..live_metrics import HISTORY_STEPS, LiveMetrics
+from ..engine_service import (
+    EngineOpened,
+    EngineService,
+    EngineUnavailable,
+    JobEvent,
+    NewText,
+    OpenFailed,
+    QueueFull,
+    ReplyDone,
+    ReplyJob,
+    ServiceEvent,
+    SwitchRefused,
+)
+from ..live_metrics import LiveMetrics
 from .openai_shapes import ApiError, GenerationRequest
 
 # How often an idle engine thread re-reads MLX and page-cache memory for /metrics.
@@ -56,19 +63,6 @@ class Failed:
 
 
 Event = Text | Finished | Failed
-
-
-@dataclass(eq=False)
-class Job:
-    request: GenerationRequest
-    post: Callable[[Event], None]  # thread-safe: hands an event to the request's handler
-    cancelled: threading.Event = field(default_factory=threading.Event)
-    worker: EngineWorker | None = None
-
-    def cancel(self) -> None:
-        self.cancelled.set()
-        if self.worker is not None:
-            self.worker.discard(self)
 
 
 class StopText:
@@ -109,45 +103,59 @@ class StopText:
         return new
 
 
-def request_figures(result, k: int, mode: str) -> dict:
-    """A request's `edge0` object, from its GenerationResult: the decode figures are medians of
-    the decode steps (the engine's summary), the prefill's apart."""
-    s = result.summary
-    figures = {
-        "k": k,
-        "mode": mode,
-        "prompt_tokens": s["prompt_tokens"],
-        "reused_prompt_tokens": s.get("reused_prompt_tokens", 0),
-        "generated_tokens": s["generated_tokens"],
-        "ttft_ms": s["ttft_ms"],
-        "prefill_tok_per_s": s["prefill_tok_per_s"],
-        "decode_tok_per_s": s["decode_tok_per_s"],
-        "blocked_ms_per_step": s["median_blocked_ms"],
-        "cold_fraction": s["median_cold_fraction"],
-        "loads_per_step": s["median_loads"],
-        "mib_read_per_step": s["median_mib_read"],
-        "expert_pool_mib": s["median_expert_pool_mib"],
-        "prefill_mib_read": s["prefill_mib_read"],
-        "peak_mlx_bytes": s["peak_mlx_bytes"],
-        "stopped_by": result.stopped_by,
-    }
-    if "prefetch_hit_rate" in s:  # prefetch mode: share of routed experts read ahead
-        figures["prefetch_hit_rate"] = s["prefetch_hit_rate"]
-    if "shadow_recall" in s:  # --shadow-router: recall@K of the predictions
-        figures["prediction_recall"] = s["shadow_recall"]
-    if mode == "prerouter":  # reads issued from predictions that arrived before they were needed
-        decode = [st for st in result.steps if st.phase == "decode"]
-        in_time = sum(st.prefetch_in_time for st in decode)
-        late = sum(st.prefetch_late for st in decode)
-        if in_time + late:
-            figures["reads_ahead_in_time"] = in_time / (in_time + late)
-    if s.get("nonfinite_repaired"):
-        figures["nonfinite_repaired"] = s["nonfinite_repaired"]
-    return figures
+class Job(ReplyJob):
+    """A checked request as the engine thread's job; its events reach `post` in HTTP terms."""
+
+    def __init__(self, request: GenerationRequest, post: Callable[[Event], None]) -> None:
+        self.request = request
+        self._post_http = post  # thread-safe: hands an event to the request's handler
+        super().__init__(
+            prompt=list(request.messages) if request.kind == "chat" else request.prompt,
+            generation=request.generation,
+            post=self._translate,
+            text=StopText(request.stop),
+            k=request.k,
+            mode=request.mode,
+            fit_context=request.default_max_tokens,
+        )
+
+    def _translate(self, event: JobEvent) -> None:
+        if isinstance(event, NewText):
+            self._post_http(Text(event.text))
+        elif isinstance(event, ReplyDone):
+            if event.stopped_at_text or event.stopped_by == "eos":
+                reason = "stop"
+            elif event.stopped_by == "max_tokens":
+                reason = "length"
+            else:
+                reason = "cancelled"
+            self._post_http(
+                Finished(
+                    event.rest, reason, event.prompt_tokens, event.completion_tokens, event.figures
+                )
+            )
+        else:
+            started = event.completion_tokens > 0  # text may have been sent
+            self._post_http(Failed(api_error(event.error, event.completion_tokens), started))
+
+
+def api_error(error: Exception, generated: int) -> ApiError:
+    """The HTTP answer to a request that failed after `generated` tokens."""
+    if isinstance(error, EngineUnavailable):
+        return not_ready(error.state, error.error)
+    if isinstance(error, SwitchRefused):
+        return ApiError(400, str(error), param=error.param)
+    if not isinstance(error, Edge0Error):  # a bug: this request fails, the server goes on
+        return ApiError(500, f"internal error: {error}", type="server_error")
+    if generated:
+        return ApiError(500, str(error), type="server_error")
+    # The prompt (too long, a template that fails) or a sampling value.
+    code = "context_length_exceeded" if "exceeds the model's context" in str(error) else None
+    return ApiError(400, str(error), code=code)
 
 
 class EngineWorker:
-    """Owns the Engine on one thread; serves queued jobs one at a time, in arrival order."""
+    """The engine service on a thread of its own, answering in the HTTP server's terms."""
 
     def __init__(
         self,
@@ -157,299 +165,105 @@ class EngineWorker:
         on_failed: Callable[[str], None] | None = None,
         log: Callable[[str], None] | None = None,
     ) -> None:
-        self._open_engine = open_engine  # runs on the engine thread; returns an Engine
-        self.queue_limit = queue_limit
         self._on_ready = on_ready
         self._on_failed = on_failed
         self._log = log or (lambda line: print(line, file=sys.stderr, flush=True))
-        self.state = "loading"  # "loading", "ready", "failed" or "closed"
-        self.error: str | None = None
-        self._cv = threading.Condition()
-        self._waiting: deque[Job] = deque()
-        self._running: Job | None = None
-        self._quit = False
-        self._thread: threading.Thread | None = None
-        # Snapshots for /metrics and /v1/models, replaced by the engine thread.
-        self.live = LiveMetrics()
-        self.memory: dict = {}
-        self.kv_cache_bytes = 0
-        self.info: dict = {}
-        self.profiles: list = []
-        self.modes: list[str] = []
-        self.last_figures: dict = {}
+        self.service = EngineService(
+            open_engine,  # runs on the engine thread; returns an Engine
+            on_event=self._on_event,
+            queue_limit=queue_limit,
+            memory_refresh_s=IDLE_REFRESH_S,
+        )
+
+    def _on_event(self, event: ServiceEvent) -> None:  # the engine thread
+        if isinstance(event, EngineOpened):
+            if self._on_ready is not None:
+                self._on_ready(self)
+        elif isinstance(event, OpenFailed) and self._on_failed is not None:
+            self._on_failed(event.message)
 
     # -- any thread --------------------------------------------------------------------------------
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._serve, name="edge0-engine", daemon=True)
-        self._thread.start()
+        self.service.start()
 
     def submit(self, job: Job) -> None:
         """Queue a job, or raise ApiError: 503 while loading (or after a failed load), 429 when
         the queue is full."""
-        with self._cv:
-            if self.state != "ready":
-                raise not_ready(self.state, self.error)
-            busy = self._running is not None or self._waiting
-            if busy and len(self._waiting) >= self.queue_limit:
-                raise ApiError(
-                    429,
-                    f"the engine is busy: {len(self._waiting)} requests already wait (the queue "
-                    "limit); try again shortly",
-                    type="rate_limit_error",
-                    code="queue_full",
-                )
-            job.worker = self
-            self._waiting.append(job)
-            self._cv.notify()
-
-    def discard(self, job: Job) -> None:
-        with self._cv:
-            try:
-                self._waiting.remove(job)
-            except ValueError:
-                pass  # running (it stops at its next step) or done
-
-    @property
-    def queue_depth(self) -> int:
-        return len(self._waiting)
-
-    @property
-    def running(self) -> bool:
-        return self._running is not None
+        try:
+            self.service.submit(job)
+        except EngineUnavailable as e:
+            raise not_ready(e.state, e.error) from None
+        except QueueFull as e:
+            raise ApiError(
+                429,
+                f"the engine is busy: {e.waiting} requests already wait (the queue limit); try "
+                "again shortly",
+                type="rate_limit_error",
+                code="queue_full",
+            ) from None
 
     def cancel_all(self) -> None:
         """Stop the running job and drop the waiting ones (the server is shutting down)."""
-        with self._cv:
-            waiting, running = list(self._waiting), self._running
-            self._waiting.clear()
-        if running is not None:
-            running.cancelled.set()  # it ends at its next step, and says so itself
-        for job in waiting:  # never started: answered 503 now
-            job.cancelled.set()
-            job.post(Failed(not_ready("closed", None), started=False))
+        self.service.cancel_all()  # never started: answered 503 now
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop generating, close the engine on its thread and wait for it (up to `timeout`)."""
-        self.cancel_all()
-        with self._cv:
-            self._quit = True
-            self._cv.notify_all()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout)
+        self.service.shutdown()
+        self.service.join(timeout)
 
-    # -- the engine thread -------------------------------------------------------------------------
+    # -- snapshots, replaced by the engine thread --------------------------------------------------
 
-    def _serve(self) -> None:
-        import engine as surface  # MLX loads here, on the engine thread, after the server listens
+    @property
+    def state(self) -> str:
+        return self.service.state  # "loading", "ready", "failed" or "closed"
 
-        eng = None
-        try:
-            try:
-                eng = self._open_engine()
-            except Edge0Error as e:
-                self._fail(str(e))
-                return
-            except Exception as e:  # noqa: BLE001 - reported, the server then stops
-                traceback.print_exc()
-                self._fail(f"cannot load the model: {e}")
-                return
-            self._publish_state(eng)
-            self._refresh_memory(eng)
-            with self._cv:
-                if self._quit:
-                    return
-                self.state = "ready"
-            if self._on_ready is not None:
-                self._on_ready(self)
-            last_refresh = time.monotonic()
-            while True:
-                with self._cv:
-                    while not self._waiting and not self._quit:
-                        if not self._cv.wait(timeout=IDLE_REFRESH_S):
-                            break
-                    if self._quit:
-                        return
-                    job = self._waiting.popleft() if self._waiting else None
-                    self._running = job
-                if job is None:
-                    if time.monotonic() - last_refresh >= IDLE_REFRESH_S:
-                        self._refresh_memory(eng)
-                        last_refresh = time.monotonic()
-                    continue
-                try:
-                    if not job.cancelled.is_set():
-                        self._run(eng, job)
-                except Exception as e:  # noqa: BLE001 - a bug: this request fails, not the server
-                    traceback.print_exc()
-                    error = ApiError(500, f"internal error: {e}", type="server_error")
-                    job.post(Failed(error, started=True))
-                finally:
-                    with self._cv:
-                        self._running = None
-        except Exception as e:  # noqa: BLE001 - a bug: said, and every request answered
-            traceback.print_exc()
-            self._fail(f"the engine thread stopped: {e}")
-        finally:
-            with self._cv:
-                self.state = "failed" if self.error else "closed"
-            self.cancel_all()  # waiting requests are answered 503
-            if eng is not None:
-                eng.close()
-            surface.release_thread_streams()  # this thread made MLX streams: it frees them
+    @property
+    def error(self) -> str | None:
+        return self.service.error
 
-    def _fail(self, message: str) -> None:
-        with self._cv:
-            self.error = message
-            self.state = "failed"
-        if self._on_failed is not None:
-            self._on_failed(message)
+    @property
+    def queue_limit(self) -> int:
+        return self.service.queue_limit
 
-    def _publish_state(self, eng) -> None:
-        info = eng.info()
-        self.info = {k: info[k] for k in ("model", "family", "native_k", "experts", "layers")}
-        self.info["expert_cache_bytes"] = info["expert_cache_bytes"]
-        self.info["expert_bytes"] = info["expert_bytes"]
-        self.profiles = [p.__dict__ for p in eng.profiles()]
-        self.modes = eng.modes()
-        self.live = replace(self.live, k=eng.k, mode=eng.mode)
+    @property
+    def queue_depth(self) -> int:
+        return self.service.queue_depth
 
-    def _refresh_memory(self, eng) -> None:
-        snapshot = eng.memory.snapshot()
-        self.memory = {
-            "mlx_active_bytes": snapshot.mlx_active_bytes,
-            "mlx_cache_bytes": snapshot.mlx_cache_bytes,
-            "mlx_peak_bytes": snapshot.mlx_peak_bytes,
-            "rss_bytes": snapshot.rss_bytes,
-            "page_cache_expert_bytes": snapshot.page_cache_expert_bytes,
-        }
-        self.kv_cache_bytes = eng.kv_cache_bytes()
+    @property
+    def running(self) -> bool:
+        return self.service.running
 
-    def _switch(self, eng, request: GenerationRequest) -> None:
-        """The request's K and mode, applied before its prompt (they stay for later requests)."""
-        if request.mode is None and request.k is None:
-            return
-        param = "mode"
-        try:
-            if request.mode is not None and request.mode != eng.mode:
-                if request.mode not in eng.modes():
-                    why = " (resident is chosen at start: --mode resident)"
-                    raise Edge0Error(
-                        f"mode {request.mode!r} is not available here (choose "
-                        f"{', '.join(eng.modes())}){why if request.mode == 'resident' else ''}"
-                    )
-                eng.request_mode(request.mode)
-            param = "k"
-            if request.k is not None:
-                eng.request_k(request.k)
-        except Edge0Error as e:
-            # Undo half a switch (a mode, then a K refused for it): ask for what stands.
-            eng.request_mode(eng.mode)
-            eng.request_k(eng.k)
-            eng.apply_requests()
-            raise ApiError(400, str(e), param=param) from None
-        eng.apply_requests()  # Edge0Error (a file that cannot be read): the old profile stays
-        self._publish_state(eng)
+    @property
+    def live(self) -> LiveMetrics:
+        return self.service.live
 
-    def _run(self, eng, job: Job) -> None:
-        request = job.request
-        text = StopText(request.stop)
-        tokens: list[int] = []
-        recorder = _Recorder(self, eng)
-        try:
-            self._switch(eng, request)
-            if request.kind == "chat":
-                prompt = eng.encode_chat(list(request.messages))
-            else:
-                prompt = eng.encode(request.prompt)
-            recorder.prompt_tokens = len(prompt)
+    @property
+    def memory(self) -> dict:
+        return self.service.memory
 
-            def on_token(token: int, step) -> None:
-                tokens.append(token)
-                recorder.on_token(step)
-                new = text.update(eng.reply_text(tokens))
-                if new:
-                    job.post(Text(new))
+    @property
+    def kv_cache_bytes(self) -> int:
+        return self.service.kv_cache_bytes
 
-            def should_stop() -> bool:
-                return text.stopped or job.cancelled.is_set() or self._quit
+    @property
+    def info(self) -> dict:
+        """What /v1/models says of the model."""
+        info = self.service.info
+        keys = ("model", "family", "native_k", "experts", "layers")
+        return {k: info[k] for k in (*keys, "expert_cache_bytes", "expert_bytes") if k in info}
 
-            generation = request.generation
-            if request.default_max_tokens:  # never past the context for a length not asked for
-                room = max(1, eng.context_limit - len(prompt))
-                generation = replace(generation, max_tokens=min(generation.max_tokens, room))
-            result = eng.generate(prompt, generation, on_token, should_stop)
-        except ApiError as e:
-            job.post(Failed(e, started=False))
-            return
-        except Edge0Error as e:
-            if tokens:
-                job.post(Failed(ApiError(500, str(e), type="server_error"), started=True))
-            else:  # the prompt (too long, a template that fails) or a sampling value
-                code = (
-                    "context_length_exceeded" if "exceeds the model's context" in str(e) else None
-                )
-                job.post(Failed(ApiError(400, str(e), code=code), started=False))
-            return
-        except Exception as e:  # noqa: BLE001 - one request fails, the server goes on
-            traceback.print_exc()
-            error = ApiError(500, f"internal error: {e}", type="server_error")
-            job.post(Failed(error, started=bool(tokens)))
-            return
-        finally:
-            self._refresh_memory(eng)
-            self.live = replace(self.live, k=eng.k, mode=eng.mode)
-        rest = text.finish(result.text)
-        if text.stopped or result.stopped_by == "eos":
-            reason = "stop"
-        elif result.stopped_by == "max_tokens":
-            reason = "length"
-        else:
-            reason = "cancelled"
-        figures = request_figures(result, eng.k, eng.mode)
-        self.last_figures = figures
-        job.post(Finished(rest, reason, len(prompt), len(result.tokens), figures))
+    @property
+    def profiles(self) -> list[dict]:
+        return [p.__dict__ for p in self.service.profiles]
 
+    @property
+    def modes(self) -> list[str]:
+        return self.service.modes
 
-class _Recorder:
-    """Publishes the live figures after every token, as the app's reply stream does."""
-
-    def __init__(self, worker: EngineWorker, eng) -> None:
-        self.worker = worker
-        self.eng = eng
-        previous = worker.live
-        self.steps = deque(previous.recent_steps, maxlen=HISTORY_STEPS)
-        self.token_ms = deque(previous.recent_token_ms, maxlen=HISTORY_STEPS)
-        self.last_token_at: float | None = None
-        self.prompt_tokens = 0
-        self.generated = 0
-
-    def on_token(self, step) -> None:
-        now = time.perf_counter()
-        self.generated += 1
-        if step.phase == "decode" and self.last_token_at is not None:
-            self.steps.append(step)
-            self.token_ms.append((now - self.last_token_at) * 1e3)
-        self.last_token_at = now
-        previous = self.worker.live
-        self.worker.live = LiveMetrics(
-            k=step.k,
-            mode=step.mode,
-            context_tokens=self.prompt_tokens + self.generated,
-            peak_memory_bytes=max(previous.peak_memory_bytes, step.mlx_peak_bytes),
-            last_step=step,
-            # The whole prompt's forwards as one, which the engine keeps (its thread: this one).
-            last_prefill=self.eng.last_prefill,
-            recent_steps=tuple(self.steps),
-            recent_token_ms=tuple(self.token_ms),
-        )
-        self.worker.memory = {
-            "mlx_active_bytes": step.mlx_active_bytes,
-            "mlx_cache_bytes": step.mlx_cache_bytes,
-            "mlx_peak_bytes": step.mlx_peak_bytes,
-            "rss_bytes": step.rss_bytes,
-            "page_cache_expert_bytes": step.page_cache_expert_bytes,
-        }
+    @property
+    def last_figures(self) -> dict:
+        return self.service.last_figures
 
 
 def not_ready(state: str, error: str | None) -> ApiError:
