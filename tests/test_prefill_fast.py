@@ -163,7 +163,7 @@ def test_the_dense_copies_are_bounded(checkpoint_dir):
         peaks[bool(exact)] = json.loads(done.stdout)["summary"]["peak_mlx_bytes"]
     # A group reaches DENSE_EVAL_BYTES plus one expert before it is evaluated, and MLX's peak moves
     # by a few MiB between processes: twice the group is the line (every expert of a layer at once,
-    # as before the groups, was 25 MiB over the exact path here).
+    # as before the groups, was well over it).
     bound = 2 * switch_glu.DENSE_EVAL_BYTES
     assert peaks[False] <= peaks[True] + bound, (peaks, fp32_expert)
 

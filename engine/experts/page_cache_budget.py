@@ -51,8 +51,7 @@ class PageCacheBudget:
 
         Whole files, not the expert ranges: a file just written (a download, a copy) sits in the
         page cache in large folios, and the kernel drops only folios wholly inside a range, so
-        range by range most of it stayed (measured: 409 of 442 KB of a copied tiny model's
-        experts). The resident weights are in MLX memory by now, their pages are not needed.
+        range by range most of it stayed (measured on a copied tiny model's experts). The resident weights are in MLX memory by now, their pages are not needed.
         Pages that reads bring back later are small and leave range by range."""
         for fd in self._fds.values():
             os.fsync(fd)  # dirty pages (a checkpoint just written or downloaded) are not dropped

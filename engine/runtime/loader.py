@@ -65,8 +65,9 @@ LOADER_SUFFIXES = (".json", ".jinja", ".txt", ".model")
 # checked at load with the small tensors.
 OUTPUT_ENDS = re.compile(r"(?:^|\.)(?:lm_head|embed_tokens|word_embeddings)$")
 # A chat template is code that comes with the checkpoint: its rendering is bounded in CPU time of the
-# rendering thread and in characters rendered (real templates take milliseconds and a few KB more
-# than the conversation), so that a broken or hostile one fails instead of hanging.
+# rendering thread and in characters rendered (real templates use a small fraction of both: little
+# time, and little more text than the conversation), so that a broken or hostile one fails instead
+# of hanging.
 CHAT_TEMPLATE_SECONDS = 5.0
 CHAT_TEMPLATE_CHARS = 16 * 2**20
 TEMPLATES_DIR = "additional_chat_templates"  # transformers also reads every template in here
@@ -128,7 +129,7 @@ class LoadedModel:
 
 
 def compute_dtype(config: EngineConfig) -> mx.Dtype | None:
-    """float32 on CPU (bf16/fp16 activations make 4-bit matmuls 8-40x slower there), else as saved."""
+    """float32 on CPU (bf16/fp16 activations make 4-bit matmuls many times slower there), else as saved."""
     if config.dtype is not None:
         return getattr(mx, config.dtype)
     return mx.float32 if mx.default_device().type == mx.DeviceType.cpu else None

@@ -17,7 +17,7 @@
 4. Export: OUT/teacher (bf16 float weights, the distillation teacher of later phases) and
    OUT/base (mlx-lm's quantizer: 4-bit g64, routers 8-bit, bf16 scales: the served demo model).
 
-Training BLAS: MLX's bundled reference BLAS is 10-26x slower than OpenBLAS for dense matmuls; the
+Training BLAS: MLX's bundled reference BLAS is many times slower than OpenBLAS for dense matmuls; the
 `edge0` command preloads a fast one for every command (`engine.runtime.blas`). Without it training
 runs, slower.
 """
@@ -71,7 +71,8 @@ class TrainBaseConfig:
     #   -> 24.25 M * 0.5625 B = 13.6 MB, routers (6 * 32 * 256, 8-bit) 0.05 MB, norms ~0.02 MB:
     #   ~13.7 MB, leaving ~26 MB of the 40 MB assets budget for 3 prerouter + 3 LoRA files.
     # Compute per token is set by top_k * moe_int (active experts), not by the expert count;
-    # 6 layers, not 8: on 2 shared cores an hour buys ~1-1.5 M tokens, and tokens matter more.
+    # 6 layers, not 8: an hour on 2 shared cores buys a fixed budget of tokens, and tokens matter
+    # more than depth.
     layers: int = 6
     hidden: int = 256
     heads: int = 4
@@ -86,15 +87,15 @@ class TrainBaseConfig:
     batch: int = 8  # windows per step: 2048 tokens
     chat_every: int = 8  # every 8th speech pair of a play becomes a ChatML exchange
     # -- optimisation ------------------------------------------------------------------------------
-    steps: int = 720  # 1.47 M tokens, ~1 epoch: ~55 min at ~450 tok/s (OpenBLAS, 2 shared cores)
+    steps: int = 720  # 1.47 M tokens, ~1 epoch: about an hour on 2 shared cores (OpenBLAS)
     lr: float = 2e-3
     min_lr: float = 2e-4
     warmup: int = 30
     weight_decay: float = 0.1
     grad_clip: float = 1.0
     capacity_factor: float = 1.25
-    # Switch-Transformer load-balancing loss; 0.01 let routing collapse (40% of assignments
-    # over capacity by step 50), 0.1 keeps the kept share high.
+    # Switch-Transformer load-balancing loss; 0.01 let routing collapse (assignments over
+    # capacity within the first steps), 0.1 keeps the kept share high.
     balance_weight: float = 0.1
     # -- bookkeeping -------------------------------------------------------------------------------
     save_every: int = 25

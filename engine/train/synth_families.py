@@ -52,10 +52,10 @@ SHAPES: dict[str, dict[str, int]] = {
     },
     # The memory-wall checkpoint: per token, its cold expert reads take about as long as its
     # compute on a 2-core CPU. At K=4 one layer reads 4 experts x 2.65 MB (3 projections x
-    # (768 x 2048 / 2 packed bytes + 2 x 768 x 32 x 2 scale/bias bytes)) = 10.6 MB: ~10-20 ms cold
-    # at 0.5-1 GB/s, while its compute is those same 10.6 MB through the 4-bit CPU kernel (~0.9 GB/s
-    # of packed weights: ~12 ms) plus attention kept small (8 query / 2 kv heads of 128: 5.2 M
-    # 4-bit params, ~3 ms). 20 layers x 128 experts x 2.65 MB = 6.8 GB of experts.
+    # (768 x 2048 / 2 packed bytes + 2 x 768 x 32 x 2 scale/bias bytes)) = 10.6 MB, read cold from
+    # an SSD in about the time the 4-bit CPU kernel takes to compute with those same 10.6 MB, plus
+    # attention kept small (8 query / 2 kv heads of 128: 5.2 M 4-bit params). 20 layers x 128
+    # experts x 2.65 MB = 6.8 GB of experts.
     "wall": {
         "hidden": 2048,
         "layers": 20,
