@@ -82,6 +82,97 @@ def test_imports_point_down_the_rooms():
     assert wrong == []
 
 
+def room_imports(modules: dict[str, Path]) -> dict[tuple[str, str], list[str]]:
+    """(room, other room) -> the imports that make the arrow, "module imports target", for every
+    import from one room of the engine into another."""
+    arrows: dict[tuple[str, str], list[str]] = {}
+    for module, path in modules.items():
+        for target, _ in imports(path, module):
+            if module == "engine" or not target.startswith("engine."):
+                continue
+            if room(target) != room(module) and room(target) in TIERS:
+                arrows.setdefault((room(module), room(target)), []).append(
+                    f"{module} imports {target}"
+                )
+    return arrows
+
+
+def same_tier_cycles(arrows, tiers: dict[str, int]) -> list[list[str]]:
+    """The rooms of one tier that import each other, directly or round a loop: each strongly
+    connected group of two or more rooms in the graph of same-tier arrows (Tarjan), sorted."""
+    graph: dict[str, list[str]] = {}
+    for a, b in arrows:
+        if a != b and tiers.get(a) is not None and tiers.get(a) == tiers.get(b):
+            graph.setdefault(a, []).append(b)
+            graph.setdefault(b, [])
+    order: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    groups = []
+
+    def visit(node: str) -> None:
+        order[node] = low[node] = len(order)
+        stack.append(node)
+        for nxt in graph[node]:
+            if nxt not in order:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in stack:
+                low[node] = min(low[node], order[nxt])
+        if low[node] == order[node]:
+            group = []
+            while True:
+                member = stack.pop()
+                group.append(member)
+                if member == node:
+                    break
+            if len(group) > 1:
+                groups.append(sorted(group))
+
+    for node in sorted(graph):
+        if node not in order:
+            visit(node)
+    return sorted(groups)
+
+
+def test_rooms_of_one_tier_import_each_other_one_way():
+    """Rooms of a tier may import each other (measure reads train's data), but never both ways,
+    nor round a loop (experts -> routing -> adapters -> experts): a cycle makes the tier one room."""
+    arrows = room_imports(engine_modules())
+    wrong = [
+        f"{' <-> '.join(group)}: "
+        + "; ".join(
+            line for (a, b), lines in arrows.items() if {a, b} <= set(group) for line in lines
+        )
+        for group in same_tier_cycles(arrows, TIERS)
+    ]
+    assert wrong == []
+
+
+def test_same_tier_cycles_finds_the_loops_of_a_made_up_graph():
+    tiers = {"base": 0, "a": 1, "b": 1, "c": 1, "d": 1, "top": 2}
+    one_way = {("a", "b"): [], ("b", "c"): [], ("a", "base"): [], ("top", "a"): []}
+    assert same_tier_cycles(one_way, tiers) == []
+    both_ways = {**one_way, ("c", "b"): []}
+    assert same_tier_cycles(both_ways, tiers) == [["b", "c"]]
+    loop = {**one_way, ("c", "d"): [], ("d", "a"): []}
+    assert same_tier_cycles(loop, tiers) == [["a", "b", "c", "d"]]
+    # Across tiers is not a same-tier cycle (an upward arrow fails test_imports_point_down_the_rooms).
+    assert same_tier_cycles({("a", "top"): [], ("top", "a"): []}, tiers) == []
+
+
+def test_a_planted_cycle_fails_the_layout(tmp_path, monkeypatch):
+    """A module of train planted to import measure (which imports train): the check sees the
+    cycle and names the import that closes it."""
+    modules = dict(engine_modules())
+    planted = tmp_path / "planted.py"
+    planted.write_text("from ..measure import evaluate\n")
+    modules["engine.train.planted"] = planted
+    arrows = room_imports(modules)
+    assert same_tier_cycles(arrows, TIERS) == [["measure", "train"]]
+    assert "engine.train.planted imports engine.measure" in arrows[("train", "measure")]
+
+
 def test_no_engine_module_imports_a_private_name_of_another():
     wrong = []
     for module, path in engine_modules().items():

@@ -12,7 +12,7 @@ from mlx_lm.generate import generate, generate_step
 from mlx_lm.utils import load, load_tokenizer
 
 from engine.errors import Edge0Error
-from engine.train import synth
+from engine.train import synth, synth_families
 
 PROMPT = "The assert statement is a convenient way to insert debugging assertions into a program."
 
@@ -22,7 +22,10 @@ def tiny_dirs(tmp_path_factory) -> dict[str, Path]:
     """One tiny checkpoint per Qwen / Bailing family, shared by the tests of this module (the
     other families' layouts are checked in test_synth_families.py)."""
     root = tmp_path_factory.mktemp("synth")
-    return {f: synth.write_synthetic_checkpoint(root / f, f, "tiny") for f in synth.WALL_FAMILIES}
+    return {
+        f: synth.write_synthetic_checkpoint(root / f, f, "tiny")
+        for f in synth_families.WALL_FAMILIES
+    }
 
 
 def _weight_map(path: Path) -> dict[str, str]:
@@ -36,7 +39,7 @@ def _tensors(path: Path) -> dict[str, mx.array]:
     return weights
 
 
-@pytest.mark.parametrize("family", synth.WALL_FAMILIES)
+@pytest.mark.parametrize("family", synth_families.WALL_FAMILIES)
 def test_tiny_loads_and_matches_built_model(tiny_dirs, family):
     path = tiny_dirs[family]
     model, tokenizer, config = load(str(path), return_config=True)  # strict=True inside
@@ -55,7 +58,7 @@ def test_tiny_loads_and_matches_built_model(tiny_dirs, family):
     assert len({int(token) for token, _ in steps}) >= 8
 
 
-@pytest.mark.parametrize("family", synth.WALL_FAMILIES)
+@pytest.mark.parametrize("family", synth_families.WALL_FAMILIES)
 def test_experts_are_stacked_quantized_tensors(tiny_dirs, family):
     shapes = synth.SHAPES["tiny"]
     experts, hidden = shapes["experts"], shapes["hidden"]
@@ -110,7 +113,7 @@ class _RecordExperts(nn.Module):
         return out
 
 
-@pytest.mark.parametrize("family", synth.WALL_FAMILIES)
+@pytest.mark.parametrize("family", synth_families.WALL_FAMILIES)
 def test_routing_varies_by_token(tiny_dirs, family):
     model, tokenizer = load(str(tiny_dirs[family]))
     top_k, experts = synth.SHAPES["tiny"]["top_k"], synth.SHAPES["tiny"]["experts"]

@@ -136,10 +136,6 @@ class ExpertTensor:
     def expert_shape(self) -> tuple[int, ...]:
         return self.entry.shape[1:]
 
-    def expert_range(self, expert: int) -> tuple[int, int]:
-        """(absolute offset, length) of one expert's slice."""
-        return self.entry.offset + expert * self.expert_nbytes, self.expert_nbytes
-
 
 @dataclass(frozen=True)
 class LayerExperts:

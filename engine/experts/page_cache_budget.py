@@ -39,7 +39,6 @@ class PageCacheBudget:
         self._fds: dict[Path, int] = {}
         self._recent: OrderedDict[ExpertKey, int] = OrderedDict()  # oldest first -> bytes
         self._held = 0
-        self.evicted_bytes = 0  # dropped since start, for the tests and the trace
         if CAN_EVICT_RANGES:
             self._fds = {shard: os.open(shard, os.O_RDONLY) for shard in index.shards}
 
@@ -52,8 +51,7 @@ class PageCacheBudget:
 
         Whole files, not the expert ranges: a file just written (a download, a copy) sits in the
         page cache in large folios, and the kernel drops only folios wholly inside a range, so
-        range by range most of it stayed (measured: 409 of 442 KB of a copied tiny model's
-        experts). The resident weights are in MLX memory by now, their pages are not needed.
+        range by range most of it stayed (measured on a copied tiny model's experts). The resident weights are in MLX memory by now, their pages are not needed.
         Pages that reads bring back later are small and leave range by range."""
         for fd in self._fds.values():
             os.fsync(fd)  # dirty pages (a checkpoint just written or downloaded) are not dropped
@@ -84,7 +82,6 @@ class PageCacheBudget:
             for file, offset, length in self._ranges(layer, expert):
                 self._drop(file, offset, length)
             dropped += nbytes
-        self.evicted_bytes += dropped
         return dropped
 
     def _ranges(self, layer: int, expert: int) -> list[tuple[Path, int, int]]:
@@ -92,11 +89,6 @@ class PageCacheBudget:
             (t.entry.file, t.entry.offset + expert * t.expert_nbytes, t.expert_nbytes)
             for t in self.index.layers[layer].tensors
         ]
-
-    @property
-    def held_bytes(self) -> int:
-        """Bytes of the pages of experts read and not dropped (an upper bound of what is cached)."""
-        return self._held
 
     def _drop(self, file: Path, offset: int, length: int) -> None:
         if CAN_EVICT_RANGES:

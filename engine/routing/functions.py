@@ -23,14 +23,12 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-KINDS = ("softmax-topk", "topk-softmax", "topk-sigmoid", "group-topk")
-
 
 @dataclass(frozen=True)
 class RoutingSpec:
     """The routing function of one model, read from its MoE blocks."""
 
-    kind: str  # one of KINDS
+    kind: str  # softmax-topk, topk-softmax, topk-sigmoid or group-topk
     num_experts: int
     top_k: int
     norm_topk_prob: bool = True

@@ -8,17 +8,20 @@ before anything is evaluated, then evaluates the rest: the stacked expert tensor
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import re
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
+from jinja2 import Template
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from mlx.utils import tree_flatten
 from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
@@ -27,6 +30,7 @@ from mlx_lm.utils import load_model as mlx_lm_load_model
 from mlx_lm.utils import load_tokenizer
 from tokenizers import Tokenizer
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+from transformers.utils import chat_template_utils
 from transformers.utils import logging as hf_logging
 
 from ..adapters.metadata import nonfinite_tensors
@@ -62,8 +66,9 @@ LOADER_SUFFIXES = (".json", ".jinja", ".txt", ".model")
 # checked at load with the small tensors.
 OUTPUT_ENDS = re.compile(r"(?:^|\.)(?:lm_head|embed_tokens|word_embeddings)$")
 # A chat template is code that comes with the checkpoint: its rendering is bounded in CPU time of the
-# rendering thread and in characters rendered (real templates take milliseconds and a few KB more
-# than the conversation), so that a broken or hostile one fails instead of hanging.
+# rendering thread and in characters rendered (real templates use a small fraction of both: little
+# time, and little more text than the conversation), so that a broken or hostile one fails instead
+# of hanging.
 CHAT_TEMPLATE_SECONDS = 5.0
 CHAT_TEMPLATE_CHARS = 16 * 2**20
 TEMPLATES_DIR = "additional_chat_templates"  # transformers also reads every template in here
@@ -125,7 +130,7 @@ class LoadedModel:
 
 
 def compute_dtype(config: EngineConfig) -> mx.Dtype | None:
-    """float32 on CPU (bf16/fp16 activations make 4-bit matmuls 8-40x slower there), else as saved."""
+    """float32 on CPU (bf16/fp16 activations make 4-bit matmuls many times slower there), else as saved."""
     if config.dtype is not None:
         return getattr(mx, config.dtype)
     return mx.float32 if mx.default_device().type == mx.DeviceType.cpu else None
@@ -550,10 +555,65 @@ def _bounded_binop(self, context, operator: str, left, right):
     return self.binop_table[operator](left, right)
 
 
-# transformers compiles chat templates in this sandbox (it makes its own environment each time, so
-# the class is where a bound can go); intercepted operators are also never folded at compile time.
-ImmutableSandboxedEnvironment.intercepted_binops = frozenset({"*", "**"})
-ImmutableSandboxedEnvironment.call_binop = _bounded_binop
+class _BoundedSandbox(ImmutableSandboxedEnvironment):
+    """transformers' chat-template sandbox with `*` and `**` bounded by `_bounded_binop`. The
+    compiler turns an intercepted operator into a call of `call_binop` (and never folds it at
+    compile time), so the bound is part of a template compiled here: this class, used only for
+    edge0's own rendering, is all it takes, and jinja2's own classes stay as they are."""
+
+    intercepted_binops = frozenset({"*", "**"})
+    call_binop = _bounded_binop
+
+
+@functools.lru_cache(maxsize=2)
+def _bounded_environment(stock_compile) -> _BoundedSandbox:
+    """A `_BoundedSandbox` set up as transformers sets up its own (options, extensions, filters
+    and globals, copied from the environment of an empty template it compiled). Never the chat
+    template itself: transformers' sandbox folds constants at compile time, so compiling
+    `{{ 'a' * 10**10 }}` there would already build the string."""
+    stock = stock_compile("").environment
+    env = _BoundedSandbox(
+        trim_blocks=stock.trim_blocks,
+        lstrip_blocks=stock.lstrip_blocks,
+        extensions=[type(extension) for extension in stock.extensions.values()],
+    )
+    env.filters.update(stock.filters)
+    env.globals.update(stock.globals)
+    return env
+
+
+@functools.lru_cache(maxsize=8)
+def _compile_bounded(chat_template: str, stock_compile) -> Template:
+    """The chat template compiled as transformers would, but in a `_BoundedSandbox`."""
+    return _bounded_environment(stock_compile).from_string(chat_template)
+
+
+# One edge0 rendering at a time holds transformers' compiler (see `_bounded_templates`).
+_TEMPLATES_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _bounded_templates():
+    """While edge0 renders a chat template: transformers compiles templates in
+    `_compile_jinja_template`, cached by template text and looked up by name at each rendering,
+    so for the rendering thread, and only for it, that name gives `_compile_bounded`; any other
+    thread, and anything after, gets transformers' own compiler. Nothing is changed at import,
+    and nothing of jinja2 at all. (A transformers without that name fails here, loudly, rather
+    than render unbounded: the tests of the bound catch it.)"""
+    owner = threading.get_ident()
+    with _TEMPLATES_LOCK:
+        stock_compile = chat_template_utils._compile_jinja_template
+
+        def compile_for_this_thread(chat_template: str) -> Template:
+            if threading.get_ident() == owner:
+                return _compile_bounded(chat_template, stock_compile)
+            return stock_compile(chat_template)
+
+        chat_template_utils._compile_jinja_template = compile_for_this_thread
+        try:
+            yield
+        finally:
+            chat_template_utils._compile_jinja_template = stock_compile
 
 
 class _TemplateBudget:
@@ -597,15 +657,19 @@ def render_chat_template(
 
     transformers renders the template in a sandboxed Jinja environment (a template that reaches
     for Python internals fails); the sandbox has no time or size limit, so rendering runs under
-    a `_TemplateBudget`."""
+    a `_TemplateBudget`, with the template compiled in a `_BoundedSandbox`
+    (`_bounded_templates`)."""
     budget = _TemplateBudget(CHAT_TEMPLATE_SECONDS, CHAT_TEMPLATE_CHARS)
     previous = sys.gettrace()  # a debugger's or coverage's tracer, put back afterwards
-    sys.settrace(budget)
-    try:
-        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
-    except ChatTemplateBudgetError as e:
-        raise Edge0Error(f"{where}: the chat template {e}; refused") from None
-    except Exception as e:  # jinja2 raises SecurityError, TemplateError, UndefinedError...
-        raise Edge0Error(f"{where}: the chat template failed ({type(e).__name__}: {e})") from None
-    finally:
-        sys.settrace(previous)
+    with _bounded_templates():
+        sys.settrace(budget)
+        try:
+            return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+        except ChatTemplateBudgetError as e:
+            raise Edge0Error(f"{where}: the chat template {e}; refused") from None
+        except Exception as e:  # jinja2 raises SecurityError, TemplateError, UndefinedError...
+            raise Edge0Error(
+                f"{where}: the chat template failed ({type(e).__name__}: {e})"
+            ) from None
+        finally:
+            sys.settrace(previous)

@@ -1,10 +1,10 @@
-"""Hostile and broken inputs, round 2: the same contract as test_bad_inputs.py (exit status 2, one
-`edge0: error:` line naming the file and the problem, no traceback, the user's files unchanged) for
-config sizes, files that are not regular files, stray shards, NaN weights, tokenizer files, chat
-templates and sampling arguments; and quiet, traceback-free ends when stdout goes away.
+"""Broken checkpoints: the same contract as test_bad_inputs.py (exit status 2, one `edge0: error:`
+line naming the file and the problem, no traceback, the user's files unchanged) for config sizes,
+files that are not regular files, stray shards, NaN weights, tokenizer files and chat templates;
+shards the index does not list, a directory that cannot be listed, and the warning of a reply that
+needed the numerical guard.
 
-Commands run in this process, seen as a subprocess would see them (`cli_runner`); what needs a
-process of its own (stdout closed, full or gone, bytes in argv) runs in one.
+Commands run in this process, seen as a subprocess would see them (`cli_runner`).
 """
 
 from __future__ import annotations
@@ -12,9 +12,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +19,7 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 from adapters import write_random_profile
-from cli_runner import REPO, run_cli, run_process
+from cli_runner import run_cli
 from test_bad_inputs import (
     INDEX,
     LORA,
@@ -34,8 +31,7 @@ from test_bad_inputs import (
     snapshot,
 )
 
-from edge0_tui.cli import main
-from engine import Edge0Error, EngineConfig, GenerationConfig
+from engine import Edge0Error, EngineConfig
 from engine.checkpoint.index import checkpoint_shards
 from engine.runtime import loader
 from engine.runtime.generation import Engine
@@ -568,243 +564,3 @@ def test_intact_copy_has_no_warning(checkpoint_dir, tmp_path):
     out = run_cli("generate", str(model), "--prompt", "hello world", "--max-tokens", "2")
     assert out.returncode == 0, out.stderr
     assert "warning" not in out.stderr
-
-
-# -- 12: the chat template bound works in any thread and leaves tracing as it was -------------------
-
-
-def test_chat_template_bound_in_a_worker_thread(checkpoint_dir, tmp_path, monkeypatch):
-    model = _copy(checkpoint_dir("qwen3_moe"), tmp_path)
-    chat_template(LOOPS)(model)
-    monkeypatch.setattr(loader, "CHAT_TEMPLATE_SECONDS", 0.5)
-    errors = []
-    with Engine(model, EngineConfig()) as engine:
-
-        def render() -> None:
-            try:
-                engine.encode_chat([{"role": "user", "content": "hi"}])
-            except Edge0Error as e:
-                errors.append(str(e))
-
-        worker = threading.Thread(target=render)
-        worker.start()
-        worker.join(timeout=60)
-        assert not worker.is_alive()
-    assert len(errors) == 1 and "ran for more than 0.5 s" in errors[0]
-
-
-def test_chat_template_bound_keeps_the_tracer(checkpoint_dir):
-    def tracer(frame, event, arg):
-        return None
-
-    previous = sys.gettrace()
-    sys.settrace(tracer)
-    try:
-        with Engine(checkpoint_dir("qwen3_moe"), EngineConfig()) as engine:
-            assert engine.encode_chat([{"role": "user", "content": "hi"}])
-            assert sys.gettrace() is tracer
-    finally:
-        sys.settrace(previous)
-
-
-def test_chat_template_keeps_ordinary_operators(checkpoint_dir, tmp_path):
-    """The bounded `*` and `**` still compute what templates use them for."""
-    model = _copy(checkpoint_dir("qwen3_moe"), tmp_path)
-    chat_template(
-        "{{ '=' * 3 }}{{ 2 ** 8 }}{{ [0] * 2 }}{% for m in messages %}{{ m.content }}{% endfor %}"
-    )(model)
-    with Engine(model, EngineConfig()) as engine:
-        ids = engine.encode_chat([{"role": "user", "content": "hi"}])
-        assert engine.tokenizer.decode(ids) == "===256[0, 0]hi"
-
-
-# -- 8 and 10: arguments and sampling values, one line each ------------------------------------------
-
-
-@pytest.mark.parametrize(
-    "extra, message",
-    [
-        (["--top-k", "100000"], "top_k=100000 must be below the vocabulary size of 1024"),
-        (["--top-k", "-1"], "top_k=-1 must be an integer 0 (off) or more"),
-        (["--seed", "-1"], "seed=-1 must be an integer between 0 and"),
-        (["--seed", str(2**70)], f"seed={2**70} must be an integer between 0 and"),
-        (["--max-tokens", "0"], "max_tokens=0 must be an integer at least 1"),
-        (["--max-tokens", "-1"], "max_tokens=-1 must be an integer at least 1"),
-        (["--temp", "nan"], "temperature=nan must be a finite number >= 0"),
-        (["--temp", "-1"], "temperature=-1.0 must be a finite number >= 0"),
-        (["--temp", "inf"], "temperature=inf must be a finite number >= 0"),
-        (["--top-p", "0"], "top_p=0.0 must be in (0, 1]"),
-        (["--top-p", "1.5"], "top_p=1.5 must be in (0, 1]"),
-        (["--top-p", "nan"], "top_p=nan must be in (0, 1]"),
-        (["--expert-cache", "1.2.3"], "argument --expert-cache: cannot read size '1.2.3'"),
-        (["--max-tokens", "many"], "argument --max-tokens: invalid int value: 'many'"),
-        (["--prompt", "a\udcff"], "argument --prompt: not valid UTF-8 (byte 0xff at character 1)"),
-        (["--prompt", "a\udcff", "--json"], "argument --prompt: not valid UTF-8"),
-    ],
-)
-def test_bad_argument_is_one_line(checkpoint_dir, capsys, extra, message):
-    argv = ["generate", str(checkpoint_dir("qwen3_moe")), "--prompt", "hello", *extra]
-    try:
-        status = main(argv)
-    except SystemExit as e:  # argparse's own errors exit
-        status = e.code
-    captured = capsys.readouterr()
-    assert status == 2
-    assert captured.out == ""
-    lines = captured.err.splitlines()
-    assert len(lines) == 1 and lines[0].startswith(f"edge0: error: {message}"), captured.err
-
-
-@pytest.mark.parametrize(
-    "argv, message",
-    [
-        (["bench", "M", "--rounds", "0"], "argument --rounds: 0 must be at least 1"),
-        (["bench", "M", "--tokens", "-3"], "argument --tokens: -3 must be at least 1"),
-        (["soak", "M", "--turns", "0"], "argument --turns: 0 must be at least 1"),
-        (["soak", "M", "--steps", "-1"], "argument --steps: -1 must be at least 1"),
-        (
-            ["eval", "M", "--text", "t", "--samples", "0"],
-            "argument --samples: 0 must be at least 1",
-        ),
-        (["eval", "M", "--text", "t", "--max-tokens", "0"], "argument --max-tokens: 0 must be"),
-        (["synth", "OUT", "--seed", "-1"], "argument --seed: -1 must be between 0 and"),
-        (["synth", "OUT", "--seed", str(2**64)], f"argument --seed: {2**64} must be between 0"),
-        (["synth", "OUT", "--seed", "x"], "argument --seed: invalid int value: 'x'"),
-    ],
-)
-def test_bad_argument_of_the_other_commands_is_one_line(capsys, argv, message):
-    """Each was a traceback (ZeroDivisionError, IndexError, mlx's seed()) or a two-line error."""
-    with pytest.raises(SystemExit) as e:
-        main(argv)
-    captured = capsys.readouterr()
-    assert e.value.code == 2 and captured.out == ""
-    lines = captured.err.splitlines()
-    assert len(lines) == 1 and lines[0].startswith(f"edge0: error: {message}"), captured.err
-
-
-@pytest.mark.parametrize("command", ["bench", "eval"])
-def test_text_file_that_is_a_fifo(checkpoint_dir, tmp_path, command):
-    """A FIFO given as --prompt-file or --text blocked forever."""
-    fifo = tmp_path / "text"
-    os.mkfifo(fifo)
-    option = "--prompt-file" if command == "bench" else "--text"
-    out = run_cli(command, str(checkpoint_dir("qwen3_moe")), option, str(fifo))
-    assert_refused(out, fifo, "not a regular file")
-
-
-def test_synth_into_a_file_is_one_line(tmp_path):
-    taken = tmp_path / "taken"
-    taken.write_text("mine")
-    out = run_cli("synth", str(taken))
-    assert_refused(out, taken, "cannot write the checkpoint (Not a directory)")
-    assert taken.read_text() == "mine"
-
-
-def test_bench_on_a_missing_model_says_so(capsys, tmp_path):
-    assert main(["bench", str(tmp_path / "nothing")]) == 2
-    assert (
-        capsys.readouterr().err
-        == f"edge0: error: {tmp_path / 'nothing'}: no such model directory\n"
-    )
-
-
-def test_bench_says_a_child_error_once(checkpoint_dir):
-    out = run_cli(
-        "bench", str(checkpoint_dir("qwen3_moe")), "--k", "3", "--arms", "on-demand",
-        "--rounds", "1", "--tokens", "2",
-    )  # fmt: skip
-    assert out.returncode == 2 and "Traceback" not in out.stderr
-    last = out.stderr.strip().splitlines()[-1]
-    assert last.startswith("edge0: error: sampling the token sequence failed: K=3 is not available")
-
-
-def test_prompt_bytes_that_are_not_utf8(checkpoint_dir):
-    """The real thing: bytes on the command line, as `$(printf 'a\\xff')` passes them."""
-    model = str(checkpoint_dir("qwen3_moe"))
-    for extra in ([], ["--json"]):
-        out = run_process("generate", model, "--prompt", b"a\xff", *extra)
-        assert_refused(out, None, "argument --prompt: not valid UTF-8 (byte 0xff")
-
-
-@pytest.mark.parametrize(
-    "fields",
-    [
-        {"max_tokens": 1, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": 0},
-        {"max_tokens": 10**6, "temperature": 2.5, "top_p": 1e-9, "top_k": 5, "seed": 2**64 - 1},
-    ],
-)
-def test_generation_config_accepts_the_bounds(fields):
-    assert GenerationConfig(**fields).max_tokens == fields["max_tokens"]
-
-
-@pytest.mark.parametrize(
-    "field, value",
-    [
-        ("max_tokens", 0),
-        ("max_tokens", 2.0),
-        ("max_tokens", True),
-        ("top_k", -1),
-        ("seed", -1),
-        ("seed", 2**64),
-        ("temperature", float("nan")),
-        ("temperature", "0.5"),
-        ("top_p", float("inf")),
-    ],
-)
-def test_generation_config_refuses_naming_the_field(field, value):
-    with pytest.raises(Edge0Error, match=f"^{field}="):
-        GenerationConfig(**{field: value})
-
-
-# -- 6: stdout that goes away or cannot take the output ---------------------------------------------
-
-
-def _cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "edge0_tui.cli", *args]
-
-
-def _generate_argv(model: Path, *extra: str) -> list[str]:
-    return _cli("generate", str(model), "--prompt", "hello", "--max-tokens", "40", *extra)
-
-
-@pytest.mark.parametrize("extra", [[], ["--json"]])
-def test_reader_that_goes_away_ends_quietly(checkpoint_dir, extra):
-    """`edge0 generate ... | head -c 0`: the reader is gone before the first write."""
-    argv = _generate_argv(checkpoint_dir("qwen3_moe"), *extra)
-    process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO)
-    process.stdout.close()
-    stderr = process.stderr.read().decode()
-    assert process.wait(timeout=300) == 141, stderr
-    assert stderr == ""  # no message, no traceback, not even from the interpreter's exit flush
-
-
-def test_head_of_a_long_reply(checkpoint_dir):
-    model = checkpoint_dir("qwen3_moe")
-    script = 'set -o pipefail; "$@" | head -c 10 >/dev/null'
-    argv = _generate_argv(model, "--max-tokens", "3000")
-    out = subprocess.run(
-        ["bash", "-c", script, "_", *argv], capture_output=True, text=True, cwd=REPO
-    )
-    assert out.returncode in (0, 141), out.stderr  # 0 when the reply fit in the pipe at once
-    assert "Traceback" not in out.stderr and "Exception" not in out.stderr
-
-
-@pytest.mark.parametrize("command", ["generate", "info", "--help", "--version"])
-def test_full_device_is_one_line(checkpoint_dir, command):
-    """--help and --version too: argparse ignores a failed write, and exited 0 with no text."""
-    model = checkpoint_dir("qwen3_moe")
-    argv = {
-        "generate": _generate_argv(model),
-        "info": _cli("info", str(model)),
-    }.get(command, _cli(command))
-    with open("/dev/full", "w") as full:
-        out = subprocess.run(argv, stdout=full, stderr=subprocess.PIPE, text=True, cwd=REPO)
-    assert_refused(out, None, "cannot write to stdout (No space left on device)")
-
-
-def test_closed_stdout_is_one_line(checkpoint_dir):
-    argv = _generate_argv(checkpoint_dir("qwen3_moe"))
-    out = subprocess.run(
-        ["bash", "-c", 'exec "$@" >&-', "_", *argv], capture_output=True, text=True, cwd=REPO
-    )
-    assert_refused(out, None, "stdout is closed")

@@ -1,0 +1,111 @@
+"""The chat template's bound (loader.render_chat_template): it holds in any thread, leaves a
+tracer as it was, keeps `*` and `**` computing what templates use them for, and is edge0's alone:
+jinja2 and transformers behave as stock for other code in the process. The bound's refusals, one
+line each, are cases of test_bad_checkpoints.py."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+
+import pytest
+from cli_runner import REPO
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from test_bad_checkpoints import LOOPS, _copy, chat_template
+from transformers.utils import chat_template_utils
+
+from engine import Edge0Error, EngineConfig
+from engine.runtime import loader
+from engine.runtime.generation import Engine
+
+# Past the bound's CHAT_TEMPLATE_POWER_BITS: stock jinja2 computes it, edge0's rendering refuses it.
+BIG_POWER = "{% set n = 70000 %}{{ (2 ** n).bit_length() }}"  # a name: jinja2 folds no constant
+
+# -- 12: the chat template bound works in any thread and leaves tracing as it was -------------------
+
+
+def test_chat_template_bound_in_a_worker_thread(checkpoint_dir, tmp_path, monkeypatch):
+    model = _copy(checkpoint_dir("qwen3_moe"), tmp_path)
+    chat_template(LOOPS)(model)
+    monkeypatch.setattr(loader, "CHAT_TEMPLATE_SECONDS", 0.5)
+    errors = []
+    with Engine(model, EngineConfig()) as engine:
+
+        def render() -> None:
+            try:
+                engine.encode_chat([{"role": "user", "content": "hi"}])
+            except Edge0Error as e:
+                errors.append(str(e))
+
+        worker = threading.Thread(target=render)
+        worker.start()
+        worker.join(timeout=60)
+        assert not worker.is_alive()
+    assert len(errors) == 1 and "ran for more than 0.5 s" in errors[0]
+
+
+def test_chat_template_bound_keeps_the_tracer(checkpoint_dir):
+    def tracer(frame, event, arg):
+        return None
+
+    previous = sys.gettrace()
+    sys.settrace(tracer)
+    try:
+        with Engine(checkpoint_dir("qwen3_moe"), EngineConfig()) as engine:
+            assert engine.encode_chat([{"role": "user", "content": "hi"}])
+            assert sys.gettrace() is tracer
+    finally:
+        sys.settrace(previous)
+
+
+def test_chat_template_keeps_ordinary_operators(checkpoint_dir, tmp_path):
+    """The bounded `*` and `**` still compute what templates use them for."""
+    model = _copy(checkpoint_dir("qwen3_moe"), tmp_path)
+    chat_template(
+        "{{ '=' * 3 }}{{ 2 ** 8 }}{{ [0] * 2 }}{% for m in messages %}{{ m.content }}{% endfor %}"
+    )(model)
+    with Engine(model, EngineConfig()) as engine:
+        ids = engine.encode_chat([{"role": "user", "content": "hi"}])
+        assert engine.tokenizer.decode(ids) == "===256[0, 0]hi"
+
+
+# -- the bound is edge0's own: jinja2 and transformers are left as they are --------------------------
+
+IMPORT_CHECK = """
+import jinja2.sandbox as sandbox
+from transformers.utils import chat_template_utils as ctu
+
+cls = sandbox.ImmutableSandboxedEnvironment
+before = (dict(vars(cls)), dict(vars(sandbox.SandboxedEnvironment)), ctu._compile_jinja_template)
+import engine.runtime.loader  # noqa: E402,F401
+after = (dict(vars(cls)), dict(vars(sandbox.SandboxedEnvironment)), ctu._compile_jinja_template)
+assert before == after, "importing the loader changed jinja2 or transformers"
+print(cls().from_string(BIG_POWER).render())
+""".replace("BIG_POWER", repr(BIG_POWER))
+
+
+def test_importing_the_loader_leaves_jinja2_as_it_is():
+    """In a fresh interpreter (this one imported the loader long ago): the sandbox classes and
+    transformers' template compiler are the same objects before and after the import, and a
+    template renders a power the bound would refuse."""
+    out = subprocess.run(
+        [sys.executable, "-c", IMPORT_CHECK], capture_output=True, text=True, cwd=REPO, timeout=300
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "70001"
+
+
+def test_bound_applies_to_edge0_rendering_only(checkpoint_dir, tmp_path):
+    """edge0 refuses the power; jinja2's sandbox and transformers' compiler, before and after
+    edge0 rendered the same template, compute it."""
+    stock_compile = chat_template_utils._compile_jinja_template
+    assert ImmutableSandboxedEnvironment().from_string(BIG_POWER).render() == "70001"
+    model = _copy(checkpoint_dir("qwen3_moe"), tmp_path)
+    chat_template(BIG_POWER)(model)
+    with Engine(model, EngineConfig()) as engine:
+        with pytest.raises(Edge0Error, match="computes a number of more than"):
+            engine.encode_chat([{"role": "user", "content": "hi"}])
+    assert chat_template_utils._compile_jinja_template is stock_compile
+    assert stock_compile(BIG_POWER).render() == "70001"
+    assert ImmutableSandboxedEnvironment().from_string(BIG_POWER).render() == "70001"
