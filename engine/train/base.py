@@ -55,9 +55,9 @@ from .synth import (
     GROUP_SIZE,
     MAX_SHARD_BYTES,
     build_tokenizer,
-    qwen3_moe_config,
     write_weights,
 )
+from .synth_families import qwen3_moe_config
 
 
 @dataclass
