@@ -28,6 +28,9 @@ class LiveMetrics:
     context_tokens: int = 0
     # The most MLX memory the engine has held at once since it loaded.
     peak_memory_bytes: int = 0
+    # The most memory the process has held resident at once, as the kernel counts it (its
+    # high-water mark, the model's load included): not a maximum of the steps' RSS samples.
+    peak_rss_bytes: int = 0
     # The latest forward (prefill or decode): the memory figures come from here.
     last_step: StepMetrics | None = None
     # The latest reply's prefill (every prompt chunk up to the first token): its reads are shown

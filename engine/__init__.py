@@ -37,6 +37,8 @@ _ON_FIRST_USE = {
     "KProfile": "engine.runtime.generation",
     "release_thread_streams": "engine.runtime.generation",
     "StepMetrics": "engine.runtime.metrics",
+    "peak_memory_line": "engine.runtime.metrics",
+    "process_lifetime_peaks": "engine.runtime.metrics",
     "check_checkpoint": "engine.runtime.loader",
     "CgroupMemory": "engine.runtime.linux_memory",
     "cgroup_memory": "engine.runtime.linux_memory",

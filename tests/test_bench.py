@@ -35,6 +35,12 @@ def test_rotated_arms_replay_the_same_tokens(checkpoint_dir, tmp_path, capsys):
     assert on_demand["figures"]["median_loads"]["median"] > 0
     assert report["arms"]["resident"]["figures"]["median_loads"]["median"] == 0
     assert on_demand["ratios"]["tok_s_vs_resident"] > 0
+    # Each arm's peak RSS is its process's high-water mark over the replay, said under the table.
+    expected_scope = "request" if os.access("/proc/self/clear_refs", os.W_OK) else "process"
+    assert on_demand["peak_rss_scope"] == expected_scope
+    assert "peak RSS: the kernel's high-water mark" in printed
+    for run in report["runs"]:
+        assert run["summary"]["peak_rss_bytes"] >= run["summary"]["median_rss_bytes"] > 0
     # --trace: a timeline per arm and round, and on Linux how long compute waited a step.
     assert sorted(p.name for p in traces.iterdir()) == [
         "on-demand-round1.json",

@@ -39,7 +39,14 @@ class FakeEngine:
         self.broken_switch = False
         self.closed = False
         zeros = dict.fromkeys(
-            ("mlx_active_bytes", "mlx_cache_bytes", "mlx_peak_bytes", "rss_bytes"), 0
+            (
+                "mlx_active_bytes",
+                "mlx_cache_bytes",
+                "mlx_peak_bytes",
+                "rss_bytes",
+                "rss_peak_bytes",
+            ),
+            0,
         )
         self.step = SimpleNamespace(
             phase="decode",
@@ -94,7 +101,7 @@ class FakeEngine:
         summary = dict.fromkeys(
             ("ttft_ms", "prefill_tok_per_s", "decode_tok_per_s", "median_blocked_ms",
              "median_cold_fraction", "median_loads", "median_mib_read", "median_expert_pool_mib",
-             "prefill_mib_read", "peak_mlx_bytes"), 0.0,
+             "prefill_mib_read", "peak_mlx_bytes", "peak_rss_bytes"), 0.0,
         )  # fmt: skip
         summary.update(prompt_tokens=len(prompt), generated_tokens=len(tokens))
         text = self.reply_text(tokens)

@@ -24,6 +24,7 @@ from engine.measure.evaluate import (
     weight_retention,
 )
 from engine.runtime.generation import Engine
+from engine.runtime.metrics import process_rss_bytes
 from engine.train.student import LoRAInit, load_student
 
 
@@ -136,12 +137,17 @@ def test_cli_eval_reports_everything(profiled, tmp_path, capsys):
     assert set(weights) == {"attention", "linear attention", "shared expert"}
     assert all(math.isfinite(r["retention"]) for r in weights.values())
     assert math.isfinite(report["retention"]["logits"])
+    # The whole evaluation's peaks: the kernel's high-water mark holds at least what is resident.
+    memory = report["memory"]
+    assert memory["peak_mlx_bytes"] > 0 and memory["peak_rss_scope"] == "process"
+    assert memory["peak_rss_bytes"] >= process_rss_bytes()
 
     # Human-readable, on-demand mode (perplexity through the engine), without the LoRA.
     assert main([*args, "--samples", "1", "--mode", "on-demand", "--no-lora"]) == 0
     printed = capsys.readouterr().out
     assert "mode on-demand, K=2" in printed and "LoRA none" in printed
     assert "recall@2" in printed and "distinct-4" in printed and "retention" not in printed
+    assert "peak memory: MLX " in printed and ", process RSS " in printed
 
 
 def test_cli_eval_of_a_plain_checkpoint_resident_equals_on_demand(checkpoint_dir, tmp_path, capsys):

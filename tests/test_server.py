@@ -117,8 +117,15 @@ def private_env(tmp_path_factory) -> dict[str, str]:
     return env
 
 
-def start_server(model: Path, log: Path, env: dict, *args: str) -> Server:
-    command = [sys.executable, "-m", "edge0_tui.cli", "serve", str(model), "--port", "0", *args]
+def start_server(
+    model: Path,
+    log: Path,
+    env: dict,
+    *args: str,
+    launcher: tuple[str, ...] = ("-m", "edge0_tui.cli"),
+) -> Server:
+    """`edge0 serve MODEL ARGS` on a free port; `launcher`: how Python starts the command."""
+    command = [sys.executable, *launcher, "serve", str(model), "--port", "0", *args]
     with open(log, "wb") as sink:
         process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, env=env)
     deadline = time.monotonic() + 60
@@ -332,6 +339,64 @@ def test_models_health_and_metrics_parse(server):
     assert metric(after, tokens) == metric(before, tokens) + 3
     assert metric(after, "edge0_mlx_active_bytes") > 0
     assert metric(after, "edge0_expert_pool_bytes") > 0
+
+
+# The server, its engine holding TRANSIENT_BYTES for a moment inside each prompt's prefill:
+# between the per-step RSS samples, so only the kernel's high-water mark sees it.
+TRANSIENT_BYTES = 300 << 20
+SERVE_WITH_A_TRANSIENT = textwrap.dedent(
+    f"""
+    import sys
+    import numpy as np
+    from engine.runtime.generation import Engine
+    from edge0_tui.cli import main
+
+    forward = Engine._forward
+
+    def forward_holding_a_transient(self, tokens, cache, phase, steps, flush=True):
+        if phase == "prefill" and not steps:
+            block = np.ones({TRANSIENT_BYTES // 8})
+            del block
+        return forward(self, tokens, cache, phase, steps, flush)
+
+    Engine._forward = forward_holding_a_transient
+    sys.exit(main(sys.argv[1:]))
+    """
+)
+
+
+def test_metrics_give_the_kernels_peak_rss_of_the_server(model_dir, tmp_path_factory):
+    log = tmp_path_factory.mktemp("serve-peak") / "server.log"
+    env = private_env(tmp_path_factory)
+    server = start_server(
+        model_dir, log, env, "--api-key", API_KEY, launcher=("-c", SERVE_WITH_A_TRANSIENT)
+    )
+    try:
+        server.client().chat.completions.create(
+            model="edge0", messages=[{"role": "user", "content": "hi"}], max_tokens=2
+        )
+        status, body = server.http("GET", "/metrics")
+        assert status == 200
+        text = body.decode()
+        samples = parse_prometheus(text)
+        help_line = next(
+            line for line in text.splitlines() if line.startswith("# HELP edge0_process_peak_rss")
+        )
+        assert "high-water mark" in help_line
+        peak = metric(samples, "edge0_process_peak_rss_bytes")
+        assert metric(samples, "edge0_mlx_peak_bytes") > 0  # MLX's own peak stays beside it
+        # The transient is gone from the resident set, not from the peak.
+        assert peak >= server.rss_bytes() + TRANSIENT_BYTES // 2, (peak, server.rss_bytes())
+        try:
+            status_file = Path(f"/proc/{server.process.pid}/status").read_text()
+        except OSError:  # no /proc (macOS): the resident set above is the check
+            return
+        # What the kernel counts for the server: its high-water mark since the request began,
+        # which holds the transient. The gauge is the lifetime peak: that or a little more.
+        kernel = int(re.search(r"VmHWM:\s+(\d+) kB", status_file).group(1)) * 1024
+        assert kernel <= peak <= kernel * 1.1, (peak, kernel)
+    finally:
+        stop_server(server)
 
 
 def test_k_and_mode_switch_between_requests(server):
@@ -790,7 +855,14 @@ class FakeEngine:
         from types import SimpleNamespace
 
         zeros = dict.fromkeys(
-            ("mlx_active_bytes", "mlx_cache_bytes", "mlx_peak_bytes", "rss_bytes"), 0
+            (
+                "mlx_active_bytes",
+                "mlx_cache_bytes",
+                "mlx_peak_bytes",
+                "rss_bytes",
+                "rss_peak_bytes",
+            ),
+            0,
         )
         snapshot = SimpleNamespace(page_cache_expert_bytes=0, **zeros)
         self.memory = SimpleNamespace(snapshot=lambda: snapshot)
@@ -838,7 +910,7 @@ class FakeEngine:
         summary = dict.fromkeys(
             ("ttft_ms", "prefill_tok_per_s", "decode_tok_per_s", "median_blocked_ms",
              "median_cold_fraction", "median_loads", "median_mib_read", "median_expert_pool_mib",
-             "prefill_mib_read", "peak_mlx_bytes"), 0.0,
+             "prefill_mib_read", "peak_mlx_bytes", "peak_rss_bytes"), 0.0,
         )  # fmt: skip
         summary.update(prompt_tokens=len(prompt), generated_tokens=len(tokens))
         if self.broken:  # a bug after generating: the figures cannot be made

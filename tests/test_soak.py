@@ -23,3 +23,8 @@ def test_short_soak_is_flat(checkpoint_dir):
     assert abs(report["mlx_active_without_kv_drift"]) < 0.05, report
     assert abs(report["rss_drift"]) < 0.05, report
     assert report["end"]["kv_cache_bytes"] > report["after_warmup"]["kv_cache_bytes"]
+    # The whole soak's peaks: the kernel's high-water mark covers every turn's and the RSS now.
+    assert report["peak_rss_scope"] == "process" and report["peak_mlx_bytes"] > 0
+    assert report["peak_rss_bytes"] >= max(
+        report["end"]["rss_bytes"], report["end"]["peak_rss_bytes"]
+    )

@@ -60,6 +60,10 @@ def test_cli_train_heads(checkpoint_dir, tmp_path, capsys, monkeypatch):
     assert main(args + ["--max-tokens", "4000", "--adapters", str(adapters), "--window", "64"]) == 0
     printed = capsys.readouterr().out
     assert "held-out recall@2" in printed
+    assert re.search(r"peak memory: MLX [\d.]+ \w+, process RSS [\d.]+ \w+", printed), printed
+    (state,) = adapters.glob("work/**/checkpoint.json")
+    peaks = json.loads(state.read_text())["peak_memory"]  # the saving process's, its kernel's mark
+    assert peaks["peak_rss_bytes"] > 0 and peaks["peak_rss_scope"] == "process"
     assert (adapters / "prerouter_k2.safetensors").exists()
     (progress,) = adapters.glob("work/traces-*/progress.json")
     assert json.loads(progress.read_text())["shape"]["window"] == 64  # --window reached collection

@@ -15,6 +15,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 from adapters import write_random_profile
 from textual.pilot import Pilot
@@ -31,7 +32,7 @@ from edge0_tui.widgets.memory_bar import MemoryBar
 from edge0_tui.widgets.prompt import PromptInput
 from edge0_tui.widgets.routing_selector import RoutingSelector
 from edge0_tui.widgets.status_line import StatusLine
-from engine.config import EngineConfig, GenerationConfig
+from engine.config import EngineConfig, GenerationConfig, format_bytes
 from engine.runtime.metrics import StepMetrics
 
 SIZE = (120, 40)
@@ -163,6 +164,42 @@ async def test_reply_streams_and_panels_show_speed_and_memory(model, tmp_path):
 
         await pilot.press("f3")  # copy the last reply
         assert app.clipboard == reply.content
+
+
+async def test_status_line_shows_the_process_peak_rss_beside_mlx(model, tmp_path, monkeypatch):
+    """The status line's RSS peak is the kernel's high-water mark: it holds memory the engine
+    took and gave back inside the prefill, between two of its per-step RSS samples."""
+    from engine.runtime.generation import Engine
+    from engine.runtime.metrics import process_rss_bytes
+
+    transient = 300 << 20
+    forward = Engine._forward
+
+    def forward_holding_a_transient(self, tokens, cache, phase, steps, flush=True):
+        if phase == "prefill" and not steps:
+            block = np.ones(transient // 8)  # written: every page resident
+            del block
+        return forward(self, tokens, cache, phase, steps, flush)
+
+    monkeypatch.setattr(Engine, "_forward", forward_holding_a_transient)
+    app = make_app(model, tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(app, pilot)
+        await send(app, pilot, "hi")
+        await reply_done(app, pilot)
+        metrics = app.session.metrics
+        await wait_until(
+            pilot,
+            lambda: f", RSS {format_bytes(app.session.metrics.peak_rss_bytes)}" in status_text(app),
+            "the RSS peak on the status line",
+        )
+        line = status_text(app)
+        assert f"peak MLX {format_bytes(metrics.peak_memory_bytes)}, RSS " in line, line
+        # The steps' RSS samples, taken after the transient was freed, are far below it.
+        assert metrics.peak_rss_bytes >= process_rss_bytes() + transient // 2
+        assert max(s.rss_bytes for s in metrics.recent_steps) < metrics.peak_rss_bytes - (
+            transient // 2
+        )
 
 
 async def test_escape_stops_within_a_step_and_next_message_works(model, tmp_path):

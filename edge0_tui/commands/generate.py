@@ -184,5 +184,11 @@ def summary_line(s: dict) -> str:
         f"blocked {s['median_blocked_ms']:.1f} ms/step, {s['median_loads']:.0f} loads/step, "
         f"{s['median_mib_read']:.1f} MiB/step, cold {s['median_cold_fraction']:.0%} | "
         f"peak MLX {format_bytes(s['peak_mlx_bytes'])}, RSS {format_bytes(s['peak_rss_bytes'])}"
-        f"{prerouter}]"
+        f"{_since_start(s)}{prerouter}]"
     )
+
+
+def _since_start(summary: dict) -> str:
+    """Said after the RSS peak where it is the process's (the kernel's mark could not be reset as
+    the request began, e.g. on macOS): it then includes the model's load."""
+    return "" if summary.get("peak_rss_scope", "request") == "request" else " since start"

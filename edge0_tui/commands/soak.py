@@ -7,7 +7,7 @@ import json
 import sys
 
 from edge0_tui.commands import options
-from engine import EngineConfig
+from engine import EngineConfig, format_bytes
 
 NAME = "soak"
 
@@ -40,6 +40,8 @@ def run(args: argparse.Namespace) -> int:
             f"{report['decode_steps']} decode steps: MLX active drift {report['mlx_active_drift']:+.1%} "
             f"({report['mlx_active_without_kv_drift']:+.1%} without the growing KV cache), "
             f"RSS drift {report['rss_drift']:+.1%} (after warm-up -> end), threads "
-            f"{report['thread_growth']:+d}, open files {report['open_file_growth']:+d}"
+            f"{report['thread_growth']:+d}, open files {report['open_file_growth']:+d}; peak "
+            f"memory: MLX {format_bytes(report['peak_mlx_bytes'])}, process RSS "
+            f"{format_bytes(report['peak_rss_bytes'])}"
         )
     return 0

@@ -165,6 +165,7 @@ def run_heads(args: argparse.Namespace) -> int:
 
 
 def run_corpus(args: argparse.Namespace) -> int:
+    from engine import peak_memory_line
     from engine.train.corpus import write_split_texts
 
     split = write_split_texts(args.out)
@@ -172,6 +173,7 @@ def run_corpus(args: argparse.Namespace) -> int:
         f"wrote {args.out / 'train.txt'} ({len(split.train)} works) and "
         f"{args.out / 'held_out.txt'} (held out: {', '.join(split.held_out)})"
     )
+    print(peak_memory_line())
     return 0
 
 

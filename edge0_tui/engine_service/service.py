@@ -225,7 +225,7 @@ class EngineService:
         """Load, publish the engine's facts, and say so. False when asked to quit meanwhile."""
         engine = open_engine()
         self.engine = engine
-        self.live = LiveMetrics(k=engine.k, mode=engine.mode)
+        self.live = LiveMetrics(k=engine.k, mode=engine.mode, peak_rss_bytes=_process_peak_rss())
         self._publish_facts(engine)
         self._refresh_memory(engine)
         with self._cv:
@@ -294,6 +294,7 @@ class EngineService:
             "mlx_peak_bytes": snapshot.mlx_peak_bytes,
             "rss_bytes": snapshot.rss_bytes,
             "page_cache_expert_bytes": snapshot.page_cache_expert_bytes,
+            "process_peak_rss_bytes": _process_peak_rss(),
         }
         self.kv_cache_bytes = engine.kv_cache_bytes()
 
@@ -378,7 +379,11 @@ class _ReplyRun:
             return
         finally:
             service._refresh_memory(engine)
-            service.live = replace(service.live, k=engine.k, mode=engine.mode)
+            # The steps read the high-water mark as each ended; what came after the last is in it.
+            peak_rss = max(service.live.peak_rss_bytes, _process_peak_rss())
+            service.live = replace(
+                service.live, k=engine.k, mode=engine.mode, peak_rss_bytes=peak_rss
+            )
         service.last_figures = done.figures
         job.post(done)
 
@@ -423,6 +428,8 @@ class _ReplyRun:
             mode=step.mode,
             context_tokens=self.prompt_tokens + len(self.tokens),
             peak_memory_bytes=max(previous.peak_memory_bytes, step.mlx_peak_bytes),
+            # The step's reading of the kernel's high-water mark (a peak, not an RSS sample).
+            peak_rss_bytes=max(previous.peak_rss_bytes, step.rss_peak_bytes),
             last_step=step,
             # The whole prompt's forwards as one, which the engine keeps (its thread: this one).
             last_prefill=self.engine.last_prefill,
@@ -435,6 +442,7 @@ class _ReplyRun:
             "mlx_peak_bytes": step.mlx_peak_bytes,
             "rss_bytes": step.rss_bytes,
             "page_cache_expert_bytes": step.page_cache_expert_bytes,
+            "process_peak_rss_bytes": service.live.peak_rss_bytes,
         }
 
     def _done(self, result: GenerationResult) -> ReplyDone:
@@ -452,6 +460,14 @@ class _ReplyRun:
             figures=request_figures(result, engine.k, engine.mode),
             nonfinite_repaired=repaired,
         )
+
+
+def _process_peak_rss() -> int:
+    """The most memory this process has held resident since it started (the kernel's mark,
+    carried over the resets each request makes)."""
+    import engine as surface  # on the engine thread, where MLX is already loaded
+
+    return surface.process_lifetime_peaks()["peak_rss_bytes"]
 
 
 def request_figures(result: GenerationResult, k: int, mode: str) -> dict:
@@ -474,6 +490,7 @@ def request_figures(result: GenerationResult, k: int, mode: str) -> dict:
         "expert_pool_mib": s["median_expert_pool_mib"],
         "prefill_mib_read": s["prefill_mib_read"],
         "peak_mlx_bytes": s["peak_mlx_bytes"],
+        "peak_rss_bytes": s["peak_rss_bytes"],  # the kernel's high-water mark over the request
         "stopped_by": result.stopped_by,
     }
     if "prefetch_hit_rate" in s:  # prefetch mode: share of routed experts read ahead

@@ -618,6 +618,7 @@ class ChatScreen(Screen):
                 pending_mode=self.pending_mode,
                 context_tokens=metrics.context_tokens if self.reply else self.context_tokens,
                 peak_memory_bytes=metrics.peak_memory_bytes,
+                peak_rss_bytes=metrics.peak_rss_bytes,
                 unsaved=self.store.unsaved,
             )
         )

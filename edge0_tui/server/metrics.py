@@ -122,8 +122,16 @@ def render(worker: EngineWorker, stats: ServerStats, model_id: str) -> str:
     w.metric(
         "edge0_process_resident_bytes",
         "gauge",
-        "Resident set size of the server process.",
+        "Resident set size of the server process now.",
         memory.get("rss_bytes", 0),
+    )
+    w.metric(
+        "edge0_process_peak_rss_bytes",
+        "gauge",
+        "The kernel's high-water mark of the server process's resident set size (VmHWM; "
+        "ru_maxrss on macOS): the most it has held at once since it started, the model's load "
+        "included.",
+        max(live.peak_rss_bytes, memory.get("process_peak_rss_bytes", 0)),
     )
     w.metric(
         "edge0_checkpoint_page_cache_bytes",

@@ -20,7 +20,8 @@ class Status:
     mode: str | None = None
     pending_mode: str | None = None
     context_tokens: int | None = 0  # None: not known yet
-    peak_memory_bytes: int = 0
+    peak_memory_bytes: int = 0  # MLX's peak
+    peak_rss_bytes: int = 0  # the kernel's high-water mark of the process's RSS; 0: not known yet
     unsaved: int = 0  # messages the chat database has not taken yet (it is locked)
 
     def line(self, width: int | None = None) -> str:
@@ -35,7 +36,10 @@ class Status:
             pending = f" → {self.pending_mode}" if self.pending_mode else ""
             parts.append((self.mode + pending, 9))
         parts.append((f"context {context} tokens", 2))
-        parts.append((f"peak MLX {format_bytes(self.peak_memory_bytes)}", 1))
+        peak = f"peak MLX {format_bytes(self.peak_memory_bytes)}"
+        if self.peak_rss_bytes:
+            peak += f", RSS {format_bytes(self.peak_rss_bytes)}"
+        parts.append((peak, 1))
         if self.unsaved:
             parts.append((f"{self.unsaved} unsaved: database busy", 8))
         parts.append((self.state, 9))

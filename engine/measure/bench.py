@@ -427,6 +427,9 @@ def build_report(config: BenchConfig, sampled: dict, runs: list[ArmRun]) -> dict
             "errors": sorted({r.error for r in failed}),
             "memory_needed_bytes": max((r.cgroup_peak_bytes for r in failed), default=0),
             "figures": figures,
+            # What "peak RSS" covers: the replay ("request") where the arm's process could reset
+            # the kernel's high-water mark as the replay began, else its whole life ("process").
+            "peak_rss_scope": _peak_rss_scope(ok),
             "step_ms_median": _per_step_median([r.step_ms for r in ok]),
         }
     for arm, data in arms.items():
@@ -455,6 +458,13 @@ def build_report(config: BenchConfig, sampled: dict, runs: list[ArmRun]) -> dict
     }
 
 
+def _peak_rss_scope(runs: list[ArmRun]) -> str | None:
+    scopes = {r.summary.get("peak_rss_scope") for r in runs} - {None}
+    if not scopes:
+        return None
+    return scopes.pop() if len(scopes) == 1 else "process"  # mixed: the wider one holds for all
+
+
 def overlap_limit(figures: dict, compute_ms: float) -> dict:
     """How close a streamed arm's step is to the best that overlapping reads with compute allows:
     max(the compute-only step, the cold MiB a step reads / the read bandwidth achieved)."""
@@ -473,6 +483,22 @@ def overlap_limit(figures: dict, compute_ms: float) -> dict:
         "step_vs_limit": step / limit if limit else None,
         "blocked_share": blocked / step if step else None,
     }
+
+
+def _peak_note(arms: dict) -> str:
+    """What the two peak columns are, under the table that shows them."""
+    scopes = {d.get("peak_rss_scope") for d in arms.values() if d["figures"]} - {None}
+    if scopes == {"request"}:
+        covers = "from the start of the replay to its end (the model's load is not in it)"
+    else:
+        covers = (
+            "over the arm's whole process, the model's load included (this kernel's mark could "
+            "not be reset as the replay began)"
+        )
+    return (
+        "peak MLX: MLX's own peak counter over the replay; peak RSS: the kernel's high-water mark "
+        f"of the arm's process (VmHWM, ru_maxrss on macOS) {covers}, not a maximum of samples."
+    )
 
 
 def _ratio(mine: dict, ref: dict, key: str) -> float | None:
@@ -531,6 +557,7 @@ def markdown(report: dict) -> str:
             continue
         cells = [_cell(f, key, fmt) for _, key, fmt in FIGURES if key in TABLE_4]
         lines.append(f"| {arm} | " + " | ".join(cells) + " |")
+    lines += ["", _peak_note(report["arms"])]
     read_arms = {a: d for a, d in report["arms"].items() if "read_mib_per_s" in d["figures"]}
     if read_limit or read_arms:
         lines += [

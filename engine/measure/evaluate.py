@@ -38,6 +38,7 @@ from ..adapters.lora import LoRALinear
 from ..config import EngineConfig
 from ..errors import Edge0Error
 from ..runtime.generation import Engine
+from ..runtime.metrics import peak_memory_line, process_lifetime_peaks
 from ..train.data import corpus_tokens, draw_prompts, sample_served
 from ..train.run import Log
 from ..train.student import Student, load_student, lora_kind
@@ -350,6 +351,9 @@ def _evaluate(
             "requantization": f"{config.bits}-bit affine, group {config.group_size}",
             "paper": PAPER_RETENTION,
         }
+    # The whole evaluation's peaks (the engine's load and the student path included): what a
+    # machine needs to run it.
+    report["memory"] = process_lifetime_peaks()
     return report
 
 
@@ -401,6 +405,8 @@ def format_report(report: dict) -> str:
             f"  (paper: {paper['attention']:.0%} attention, {paper['dense']:.0%} dense, "
             f"{paper['logits']:.0%} logits)"
         )
+    if "memory" in report:
+        lines.append(peak_memory_line(report["memory"]) + " (the whole evaluation)")
     return "\n".join(lines)
 
 

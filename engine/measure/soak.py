@@ -16,7 +16,7 @@ import mlx.core as mx
 
 from ..config import EngineConfig, GenerationConfig
 from ..runtime.generation import Engine
-from ..runtime.metrics import process_rss_bytes
+from ..runtime.metrics import process_lifetime_peaks, process_rss_bytes
 
 WARMUP_TURNS = 2
 
@@ -27,7 +27,8 @@ class SoakPoint:
     steps: int
     mlx_active_bytes: int
     kv_cache_bytes: int  # grows with the conversation by design; the rest must not
-    rss_bytes: int
+    rss_bytes: int  # resident after the turn (a sample)
+    peak_rss_bytes: int  # the kernel's high-water mark over the turn's request (its summary's)
     threads: int
     open_files: int
 
@@ -43,7 +44,7 @@ def _open_files() -> int:
         return len(os.listdir("/dev/fd"))
 
 
-def _point(engine: Engine, turn: int, steps: int) -> SoakPoint:
+def _point(engine: Engine, turn: int, steps: int, peak_rss_bytes: int) -> SoakPoint:
     # A leak is memory still reachable: garbage that the collector has not freed yet (ours, or
     # another object's in a long-lived process such as the test suite's) is not one.
     gc.collect()
@@ -53,6 +54,7 @@ def _point(engine: Engine, turn: int, steps: int) -> SoakPoint:
         mx.get_active_memory(),
         engine.kv_cache_bytes(),
         process_rss_bytes(),
+        peak_rss_bytes,
         threading.active_count(),
         _open_files(),
     )
@@ -87,15 +89,19 @@ def soak(
             result = engine.generate(prompt, gen)
             done += sum(1 for s in result.steps if s.phase == "decode")
             history.append({"role": "assistant", "content": result.text})
-            points.append(_point(engine, turn, done))
+            points.append(_point(engine, turn, done, result.summary["peak_rss_bytes"]))
             progress(
                 f"turn {turn:2d}: {done:5d} decode steps, MLX active {points[-1].mlx_active_bytes / 2**20:.1f} MiB "
                 f"(KV cache {points[-1].kv_cache_bytes / 2**20:.1f}), "
-                f"RSS {points[-1].rss_bytes / 2**20:.1f} MiB, {points[-1].threads} threads, "
+                f"RSS {points[-1].rss_bytes / 2**20:.1f} MiB (peak of the turn "
+                f"{points[-1].peak_rss_bytes / 2**20:.1f}), {points[-1].threads} threads, "
                 f"{points[-1].open_files} open files"
             )
     start, end = points[min(WARMUP_TURNS, len(points)) - 1], points[-1]
     return {
+        # The whole soak's peaks (the model's load included): `peak_mlx_bytes`, `peak_rss_bytes`
+        # (the kernel's high-water mark, not a maximum of the points) and their scope.
+        **process_lifetime_peaks(),
         "decode_steps": done,
         "after_warmup": start.__dict__,
         "end": end.__dict__,

@@ -39,7 +39,15 @@ from ..trace import NO_TRACE, Tracer
 from .blas import blas_in_use, prefill_kernels
 from .compute_activity import follow_compute
 from .loader import LoadedModel, load, render_chat_template
-from .metrics import MemorySampler, StepMetrics, merged, metal_wired_limit_bytes, summarize
+from .metrics import (
+    MemorySampler,
+    StepMetrics,
+    merged,
+    metal_wired_limit_bytes,
+    process_peak_rss_bytes,
+    reset_request_peaks,
+    summarize,
+)
 from .numerics import HiddenGuard, guard_layers
 
 TokenCallback = Callable[[int, StepMetrics], None]
@@ -373,7 +381,8 @@ class Engine:
                 f"top_k={gen.top_k} must be below the vocabulary size of {self.vocab_size} "
                 "(0 turns top-k off)"
             )
-        mx.reset_peak_memory()
+        # The request's peaks, MLX's and the kernel's RSS high-water mark, start here.
+        peak_rss_scope = reset_request_peaks()
         if gen.seed is not None:
             mx.random.seed(gen.seed)
         sampler = make_sampler(gen.temperature, top_p=gen.top_p, top_k=gen.top_k)
@@ -387,6 +396,14 @@ class Engine:
             result = self._generate(
                 prompt_tokens, gen, sampler, cache, reused, on_token, should_stop, forced_tokens
             )
+            result.summary = summarize(
+                result.steps,
+                len(prompt_tokens),
+                peak_mlx_bytes=mx.get_peak_memory(),
+                peak_rss_bytes=process_peak_rss_bytes(),
+                peak_rss_scope=peak_rss_scope,
+            )
+            result.summary["reused_prompt_tokens"] = reused
         finally:
             # Whatever happened (a read error, a cancel), no per-request state outlives the request.
             self._reset_request_state()
@@ -458,8 +475,6 @@ class Engine:
             logits = self._forward([token], cache, "decode", steps)
 
         result.text = self.reply_text(result.tokens)
-        result.summary = summarize(steps, len(prompt_tokens))
-        result.summary["reused_prompt_tokens"] = reused
         return result
 
     def _forward(

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from ..config import format_bytes
 from ..experts.page_cache import FileResidency
 from ..experts.store import LoadCounters
 
@@ -30,8 +31,11 @@ class MemorySnapshot:
     mlx_active_bytes: int
     mlx_cache_bytes: int
     mlx_peak_bytes: int
-    rss_bytes: int
+    rss_bytes: int  # resident now
     page_cache_expert_bytes: int  # the checkpoint's expert tensors resident in the OS page cache
+    # The kernel's high-water mark of the process's RSS now: since the request began where the
+    # peak can be reset (`reset_process_peak_rss`), else since the process started.
+    rss_peak_bytes: int = 0
 
 
 @dataclass
@@ -53,8 +57,9 @@ class StepMetrics:
     mlx_active_bytes: int
     mlx_cache_bytes: int
     mlx_peak_bytes: int
-    rss_bytes: int
+    rss_bytes: int  # resident when the step ended (a sample, not a peak)
     page_cache_expert_bytes: int
+    rss_peak_bytes: int = 0  # the kernel's high-water mark when the step ended (MemorySnapshot's)
     mode: str = ""
     k: int = 0
     predicted: int = 0  # layers routed by the prerouter's prediction
@@ -148,8 +153,83 @@ def process_rss_bytes() -> int:
         pass
     if sys.platform == "darwin" and (current := _darwin_rss_bytes()) is not None:
         return current
+    return _ru_maxrss_bytes()
+
+
+def process_peak_rss_bytes() -> int:
+    """The kernel's high-water mark of this process's resident set size: VmHWM on Linux (since the
+    last `reset_process_peak_rss`), else ru_maxrss (the process's lifetime peak).
+
+    Not a maximum of samples: a transient that comes and goes between two samples is in it."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024  # "VmHWM:  123456 kB"
+    except (OSError, ValueError, IndexError):
+        pass
+    # Linux's ru_maxrss is no substitute where VmHWM exists: it also counts the memory of the
+    # process image before exec (a copy of the parent's at fork), and a reset does not lower it.
+    return _ru_maxrss_bytes()
+
+
+def _ru_maxrss_bytes() -> int:
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak if sys.platform == "darwin" else peak * 1024
+    return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB on Linux
+
+
+# The highest peaks read just before a reset: a report over the whole process (a training run, an
+# eval, a soak) still sees the peaks of requests whose start reset the counters.
+_lifetime_peak_rss_bytes = 0
+_lifetime_peak_mlx_bytes = 0
+
+PEAK_SCOPE_REQUEST = "request"  # the peak since the request began
+PEAK_SCOPE_PROCESS = "process"  # the peak since the process started: it could not be reset
+
+
+def reset_process_peak_rss() -> bool:
+    """Reset the kernel's RSS high-water mark to the current RSS ("5" to /proc/self/clear_refs,
+    Linux >= 4.0). False where it cannot (macOS, an older kernel, no permission, a sandbox without
+    the file): `process_peak_rss_bytes` is then the process's lifetime peak."""
+    global _lifetime_peak_rss_bytes
+    before = process_peak_rss_bytes()
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:  # missing, not writable, or EINVAL from a kernel without "5"
+        return False
+    _lifetime_peak_rss_bytes = max(_lifetime_peak_rss_bytes, before)
+    return True
+
+
+def reset_request_peaks() -> str:
+    """Start a request's peaks: MLX's peak counter and the process's RSS high-water mark. Returns
+    the scope of the RSS peak read at the request's end (PEAK_SCOPE_REQUEST or, where the kernel's
+    mark cannot be reset, PEAK_SCOPE_PROCESS)."""
+    global _lifetime_peak_mlx_bytes
+    _lifetime_peak_mlx_bytes = max(_lifetime_peak_mlx_bytes, mx.get_peak_memory())
+    mx.reset_peak_memory()
+    return PEAK_SCOPE_REQUEST if reset_process_peak_rss() else PEAK_SCOPE_PROCESS
+
+
+def process_lifetime_peaks() -> dict:
+    """The most MLX memory and the most resident memory this process has held since it started,
+    resets by `reset_request_peaks` included: the figures a whole run (training, eval, soak)
+    reports, as `peak_mlx_bytes`, `peak_rss_bytes` and `peak_rss_scope`."""
+    return {
+        "peak_mlx_bytes": max(_lifetime_peak_mlx_bytes, mx.get_peak_memory()),
+        "peak_rss_bytes": max(_lifetime_peak_rss_bytes, process_peak_rss_bytes()),
+        "peak_rss_scope": PEAK_SCOPE_PROCESS,
+    }
+
+
+def peak_memory_line(peaks: dict | None = None) -> str:
+    """'peak memory: MLX X, process RSS Y' (the process's lifetime peaks unless `peaks` given)."""
+    peaks = peaks or process_lifetime_peaks()
+    return (
+        f"peak memory: MLX {format_bytes(peaks['peak_mlx_bytes'])}, process RSS "
+        f"{format_bytes(peaks['peak_rss_bytes'])}"
+    )
 
 
 _PROC_PIDTASKINFO = 4  # <sys/proc_info.h>
@@ -194,6 +274,7 @@ class MemorySampler:
             mlx_peak_bytes=mx.get_peak_memory(),
             rss_bytes=process_rss_bytes(),
             page_cache_expert_bytes=self._page_cache_bytes(),
+            rss_peak_bytes=process_peak_rss_bytes(),
         )
 
     def _page_cache_bytes(self) -> int:
@@ -239,8 +320,17 @@ def merged(steps: list[StepMetrics]) -> StepMetrics:
     )
 
 
-def summarize(steps: list[StepMetrics], prompt_tokens: int) -> dict:
-    """Medians of the decode-step metrics, prefill figures apart, and peaks over the whole run."""
+def summarize(
+    steps: list[StepMetrics],
+    prompt_tokens: int,
+    peak_mlx_bytes: int,
+    peak_rss_bytes: int,
+    peak_rss_scope: str,
+) -> dict:
+    """Medians of the decode-step metrics, prefill figures apart, and the request's peaks as read
+    at its end: MLX's peak counter and the kernel's RSS high-water mark (`peak_rss_scope` says
+    whether that is the request's or, where it could not be reset, the process's). The per-step
+    `rss_bytes` are samples of the current RSS: their median is reported, never their maximum."""
     prefill = [s for s in steps if s.phase == "prefill"]
     decode = [s for s in steps if s.phase == "decode"]
     ttft_ms = sum(s.wall_ms for s in prefill)
@@ -253,8 +343,9 @@ def summarize(steps: list[StepMetrics], prompt_tokens: int) -> dict:
         "decode_tok_per_s": len(decode) / (decode_ms / 1e3) if decode_ms else 0.0,
         "prefill_mib_read": sum(s.mib_read for s in prefill),
         "prefill_blocked_ms": sum(s.blocked_ms for s in prefill),
-        "peak_mlx_bytes": max((s.mlx_peak_bytes for s in steps), default=0),
-        "peak_rss_bytes": max((s.rss_bytes for s in steps), default=0),
+        "peak_mlx_bytes": peak_mlx_bytes,
+        "peak_rss_bytes": peak_rss_bytes,
+        "peak_rss_scope": peak_rss_scope,
         "peak_transient_mib": max((s.transient_peak_mib for s in steps), default=0.0),
         "dropped": sum(s.dropped for s in steps),
         "nonfinite_repaired": sum(s.nonfinite_repaired for s in steps),

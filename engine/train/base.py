@@ -47,6 +47,7 @@ from tokenizers import Tokenizer
 from ..errors import Edge0Error
 from ..routing.functions import RoutingSpec, score_topk
 from ..runtime.blas import blas_in_use
+from ..runtime.metrics import peak_memory_line
 from . import corpus
 from .run import changed_settings, read_state, restore, save_state, training_progress
 from .synth import (
@@ -419,6 +420,8 @@ def train_base(
     if export:
         teacher, base = export_checkpoints(model, config, tokenizer_dir, out_dir)
         progress(f"wrote {teacher} (bf16 teacher) and {base} (4-bit base)")
+    # What the run needed at most: what a RAM limit must leave room for.
+    progress(peak_memory_line())
     return out_dir
 
 

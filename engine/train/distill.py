@@ -33,6 +33,7 @@ from ..adapters.lora import LoRALinear
 from ..config import EngineConfig
 from ..errors import Edge0Error
 from ..runtime.generation import Engine
+from ..runtime.metrics import peak_memory_line
 from .data import corpus_tokens, draw_prompts, masked_mean, sample_served
 from .lora import teacher_bytes
 from .run import Log, TrainingRun, training_progress
@@ -139,6 +140,7 @@ def train_distill(
     out = Path(out or lora_path)
     student.save_lora(out)
     log(f"wrote {out}")
+    log(peak_memory_line())  # what the run needed at most: a RAM limit must leave room for it
     return out, run.history
 
 

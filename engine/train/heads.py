@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import resource
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -53,6 +51,7 @@ from ..routing.prerouter import (
     sequence_features,
 )
 from ..runtime.loader import LoadedModel, load
+from ..runtime.metrics import peak_memory_line
 from .collect import TraceFiles, check_windows, collect_traces, describe, token_windows, trace_key
 from .corpus import DEFAULT_HEADS_CORPUS, default_heads_tokens
 from .data import corpus_tokens
@@ -334,12 +333,7 @@ def train_heads(
     save_prerouter(make_folder(out.parent) / out.name, heads, start, fingerprint)
     progress(f"wrote {out}")
     # What the run needed at most: the figures a RAM limit must leave room for.
-    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    peak_rss *= 1 if sys.platform == "darwin" else 1024  # bytes on macOS, KiB on Linux
-    progress(
-        f"peak memory: MLX {format_bytes(mx.get_peak_memory())}, process RSS "
-        f"{format_bytes(peak_rss)}"
-    )
+    progress(peak_memory_line())
     if note := shadow_note(model_dir, fingerprint, engine_config, config.k, out):
         progress(note)
     return out, recalls

@@ -38,6 +38,7 @@ import numpy as np
 
 from ..config import EngineConfig
 from ..errors import Edge0Error
+from ..runtime.metrics import peak_memory_line
 from .data import continuation_mask, corpus_tokens, draw_prompts, masked_mean, sample
 from .run import Log, TrainingRun, training_progress
 from .student import LoRAInit, Student, dequantized_bytes, float_size, load_student
@@ -142,6 +143,7 @@ def train_lora(
     out = Path(out or folder / f"lora_k{config.k}.safetensors")
     student.save_lora(out)
     log(f"wrote {out}")
+    log(peak_memory_line())  # what the run needed at most: a RAM limit must leave room for it
     return out, run.history
 
 

@@ -29,6 +29,7 @@ from rich.progress import (
 )
 
 from ..errors import Edge0Error
+from ..runtime.metrics import process_lifetime_peaks
 
 Log = Callable[[str], None]
 
@@ -57,6 +58,9 @@ def save_state(
     arrays = {f"model.{k}": v for k, v in tree_flatten(model.trainable_parameters())}
     arrays.update({f"optimizer.{k}": v for k, v in tree_flatten(optimizer.state)})
     out_dir.mkdir(parents=True, exist_ok=True)
+    # What the process that saved has needed so far (`peak_mlx_bytes`, `peak_rss_bytes`: the
+    # kernel's high-water mark), for whoever sizes a machine for the run.
+    state = {**state, "peak_memory": process_lifetime_peaks()}
     text = json.dumps(state, indent=1) + "\n"
     tmp = out_dir / f"{name}.tmp.safetensors"
     mx.save_safetensors(str(tmp), arrays, metadata={"state": text})
