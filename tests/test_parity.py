@@ -89,3 +89,41 @@ def test_on_demand_matches_resident(checkpoint_dir, resident_tokens, family, pro
     else:
         # Everything fits: after the first pass over the prompt, decode reads only new experts.
         assert sum(s.hits for s in decode) > sum(s.loads for s in decode)
+
+
+@pytest.mark.parametrize("family_name", ["qwen3_moe", "deepseek_v3"])
+def test_a_chunk_computed_in_token_blocks_matches_resident(
+    checkpoint_dir, monkeypatch, family_name
+):
+    """A long prefill chunk's expert products in blocks of tokens (bounded activations): the
+    resident model's tokens, for a chunk of 130 tokens in the smallest blocks (none with fewer
+    routed rows than the kernel sorts)."""
+    from engine.experts import switch_glu
+
+    model_dir = checkpoint_dir(family_name)
+    prompt = [(i * 53 + 7) % 900 + 3 for i in range(131)]
+    chunk = {"prefill_chunk": 256, "exact_kernels": True}
+    resident = Engine(model_dir, EngineConfig(mode="resident", **chunk))
+    try:
+        want = resident.generate(prompt, GREEDY_32).tokens
+    finally:
+        resident.close()
+    blocks = []
+    block_glu = switch_glu.StreamingSwitchGLU._gather_glu_block
+
+    def counted(self, x, indices, bank):
+        blocks.append(indices.size // indices.shape[-1])
+        return block_glu(self, x, indices, bank)
+
+    monkeypatch.setattr(switch_glu, "GATHER_ACTIVATION_BYTES", 1)  # the smallest blocks
+    monkeypatch.setattr(switch_glu.StreamingSwitchGLU, "_gather_glu_block", counted)
+    streamed = Engine(model_dir, EngineConfig(mode="on-demand", **chunk))
+    try:
+        got = streamed.generate(prompt, GREEDY_32).tokens
+        k = streamed.k
+    finally:
+        streamed.close()
+    assert got == want
+    chunk_blocks = [b for b in blocks if b > 1]  # (decode steps are one block of one token)
+    assert len(chunk_blocks) > 1 and max(chunk_blocks) < 130  # the chunk went in blocks
+    assert min(chunk_blocks) * k >= switch_glu.SORTED_MIN_ROWS

@@ -147,8 +147,31 @@ class StreamingSwitchGLU(nn.Module):
     # -- a bank of stacked experts (mirrors mlx-lm's SwitchGLU exactly) ----------------------------
 
     def _gather_glu(self, x: mx.array, indices: mx.array, bank: dict[str, mx.array]) -> mx.array:
+        """The routed experts' outputs, `[..., k, hidden]`. A long chunk is computed in blocks of
+        tokens, each evaluated before the next: its `[tokens, k, intermediate]` activations would
+        otherwise all be alive at once (`gather_activation_tokens`). A row's product does not
+        depend on the other rows given to the kernel, so blocks change no value."""
+        k = indices.shape[-1]
+        tokens = indices.size // k
+        block = gather_activation_tokens(k, bank["up_proj.weight"].shape[-2], x.dtype.size)
+        if tokens <= block:
+            return self._gather_glu_block(x, indices, bank)
+        flat_x, flat_indices = x.reshape(tokens, x.shape[-1]), indices.reshape(tokens, k)
+        blocks = tokens // block  # equal blocks of at least `block` tokens: none runs unsorted
+        bounds = [tokens * i // blocks for i in range(blocks + 1)]
+        outputs = []
+        for start, end in zip(bounds, bounds[1:]):
+            y = self._gather_glu_block(flat_x[start:end], flat_indices[start:end], bank)
+            mx.eval(y)
+            outputs.append(y)
+        y = mx.concatenate(outputs, axis=0)
+        return y.reshape(*indices.shape, y.shape[-1])
+
+    def _gather_glu_block(
+        self, x: mx.array, indices: mx.array, bank: dict[str, mx.array]
+    ) -> mx.array:
         x = mx.expand_dims(x, (-2, -3))
-        do_sort = indices.size >= 64
+        do_sort = indices.size >= SORTED_MIN_ROWS
         idx, inv_order = indices, None
         if do_sort:
             x, idx, inv_order = _gather_sort(x, indices)
@@ -181,6 +204,24 @@ class StreamingSwitchGLU(nn.Module):
         if spec.has_bias:
             y = y + mx.expand_dims(bank[f"{p}.bias"][idx], -2)
         return y
+
+
+# At most this many bytes of one block's expert activations (the up and gate projections and
+# their product, `[tokens, k, intermediate]` each) are alive at once in a prefill chunk computed
+# on the 4-bit kernels: the memory plan's activation term. Wide experts at a native K of 8 would
+# otherwise hold several times the expert cache during one layer of a long chunk.
+GATHER_ACTIVATION_BYTES = 32 << 20
+# The kernel sorts its rows by expert from this many routed rows on (as mlx-lm's SwitchGLU does):
+# a block keeps at least this many, so that it runs the same sorted kernel as the whole chunk (and
+# the resident model) would.
+SORTED_MIN_ROWS = 64
+
+
+def gather_activation_tokens(k: int, intermediate: int, itemsize: int) -> int:
+    """The fewest tokens in a block of a prefill chunk's 4-bit expert products: as many as
+    `GATHER_ACTIVATION_BYTES` of activations hold, and enough rows to run sorted."""
+    per_token = 3 * k * intermediate * itemsize
+    return max(-(-SORTED_MIN_ROWS // k), GATHER_ACTIVATION_BYTES // per_token)
 
 
 # -- prefill at GEMM speed ---------------------------------------------------------------------------

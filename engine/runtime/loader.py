@@ -45,6 +45,7 @@ from ..checkpoint.index import (
 )
 from ..config import EngineConfig
 from ..errors import Edge0Error
+from ..experts.freed_memory import return_large_frees_to_os
 from ..experts.store import ExpertStore
 from ..experts.switch_glu import (
     DensePrefillSwitchGLU,
@@ -201,6 +202,7 @@ def _checked(model_dir: Path) -> tuple[dict, Family, CheckpointIndex]:
 
 def load(model_dir: str | Path, config: EngineConfig, tracer: Tracer = NO_TRACE) -> LoadedModel:
     model_dir = Path(model_dir)
+    return_large_frees_to_os()  # freed read buffers go back to the OS, not to thread arenas
     model_config, family, index = _checked(model_dir)
 
     model, model_config = _build_model(model_dir, model_config, index.shards, family)
