@@ -1,10 +1,13 @@
-"""What several commands do besides their options: read a text file, print the engine's warnings."""
+"""What several commands do besides their options: read a text file, print the engine's warnings
+and notes and other lines on stderr, each with its control characters shown escaped (a warning
+quotes a file's name or a tokenizer's text; stdout is escaped by `CheckedStdout`)."""
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
 
+from edge0_tui.sanitize import escape_controls
 from engine import Edge0Error
 
 
@@ -18,6 +21,12 @@ def read_text(path: Path, what: str = "text") -> str:
         raise Edge0Error(f"{path}: cannot read {what} ({e})") from None
 
 
-def print_warnings(warnings: list[str]) -> None:
+def print_stderr(line: str) -> None:
+    """One line (or several, a log's) on stderr, control characters shown escaped."""
+    print(escape_controls(line), file=sys.stderr, flush=True)
+
+
+def print_warnings(warnings: list[str], kind: str = "warning") -> None:
+    """`edge0: warning: ...` (or `note`) lines, each one line whatever it quotes."""
     for warning in warnings:
-        print(f"edge0: warning: {warning}", file=sys.stderr)
+        print(f"edge0: {kind}: {escape_controls(warning, keep_newlines=False)}", file=sys.stderr)

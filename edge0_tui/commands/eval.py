@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 from edge0_tui.commands import options
-from edge0_tui.commands.common import read_text
+from edge0_tui.commands.common import print_stderr, read_text
 
 NAME = "eval"
 
@@ -44,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
         adapter_dirs=options.adapter_dirs(args.adapters),
         data_dir=options.data_dir(),
     )
-    log = None if args.json else (lambda line: print(line, file=sys.stderr, flush=True))
+    log = None if args.json else print_stderr
     report = evaluate(args.model, read_text(args.text), config, log=log)
     print(json.dumps(report) if args.json else format_report(report))
     return 0
