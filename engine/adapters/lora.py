@@ -29,6 +29,7 @@ from .metadata import (
     floating,
     load_arrays,
     metadata_int,
+    write_adapter,
 )
 
 # The reference's published adapters use r=16, alpha=32; a file that records no alpha is read so.
@@ -202,4 +203,4 @@ def save_lora(
         "base_fingerprint": fingerprint,
         "format_version": "1",
     }
-    mx.save_safetensors(str(path), tensors, metadata=metadata)
+    write_adapter(path, tensors, metadata)

@@ -36,6 +36,7 @@ from ..adapters.metadata import (
     load_arrays,
     metadata_int,
     metadata_list,
+    write_adapter,
 )
 from ..checkpoint.index import brief, read_safetensors
 from ..errors import Edge0Error
@@ -269,4 +270,4 @@ def save_prerouter(path: Path, heads: PrerouterHeads, start_layer: int, fingerpr
         "base_fingerprint": fingerprint,
         "format_version": "1",
     }
-    mx.save_safetensors(str(path), tensors, metadata=metadata)
+    write_adapter(path, tensors, metadata)
