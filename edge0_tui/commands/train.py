@@ -4,6 +4,7 @@ its on-policy distillation."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -224,6 +225,10 @@ def run_lora_or_distill(args: argparse.Namespace) -> int:
 
         config = Config(k=args.k, rows=args.generate, steps=args.steps)
         extra["rows_path"] = args.rows
+        if args.rows is not None and os.path.lexists(args.rows):  # a FIFO blocks: before any work
+            from engine.checkpoint.index import check_regular_file
+
+            check_regular_file(args.rows)
         if args.batch is not None:
             config.batch = args.batch
     else:
