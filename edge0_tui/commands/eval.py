@@ -44,6 +44,9 @@ def run(args: argparse.Namespace) -> int:
         data_dir=options.data_dir(),
     )
     log = None if args.json else print_stderr
-    report = evaluate(args.model, read_text(args.text), config, log=log)
+    from engine.train.data import CHARS_PER_TOKEN
+
+    text = read_text(args.text, max_chars=CHARS_PER_TOKEN * args.max_tokens)  # what is encoded
+    report = evaluate(args.model, text, config, log=log)
     print(json.dumps(report) if args.json else format_report(report))
     return 0

@@ -173,7 +173,11 @@ def run_heads(args: argparse.Namespace) -> int:
     from engine.train.heads import TrainHeadsConfig, train_heads
 
     check_out(args, "prerouter")
-    text = read_text(args.text) if args.text is not None else None
+    from engine.train.data import CHARS_PER_TOKEN
+
+    # Only what is encoded is read (the first CHARS_PER_TOKEN x --max-tokens characters).
+    limit = CHARS_PER_TOKEN * args.max_tokens
+    text = read_text(args.text, max_chars=limit) if args.text is not None else None
     config = TrainHeadsConfig(
         k=args.k,
         start_layer=args.start_layer,
@@ -217,6 +221,8 @@ def run_base(args: argparse.Namespace) -> int:
 
 
 def run_lora_or_distill(args: argparse.Namespace) -> int:
+    from engine.train.data import CHARS_PER_TOKEN
+
     check_out(args, "lora")
     extra = {}
     if args.phase == "lora":
@@ -243,7 +249,8 @@ def run_lora_or_distill(args: argparse.Namespace) -> int:
     train(
         args.model,
         args.teacher,
-        read_text(args.text),  # read before --adapters resolves: its error comes first
+        # Read before --adapters resolves (its error comes first); only what is encoded.
+        read_text(args.text, max_chars=CHARS_PER_TOKEN * config.max_corpus_tokens),
         config,
         out=args.out,
         out_dir=args.out_dir,

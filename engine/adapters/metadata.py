@@ -42,10 +42,28 @@ def metadata_int(meta: dict, key: str, path: Path) -> int | None:
         raise Edge0Error(f"{path}: metadata {key}={brief(value)} is not an integer") from None
 
 
+# The most tensors any adapter file may hold: a LoRA on 16 linear layers of each of 512 layers
+# (a reader that knows the model asks for less: `load_prerouter`).
+ADAPTER_MAX_TENSORS = 2 * 16 * 512
+# The longest metadata list (`owners`) read: 512 layers of up to 6 digits and a separator.
+MAX_LIST_CHARS = 8 * 512
+
+
+def read_adapter_header(path: Path, max_tensors: int = ADAPTER_MAX_TENSORS):
+    """`read_safetensors` for an adapter file: its tensors bounded (and so its header, before it
+    is parsed) by what an adapter can hold."""
+    return read_safetensors(path, max_tensors)
+
+
 def metadata_list(meta: dict, key: str, path: Path) -> list[int] | None:
     value = meta.get(key)
     if value is None:
         return None
+    if isinstance(value, str) and len(value) > MAX_LIST_CHARS:
+        raise Edge0Error(
+            f"{path}: metadata {key} is {len(value)} characters, too long for a list of layers "
+            f"(at most {MAX_LIST_CHARS})"
+        )
     try:
         items = parse_json(value) if isinstance(value, str) else value
         if not isinstance(items, list):
@@ -80,7 +98,8 @@ def floating(array: mx.array) -> bool:
 
 def nonfinite_tensors(arrays: dict[str, mx.array]) -> list[str]:
     """Names of the floating-point arrays that hold NaN or infinity, in one evaluation."""
-    names = [name for name, array in arrays.items() if floating(array)]
+    # An empty array holds no value to be NaN (and a million of them made a graph of GBs).
+    names = [name for name, array in arrays.items() if floating(array) and array.size]
     if not names:
         return []
     flags = mx.stack([mx.isfinite(arrays[name]).all() for name in names])
@@ -116,7 +135,7 @@ def write_adapter(path: Path, tensors: dict[str, mx.array], metadata: dict[str, 
         _write_safetensors(tmp, tensors, metadata)
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
-        read_safetensors(tmp)  # what was written reads back (a short write would not)
+        read_adapter_header(tmp)  # what was written reads back (a short write would not)
         os.replace(tmp, path)
         _sync_folder(path.parent)
     except (OSError, RuntimeError, ValueError, Edge0Error) as e:
@@ -183,7 +202,7 @@ def check_adapter_out(path: Path, kind: str, model_dir: Path) -> None:
 
 def _is_adapter(path: Path, kind: str) -> bool:
     try:
-        entries, raw = read_safetensors(path)
+        entries, raw = read_adapter_header(path)
     except Edge0Error:
         return False
     said = flat_metadata(raw).get("kind")

@@ -36,9 +36,10 @@ from ..adapters.metadata import (
     load_arrays,
     metadata_int,
     metadata_list,
+    read_adapter_header,
     write_adapter,
 )
-from ..checkpoint.index import brief, read_safetensors
+from ..checkpoint.index import brief
 from ..errors import Edge0Error
 
 HEAD_PARTS = ("fc1", "fc2", "linear_init")
@@ -134,7 +135,8 @@ def load_prerouter(
     path: Path, num_layers: int, hidden: int, experts: int, fingerprint: str, k: int | None = None
 ) -> PrerouterHeads:
     """Read and validate a prerouter file against the model it is meant for."""
-    entries, raw_meta = read_safetensors(path)
+    # Three tensors a head, one head a layer but the last: a few more are let through (and ignored).
+    entries, raw_meta = read_adapter_header(path, 3 * num_layers + 16)
     meta = flat_metadata(raw_meta)
     check_adapter_metadata(meta, "prerouter", fingerprint, path)
     file_k = metadata_int(meta, "K", path)
