@@ -154,7 +154,7 @@ def add_force(parser: argparse.ArgumentParser) -> None:
 def check_out(args: argparse.Namespace, kind: str) -> None:
     """--out is refused before any work when it would overwrite what is not such an adapter."""
     if args.out is not None and not args.force:
-        from engine.adapters.metadata import check_adapter_out
+        from engine import check_adapter_out
 
         check_adapter_out(args.out, kind, args.model)
 
@@ -232,7 +232,7 @@ def run_lora_or_distill(args: argparse.Namespace) -> int:
         config = Config(k=args.k, rows=args.generate, steps=args.steps)
         extra["rows_path"] = args.rows
         if args.rows is not None and os.path.lexists(args.rows):  # a FIFO blocks: before any work
-            from engine.checkpoint.index import check_regular_file
+            from engine import check_regular_file
 
             check_regular_file(args.rows)
         if args.batch is not None:
