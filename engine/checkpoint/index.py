@@ -44,7 +44,7 @@ DTYPE_SIZES = {
 MAX_HEADER_BYTES = 100_000_000
 # Header bytes allowed per tensor a file may hold (real entries are 100-200 bytes), plus a fixed
 # allowance for `__metadata__`: with a tensor bound, the header is bounded before it is parsed.
-HEADER_BYTES_PER_TENSOR = 1024
+HEADER_BYTES_PER_TENSOR = 512
 HEADER_BYTES_FIXED = 64 * 1024
 # MLX shapes are int32.
 MAX_DIM = 2**31 - 1
@@ -423,12 +423,12 @@ class CheckpointIndex:
 
 
 def max_checkpoint_tensors(layers: int | None) -> int:
-    """The most tensors a checkpoint of `layers` layers may hold: 64 a layer (an mlx-lm 4-bit MoE
+    """The most tensors a checkpoint of `layers` layers may hold: 128 a layer (an mlx-lm 4-bit MoE
     layer has about 40: attention, norms, router, stacked and shared experts, each with scales and
-    biases) and 64 more (embeddings, final norm, head); a config without a usable layer count, or
-    with an absurd one, is taken as 512 layers."""
+    biases) and 1024 more (embeddings, final norm, head, a vision tower); a config without a usable
+    layer count, or with an absurd one, is taken as 512 layers."""
     layers = layers if layers is not None and 1 <= layers <= 512 else 512
-    return 64 * (layers + 1)
+    return 128 * layers + 1024
 
 
 def base_fingerprint(index: CheckpointIndex) -> str:

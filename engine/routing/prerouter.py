@@ -135,8 +135,9 @@ def load_prerouter(
     path: Path, num_layers: int, hidden: int, experts: int, fingerprint: str, k: int | None = None
 ) -> PrerouterHeads:
     """Read and validate a prerouter file against the model it is meant for."""
-    # Three tensors a head, one head a layer but the last: a few more are let through (and ignored).
-    entries, raw_meta = read_adapter_header(path, 3 * num_layers + 16)
+    # Three tensors a head, one head a layer but the last; files from elsewhere may carry more (a
+    # bias a part), which are ignored: up to 8 a layer.
+    entries, raw_meta = read_adapter_header(path, 8 * num_layers + 64)
     meta = flat_metadata(raw_meta)
     check_adapter_metadata(meta, "prerouter", fingerprint, path)
     file_k = metadata_int(meta, "K", path)
