@@ -120,3 +120,16 @@ def test_adapter_folder_name_is_escaped(checkpoint_dir, tmp_path):
     assert out.returncode == 2, out.stderr
     assert_shown_escaped(out.stderr)
     assert len(out.stderr.strip().splitlines()) == 1, out.stderr  # a newline cannot forge a line
+
+
+def test_adapter_file_name_is_escaped(checkpoint_dir, tmp_path):
+    """`info` lists the profile's files: a file name is text from the folder too."""
+    from adapters import write_random_profile
+
+    model = _copy(checkpoint_dir, tmp_path)
+    write_random_profile(model, 2)
+    (model / "prerouter_k2.safetensors").rename(model / f"prerouter_k2{HOSTILE}.safetensors")
+    out = run_cli("info", str(model))
+    assert out.returncode == 0, out.stderr
+    assert_shown_escaped(out.stdout)
+    assert not CONTROLS.search(out.stderr), out.stderr
