@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import hashlib
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import mlx.core as mx
 import pytest
-from cli_runner import run_cli
+from cli_runner import REPO, run_cli
 from test_bad_inputs import assert_refused, snapshot
 
 import engine.adapters.metadata as metadata
@@ -113,3 +115,35 @@ def test_out_with_force_writes(checkpoint_dir, tmp_path):
     assert metadata._is_adapter(out_path, "prerouter")
     out = run_cli(*args)  # now a prerouter file: rewritten without --force
     assert out.returncode == 0, out.stderr
+
+
+FILE_SIZE_LIMIT = """
+import os, resource, sys
+from pathlib import Path
+import mlx.core as mx
+from engine import Edge0Error
+from engine.adapters.lora import save_lora
+path = Path(sys.argv[1])
+weights = lambda n: {"model.layers.0.self_attn.q_proj": (mx.full((4, n), 0.5), mx.full((n, 4), 0.5))}
+save_lora(path, weights(64), 4, 8.0, 2, "abc")
+good = path.read_bytes()
+resource.setrlimit(resource.RLIMIT_FSIZE, (16384, 16384))
+try:
+    save_lora(path, weights(4096), 4, 8.0, 2, "abc")
+except Edge0Error as e:
+    print(e)
+print(path.read_bytes() == good, sorted(os.listdir(path.parent)))
+"""
+
+
+def test_file_size_limit_keeps_the_previous_file(tmp_path):
+    """A real short write (RLIMIT_FSIZE, in a process of its own): what a full disk does."""
+    path = tmp_path / "lora_k2.safetensors"
+    out = subprocess.run(
+        [sys.executable, "-c", FILE_SIZE_LIMIT, str(path)],
+        capture_output=True, text=True, cwd=REPO, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    error, result = out.stdout.strip().splitlines()
+    assert error.startswith(f"{path}: cannot write the adapter"), error
+    assert result == "True ['lora_k2.safetensors']"
