@@ -1,4 +1,5 @@
-"""stdout while an `edge0` command runs: a write that fails is a one-line error, not a traceback."""
+"""stdout while an `edge0` command runs: a write that fails is a one-line error, not a traceback,
+and no control character reaches the terminal."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import sys
 from collections.abc import Callable
 from typing import TextIO
 
+from edge0_tui.sanitize import escape_controls
 from engine import Edge0Error
 
 STDOUT_CLOSED = "stdout is closed (use >/dev/null to discard output)"
@@ -20,14 +22,20 @@ class StdoutError(Edge0Error):
 class CheckedStdout:
     """sys.stdout while a command runs: a write or flush that fails is a one-line `StdoutError`
     instead of an OSError traceback. BrokenPipeError passes through as it is: the reader went away
-    (`| head`), which is not an error."""
+    (`| head`), which is not an error.
+
+    Every text written is escaped (`escape_controls`): a model's reply, a file name or a tokenizer's
+    text can hold ESC sequences that set the window title or clear the screen, and edge0 itself
+    writes none to stdout. Whether or not stdout is a terminal: a pipe often ends at one (`| less
+    -R`, `| tee`). JSON output (`--json`) is unchanged by this, since `json.dumps` escapes every
+    control character itself; it is where the exact text is."""
 
     def __init__(self, stream: TextIO) -> None:
         self._stream = stream
 
     def write(self, text: str) -> int:
         try:
-            return self._stream.write(text)
+            return self._stream.write(escape_controls(text))
         except BrokenPipeError:
             raise
         except OSError as e:

@@ -15,6 +15,7 @@ from edge0_tui.checked_stdout import (
     run_checked,
 )
 from edge0_tui.commands import COMMANDS, chat
+from edge0_tui.sanitize import escape_controls
 from engine import Edge0Error
 
 # The exit status of a process killed by SIGPIPE (128 + 13), as shells report `yes | head`.
@@ -26,7 +27,13 @@ class _OneLineErrorParser(argparse.ArgumentParser):
     other edge0 error; the usage text stays with --help. Subcommand parsers share this class."""
 
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"edge0: error: {' '.join(message.split())}\n")
+        self.exit(2, error_line(" ".join(message.split())))
+
+
+def error_line(message: object) -> str:
+    """`edge0: error: MESSAGE` and a newline: one line, whatever the message quotes from a file
+    (a shard's name, a token, a template's text), its control characters shown escaped."""
+    return f"edge0: error: {escape_controls(str(message), keep_newlines=False)}\n"
 
 
 def _version() -> str:
@@ -66,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
             raise
     except StdoutError as e:
         discard_stdout()
-        print(f"edge0: error: {e}", file=sys.stderr)
+        print(error_line(e), end="", file=sys.stderr)
         return 2
     finally:
         sys.stdout = stdout
@@ -82,10 +89,10 @@ def main(argv: list[str] | None = None) -> int:
         return run_checked(command.run, args)
     except StdoutError as e:
         discard_stdout()
-        print(f"edge0: error: {e}", file=sys.stderr)
+        print(error_line(e), end="", file=sys.stderr)
         return 2
     except Edge0Error as e:
-        print(f"edge0: error: {e}", file=sys.stderr)
+        print(error_line(e), end="", file=sys.stderr)
         return 2
     except BrokenPipeError:
         discard_stdout()  # quietly, as Unix tools stop when their reader goes away

@@ -33,3 +33,24 @@ _CONTROLS = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]
 def sanitize(text: str) -> str:
     """`text` without terminal control sequences and control characters (newlines, tabs kept)."""
     return _CONTROLS.sub("", _SEQUENCES.sub("", text))
+
+
+# What `escape_controls` shows escaped: C0 controls, DEL, C1 controls, the bidi embeddings,
+# overrides and isolates; newline and tab where the caller keeps them.
+_ESCAPED = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
+_ESCAPED_ALL = re.compile(r"[\x00-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
+
+
+def _escape(match: re.Match) -> str:
+    code = ord(match.group())
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+
+
+def escape_controls(text: str, keep_newlines: bool = True) -> str:
+    """`text` with every control character shown visibly escaped instead of obeyed: ESC as `\\x1b`,
+    CR as `\\x0d`, DEL as `\\x7f`, a C1 control as `\\x9b`, a bidi override as `\\u202e`. Newlines
+    and tabs are kept unless `keep_newlines` is False (a one-line message). Where `sanitize` drops
+    what a terminal would obey (the app's view), this shows it: for the CLI's plain output and its
+    error lines, which say what a file holds. Character by character, so the escape of a prefix is a
+    prefix of the escape of the whole (a reply escaped as it streams in)."""
+    return (_ESCAPED if keep_newlines else _ESCAPED_ALL).sub(_escape, text)

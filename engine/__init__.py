@@ -47,6 +47,8 @@ _ON_FIRST_USE = {
     "compute_waits": "engine.runtime.compute_activity",
     "largest_waits": "engine.runtime.compute_activity",
     "preload_fast_blas": "engine.runtime.blas",
+    "check_adapter_out": "engine.adapters.metadata",
+    "check_regular_file": "engine.checkpoint.index",
 }
 
 __all__ = [

@@ -65,6 +65,19 @@ def test_bad_argument_is_one_line(checkpoint_dir, capsys, extra, message):
         (["synth", "OUT", "--seed", "-1"], "argument --seed: -1 must be between 0 and"),
         (["synth", "OUT", "--seed", str(2**64)], f"argument --seed: {2**64} must be between 0"),
         (["synth", "OUT", "--seed", "x"], "argument --seed: invalid int value: 'x'"),
+        # Training hyperparameters: each was accepted, and --lr nan trained to NaN and exited 0.
+        (["train", "lora", "M", "--k", "2", "--text", "t", "--lr", "nan"], "argument --lr: nan"),
+        (["train", "lora", "M", "--k", "2", "--text", "t", "--lr", "inf"], "argument --lr: inf"),
+        (["train", "lora", "M", "--k", "2", "--text", "t", "--lr", "-1"], "argument --lr: -1"),
+        (["train", "distill", "M", "--k", "2", "--text", "t", "--lr", "0"], "argument --lr: 0"),
+        (["train", "lora", "M", "--k", "0", "--text", "t"], "argument --k: 0 must be at least 1"),
+        (["train", "lora", "M", "--k", "2", "--text", "t", "--steps", "0"], "argument --steps"),
+        (["train", "lora", "M", "--k", "2", "--text", "t", "--batch", "0"], "argument --batch"),
+        (["train", "lora", "M", "--k", "2", "--text", "t", "--generate", "-5"], "argument --gen"),
+        (["train", "heads", "M", "--k", "2", "--steps", "-1"], "argument --steps: -1 must be"),
+        (["train", "heads", "M", "--k", "2", "--max-tokens", "0"], "argument --max-tokens: 0"),
+        (["train", "heads", "M", "--k", "2", "--start-layer", "-1"], "argument --start-layer"),
+        (["train", "base", "OUT", "--steps", "0"], "argument --steps: 0 must be at least 1"),
     ],
 )
 def test_bad_argument_of_the_other_commands_is_one_line(capsys, argv, message):

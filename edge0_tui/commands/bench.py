@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 from edge0_tui.commands import options
-from edge0_tui.commands.common import read_text
+from edge0_tui.commands.common import print_stderr, read_text
 from engine import Edge0Error
 
 NAME = "bench"
@@ -99,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
             raise Edge0Error(
                 f"{args.trace}: cannot make the trace folder ({e.strerror or e})"
             ) from None
-    report = run_bench(config, progress=lambda line: print(line, file=sys.stderr, flush=True))
+    report = run_bench(config, progress=print_stderr)
     table = markdown(report)
     print(table)
     print(terminal_plot(report))

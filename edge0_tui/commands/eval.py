@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 from edge0_tui.commands import options
-from edge0_tui.commands.common import read_text
+from edge0_tui.commands.common import print_stderr, read_text
 
 NAME = "eval"
 
@@ -44,7 +43,10 @@ def run(args: argparse.Namespace) -> int:
         adapter_dirs=options.adapter_dirs(args.adapters),
         data_dir=options.data_dir(),
     )
-    log = None if args.json else (lambda line: print(line, file=sys.stderr, flush=True))
-    report = evaluate(args.model, read_text(args.text), config, log=log)
+    log = None if args.json else print_stderr
+    from engine.train.data import CHARS_PER_TOKEN
+
+    text = read_text(args.text, max_chars=CHARS_PER_TOKEN * args.max_tokens)  # what is encoded
+    report = evaluate(args.model, text, config, log=log)
     print(json.dumps(report) if args.json else format_report(report))
     return 0

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from edge0_tui.commands import options
-from edge0_tui.commands.common import print_warnings
+from edge0_tui.commands.common import print_stderr, print_warnings
 from engine import Edge0Error, EngineConfig, GenerationConfig, format_bytes
 
 if TYPE_CHECKING:
@@ -88,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
     with Engine(args.model, config, tracer=tracer) as engine:
         print_warnings(engine.warnings)
         if note := engine.quality_note():
-            print(f"edge0: note: {note}", file=sys.stderr)
+            print_warnings([note], "note")
         # Like mlx_lm.generate: the chat template when the tokenizer has one, unless --raw.
         chat = not args.raw and engine.tokenizer.has_chat_template
         prompt = engine.encode(args.prompt, chat=chat)
@@ -149,7 +149,7 @@ def write_trace(tracer: Tracer, path: Path) -> None:
         tracer.write(path, events)
     except OSError as e:
         raise Edge0Error(f"{path}: cannot write the trace ({e.strerror or e})") from None
-    print(f"edge0: trace written to {path} (open it in https://ui.perfetto.dev)", file=sys.stderr)
+    print_stderr(f"edge0: trace written to {path} (open it in https://ui.perfetto.dev)")
     from engine import compute_waits, largest_waits
 
     waits = compute_waits(events)

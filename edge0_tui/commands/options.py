@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from collections.abc import Callable
@@ -92,6 +93,17 @@ def int_between(low: int, high: int) -> Callable[[str], int]:
         return value
 
     return between
+
+
+def positive_float(text: str) -> float:
+    """An argparse type: a finite number above 0 (a learning rate); nan, inf and 0 are refused."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid float value: {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"{text} must be a finite number above 0")
+    return value
 
 
 seed = int_between(0, MAX_SEED)  # an unsigned 64-bit integer

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 
 from edge0_tui.commands import options
+from edge0_tui.commands.common import print_stderr
 from engine import EngineConfig, format_bytes
 
 NAME = "soak"
@@ -31,7 +31,7 @@ def run(args: argparse.Namespace) -> int:
     from engine.measure.soak import soak
 
     config = EngineConfig(mode=args.mode, expert_cache_bytes=args.expert_cache)
-    log = (lambda line: print(line, file=sys.stderr, flush=True)) if args.json else print
+    log = print_stderr if args.json else print
     report = soak(args.model, config, args.turns, args.steps, progress=log, fresh=args.fresh)
     if args.json:
         print(json.dumps(report))

@@ -4,6 +4,7 @@ its on-policy distillation."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -26,7 +27,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def _add_heads(phases: argparse._SubParsersAction) -> None:
     heads = phases.add_parser("heads", help="phase 1: distill prerouter heads for width K")
     options.add_model(heads)
-    heads.add_argument("--k", type=int, required=True)
+    heads.add_argument("--k", type=options.count(1), required=True)
     heads.add_argument(
         "--text",
         type=Path,
@@ -63,9 +64,10 @@ def _add_heads(phases: argparse._SubParsersAction) -> None:
         "touches most experts reads each layer whole, so on a model that does not fit, larger "
         "windows read the checkpoint fewer times",
     )
-    heads.add_argument("--start-layer", type=int, default=None)
-    heads.add_argument("--steps", type=int, default=400)
-    heads.add_argument("--max-tokens", type=int, default=60_000)
+    heads.add_argument("--start-layer", type=options.count(0), default=None)
+    heads.add_argument("--steps", type=options.count(1), default=400)
+    heads.add_argument("--max-tokens", type=options.count(1), default=60_000)
+    add_force(heads)
 
 
 def _add_corpus(phases: argparse._SubParsersAction) -> None:
@@ -78,9 +80,11 @@ def _add_corpus(phases: argparse._SubParsersAction) -> None:
 def _add_base(phases: argparse._SubParsersAction) -> None:
     base = phases.add_parser("base", help="phase 0: train the demo teacher (resumable)")
     base.add_argument("out", type=Path, help="training directory: state, loss.csv, teacher/, base/")
-    base.add_argument("--steps", type=int, default=None, help="total steps (default 720)")
+    base.add_argument(
+        "--steps", type=options.count(1), default=None, help="total steps (default 720)"
+    )
     base.add_argument("--resume", action="store_true", help="require a saved state in OUT")
-    base.add_argument("--seed", type=int, default=0)
+    base.add_argument("--seed", type=options.seed, default=0)
 
 
 def _add_lora_and_distill(phases: argparse._SubParsersAction) -> None:
@@ -88,7 +92,7 @@ def _add_lora_and_distill(phases: argparse._SubParsersAction) -> None:
     distill = phases.add_parser("distill", help="phase 3: on-policy distillation (reverse KL)")
     for phase, steps, out_dir in ((lora, 300, "lora"), (distill, 40, "distill")):
         options.add_model(phase)
-        phase.add_argument("--k", type=int, required=True)
+        phase.add_argument("--k", type=options.count(1), required=True)
         phase.add_argument(
             "--teacher",
             type=Path,
@@ -99,10 +103,15 @@ def _add_lora_and_distill(phases: argparse._SubParsersAction) -> None:
         phase.add_argument(
             "--text", type=Path, required=True, help="UTF-8 text to draw prompts from"
         )
-        phase.add_argument("--steps", type=int, default=steps)
-        phase.add_argument("--lr", type=float, default=None, help="AdamW learning rate")
+        phase.add_argument("--steps", type=options.count(1), default=steps)
         phase.add_argument(
-            "--batch", type=int, default=None, help="rows (lora) or rollouts (distill) per step"
+            "--lr", type=options.positive_float, default=None, help="AdamW learning rate"
+        )
+        phase.add_argument(
+            "--batch",
+            type=options.count(1),
+            default=None,
+            help="rows (lora) or rollouts (distill) per step",
         )
         phase.add_argument(
             "--out",
@@ -118,8 +127,12 @@ def _add_lora_and_distill(phases: argparse._SubParsersAction) -> None:
             "there",
         )
         options.add_adapters(phase)
+        add_force(phase)
     lora.add_argument(
-        "--generate", type=int, default=1600, help="teacher continuations (cached, see --rows)"
+        "--generate",
+        type=options.count(1),
+        default=1600,
+        help="teacher continuations (cached, see --rows)",
     )
     lora.add_argument(
         "--rows",
@@ -127,6 +140,23 @@ def _add_lora_and_distill(phases: argparse._SubParsersAction) -> None:
         default=None,
         help="teacher rows cache (default HEADS_FOLDER/train/teacher_rows.npz, shared by every K)",
     )
+
+
+def add_force(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--force",
+        action="store_true",
+        help="let --out overwrite a file that is not an adapter of this kind, or write into the "
+        "model folder under another name than prerouter_*/lora_*",
+    )
+
+
+def check_out(args: argparse.Namespace, kind: str) -> None:
+    """--out is refused before any work when it would overwrite what is not such an adapter."""
+    if args.out is not None and not args.force:
+        from engine import check_adapter_out
+
+        check_adapter_out(args.out, kind, args.model)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -142,7 +172,12 @@ def run(args: argparse.Namespace) -> int:
 def run_heads(args: argparse.Namespace) -> int:
     from engine.train.heads import TrainHeadsConfig, train_heads
 
-    text = read_text(args.text) if args.text is not None else None
+    check_out(args, "prerouter")
+    from engine.train.data import CHARS_PER_TOKEN
+
+    # Only what is encoded is read (the first CHARS_PER_TOKEN x --max-tokens characters).
+    limit = CHARS_PER_TOKEN * args.max_tokens
+    text = read_text(args.text, max_chars=limit) if args.text is not None else None
     config = TrainHeadsConfig(
         k=args.k,
         start_layer=args.start_layer,
@@ -188,6 +223,9 @@ def run_base(args: argparse.Namespace) -> int:
 
 
 def run_lora_or_distill(args: argparse.Namespace) -> int:
+    from engine.train.data import CHARS_PER_TOKEN
+
+    check_out(args, "lora")
     extra = {}
     if args.phase == "lora":
         from engine.train.lora import TrainLoRAConfig as Config
@@ -195,6 +233,10 @@ def run_lora_or_distill(args: argparse.Namespace) -> int:
 
         config = Config(k=args.k, rows=args.generate, steps=args.steps)
         extra["rows_path"] = args.rows
+        if args.rows is not None and os.path.lexists(args.rows):  # a FIFO blocks: before any work
+            from engine import check_regular_file
+
+            check_regular_file(args.rows)
         if args.batch is not None:
             config.batch = args.batch
     else:
@@ -209,7 +251,8 @@ def run_lora_or_distill(args: argparse.Namespace) -> int:
     train(
         args.model,
         args.teacher,
-        read_text(args.text),  # read before --adapters resolves: its error comes first
+        # Read before --adapters resolves (its error comes first); only what is encoded.
+        read_text(args.text, max_chars=CHARS_PER_TOKEN * config.max_corpus_tokens),
         config,
         out=args.out,
         out_dir=args.out_dir,

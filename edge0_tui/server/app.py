@@ -33,6 +33,7 @@ from starlette.routing import Route
 
 from engine import Edge0Error
 
+from ..sanitize import escape_controls
 from . import metrics as prometheus
 from .engine_worker import EngineWorker, Failed, Finished, Job, Text, not_ready
 from .openai_shapes import (
@@ -57,7 +58,8 @@ Log = Callable[[str], None]
 
 
 def _stderr(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
+    # A log line quotes what clients sent and what files hold: control characters shown escaped.
+    print(escape_controls(line), file=sys.stderr, flush=True)
 
 
 @dataclass

@@ -36,6 +36,7 @@ from ..engine_service import (
     SwitchRefused,
 )
 from ..live_metrics import LiveMetrics
+from ..sanitize import escape_controls
 from .openai_shapes import ApiError, GenerationRequest
 
 # How often an idle engine thread re-reads MLX and page-cache memory for /metrics.
@@ -167,7 +168,7 @@ class EngineWorker:
     ) -> None:
         self._on_ready = on_ready
         self._on_failed = on_failed
-        self._log = log or (lambda line: print(line, file=sys.stderr, flush=True))
+        self._log = log or (lambda line: print(escape_controls(line), file=sys.stderr, flush=True))
         self.service = EngineService(
             open_engine,  # runs on the engine thread; returns an Engine
             on_event=self._on_event,
@@ -294,14 +295,14 @@ def open_engine_for(spec: str, config, cache_dir: Path) -> Callable[[], object]:
         def on_progress(what: str, done: float, total: float | None) -> None:
             if what not in shown:  # one line per stage; byte counts would flood a log
                 shown.add(what)
-                print(f"edge0: {what}", file=sys.stderr, flush=True)
+                print(f"edge0: {escape_controls(what, False)}", file=sys.stderr, flush=True)
 
         source = resolve_model(spec, cache_dir, on_progress)
         adapter_dirs = tuple(resolve_adapters(str(a), on_progress) for a in config.adapter_dirs)
         engine = Engine(source.path, replace(config, adapter_dirs=adapter_dirs))
         for note in (source.notice, engine.quality_note(), *engine.warnings):
             if note:
-                print(f"edge0: note: {note}", file=sys.stderr, flush=True)
+                print(f"edge0: note: {escape_controls(note, False)}", file=sys.stderr, flush=True)
         return engine
 
     return open_engine

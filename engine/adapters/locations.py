@@ -20,9 +20,8 @@ from pathlib import Path
 
 from platformdirs import user_data_path
 
-from ..checkpoint.index import read_safetensors
 from ..errors import Edge0Error
-from .metadata import check_adapter_metadata, flat_metadata
+from .metadata import check_adapter_metadata, flat_metadata, read_adapter_header
 
 ADAPTER_GLOBS = ("prerouter_*.safetensors", "lora_*.safetensors")
 # Where each folder of the search comes from, as `edge0 info` says it.
@@ -86,6 +85,6 @@ def check_explicit_folder(folder: Path, fingerprint: str) -> None:
             f"--adapters {folder}: no adapter files ({' or '.join(ADAPTER_GLOBS)}) in it"
         )
     for path in files:
-        meta = flat_metadata(read_safetensors(path)[1])
+        meta = flat_metadata(read_adapter_header(path)[1])
         kind = "prerouter" if path.name.startswith("prerouter_") else "lora"
         check_adapter_metadata(meta, kind, fingerprint, path)

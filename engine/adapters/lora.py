@@ -20,7 +20,6 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..checkpoint.index import read_safetensors
 from ..errors import Edge0Error
 from .metadata import (
     check_adapter_metadata,
@@ -29,6 +28,8 @@ from .metadata import (
     floating,
     load_arrays,
     metadata_int,
+    read_adapter_header,
+    write_adapter,
 )
 
 # The reference's published adapters use r=16, alpha=32; a file that records no alpha is read so.
@@ -74,7 +75,7 @@ class LoRAAdapter:
 
 
 def load_lora(path: Path, fingerprint: str) -> LoRAAdapter:
-    entries, raw_meta = read_safetensors(path)
+    entries, raw_meta = read_adapter_header(path)
     meta = flat_metadata(raw_meta)
     check_adapter_metadata(meta, "lora", fingerprint, path)
     modules: dict[str, dict[str, str]] = {}
@@ -202,4 +203,4 @@ def save_lora(
         "base_fingerprint": fingerprint,
         "format_version": "1",
     }
-    mx.save_safetensors(str(path), tensors, metadata=metadata)
+    write_adapter(path, tensors, metadata)

@@ -17,11 +17,10 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..checkpoint.index import read_safetensors
 from ..config import EngineConfig
 from ..errors import Edge0Error
 from .locations import MODEL, AdapterFolder, search_folders
-from .metadata import flat_metadata, metadata_int
+from .metadata import flat_metadata, metadata_int, read_adapter_header
 
 
 @dataclass(frozen=True)
@@ -60,7 +59,7 @@ def discover_profiles(model_dir: Path, origin: str = MODEL) -> dict[int, Adapter
     for prerouter in sorted(model_dir.glob("prerouter_*.safetensors")):
         suffix = prerouter.name[len("prerouter_") : -len(".safetensors")]
         match = re.fullmatch(r"k(\d+)", suffix)
-        meta = flat_metadata(read_safetensors(prerouter)[1])
+        meta = flat_metadata(read_adapter_header(prerouter)[1])
         meta_k = metadata_int(meta, "K", prerouter)
         k = int(match.group(1)) if match else meta_k
         if k is None:

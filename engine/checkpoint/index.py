@@ -42,6 +42,10 @@ DTYPE_SIZES = {
 # MLX (like the Rust safetensors crate) refuses headers of this many bytes or more; the largest real
 # ones are a few MB.
 MAX_HEADER_BYTES = 100_000_000
+# Header bytes allowed per tensor a file may hold (real entries are 100-200 bytes), plus a fixed
+# allowance for `__metadata__`: with a tensor bound, the header is bounded before it is parsed.
+HEADER_BYTES_PER_TENSOR = 512
+HEADER_BYTES_FIXED = 64 * 1024
 # MLX shapes are int32.
 MAX_DIM = 2**31 - 1
 # A routed expert stored as its own tensor (the Hugging Face layout), e.g. `mlp.experts.7.up_proj`.
@@ -156,15 +160,21 @@ class LayerExperts:
         return sum(t.entry.nbytes for t in self.tensors)
 
 
-def read_safetensors_header(path: Path) -> dict[str, TensorEntry]:
+def read_safetensors_header(path: Path, max_tensors: int | None = None) -> dict[str, TensorEntry]:
     """Parse and validate one shard's header; raise Edge0Error naming the file on any defect."""
-    return read_safetensors(path)[0]
+    return read_safetensors(path, max_tensors)[0]
 
 
-def read_safetensors(path: Path) -> tuple[dict[str, TensorEntry], dict[str, str]]:
+def read_safetensors(
+    path: Path, max_tensors: int | None = None
+) -> tuple[dict[str, TensorEntry], dict[str, str]]:
     """Tensor entries and the `__metadata__` dict of a safetensors file, validated.
 
     Whatever this accepts, `mx.load` loads: the checks are at least as strict as MLX's reader.
+    `max_tensors` is what the file may hold for what it is meant to be (the expected layout): a
+    header larger than that many entries can take is refused before it is parsed, and one with more
+    tensors before anything is built for them. A million empty tensors are a few MB on disk but
+    GBs once parsed and loaded.
     """
     path = Path(path)
     check_regular_file(path)
@@ -180,6 +190,14 @@ def read_safetensors(path: Path) -> tuple[dict[str, TensorEntry], dict[str, str]
                     f"{path}: corrupt safetensors header (declares {header_len} header bytes in a "
                     f"{size}-byte file); the file is truncated or not safetensors"
                 )
+            if max_tensors is not None:
+                limit = HEADER_BYTES_FIXED + HEADER_BYTES_PER_TENSOR * max_tensors
+                if header_len > limit:
+                    raise Edge0Error(
+                        f"{path}: safetensors header of {header_len} bytes is larger than this "
+                        f"file can need (at most {limit} bytes for {max_tensors} tensors); not "
+                        "a file for this model, or built to exhaust memory"
+                    )
             raw = f.read(header_len)
     except OSError as e:
         raise Edge0Error(f"{path}: cannot read ({e.strerror or e})") from None
@@ -196,6 +214,11 @@ def read_safetensors(path: Path) -> tuple[dict[str, TensorEntry], dict[str, str]
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
         raise Edge0Error(
             f"{path}: corrupt safetensors header (__metadata__ is not an object of strings)"
+        )
+    if max_tensors is not None and len(header) > max_tensors:
+        raise Edge0Error(
+            f"{path}: holds {len(header)} tensors, more than this file can need (at most "
+            f"{max_tensors}); not a file for this model, or built to exhaust memory"
         )
     data_start = 8 + header_len
     entries = {
@@ -324,12 +347,14 @@ def unlisted_shards(model_dir: Path, shards: list[Path]) -> list[Path]:
 class CheckpointIndex:
     """Every tensor of a checkpoint directory, and the routed-expert layout of each MoE layer."""
 
-    def __init__(self, model_dir: str | Path) -> None:
+    def __init__(self, model_dir: str | Path, max_tensors: int | None = None) -> None:
+        """`max_tensors`: what the checkpoint may hold in all (`max_checkpoint_tensors`)."""
         self.model_dir = Path(model_dir)
         self.shards = checkpoint_shards(self.model_dir)
         self.tensors: dict[str, TensorEntry] = {}
         for shard in self.shards:
-            for name, entry in read_safetensors_header(shard).items():
+            left = None if max_tensors is None else max_tensors - len(self.tensors)
+            for name, entry in read_safetensors_header(shard, left).items():
                 if name in self.tensors:  # which copy wins would depend on the reading order
                     raise Edge0Error(
                         f"{shard}: tensor {name!r} also appears in {self.tensors[name].file}"
@@ -395,6 +420,15 @@ class CheckpointIndex:
             for le in self.layers.values()
             for t in le.tensors
         ]
+
+
+def max_checkpoint_tensors(layers: int | None) -> int:
+    """The most tensors a checkpoint of `layers` layers may hold: 128 a layer (an mlx-lm 4-bit MoE
+    layer has about 40: attention, norms, router, stacked and shared experts, each with scales and
+    biases) and 1024 more (embeddings, final norm, head, a vision tower); a config without a usable
+    layer count, or with an absurd one, is taken as 512 layers."""
+    layers = layers if layers is not None and 1 <= layers <= 512 else 512
+    return 128 * layers + 1024
 
 
 def base_fingerprint(index: CheckpointIndex) -> str:

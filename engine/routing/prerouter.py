@@ -36,8 +36,10 @@ from ..adapters.metadata import (
     load_arrays,
     metadata_int,
     metadata_list,
+    read_adapter_header,
+    write_adapter,
 )
-from ..checkpoint.index import brief, read_safetensors
+from ..checkpoint.index import brief
 from ..errors import Edge0Error
 
 HEAD_PARTS = ("fc1", "fc2", "linear_init")
@@ -133,7 +135,9 @@ def load_prerouter(
     path: Path, num_layers: int, hidden: int, experts: int, fingerprint: str, k: int | None = None
 ) -> PrerouterHeads:
     """Read and validate a prerouter file against the model it is meant for."""
-    entries, raw_meta = read_safetensors(path)
+    # Three tensors a head, one head a layer but the last; files from elsewhere may carry more (a
+    # bias a part), which are ignored: up to 8 a layer.
+    entries, raw_meta = read_adapter_header(path, 8 * num_layers + 64)
     meta = flat_metadata(raw_meta)
     check_adapter_metadata(meta, "prerouter", fingerprint, path)
     file_k = metadata_int(meta, "K", path)
@@ -269,4 +273,4 @@ def save_prerouter(path: Path, heads: PrerouterHeads, start_layer: int, fingerpr
         "base_fingerprint": fingerprint,
         "format_version": "1",
     }
-    mx.save_safetensors(str(path), tensors, metadata=metadata)
+    write_adapter(path, tensors, metadata)

@@ -41,6 +41,7 @@ from ..checkpoint.index import (
     check_directory,
     check_regular_file,
     list_dir,
+    max_checkpoint_tensors,
     parse_json,
 )
 from ..config import EngineConfig
@@ -193,7 +194,10 @@ def _checked(model_dir: Path) -> tuple[dict, Family, CheckpointIndex]:
         )
     family = family_of(model_config, str(model_dir / "config.json"))
     check_loader_files(model_dir)
-    index = CheckpointIndex(model_dir)  # validates every shard header before mlx-lm reads a byte
+    # Validates every shard header before mlx-lm reads a byte, bounded by the layer count.
+    text = model_config.get("text_config") or model_config
+    layers = _positive_int(text.get("num_hidden_layers", model_config.get("num_hidden_layers")))
+    index = CheckpointIndex(model_dir, max_checkpoint_tensors(layers))
     index.check_stacked_experts()
     shapes = {name: entry.shape for name, entry in index.tensors.items()}
     check_config_sizes(model_config, shapes, str(model_dir / "config.json"))

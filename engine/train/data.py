@@ -63,9 +63,16 @@ def continuation_mask(continuations: np.ndarray, eos_ids) -> np.ndarray:
     return after == 0
 
 
+# A token is rarely longer than this many characters: `corpus_tokens` encodes only the first
+# CHARS_PER_TOKEN x max_tokens characters of a text, and a reader need read no more.
+CHARS_PER_TOKEN = 16
+
+
 def corpus_tokens(tokenizer, text: str, max_tokens: int) -> np.ndarray:
-    """The first `max_tokens` tokens of `text` (a token is rarely longer than 16 characters)."""
-    return np.array(tokenizer.encode(text[: 16 * max_tokens])[:max_tokens], dtype=np.int64)
+    """The first `max_tokens` tokens of `text` (of its first CHARS_PER_TOKEN x `max_tokens`
+    characters)."""
+    text = text[: CHARS_PER_TOKEN * max_tokens]
+    return np.array(tokenizer.encode(text)[:max_tokens], dtype=np.int64)
 
 
 def draw_prompts(tokens: np.ndarray, n: int, length: int, rng: np.random.Generator) -> np.ndarray:

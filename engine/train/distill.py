@@ -36,7 +36,7 @@ from ..runtime.generation import Engine
 from ..runtime.metrics import peak_memory_line
 from .data import corpus_tokens, draw_prompts, masked_mean, sample_served
 from .lora import teacher_bytes
-from .run import Log, TrainingRun, training_progress
+from .run import Log, TrainingRun, check_token_rows, read_cache, training_progress
 from .student import PROFILE_LORA, Student, load_student
 from .teacher import load_teacher
 
@@ -178,9 +178,16 @@ def heldout_rollouts(
     sampled now from the served model (the starting LoRA) and saved there."""
     path = out_dir / "heldout_rollouts.npz"
     settings = [config.heldout_prompts, config.prompt_tokens, config.gen_tokens, config.seed]
-    if path.exists() and np.load(path)["settings"].tolist() == settings:
-        saved = np.load(path)
-        inputs, weights = mx.array(saved["inputs"]), mx.array(saved["weights"])
+    saved = read_cache(path, "held-out rollouts cache", ("settings", "inputs", "weights"))
+    if saved is not None and saved["settings"].tolist() == settings:
+        width = config.prompt_tokens + config.gen_tokens - 1
+        rows = check_token_rows(path, "held-out rollouts cache", saved["inputs"], "inputs", width)
+        weights = saved["weights"]
+        if weights.shape != rows.shape or not np.issubdtype(weights.dtype, np.floating):
+            raise Edge0Error(
+                f"{path}: not a held-out rollouts cache (weights {list(weights.shape)})"
+            )
+        inputs, weights = mx.array(rows.astype(np.int64)), mx.array(weights)
     else:
         rng = np.random.default_rng([config.seed, 0])  # step 0: no training step draws these
         prompts = draw_prompts(corpus, config.heldout_prompts, config.prompt_tokens, rng)

@@ -40,7 +40,7 @@ from ..config import EngineConfig
 from ..errors import Edge0Error
 from ..runtime.metrics import peak_memory_line
 from .data import continuation_mask, corpus_tokens, draw_prompts, masked_mean, sample
-from .run import Log, TrainingRun, training_progress
+from .run import Log, TrainingRun, check_token_rows, read_cache, training_progress
 from .student import LoRAInit, Student, dequantized_bytes, float_size, load_student
 from .teacher import CheckpointTeacher, load_teacher
 
@@ -178,10 +178,25 @@ def teacher_rows(
     }
     prompts = np.zeros((0, config.prompt_tokens), dtype=np.int32)
     continuations = np.zeros((0, config.gen_tokens), dtype=np.int32)
-    if path.exists():
-        cached = np.load(path)
-        if json.loads(str(cached["settings"])) == settings:
-            prompts, continuations = cached["prompts"], cached["continuations"]
+    what = "teacher rows cache"
+    cached = read_cache(path, what, ("settings", "prompts", "continuations"))
+    if cached is not None:
+        try:
+            saved = json.loads(str(cached["settings"]))
+        except ValueError:
+            saved = None
+        if saved == settings:
+            prompts = check_token_rows(
+                path, what, cached["prompts"], "prompts", config.prompt_tokens
+            )
+            continuations = check_token_rows(
+                path, what, cached["continuations"], "continuations", config.gen_tokens
+            )
+            if len(prompts) != len(continuations):
+                raise Edge0Error(
+                    f"{path}: not a {what} ({len(prompts)} prompts but {len(continuations)} "
+                    "continuations); delete it to start over, or name another file"
+                )
         else:
             log(f"{path}: written with other settings; generating again")
     if len(prompts) >= config.rows:

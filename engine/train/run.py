@@ -10,6 +10,10 @@ rerun with the same settings continues from the last save.
 from __future__ import annotations
 
 import json
+import os
+import pickle
+import zipfile
+import zlib
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
@@ -17,6 +21,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
+import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 from rich.console import Console
 from rich.progress import (
@@ -28,6 +33,7 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
+from ..checkpoint.index import check_regular_file
 from ..errors import Edge0Error
 from ..runtime.metrics import process_lifetime_peaks
 
@@ -86,6 +92,59 @@ def read_state(out_dir: Path, name: str) -> tuple[dict, dict[str, mx.array]] | N
             f"{path}: cannot read the training state ({e}); delete it to start over"
         ) from None
     return state, arrays
+
+
+def read_cache(path: Path, what: str, names: tuple[str, ...]) -> dict[str, np.ndarray] | None:
+    """The arrays `names` of an .npz cache a phase wrote (teacher rows, held-out rollouts); None
+    when there is no file. Read like every other input: a FIFO, a device or a folder is refused
+    before anything opens it, object arrays are never unpickled, and a file that is not such an
+    archive is an Edge0Error naming it (a cache of ours is never silently replaced by
+    something the user pointed at)."""
+    if not os.path.lexists(path):
+        return None
+    check_regular_file(path)
+    hint = "delete it to start over, or name another file"
+    try:
+        archive = np.load(path, allow_pickle=False)
+        if not isinstance(archive, np.lib.npyio.NpzFile):
+            raise ValueError("an .npy array, not an .npz archive")
+        with archive:
+            missing = [n for n in names if n not in archive.files]
+            if missing:
+                raise ValueError(f"no {', '.join(map(repr, missing))} array")
+            arrays = {n: archive[n] for n in names}
+    except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile, zlib.error) as e:
+        raise Edge0Error(f"{path}: not a {what} ({_reason(e)}); {hint}") from None
+    except pickle.UnpicklingError as e:
+        raise Edge0Error(f"{path}: not a {what} ({e}); {hint}") from None
+    except AttributeError:  # np.load's reply to some garbage
+        raise Edge0Error(f"{path}: not a {what} (unreadable .npz); {hint}") from None
+    return arrays
+
+
+def _reason(e: Exception) -> str:
+    if isinstance(e, OSError) and e.strerror:
+        return e.strerror
+    if isinstance(e, EOFError):
+        return "empty or truncated"
+    if isinstance(e, ValueError) and "allow_pickle" in str(e):
+        return "holds Python objects, which are never unpickled"
+    return str(e) or type(e).__name__
+
+
+def check_token_rows(path: Path, what: str, array: np.ndarray, name: str, width: int) -> np.ndarray:
+    """`array` as rows of `width` token ids (non-negative integers); else an Edge0Error."""
+    if (
+        array.ndim != 2
+        or array.shape[1] != width
+        or not np.issubdtype(array.dtype, np.integer)
+        or (array.size and array.min() < 0)
+    ):
+        raise Edge0Error(
+            f"{path}: not a {what} ({name!r} is {array.dtype} {list(array.shape)}, expected rows "
+            f"of {width} token ids); delete it to start over, or name another file"
+        )
+    return array.astype(np.int32)
 
 
 def restore(model: nn.Module, optimizer: optim.Optimizer, arrays: dict[str, mx.array]) -> None:

@@ -33,15 +33,16 @@ from pathlib import Path
 
 import numpy as np
 
-from ..adapters.metadata import flat_metadata
+from ..adapters.metadata import flat_metadata, read_adapter_header
 from ..checkpoint.families import family_of
 from ..checkpoint.index import (
     DTYPE_SIZES,
+    MAX_DIM,
     CheckpointIndex,
     TensorEntry,
     base_fingerprint,
-    read_safetensors,
 )
+from ..config import format_bytes
 from ..errors import Edge0Error
 from ..runtime.loader import read_config
 from .synth import MARKER_FILE, MAX_SHARD_BYTES, natural_key, plan_shards
@@ -55,6 +56,9 @@ LAYER = re.compile(r"layers\.(\d+)\.")
 # experts default to it: the padded config pins their width). DeepSeek-V3, GLM-4.5 and ERNIE size
 # shared experts as a multiple of it; Mixtral, gpt-oss, Llama-4, MiniMax and OLMoE name the experts'
 # width intermediate_size, which Llama-4's shared expert shares.
+# The largest padded expert slice written (one is in memory at a time, twice while padded): far
+# above any real model's (a 30B model's experts are 2.5 MiB), far below a machine's memory.
+MAX_EXPERT_SLICE_BYTES = 1 << 30
 PADDABLE_FAMILIES = ("qwen3_moe", "qwen3_next", "qwen3_5_moe", "qwen2_moe", "bailing_moe")
 ADAPTER_PATTERNS = ("prerouter_k*.safetensors", "lora_k*.safetensors")
 # What the writer owns in an output directory (stale copies are deleted before a rewrite).
@@ -118,11 +122,14 @@ def pad_experts(
         raise Edge0Error(
             f"--expert-width {width} is narrower than the experts' width {before} in {config_file}"
         )
+    if width > MAX_DIM:
+        raise Edge0Error(f"--expert-width {width} is above {MAX_DIM}, the largest MLX dimension")
     _check_out_dir(model_dir, out_dir)
 
     index = CheckpointIndex(model_dir)
     index.check_stacked_experts()
     plan = _plan(index, config, before, width, config_file)
+    _check_sizes(plan, width, model_dir, out_dir)
     source_fingerprint = _fingerprint(index)
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -159,6 +166,50 @@ def pad_experts(
         tuple(restamped),
         tuple(unchanged),
     )
+
+
+def _check_sizes(plan: dict[str, _Planned], width: int, model_dir: Path, out_dir: Path) -> None:
+    """Before anything is written: every padded dimension within MLX's limit, one padded expert
+    slice within `MAX_EXPERT_SLICE_BYTES`, and the whole output within the free disk space (a
+    width of 2^31 once wrote 37 GB and took 12 GB of memory before it was killed)."""
+    for name, planned in plan.items():
+        if planned.pad_axis is None:
+            continue
+        if max(planned.shape) > MAX_DIM:
+            raise Edge0Error(
+                f"--expert-width {width} makes {name} {list(planned.shape)}, above {MAX_DIM}, the "
+                "largest MLX dimension"
+            )
+        if planned.nbytes // planned.shape[0] > MAX_EXPERT_SLICE_BYTES:
+            raise Edge0Error(
+                f"--expert-width {width} makes one expert's {name} "
+                f"{format_bytes(planned.nbytes // planned.shape[0])}, above the "
+                f"{format_bytes(MAX_EXPERT_SLICE_BYTES)} an expert may take here"
+            )
+    needed = sum(p.nbytes for p in plan.values())
+    needed += sum(
+        f.stat().st_size
+        for f in model_dir.iterdir()
+        if f.is_file() and not any(fnmatch.fnmatch(f.name, p) for p in NOT_COPIED)
+    )
+    existing = out_dir
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    try:
+        free = shutil.disk_usage(existing).free
+    except OSError:
+        return  # nowhere to ask: the write says what fails
+    if existing == out_dir:  # a previous output there is deleted before writing
+        free += sum(
+            f.stat().st_size
+            for f in out_dir.iterdir()
+            if f.is_file() and any(fnmatch.fnmatch(f.name, p) for p in WRITTEN_PATTERNS)
+        )
+    if needed > free:
+        raise Edge0Error(
+            f"{out_dir}: --expert-width {width} makes a checkpoint of {format_bytes(needed)} but "
+            f"only {format_bytes(free)} is free there"
+        )
 
 
 def _check_out_dir(model_dir: Path, out_dir: Path) -> None:
@@ -327,7 +378,7 @@ def _restamp(source: Path, target: Path, old: str, new: str) -> bool:
     add exact zeros. Only the bytes of the header change: its `base_fingerprint` metadata. A file
     stamped for another base is copied unchanged, so it is refused here as it is there.
     """
-    _, metadata = read_safetensors(source)
+    _, metadata = read_adapter_header(source)
     if flat_metadata(metadata).get("base_fingerprint") != old:
         shutil.copyfile(source, target)
         return False
