@@ -85,6 +85,11 @@ class EngineConfig:
     # A prefill chunk whose routing touches more than this fraction of a layer's experts reads the
     # layer's expert tensors whole (a few large reads) instead of expert by expert.
     whole_layer_fraction: float = 0.5
+    # Prefill may read a layer's expert tensors whole, holding that layer and the next one's read
+    # outside the expert cache. False: a chunk's experts go through the expert cache's slot bank a
+    # bankful at a time (the same values; bounded by the cache). The memory plan turns this off
+    # when two layers do not fit.
+    whole_layer_prefill: bool = True
     # Compute dtype for floating weights and activations: None picks float32 on CPU (4-bit matmuls with
     # bf16/fp16 activations are far slower there) and keeps the checkpoint's dtype on Metal/CUDA.
     dtype: str | None = None

@@ -127,3 +127,36 @@ def test_a_chunk_computed_in_token_blocks_matches_resident(
     chunk_blocks = [b for b in blocks if b > 1]  # (decode steps are one block of one token)
     assert len(chunk_blocks) > 1 and max(chunk_blocks) < 130  # the chunk went in blocks
     assert min(chunk_blocks) * k >= switch_glu.SORTED_MIN_ROWS
+
+
+@pytest.mark.parametrize("family_name", ["qwen3_moe", "gpt_oss"])
+@pytest.mark.parametrize("exact", [True, False])
+def test_a_prompt_through_the_bank_in_expert_groups_matches_whole_layers(
+    checkpoint_dir, family_name, exact
+):
+    """Without whole-layer prefill a chunk routed to more experts than the expert cache holds goes
+    through the bank a bankful at a time: the tokens of the whole-layer path (exact kernels: the
+    resident model's; the fast path: the same values, computed per expert alike), nothing read as
+    a whole layer, and the cache never above its budget."""
+    model_dir = checkpoint_dir(family_name)
+    budget = _one_layer_budget(model_dir)
+    config = {"prefill_chunk": 64, "exact_kernels": exact, "expert_cache_bytes": budget}
+    whole, _ = _generate_with(model_dir, LONG_PROMPT, mode="on-demand", **config)
+    grouped, steps = _generate_with(
+        model_dir, LONG_PROMPT, mode="on-demand", whole_layer_prefill=False, **config
+    )
+    assert grouped == whole
+    prefill = [s for s in steps if s.phase == "prefill"]
+    assert sum(s.whole_layer_reads for s in prefill) == 0
+    routed_set = routed_top_k(read_config(model_dir))
+    assert sum(s.loads for s in prefill) > routed_set + 1  # more than one bankful was read
+    assert all(s.expert_pool_mib * 2**20 <= budget for s in steps)
+
+
+def _generate_with(model_dir, prompt, **config) -> tuple[list[int], list]:
+    engine = Engine(model_dir, EngineConfig(**config))
+    try:
+        result = engine.generate(prompt, GREEDY_32)
+        return result.tokens, result.steps
+    finally:
+        engine.close()

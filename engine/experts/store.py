@@ -68,6 +68,9 @@ class ExpertStore:
         self.tracer = tracer
         self.float_dtype = float_dtype
         self.whole_layer_fraction = config.whole_layer_fraction
+        # Prefill may hold a layer's experts and read the next one's (outside the expert cache);
+        # else a chunk's experts go through the bank, a bankful at a time.
+        self.whole_layer_prefill = config.whole_layer_prefill
         on_cpu = mx.default_device().type == mx.DeviceType.cpu
         # (compute cores, reader cores), or None: nothing pinned (see reader_core.py).
         self._cores = reader_cores() if config.reader_core else None
@@ -283,9 +286,11 @@ class ExpertStore:
 
     def wants_whole_layer(self, layer: int, distinct_experts: int) -> bool:
         """Read the layer whole if its read is already under way or the chunk touches enough of it."""
+        if not self.whole_layer_prefill:  # it does not fit the memory plan: through the bank
+            return False
         if layer in self._pending_layers:
             return True
-        # More experts than the bank holds at once: only the whole layer can serve the chunk.
+        # More experts than the bank holds at once: the whole layer serves the chunk in one read.
         if distinct_experts > self.pool.capacity(layer):
             return True
         return distinct_experts > self.whole_layer_fraction * self.index.layers[layer].num_experts

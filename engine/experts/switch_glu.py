@@ -135,6 +135,8 @@ class StreamingSwitchGLU(nn.Module):
             if dense:
                 return mixed_glu(self, x, routed, bank, routed)
             return self._gather_glu(x, indices, bank)
+        if len(distinct) > store.pool.capacity(self._layer):
+            return self._by_expert_groups(x, routed, distinct, dense)
         # The routed experts' slots in the layer's bank, and the routing remapped to them.
         slot_of = np.zeros(self._num_experts, dtype=np.uint32)
         slot_of[distinct] = store.fetch(self._layer, distinct)
@@ -143,6 +145,44 @@ class StreamingSwitchGLU(nn.Module):
         if dense:
             return mixed_glu(self, x, routed, bank, slots)
         return self._gather_glu(x, mx.array(slots), bank)
+
+    def _by_expert_groups(
+        self, x: mx.array, routed: np.ndarray, distinct: list[int], dense: bool
+    ) -> mx.array:
+        """A prefill chunk routed to more experts than the bank holds, when whole-layer reads do
+        not fit the memory plan: the experts go through the bank a bankful at a time, and each
+        group's assignments are computed (and evaluated, freeing its slots) before the next
+        group is read. Every assignment is computed as the whole chunk would compute it (the
+        sorted kernel, or the dense path for experts with enough rows), so the values are the
+        same; the memory is the bank's."""
+        store, k = self._store, routed.shape[-1]
+        flat_x = x.reshape(-1, x.shape[-1])
+        experts = routed.reshape(-1)
+        group_size = store.pool.capacity(self._layer)
+        outputs: list[mx.array] = []
+        done: list[np.ndarray] = []
+        for start in range(0, len(distinct), group_size):
+            group = distinct[start : start + group_size]
+            slot_of = np.zeros(self._num_experts, dtype=np.uint32)
+            slot_of[group] = store.fetch(self._layer, group)
+            ids = np.flatnonzero(np.isin(experts, group))
+            ids = ids[np.argsort(experts[ids], kind="stable")]  # grouped by expert, in order
+            rows = flat_x[mx.array((ids // k).astype(np.uint32))]
+            bank = store.bank(self._layer).arrays
+            group_routed = experts[ids][:, None]
+            if dense:
+                y = mixed_glu(self, rows, group_routed, bank, slot_of[group_routed])
+            else:
+                y = _sorted_glu(self, rows[:, None, :], mx.array(slot_of[experts[ids]]), bank)
+            y = y.reshape(len(ids), -1)
+            mx.eval(y)
+            store.layer_computed(self._layer)  # the group's slots may take the next group
+            outputs.append(y)
+            done.append(ids)
+        position = np.empty(experts.size, dtype=np.uint32)
+        position[np.concatenate(done)] = np.arange(experts.size, dtype=np.uint32)
+        y = mx.concatenate(outputs, axis=0)[mx.array(position)]
+        return y.reshape(*routed.shape, y.shape[-1])
 
     # -- a bank of stacked experts (mirrors mlx-lm's SwitchGLU exactly) ----------------------------
 
@@ -288,17 +328,27 @@ def mixed_glu(
         ids = np.concatenate(small)  # still grouped by expert: sorted slots
         rows = flat_x[mx.array((ids // k).astype(np.uint32))][:, None, :]
         idx = mx.array(slots[ids].astype(np.uint32))
-        x_up = glu._gather_project(rows, idx, bank, glu._specs["up_proj"], True)
-        x_gate = glu._gather_project(rows, idx, bank, glu._specs["gate_proj"], True)
-        y = glu._gather_project(
-            glu.activation(x_up, x_gate), idx, bank, glu._specs["down_proj"], True
-        )
-        outputs.append(y.squeeze(-2))
+        outputs.append(_sorted_glu(glu, rows, idx, bank).squeeze(-2))
         done.append(ids)
     position = np.empty(experts.size, dtype=np.uint32)
     position[np.concatenate(done)] = np.arange(experts.size, dtype=np.uint32)
     y = mx.concatenate(outputs, axis=0)[mx.array(position)]
     return y.reshape(*routed.shape, y.shape[-1])
+
+
+def _sorted_glu(
+    glu: StreamingSwitchGLU | DensePrefillSwitchGLU,
+    rows: mx.array,
+    idx: mx.array,
+    bank: dict[str, mx.array],
+) -> mx.array:
+    """The GLU of `rows` `[n, 1, hidden]`, row i through the bank's expert `idx[i]`, with `idx`
+    sorted: the kernel a whole chunk's sorted assignments run (`_gather_glu`)."""
+    x_up = glu._gather_project(rows, idx, bank, glu._specs["up_proj"], True)
+    x_gate = glu._gather_project(rows, idx, bank, glu._specs["gate_proj"], True)
+    return glu._gather_project(
+        glu.activation(x_up, x_gate), idx, bank, glu._specs["down_proj"], True
+    )
 
 
 # The cost model of the dense path, per format: what the 4-bit kernel costs per weight per row,
