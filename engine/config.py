@@ -68,6 +68,12 @@ class EngineConfig:
     mode: str = "on-demand"
     # Byte budget for routed experts resident in MLX memory, across all layers.
     expert_cache_bytes: int = 1024**3
+    # The expert cache takes what the memory plan leaves (less a share kept for the page cache);
+    # `expert_cache_bytes` is then ignored (runtime/memory_plan.py).
+    expert_cache_auto: bool = False
+    # Refuse to load, naming the term to lower, when the memory plan does not fit (`edge0 info
+    # --memory` shows a plan that does not fit instead).
+    refuse_over_plan: bool = True
     eviction: str = "lfu-aging"
     # Threads doing pread for expert loads. Reads are I/O, so more threads than cores helps on SSDs.
     reader_threads: int = 4
@@ -87,9 +93,10 @@ class EngineConfig:
     whole_layer_fraction: float = 0.5
     # Prefill may read a layer's expert tensors whole, holding that layer and the next one's read
     # outside the expert cache. False: a chunk's experts go through the expert cache's slot bank a
-    # bankful at a time (the same values; bounded by the cache). The memory plan turns this off
-    # when two layers do not fit.
-    whole_layer_prefill: bool = True
+    # bankful at a time (the same values; bounded by the cache). None: the memory plan decides,
+    # whole layers where two fit the plan and the expert cache's own size; True: wherever they fit
+    # the plan.
+    whole_layer_prefill: bool | None = None
     # Compute dtype for floating weights and activations: None picks float32 on CPU (4-bit matmuls with
     # bf16/fp16 activations are far slower there) and keeps the checkpoint's dtype on Metal/CUDA.
     dtype: str | None = None

@@ -24,6 +24,8 @@ LONG_PROMPT = [(i * 37 + 5) % 1000 + 3 for i in range(60)]
 
 def _generate(model_dir, prompt, **config) -> tuple[list[int], list]:
     # Today's kernels: the dense prefill path (a fast BLAS) is bounded in test_prefill_fast.py.
+    # Whole-layer prefill wherever it fits, whatever the cache: the path the long prompt checks.
+    config = {"whole_layer_prefill": True, **config}
     engine = Engine(model_dir, EngineConfig(prefill_chunk=16, exact_kernels=True, **config))
     try:
         result = engine.generate(prompt, GREEDY_32)
@@ -141,7 +143,9 @@ def test_a_prompt_through_the_bank_in_expert_groups_matches_whole_layers(
     model_dir = checkpoint_dir(family_name)
     budget = _one_layer_budget(model_dir)
     config = {"prefill_chunk": 64, "exact_kernels": exact, "expert_cache_bytes": budget}
-    whole, _ = _generate_with(model_dir, LONG_PROMPT, mode="on-demand", **config)
+    whole, _ = _generate_with(
+        model_dir, LONG_PROMPT, mode="on-demand", whole_layer_prefill=True, **config
+    )
     grouped, steps = _generate_with(
         model_dir, LONG_PROMPT, mode="on-demand", whole_layer_prefill=False, **config
     )

@@ -23,7 +23,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     options.add_expert_cache(
         parser,
         default=None,
-        help="routed-expert budget, e.g. 512M, 2G (default 1G; 4M for demo, to show the wall)",
+        auto=True,
+        help="routed-expert budget, e.g. 512M, 2G, or auto (the default: what the memory plan "
+        "leaves; 4M for demo, to show the wall)",
     )
     options.add_page_cache(
         parser,
@@ -68,7 +70,9 @@ def run(args: argparse.Namespace) -> int:
     demo = args.model == "demo"
     mode = args.mode or "on-demand"  # a kept mode is applied once the model is loaded
     expert_cache = (
-        args.expert_cache or stored.expert_cache_bytes or parse_size("4M" if demo else "1G")
+        args.expert_cache
+        or stored.expert_cache_bytes
+        or (parse_size("4M") if demo else options.AUTO)
     )
     page_cache = getattr(args, "page_cache", stored.page_cache)
     if mode == "resident" and not hasattr(args, "page_cache"):
@@ -78,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
     data_dir = args.data_dir or options.data_dir()  # one folder for chats and trained adapters
     config = EngineConfig(
         mode=mode,
-        expert_cache_bytes=expert_cache,
+        **options.expert_cache_config(expert_cache),
         page_cache_bytes=options.page_cache_bytes(page_cache),
         exact_kernels=args.exact,
         adapter_dirs=tuple(args.adapters),  # the session fetches Hub repos on its thread

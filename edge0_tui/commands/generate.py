@@ -40,7 +40,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--seed", type=int, default=None)
     options.add_mode(parser)
-    options.add_expert_cache(parser, help="routed-expert budget, e.g. 400K, 512M, 2G")
+    options.add_expert_cache(
+        parser,
+        default=options.AUTO,
+        auto=True,
+        help="routed-expert budget, e.g. 400K, 512M, 2G, or auto (the default: what the memory "
+        "plan leaves, less a share kept for the page cache)",
+    )
     options.add_page_cache(parser)
     parser.add_argument("--eviction", choices=("lfu-aging", "lru"), default="lfu-aging")
     options.add_k(parser)
@@ -67,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
 
     config = EngineConfig(
         mode=args.mode,
-        expert_cache_bytes=args.expert_cache,
+        **options.expert_cache_config(args.expert_cache),
         page_cache_bytes=options.page_cache_bytes(args.page_cache),
         eviction=args.eviction,
         k=args.k,
@@ -86,6 +92,8 @@ def run(args: argparse.Namespace) -> int:
     )
     tracer = Tracer() if args.trace is not None else NO_TRACE
     with Engine(args.model, config, tracer=tracer) as engine:
+        if not args.json and sys.stderr.isatty():  # (scripts: --json carries the whole plan)
+            print_stderr(engine.memory_plan.line())
         print_warnings(engine.warnings)
         if note := engine.quality_note():
             print_warnings([note], "note")
@@ -113,6 +121,7 @@ def run(args: argparse.Namespace) -> int:
             if tracer.enabled:  # also the steps before a failure: they may show why
                 write_trace(tracer, args.trace)
         engine_k = engine.k
+        memory_plan = engine.memory_plan.as_dict()
     if args.json:
         print(
             json.dumps(
@@ -125,6 +134,7 @@ def run(args: argparse.Namespace) -> int:
                     "stopped_by": result.stopped_by,
                     "steps": [s.as_dict() for s in result.steps],
                     "summary": result.summary,
+                    "memory_plan": memory_plan,
                 }
             )
         )

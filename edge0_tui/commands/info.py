@@ -16,6 +16,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(NAME, help="family, layers, experts, expert bytes, K profiles")
     options.add_model(parser)
     options.add_adapters(parser)
+    parser.add_argument(
+        "--memory",
+        action="store_true",
+        help="the memory plan of a run with these options: every term, the total, and what "
+        "this machine (or its memory cgroup) leaves",
+    )
+    options.add_mode(parser, default="on-demand")
+    options.add_k(parser)
+    options.add_expert_cache(
+        parser, default=options.AUTO, auto=True, metavar="SIZE|auto", help="as for generate"
+    )
+    options.add_exact(parser)
     parser.add_argument("--json", action="store_true")
 
 
@@ -23,13 +35,19 @@ def run(args: argparse.Namespace) -> int:
     from engine import Engine
 
     config = EngineConfig(
-        mode="on-demand",
+        mode=args.mode,
+        k=args.k,
+        **options.expert_cache_config(args.expert_cache),
+        exact_kernels=args.exact,
+        refuse_over_plan=False,  # a plan that does not fit is shown, not refused
         adapter_dirs=options.adapter_dirs(args.adapters),
         data_dir=options.data_dir(),
     )
     with Engine(args.model, config) as engine:
         info = engine.info()
         search = engine.adapter_search
+        plan = engine.memory_plan
+    info["memory_plan"] = plan.as_dict()
     info["adapter_folders"] = [{"path": str(f.path), "origin": f.origin} for f in search.folders]
     for p in info["profiles"]:
         files = search.profiles.get(p["k"])
@@ -62,4 +80,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"  K={s['k']} shadowed (an earlier folder has K={s['k']}): {', '.join(s['files'])}")
     for folder in info["adapter_folders"]:
         print(f"  adapters searched: {folder['origin']} {folder['path']}")
-    return 0
+    if args.memory:
+        cache = args.expert_cache if args.expert_cache == options.AUTO else "as given"
+        print(f"memory plan ({args.mode}, K={plan.k}, expert cache {cache}):")
+        print(plan.table())
+    else:
+        print(f"  {plan.line()}")
+    return 0 if plan.fits or not args.memory else 2

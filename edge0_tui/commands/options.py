@@ -134,10 +134,28 @@ def add_expert_cache(
     default: str | None = "1G",
     help: str | None = None,
     metavar: str | None = None,
+    auto: bool = False,
 ) -> None:
     """--expert-cache: the routed-expert budget. A default given as text goes through `size`
-    (argparse converts a string default with the option's type)."""
-    parser.add_argument("--expert-cache", type=size, default=default, metavar=metavar, help=help)
+    (argparse converts a string default with the option's type). With `auto`, "auto" is a value
+    too: what the memory plan leaves (`expert_cache_config`)."""
+    kind = size_or_auto if auto else size
+    parser.add_argument("--expert-cache", type=kind, default=default, metavar=metavar, help=help)
+
+
+def size_or_auto(text: str) -> int | str:
+    """--expert-cache: a SIZE, or "auto"."""
+    return AUTO if text.strip().lower() == AUTO else size(text)
+
+
+AUTO = "auto"
+
+
+def expert_cache_config(value: int | str) -> dict:
+    """EngineConfig's fields for an --expert-cache value: a byte budget, or "auto"."""
+    if value == AUTO:
+        return {"expert_cache_auto": True}
+    return {"expert_cache_bytes": value, "expert_cache_auto": False}
 
 
 def add_page_cache(

@@ -31,8 +31,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     options.add_expert_cache(
         parser,
         default=None,
-        metavar="SIZE",
-        help="routed-expert budget, e.g. 512M, 2G (default 1G; 4M for demo, as the chat)",
+        metavar="SIZE|auto",
+        auto=True,
+        help="routed-expert budget, e.g. 512M, 2G, or auto (the default: what the memory plan "
+        "leaves; 4M for demo, as the chat)",
     )
     options.add_page_cache(
         parser, help=options.PAGE_CACHE_HELP + " (default: off; 4M for demo, as the chat)"
@@ -67,13 +69,13 @@ def run(args: argparse.Namespace) -> int:
         raise Edge0Error("--api-key is empty")
     # The demo as the chat serves it: a 4 MB expert cache and page-cache budget show the wall.
     demo = args.model == "demo"
-    expert_cache = args.expert_cache or parse_size("4M" if demo else "1G")
+    expert_cache = args.expert_cache or (parse_size("4M") if demo else options.AUTO)
     page_cache = args.page_cache
     if page_cache is None:
         page_cache = parse_size("4M") if demo and args.mode != "resident" else "off"
     config = EngineConfig(
         mode=args.mode,
-        expert_cache_bytes=expert_cache,
+        **options.expert_cache_config(expert_cache),
         page_cache_bytes=options.page_cache_bytes(page_cache),
         k=args.k,
         exact_kernels=args.exact,

@@ -300,6 +300,7 @@ def open_engine_for(spec: str, config, cache_dir: Path) -> Callable[[], object]:
         source = resolve_model(spec, cache_dir, on_progress)
         adapter_dirs = tuple(resolve_adapters(str(a), on_progress) for a in config.adapter_dirs)
         engine = Engine(source.path, replace(config, adapter_dirs=adapter_dirs))
+        print(f"edge0: {engine.memory_plan.line()}", file=sys.stderr, flush=True)
         for note in (source.notice, engine.quality_note(), *engine.warnings):
             if note:
                 print(f"edge0: note: {escape_controls(note, False)}", file=sys.stderr, flush=True)

@@ -123,15 +123,25 @@ class ExpertPool:
         """Writable host views of `slot` in `layer`'s bank: where a read lands."""
         return self.bank(layer).views(slot)
 
-    def capacity(self, layer: int) -> int:
+    def capacity(self, layer: int, routed: int | None = None) -> int:
         """How many experts of `layer`'s layout the cache holds: the budget's share for the
-        layout (its share of the checkpoint's expert bytes), at least one routed set, at most
-        every expert of the layout."""
+        layout (its share of the checkpoint's expert bytes), at least one routed set (of
+        `routed` experts; default: what `require_slots` asked), at most every expert of the
+        layout."""
         layout = self._layouts[layer]
         slot_nbytes = self.expert_nbytes[layer]
         share = self.budget_bytes * self._layout_bytes[layout] // sum(self._layout_bytes.values())
         experts = self._layout_bytes[layout] // slot_nbytes
-        return min(experts, max(share // slot_nbytes, self._min_slots))
+        floor = max(self._min_slots, routed or 0)
+        return min(experts, max(share // slot_nbytes, floor))
+
+    def planned_bytes(self, routed: int) -> int:
+        """The banks' bytes once allocated with one routed set of `routed` experts a layer."""
+        first_of_layout = {layout: layer for layer, layout in self._layouts.items()}
+        return sum(
+            self.capacity(layer, routed) * self.expert_nbytes[layer]
+            for layer in first_of_layout.values()
+        )
 
     @property
     def bank_bytes(self) -> int:

@@ -70,7 +70,7 @@ class ExpertStore:
         self.whole_layer_fraction = config.whole_layer_fraction
         # Prefill may hold a layer's experts and read the next one's (outside the expert cache);
         # else a chunk's experts go through the bank, a bankful at a time.
-        self.whole_layer_prefill = config.whole_layer_prefill
+        self.whole_layer_prefill = config.whole_layer_prefill is not False
         on_cpu = mx.default_device().type == mx.DeviceType.cpu
         # (compute cores, reader cores), or None: nothing pinned (see reader_core.py).
         self._cores = reader_cores() if config.reader_core else None
@@ -90,7 +90,7 @@ class ExpertStore:
         self.page_cache: PageCacheBudget | None = None
         self._moe_layers = sorted(index.layers)
         self.pool = ExpertPool(
-            {layer: self._layout(layer) for layer in self._moe_layers},
+            {layer: expert_layout(index, layer, float_dtype) for layer in self._moe_layers},
             {layer: index.layers[layer].num_experts for layer in self._moe_layers},
             config.expert_cache_bytes,
             config.eviction,
@@ -115,18 +115,6 @@ class ExpertStore:
             self.page_cache.evict_all()
         else:
             self.page_cache.set_budget(budget_bytes)
-
-    def _layout(self, layer: int) -> tuple[SlotPart, ...]:
-        """One expert of `layer` as it is resident: each tensor's shape, floating ones in the
-        compute dtype."""
-        parts = []
-        for tensor in self.index.layers[layer].tensors:
-            dtype = MLX_DTYPES[tensor.entry.dtype]
-            if self.float_dtype is not None and tensor.entry.dtype in ("BF16", "F16", "F32"):
-                dtype = self.float_dtype
-            key = f"{tensor.projection}.{tensor.part}"
-            parts.append(SlotPart(key, tuple(tensor.expert_shape), dtype, tensor.entry.dtype))
-        return tuple(parts)
 
     def resident_expert_nbytes(self, layer: int) -> int:
         """MLX bytes one expert of `layer` takes once resident (floating parts in compute dtype)."""
@@ -346,6 +334,21 @@ class ExpertStore:
         self.use_reader_core(False)
         self.set_page_cache_budget(None)
         self.pool.close()
+
+
+def expert_layout(
+    index: CheckpointIndex, layer: int, float_dtype: mx.Dtype | None
+) -> tuple[SlotPart, ...]:
+    """One expert of `layer` as it is resident: each tensor's shape, floating ones in the compute
+    dtype."""
+    parts = []
+    for tensor in index.layers[layer].tensors:
+        dtype = MLX_DTYPES[tensor.entry.dtype]
+        if float_dtype is not None and tensor.entry.dtype in ("BF16", "F16", "F32"):
+            dtype = float_dtype
+        key = f"{tensor.projection}.{tensor.part}"
+        parts.append(SlotPart(key, tuple(tensor.expert_shape), dtype, tensor.entry.dtype))
+    return tuple(parts)
 
 
 def _result_or_error(future: Future[ReadResult], what: str) -> ReadResult:

@@ -167,17 +167,23 @@ class StreamingSwitchGLU(nn.Module):
             slot_of[group] = store.fetch(self._layer, group)
             ids = np.flatnonzero(np.isin(experts, group))
             ids = ids[np.argsort(experts[ids], kind="stable")]  # grouped by expert, in order
-            rows = flat_x[mx.array((ids // k).astype(np.uint32))]
             bank = store.bank(self._layer).arrays
-            group_routed = experts[ids][:, None]
-            if dense:
-                y = mixed_glu(self, rows, group_routed, bank, slot_of[group_routed])
-            else:
-                y = _sorted_glu(self, rows[:, None, :], mx.array(slot_of[experts[ids]]), bank)
-            y = y.reshape(len(ids), -1)
-            mx.eval(y)
+            # The dense path computes one expert at a time; the 4-bit kernel in blocks of rows
+            # whose activations stay within GATHER_ACTIVATION_BYTES.
+            width = bank["up_proj.weight"].shape[-2]
+            block = len(ids) if dense else gather_activation_tokens(1, width, x.dtype.size)
+            for first in range(0, len(ids), block):
+                part = ids[first : first + block]
+                rows = flat_x[mx.array((part // k).astype(np.uint32))]
+                if dense:
+                    routed_part = experts[part][:, None]
+                    y = mixed_glu(self, rows, routed_part, bank, slot_of[routed_part])
+                else:
+                    y = _sorted_glu(self, rows[:, None, :], mx.array(slot_of[experts[part]]), bank)
+                y = y.reshape(len(part), -1)
+                mx.eval(y)
+                outputs.append(y)
             store.layer_computed(self._layer)  # the group's slots may take the next group
-            outputs.append(y)
             done.append(ids)
         position = np.empty(experts.size, dtype=np.uint32)
         position[np.concatenate(done)] = np.arange(experts.size, dtype=np.uint32)

@@ -102,6 +102,8 @@ class Engine:
         self.config = config or EngineConfig()
         self.model_dir = Path(model_dir)
         self.loaded: LoadedModel = load(self.model_dir, self.config, tracer)
+        self.config = self.loaded.engine_config  # as the memory plan resolved it
+        self.memory_plan = self.loaded.memory_plan
         self.store = self.loaded.store
         self.tracer = tracer
         self.memory = None
@@ -338,7 +340,8 @@ class Engine:
             "experts": self.loaded.num_experts,
             "hidden": self.loaded.hidden,
             "expert_bytes": index.expert_nbytes,
-            "expert_cache_bytes": self.config.expert_cache_bytes,
+            "expert_cache_bytes": self.config.expert_cache_bytes,  # as the plan resolved it
+            "memory_plan": self.memory_plan.as_dict(),
             "wired_limit_bytes": metal_wired_limit_bytes(),  # Metal only; None elsewhere
             "dtype": str(self.loaded.float_dtype or "as saved"),
             "blas": blas_in_use().as_dict(),

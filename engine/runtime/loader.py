@@ -59,6 +59,7 @@ from ..routing.prerouter import PrerouterHeads, load_profile_heads
 from ..routing.state import RoutingState
 from ..trace import NO_TRACE, Tracer
 from .blas import dense_prefill_rows
+from .memory_plan import MemoryPlan, largest_expert_weights, plan_load
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 # Files of a model directory that the config and tokenizer loaders (transformers) may open, by
@@ -112,6 +113,8 @@ class LoadedModel:
     num_experts: int
     routing: RoutingState | None  # None in resident mode (stock mlx-lm blocks route themselves)
     blocks: dict[int, RoutedMoE]  # layer -> the engine-routed MoE block (empty in resident mode)
+    memory_plan: MemoryPlan
+    engine_config: EngineConfig  # the config the plan is kept with (`plan_load`)
 
     def load_heads(
         self, path: Path, fingerprint: str, k: int, dtype: mx.Dtype | None = None
@@ -231,6 +234,16 @@ def load(model_dir: str | Path, config: EngineConfig, tracer: Tracer = NO_TRACE)
         )
     store, routing, blocks = None, None, {}
     dense_rows = dense_prefill_rows(config)
+    # Before any weight is read: the plan, and the config that keeps it (or a refusal).
+    plan, config = plan_load(
+        index,
+        model_config,
+        config,
+        float_dtype,
+        config.k or top_k,
+        largest_expert_weights(sites) if dense_rows is not None else 0,
+        dense_rows is not None,
+    )
     if dense_rows is not None:
         dense_prefill_linears(model)  # attention, shared experts, routers: dense from 4 rows
     if config.mode == "resident" and dense_rows is not None:
@@ -277,6 +290,8 @@ def load(model_dir: str | Path, config: EngineConfig, tracer: Tracer = NO_TRACE)
         num_experts,
         routing,
         blocks,
+        plan,
+        config,
     )
 
 
