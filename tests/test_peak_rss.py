@@ -51,27 +51,33 @@ ALLOCATE_AND_FREE = textwrap.dedent(
     """
 )
 
-# `edge0 generate` whose engine holds TRANSIENT_BYTES for a moment inside the prefill, between two
-# of its per-step samples: only the kernel's high-water mark sees it.
-GENERATE_WITH_A_TRANSIENT = textwrap.dedent(
-    f"""
-    import sys
-    import numpy as np
-    from engine.runtime.generation import Engine
-    from edge0_tui.cli import main
 
-    forward = Engine._forward
+def cli_holding_a_transient(nbytes: int) -> str:
+    """A `python -c` script: `edge0 ARGS` whose engine holds `nbytes` for a moment inside each
+    prompt's prefill, between two of its per-step samples: only the kernel's high-water mark
+    sees it."""
+    return textwrap.dedent(
+        f"""
+        import sys
+        import numpy as np
+        from engine.runtime.generation import Engine
+        from edge0_tui.cli import main
 
-    def forward_holding_a_transient(self, tokens, cache, phase, steps, flush=True):
-        if phase == "prefill" and not steps:
-            block = np.ones({TRANSIENT_BYTES // 8})
-            del block
-        return forward(self, tokens, cache, phase, steps, flush)
+        forward = Engine._forward
 
-    Engine._forward = forward_holding_a_transient
-    sys.exit(main(sys.argv[1:]))
-    """
-)
+        def forward_holding_a_transient(self, tokens, cache, phase, steps, flush=True):
+            if phase == "prefill" and not steps:
+                block = np.ones({nbytes // 8})
+                del block
+            return forward(self, tokens, cache, phase, steps, flush)
+
+        Engine._forward = forward_holding_a_transient
+        sys.exit(main(sys.argv[1:]))
+        """
+    )
+
+
+GENERATE_WITH_A_TRANSIENT = cli_holding_a_transient(TRANSIENT_BYTES)
 
 
 def run_measured(*argv: str) -> dict:

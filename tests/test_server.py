@@ -25,6 +25,7 @@ from pathlib import Path
 import openai
 import pytest
 from adapters import write_random_profile
+from test_peak_rss import cli_holding_a_transient
 
 API_KEY = "test-key-15"
 QUEUE_LIMIT = 4
@@ -344,25 +345,7 @@ def test_models_health_and_metrics_parse(server):
 # The server, its engine holding TRANSIENT_BYTES for a moment inside each prompt's prefill:
 # between the per-step RSS samples, so only the kernel's high-water mark sees it.
 TRANSIENT_BYTES = 300 << 20
-SERVE_WITH_A_TRANSIENT = textwrap.dedent(
-    f"""
-    import sys
-    import numpy as np
-    from engine.runtime.generation import Engine
-    from edge0_tui.cli import main
-
-    forward = Engine._forward
-
-    def forward_holding_a_transient(self, tokens, cache, phase, steps, flush=True):
-        if phase == "prefill" and not steps:
-            block = np.ones({TRANSIENT_BYTES // 8})
-            del block
-        return forward(self, tokens, cache, phase, steps, flush)
-
-    Engine._forward = forward_holding_a_transient
-    sys.exit(main(sys.argv[1:]))
-    """
-)
+SERVE_WITH_A_TRANSIENT = cli_holding_a_transient(TRANSIENT_BYTES)
 
 
 def test_metrics_give_the_kernels_peak_rss_of_the_server(model_dir, tmp_path_factory):
