@@ -74,6 +74,9 @@ class EngineConfig:
     # Refuse to load, naming the term to lower, when the memory plan does not fit (`edge0 info
     # --memory` shows a plan that does not fit instead).
     refuse_over_plan: bool = True
+    # The context the memory plan counts the KV cache and attention for; None: the model's, at
+    # most 8,192 tokens. Training sets its window.
+    context_tokens: int | None = None
     eviction: str = "lfu-aging"
     # Threads doing pread for expert loads. Reads are I/O, so more threads than cores helps on SSDs.
     reader_threads: int = 4

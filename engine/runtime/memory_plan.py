@@ -287,7 +287,7 @@ def plan_load(
     experts = {n: index.layers[n].num_experts for n in layers}
     text = model_config.get("text_config", model_config)
     itemsize = (float_dtype or mx.bfloat16).size
-    context = context_tokens(model_config)
+    context = min(config.context_tokens or DEFAULT_CONTEXT_TOKENS, context_tokens(model_config))
     inputs = PlanInputs(
         resident_bytes=resident,
         largest_layer_expert_bytes=max(

@@ -249,7 +249,12 @@ def train_heads(
     folder; `on_window(i, captured)` sees each collected window (tests)."""
     model_dir = Path(model_dir)
     engine_config = dataclasses.replace(
-        engine_config or EngineConfig(), mode="on-demand", k=None, shadow_router=False
+        engine_config or EngineConfig(),
+        mode="on-demand",
+        k=None,
+        shadow_router=False,
+        context_tokens=config.window,  # one teacher-forced window a forward, no cache kept
+        prefill_chunk=config.window,
     )
     started = time.perf_counter()
     loaded = load(model_dir, engine_config)
