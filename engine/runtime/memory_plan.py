@@ -87,7 +87,12 @@ class MemoryPlan:
     def as_dict(self) -> dict:
         """For `--json` reports: every term in bytes, the total and the limit."""
         return {
-            "terms": dict(self.terms()),
+            "runtime_bytes": self.runtime_bytes,
+            "resident_bytes": self.resident_bytes,
+            "expert_cache_bytes": self.expert_cache_bytes,
+            "prefill_bytes": self.prefill_bytes,
+            "kv_cache_bytes": self.kv_cache_bytes,
+            "working_bytes": self.working_bytes,
             "total_bytes": self.total_bytes,
             "limit_bytes": self.limit_bytes,
             "limit_source": self.limit_source,
