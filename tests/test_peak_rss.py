@@ -103,12 +103,15 @@ def test_the_peak_is_the_kernels_max_rss_of_the_process():
     assert reported["peak"] >= reported["rss"] + 150 * MIB, reported
 
 
+NO_CLEAR_REFS = (
+    "this system has no writable /proc/self/clear_refs (not Linux, or a sandbox): the peak is the "
+    "process's lifetime peak and cannot be reset"
+)
+
+
 def test_reset_brings_the_peak_down_to_the_current_rss():
     if not os.access("/proc/self/clear_refs", os.W_OK):
-        pytest.skip(
-            "this system has no writable /proc/self/clear_refs (not Linux, or a sandbox): the "
-            "peak is the process's lifetime peak and cannot be reset"
-        )
+        pytest.skip(reason=NO_CLEAR_REFS)
     block = np.ones(200 * MIB // 8)
     del block
     before = process_peak_rss_bytes()
