@@ -3,6 +3,7 @@ fit, and above the kernel's peak of a real run."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 
@@ -150,3 +151,27 @@ def test_generation_keeps_its_tokens_whatever_the_plan_chose(checkpoint_dir):
         with Engine(model, config) as engine:
             tokens.append(engine.generate(PROMPT, greedy).tokens)
     assert tokens[0] == tokens[1]
+
+
+def test_a_wider_k_that_does_not_fit_the_plan_is_refused_and_the_k_stays(
+    checkpoint_dir, monkeypatch
+):
+    """A K switch grows the banks to one routed set of the new K: the plan at that K is checked
+    first, and a K that does not fit is refused with the K that stays."""
+    model = checkpoint_dir("qwen3_moe")
+    with Engine(model, EngineConfig(k=4)) as engine:
+        one = engine.store.resident_expert_nbytes(min(engine.store.index.layers))
+    config = EngineConfig(k=4, expert_cache_bytes=4 * one)  # one routed set of 4: no more
+    with Engine(model, config) as engine:
+        at_4 = engine.memory_plan
+        at_8 = engine.loaded.plan_at(8)
+        assert at_8.expert_cache_bytes > at_4.expert_cache_bytes
+        limit = (at_4.total_bytes + at_8.total_bytes) // 2
+        real = engine.loaded.plan_at
+        engine.loaded.plan_at = lambda k: dataclasses.replace(
+            real(k), limit_bytes=limit, limit_source="test limit"
+        )
+        with pytest.raises(Edge0Error, match="K=8: the memory plan needs .* K=4 stays"):
+            engine.request_k(8)
+        assert engine.pending[0] == 4
+        engine.request_k(2)  # a narrower K fits

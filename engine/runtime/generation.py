@@ -29,7 +29,7 @@ from mlx_lm.sample_utils import make_sampler
 from ..adapters.lora import AppliedLoRA, load_lora
 from ..adapters.profiles import AdapterFiles, ProfileSearch, search_profiles
 from ..checkpoint.index import base_fingerprint
-from ..config import HEAD_MODES, EngineConfig, GenerationConfig
+from ..config import HEAD_MODES, EngineConfig, GenerationConfig, format_bytes
 from ..errors import Edge0Error
 from ..experts.store import LoadCounters
 from ..experts.switch_glu import projection_specs
@@ -198,6 +198,14 @@ class Engine:
             with_heads = ", ".join(str(p.k) for p in self.profiles() if p.prerouter) or "none"
             raise Edge0Error(f"no prerouter heads for K={k} (heads exist for K: {with_heads})")
         if self.store is not None:
+            plan = self.loaded.plan_at(k)
+            if not plan.fits and self.config.refuse_over_plan:
+                raise Edge0Error(
+                    f"K={k}: the memory plan needs {format_bytes(plan.total_bytes)} (its expert "
+                    f"cache holds one routed set of {k} a layer) but "
+                    f"{format_bytes(plan.limit_bytes or 0)} is available ({plan.limit_source}); "
+                    f"K={self.k} stays"
+                )
             self.store.set_top_k(k)
         return k
 
@@ -300,6 +308,8 @@ class Engine:
             if adapter is not None:
                 self.lora = AppliedLoRA(self.model, adapter, self.loaded.float_dtype)
         self.k, self.mode = k, mode
+        if self.store is not None:
+            self.memory_plan = self.loaded.plan_at(k)
 
     def _load_heads(self, k: int) -> PrerouterHeads:
         return self.loaded.load_heads(self.adapters[k].prerouter, self.fingerprint, k)

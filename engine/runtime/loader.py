@@ -16,6 +16,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -115,6 +116,7 @@ class LoadedModel:
     blocks: dict[int, RoutedMoE]  # layer -> the engine-routed MoE block (empty in resident mode)
     memory_plan: MemoryPlan
     engine_config: EngineConfig  # the config the plan is kept with (`plan_load`)
+    plan_at: Callable[[int], MemoryPlan]  # the plan at another routing width
 
     def load_heads(
         self, path: Path, fingerprint: str, k: int, dtype: mx.Dtype | None = None
@@ -235,7 +237,7 @@ def load(model_dir: str | Path, config: EngineConfig, tracer: Tracer = NO_TRACE)
     store, routing, blocks = None, None, {}
     dense_rows = dense_prefill_rows(config)
     # Before any weight is read: the plan, and the config that keeps it (or a refusal).
-    plan, config = plan_load(
+    plan, config, plan_at = plan_load(
         index,
         model_config,
         config,
@@ -292,6 +294,7 @@ def load(model_dir: str | Path, config: EngineConfig, tracer: Tracer = NO_TRACE)
         blocks,
         plan,
         config,
+        plan_at,
     )
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -276,10 +277,11 @@ def plan_load(
     k: int,
     largest_expert_weights: int,
     dense_prefill: bool,
-) -> tuple[MemoryPlan, EngineConfig]:
+) -> tuple[MemoryPlan, EngineConfig, Callable[[int], MemoryPlan]]:
     """The plan of a load about to read its weights (the routed experts registered in `index`),
-    and the config the run keeps it with: `--expert-cache auto` resolved, whole-layer prefill
-    off where it does not fit. Raises Edge0Error, naming what to lower, where nothing fits."""
+    the config the run keeps it with (`--expert-cache auto` resolved, whole-layer prefill off
+    where it does not fit), and the same plan at another K (a K switch grows the banks to one
+    routed set of the new K). Raises Edge0Error, naming what to lower, where nothing fits."""
     expert_names = {t.entry.name for layer in index.layers.values() for t in layer.tensors}
     streamed = config.mode != "resident"
     resident = sum(
@@ -309,8 +311,8 @@ def plan_load(
         dense_prefill=dense_prefill,
     )
 
-    def cache_bytes(budget: int) -> int:
-        return ExpertPool(layouts, experts, budget).planned_bytes(k) if streamed else 0
+    def cache_bytes(budget: int, routed: int = k) -> int:
+        return ExpertPool(layouts, experts, budget).planned_bytes(routed) if streamed else 0
 
     limit = memory_limit()
     whole = streamed and config.whole_layer_prefill is not False
@@ -332,7 +334,13 @@ def plan_load(
     if not plan.fits and config.refuse_over_plan:
         smallest = cache_bytes(0) if streamed else 0
         raise Edge0Error(plan.refusal(str(index.model_dir), smallest))
-    return plan, config
+
+    def plan_at(other_k: int) -> MemoryPlan:
+        return replace(
+            plan, k=other_k, expert_cache_bytes=cache_bytes(config.expert_cache_bytes, other_k)
+        )
+
+    return plan, config, plan_at
 
 
 def largest_expert_weights(sites: list[MoESite]) -> int:
