@@ -185,10 +185,7 @@ class StreamingSwitchGLU(nn.Module):
                 outputs.append(y)
             store.layer_computed(self._layer)  # the group's slots may take the next group
             done.append(ids)
-        position = np.empty(experts.size, dtype=np.uint32)
-        position[np.concatenate(done)] = np.arange(experts.size, dtype=np.uint32)
-        y = mx.concatenate(outputs, axis=0)[mx.array(position)]
-        return y.reshape(*routed.shape, y.shape[-1])
+        return _in_routing_order(outputs, done, routed)
 
     # -- a bank of stacked experts (mirrors mlx-lm's SwitchGLU exactly) ----------------------------
 
@@ -336,8 +333,17 @@ def mixed_glu(
         idx = mx.array(slots[ids].astype(np.uint32))
         outputs.append(_sorted_glu(glu, rows, idx, bank).squeeze(-2))
         done.append(ids)
-    position = np.empty(experts.size, dtype=np.uint32)
-    position[np.concatenate(done)] = np.arange(experts.size, dtype=np.uint32)
+    return _in_routing_order(outputs, done, routed)
+
+
+def _in_routing_order(
+    outputs: list[mx.array], done: list[np.ndarray], routed: np.ndarray
+) -> mx.array:
+    """Per-assignment outputs computed in pieces (`outputs[i]` for the flat assignment ids
+    `done[i]`), back in the routing's order: `[..., k, hidden]`."""
+    size = routed.size
+    position = np.empty(size, dtype=np.uint32)
+    position[np.concatenate(done)] = np.arange(size, dtype=np.uint32)
     y = mx.concatenate(outputs, axis=0)[mx.array(position)]
     return y.reshape(*routed.shape, y.shape[-1])
 

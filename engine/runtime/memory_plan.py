@@ -206,8 +206,7 @@ def plan_memory(
     expert_cache_bytes: int,
     k: int,
     whole_layer_prefill: bool,
-    runtime_bytes: int | None = None,
-    limit: tuple[int | None, str] | None = None,
+    limit: tuple[int | None, str],
 ) -> MemoryPlan:
     chunk = min(inputs.prefill_chunk, inputs.context_tokens)
     prefill = GATHER_ACTIVATION_BYTES
@@ -218,9 +217,9 @@ def plan_memory(
     # Attention scores of a chunk against the context (the CPU's attention materialises them).
     prefill += chunk * inputs.context_tokens * inputs.heads * 4
     working = 8 * chunk * inputs.hidden * inputs.itemsize + 4 * inputs.vocab * 4
-    limit_bytes, source = limit if limit is not None else memory_limit()
+    limit_bytes, source = limit
     return MemoryPlan(
-        runtime_bytes=process_rss_bytes() if runtime_bytes is None else runtime_bytes,
+        runtime_bytes=process_rss_bytes(),  # this process as planning finds it
         resident_bytes=inputs.resident_bytes,
         expert_cache_bytes=expert_cache_bytes,
         prefill_bytes=prefill,
@@ -314,9 +313,8 @@ def plan_load(
     def cache_bytes(budget: int, routed: int = k) -> int:
         return ExpertPool(layouts, experts, budget).planned_bytes(routed) if streamed else 0
 
-    limit = memory_limit()
     whole = streamed and config.whole_layer_prefill is not False
-    plan = plan_memory(inputs, cache_bytes(config.expert_cache_bytes), k, whole, limit=limit)
+    plan = plan_memory(inputs, cache_bytes(config.expert_cache_bytes), k, whole, memory_limit())
     if streamed and config.expert_cache_auto:
         routed_set = k * max(sum(p.nbytes for p in layout) for layout in layouts.values())
         budget = max(expert_cache_auto(without_whole_layers(plan, inputs)), routed_set)
