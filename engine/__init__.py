@@ -19,12 +19,14 @@ from __future__ import annotations
 import importlib
 
 from .config import (
+    EXACT_MODES,
     HEAD_MODES,
     MAX_SEED,
     MODES,
     EngineConfig,
     GenerationConfig,
     format_bytes,
+    mode_label,
     parse_size,
 )
 from .errors import Edge0Error
@@ -52,6 +54,7 @@ _ON_FIRST_USE = {
 }
 
 __all__ = [
+    "EXACT_MODES",
     "HEAD_MODES",
     "MAX_SEED",
     "MODES",
@@ -61,6 +64,7 @@ __all__ = [
     "EngineConfig",
     "GenerationConfig",
     "format_bytes",
+    "mode_label",
     "parse_size",
     *_ON_FIRST_USE,
 ]

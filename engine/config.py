@@ -13,9 +13,21 @@ from pathlib import Path
 from .errors import Edge0Error
 
 MODES = ("resident", "on-demand", "prerouter", "prefetch")
-# Modes that run the prerouter heads: prerouter routes by their predictions, prefetch only reads
-# them ahead (the true router routes: output identical to on-demand).
-HEAD_MODES = ("prerouter", "prefetch")
+# Modes that need prerouter heads: prerouter routes by their predictions. Prefetch reads ahead
+# what the lookahead guesses (routing/lookahead.py) and, where a K profile has heads, what they
+# predict; the true router routes, so its output is on-demand's.
+HEAD_MODES = ("prerouter",)
+# Modes whose tokens are resident mode's (every layer routes with its true router); prerouter is
+# approximate (its consumer layers route by a prediction).
+EXACT_MODES = ("resident", "on-demand", "prefetch")
+
+
+def mode_label(mode: str, k: int | None = None) -> str:
+    """A mode as a user reads it: "prefetch (exact)", "prerouter K=4 (approximate)"."""
+    width = f" K={k}" if k is not None else ""
+    return f"{mode}{width} ({'exact' if mode in EXACT_MODES else 'approximate'})"
+
+
 EVICTION_POLICIES = ("lfu-aging", "lru")
 
 _SIZE_UNITS = {
@@ -105,6 +117,9 @@ class EngineConfig:
     dtype: str | None = None
     # Routing width; None: the model's native K (or, in prerouter mode, the profile closest to it).
     k: int | None = None
+    # Prefetch and prerouter modes: guess each next MoE layer's routing from this layer's input
+    # and read its experts ahead (routing/lookahead.py). Never changes the output.
+    lookahead: bool = True
     # Apply the profile's recovery LoRA in prerouter mode.
     lora: bool = True
     # Also run the true router on consumer layers to measure the prediction's recall@K (costs compute).

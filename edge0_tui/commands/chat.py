@@ -32,7 +32,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         default=argparse.SUPPRESS,  # absent: the per-model default below
         help=options.PAGE_CACHE_HELP + " (default: off; 4M for demo)",
     )
-    options.add_mode(parser, default=None, help="default: the last one used, else on-demand")
+    options.add_mode(
+        parser,
+        default=None,
+        help=f"default: the last one used, else {options.DEFAULT_MODE} (the demo: on-demand)",
+    )
     options.add_exact(parser)
     options.add_adapters(parser)
     parser.add_argument(
@@ -68,7 +72,10 @@ def run(args: argparse.Namespace) -> int:
     # The demo model's experts are small and its file fits any page cache: a 4 MB expert cache
     # and a 4 MB page-cache budget make the memory wall visible (cold reads every step).
     demo = args.model == "demo"
-    mode = args.mode or "on-demand"  # a kept mode is applied once the model is loaded
+    # A kept mode is applied once the model is loaded. The demo starts on-demand: its experts are
+    # small and its page cache tiny, so each step's misses (the wall it shows) are plain to see,
+    # and reading ahead saves it little (docs/benchmarks.md, "Exact lookahead").
+    mode = args.mode or ("on-demand" if demo else options.DEFAULT_MODE)
     expert_cache = (
         args.expert_cache
         or stored.expert_cache_bytes

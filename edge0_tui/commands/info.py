@@ -22,7 +22,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="the memory plan of a run with these options: every term, the total, and what "
         "this machine (or its memory cgroup) leaves",
     )
-    options.add_mode(parser, default="on-demand")
+    options.add_mode(parser)
     options.add_k(parser)
     options.add_expert_cache(
         parser, default=options.AUTO, auto=True, metavar="SIZE|auto", help="as for generate"

@@ -119,10 +119,22 @@ def add_model(parser: argparse.ArgumentParser, help: str | None = None) -> None:
     parser.add_argument("model", type=Path, help=help)
 
 
+# Where the user has not chosen a mode: prefetch, exact (the true router routes) and reading ahead
+# what the lookahead guesses, with no trained file needed.
+DEFAULT_MODE = "prefetch"
+MODES_HELP = (
+    "exact: resident, on-demand, prefetch (reads ahead the lookahead's guesses, and the heads' "
+    "predictions where a K profile has them); approximate: prerouter (routes by the heads' "
+    "predictions)"
+)
+
+
 def add_mode(
-    parser: argparse.ArgumentParser, default: str | None = "on-demand", help: str | None = None
+    parser: argparse.ArgumentParser, default: str | None = DEFAULT_MODE, help: str | None = None
 ) -> None:
-    parser.add_argument("--mode", choices=MODES, default=default, help=help)
+    default_text = f"default: {default}" if default else ""
+    help = help or default_text
+    parser.add_argument("--mode", choices=MODES, default=default, help=f"{help}. {MODES_HELP}")
 
 
 def add_k(parser: argparse.ArgumentParser, help: str | None = K_HELP) -> None:

@@ -629,7 +629,7 @@ def offered_modes(event: EngineReady) -> list[str]:
     (resident from a streaming mode; the streaming modes from resident)."""
     if event.modes == ["resident"]:
         has_heads = any(p.prerouter for p in event.profiles)
-        return ["resident", "on-demand", *(HEAD_MODES if has_heads else ())]
+        return ["resident", "on-demand", *(HEAD_MODES if has_heads else ()), "prefetch"]
     return [*event.modes, "resident"]
 
 

@@ -16,7 +16,7 @@ from textual.containers import Vertical
 from textual.message import Message
 from textual.widgets import Label, RadioButton, RadioSet
 
-from engine import KProfile
+from engine import EXACT_MODES, KProfile
 
 
 class RoutingSelector(Vertical):
@@ -56,7 +56,10 @@ class RoutingSelector(Vertical):
         )
         yield Label("expert loading", classes="panel-title")
         yield RadioSet(
-            *(RadioButton(m, m == self._shown_mode, id=f"mode-{m}") for m in self.modes),
+            *(
+                RadioButton(_mode_label(m), m == self._shown_mode, id=f"mode-{m}")
+                for m in self.modes
+            ),
             id="mode-choice",
             compact=True,
         )
@@ -100,3 +103,8 @@ class RoutingSelector(Vertical):
         elif event.radio_set.id == "mode-choice" and chosen != self._shown_mode:
             self._shown_mode = chosen
             self.post_message(self.ModeChosen(chosen))
+
+
+def _mode_label(mode: str) -> str:
+    """A mode as the switch shows it, saying whether its tokens are the model's own."""
+    return f"{mode} · {'exact' if mode in EXACT_MODES else 'approx.'}"

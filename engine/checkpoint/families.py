@@ -27,7 +27,8 @@ class Family:
     name: str  # the mlx-lm architecture (`mlx_lm/models/<name>.py`)
     description: str
     # The engine has this family's routing function (`routing.moe_block.FAMILY_OPS`): K profiles,
-    # prerouter and prefetch. Without it the family's own block routes (on-demand, resident).
+    # prerouter, and prefetch with heads. Without it the family's own block routes (on-demand,
+    # resident, and prefetch by the lookahead's guesses from its gate).
     routing: bool = True
     # K other than the native one (Llama-4's block scales the expert input by one score: K=1).
     other_k: bool = True
@@ -36,7 +37,7 @@ class Family:
     def modes(self) -> tuple[str, ...]:
         if self.routing:
             return ("resident", "on-demand", "prerouter", "prefetch")
-        return ("resident", "on-demand")
+        return ("resident", "on-demand", "prefetch")
 
 
 # The families with the engine's routing (listed by `edge0 info` and the README's table).

@@ -34,11 +34,14 @@ Layout = tuple[SlotPart, ...]
 
 @dataclass
 class ReadAhead:
-    """A read issued for a coming step's expert: the step it is for, the read, its slot."""
+    """A read issued ahead of an expert's use: the step it is for, the read, its slot, and who
+    guessed it ("heads": a prerouter prediction for the next step; "lookahead": the next layer's
+    router on this layer's input, for this step)."""
 
     step: int
     read: Future
     slot: int
+    source: str = "heads"
 
 
 class ExpertPool:
@@ -261,7 +264,9 @@ class ExpertPool:
         """Step `step` routes to the resident `key`: it stays until that step's layer computed."""
         self._pinned[key] = max(step, self._pinned.get(key, step))
 
-    def read_ahead(self, key: ExpertKey, step: int, submit: Callable[..., Future]) -> bool:
+    def read_ahead(
+        self, key: ExpertKey, step: int, submit: Callable[..., Future], source: str = "heads"
+    ) -> bool:
         """Start reading `key` for step `step`: reserve its bytes, take a slot and call
         `submit(into=views)` with the slot's host views. False, reading nothing, when the budget or the bank has no room
         that is not pinned or in use: the layer then reads it when it runs, rather than a read
@@ -278,8 +283,22 @@ class ExpertPool:
         if slot is None:
             self._release(nbytes)
             return False
-        self._reads_ahead[key] = ReadAhead(step, submit(into=bank.views(slot)), slot)
+        self._reads_ahead[key] = ReadAhead(step, submit(into=bank.views(slot)), slot, source)
         return True
+
+    def drop_unused_reads_ahead(self, layer: int, used: Collection[ExpertKey]) -> int:
+        """`layer` has routed this step: its reads ahead for this step (or before) that it does not
+        use are dropped now rather than at the step's end, so that a wrong guess queued behind
+        others is never read and its slot and bytes are free for the layers after. Returns how
+        many were dropped."""
+        unused = [
+            key
+            for key, ahead in self._reads_ahead.items()
+            if key[0] == layer and ahead.step <= self.step and key not in used
+        ]
+        for key in unused:
+            self._forget_read_ahead(key)
+        return len(unused)
 
     def forget_reads_ahead(self) -> None:
         """Drop every read ahead (a new request): reads in flight finish on their own."""

@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 
 import mlx.core as mx
@@ -34,6 +34,23 @@ from .read_pacing import ReadPacer
 from .reader_core import pin_threads, reader_cores, unpin_all_threads
 from .reads import MLX_DTYPES, ExpertReader, ReadResult, to_mlx
 from .slot_bank import SlotBank, SlotPart
+
+
+@dataclass
+class LayerRouted:
+    """Where one layer's routed experts came from in a step (or summed over steps), and how well
+    the lookahead guessed them."""
+
+    resident: int = 0  # already in the expert cache
+    heads: int = 0  # read ahead by the prerouter heads' prediction
+    lookahead: int = 0  # read ahead by the lookahead's guess
+    missed: int = 0  # read when the layer needed them (the forward waited)
+    guessed_right: int = 0  # routed experts the lookahead had guessed
+    guessed_of: int = 0  # routed experts of steps in which the lookahead guessed this layer
+
+    def add(self, other: LayerRouted) -> None:
+        for name in self.__dataclass_fields__:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
 
 
 @dataclass
@@ -54,6 +71,11 @@ class LoadCounters:
     prefetch_late: int = 0  # of those, still being read when the layer needed them (blocked)
     prefetch_given_up: int = 0  # reads ahead dropped to make room for a layer's misses
     page_cache_evicted_bytes: int = 0  # expert bytes dropped from the page cache (its budget)
+    lookahead_issued: int = 0  # expert reads issued ahead by the lookahead's guesses
+    lookahead_in_time: int = 0  # of those, already read when the layer needed them
+    lookahead_late: int = 0  # of those, still being read when the layer needed them (blocked)
+    lookahead_dropped: int = 0  # reads ahead the layer did not route to, dropped when it routed
+    layers: dict[int, LayerRouted] = field(default_factory=dict)  # by layer, decode and prefill
 
 
 class ExpertStore:
@@ -98,6 +120,7 @@ class ExpertStore:
         self.counters = LoadCounters()
         self._pending_layers: dict[int, Future[ReadResult]] = {}
         self._issued_for_next_step = 0  # reads ahead issued during this step for the next
+        self._guessed: dict[int, set[int]] = {}  # layer -> the lookahead's guess, this step
         # When a list, every fetch appends (step, layer, experts): the routing trace that the eviction
         # benchmark replays.
         self.trace: list[tuple[int, int, list[int]]] | None = None
@@ -151,6 +174,7 @@ class ExpertStore:
         issued = 0 if started_again else self._issued_for_next_step
         self.counters = LoadCounters(prefetch_issued=issued)
         self._issued_for_next_step = 0
+        self._guessed = {}
 
     def end_step(self) -> LoadCounters:
         pending, self._pending_layers = self._pending_layers, {}
@@ -176,9 +200,24 @@ class ExpertStore:
     # -- reads ahead (prerouter) -------------------------------------------------------------------
 
     def stage(self, layer: int, experts: list[int]) -> None:
-        """The next step routes `layer` to `experts`: pin the resident ones, start reading the rest
-        (after this step's own reads ahead, if this step is still running)."""
-        step = self.pool.step + 1
+        """The next step routes `layer` to `experts` (a prediction): pin the resident ones, start
+        reading the rest (after this step's own reads, if this step is still running)."""
+        self._issued_for_next_step += self._read_ahead(layer, experts, self.pool.step + 1, "heads")
+
+    def look_ahead(self, layer: int, experts: list[int]) -> None:
+        """This step's `layer` is guessed to route to `experts` (the lookahead): pin the resident
+        ones for this step, start reading the rest below every read the forward waits for. The
+        layer still routes by its own router; `routing_known` then drops the wrong reads."""
+        self._guessed[layer] = set(experts)
+        self.counters.lookahead_issued += self._read_ahead(
+            layer, experts, self.pool.step, "lookahead"
+        )
+
+    def _read_ahead(self, layer: int, experts: list[int], step: int, source: str) -> int:
+        """Pin the resident `experts` of `layer` for `step` and read the others ahead for it,
+        as far as the expert cache has room that nothing in use or pinned holds. Returns how
+        many reads were issued."""
+        issued = 0
         for expert in experts:
             key = (layer, expert)
             if key in self.pool:
@@ -187,10 +226,29 @@ class ExpertStore:
             if self.pool.is_read_ahead(key):
                 continue
             submit = partial(self.reader.submit_expert, layer, expert, ahead=True, step=step)
-            if self.pool.read_ahead(key, step, submit):
-                self._issued_for_next_step += 1
+            if self.pool.read_ahead(key, step, submit, source):
+                issued += 1
                 if self.page_cache is not None:  # in the cache once read, used or not
                     self.page_cache.note_read(layer, expert)
+        return issued
+
+    def routing_known(self, layer: int, experts: list[int]) -> None:
+        """This step's `layer` routes to `experts` (one-token forwards): its reads ahead for other
+        experts are dropped now (a queued one is never read: the disk is the misses'), and the
+        lookahead's guess of it is scored."""
+        keys = {(layer, e) for e in experts}
+        self.counters.lookahead_dropped += self.pool.drop_unused_reads_ahead(layer, keys)
+        guessed = self._guessed.pop(layer, None)
+        if guessed is not None:
+            routed = self._layer_counts(layer)
+            routed.guessed_of += len(experts)
+            routed.guessed_right += len(guessed.intersection(experts))
+
+    def _layer_counts(self, layer: int) -> LayerRouted:
+        routed = self.counters.layers.get(layer)
+        if routed is None:
+            routed = self.counters.layers[layer] = LayerRouted()
+        return routed
 
     def layer_computed(self, layer: int) -> None:
         """`layer` (and so every layer before it) has computed this step: the experts it used or
@@ -227,12 +285,14 @@ class ExpertStore:
             else:
                 slots[key] = slot
         self.counters.hits += len(slots)
+        routed = self._layer_counts(layer)
+        routed.resident += len(slots)
         if missing:
             start = time.perf_counter()
             reads: list[tuple[ExpertKey, Future[ReadResult], str, int]] = []
             try:
                 for key in missing:
-                    reads.append((key, *self._staged_or_submit(key, keys)))
+                    reads.append((key, *self._staged_or_submit(key, keys, routed)))
                 while reads:
                     key, future, how, slot = reads[0]
                     waited = self.tracer.now()
@@ -255,20 +315,29 @@ class ExpertStore:
             self.counters.blocked_ms += (time.perf_counter() - start) * 1e3
         return [slots[key] for key in keys]
 
-    def _staged_or_submit(self, key: ExpertKey, protected) -> tuple[Future[ReadResult], str, int]:
-        """The read of a missing expert, how it was issued ("ahead, in time" / "ahead, late":
-        staged by the prerouter; "on demand": submitted now) and the slot it lands in."""
+    def _staged_or_submit(
+        self, key: ExpertKey, protected, routed: LayerRouted
+    ) -> tuple[Future[ReadResult], str, int]:
+        """The read of a missing expert, how it was issued ("heads, in time" / "lookahead, late"
+        ...: read ahead; "on demand": submitted now) and the slot it lands in."""
         ahead = self.pool.claim_read_ahead(key)
         if ahead is None:
+            routed.missed += 1
             slot = self.pool.slot_for_miss(key[0], protected)
             into = self.pool.views(key[0], slot)
             return self.reader.submit_expert(*key, into=into), "on demand", slot
-        future, slot = ahead.read, ahead.slot
-        if future.done():
-            self.counters.prefetch_in_time += 1
-            return future, "ahead, in time", slot
-        self.counters.prefetch_late += 1
-        return future, "ahead, late", slot
+        future, slot, source = ahead.read, ahead.slot, ahead.source
+        in_time = future.done()
+        counters = self.counters
+        if source == "lookahead":
+            routed.lookahead += 1
+            counters.lookahead_in_time += in_time
+            counters.lookahead_late += not in_time
+        else:
+            routed.heads += 1
+            counters.prefetch_in_time += in_time
+            counters.prefetch_late += not in_time
+        return future, f"{source}, {'in time' if in_time else 'late'}", slot
 
     # -- whole-layer path (prefill) ----------------------------------------------------------------
 

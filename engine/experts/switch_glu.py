@@ -111,6 +111,8 @@ class StreamingSwitchGLU(nn.Module):
         self._dense_rows = dense_threshold(dense_rows, specs)
         self.activation = activation
         self.last_routed: np.ndarray | None = None
+        # Set by the engine (`routing.lookahead`): guesses the next MoE layer's routing.
+        self.lookahead = None
 
     def __call__(
         self, x: mx.array, indices: mx.array, routed: np.ndarray | None = None
@@ -118,17 +120,24 @@ class StreamingSwitchGLU(nn.Module):
         """`indices` as the family passes them; `routed` is the same routing already on the host
         (a prediction), which spares the per-layer sync that reading `indices` back costs."""
         store = self._store
+        guess = None
         if routed is None:
+            # The next layer's guess (decode, in the modes that read ahead) comes back with this
+            # layer's routing, in the same sync.
+            if self.lookahead is not None and indices.size == indices.shape[-1]:
+                guess = self.lookahead.guess_after(self._layer)
             # The true router's choice is needed on the host: this waits for every layer before,
             # which have therefore computed (their experts' slots may be reused).
             with store.tracer.span(f"router sync {self._layer}", "compute"):
-                mx.eval(indices)
+                mx.eval(indices) if guess is None else mx.eval(indices, guess[1])
             routed = np.array(indices)
             store.layer_computed(self._layer - 1)
         self.last_routed = routed
         # (sorted(set()) rather than np.unique: cheaper for a decode step's few K experts)
         distinct = sorted(set(routed.ravel().tolist()))
         tokens = routed.size // routed.shape[-1]
+        if tokens == 1:
+            store.routing_known(self._layer, distinct)
         dense = self._dense_rows is not None and goes_dense(routed.size, self._num_experts, self)
         if tokens > 1 and store.wants_whole_layer(self._layer, len(distinct)):
             bank = store.whole_layer(self._layer)
@@ -140,6 +149,10 @@ class StreamingSwitchGLU(nn.Module):
         # The routed experts' slots in the layer's bank, and the routing remapped to them.
         slot_of = np.zeros(self._num_experts, dtype=np.uint32)
         slot_of[distinct] = store.fetch(self._layer, distinct)
+        if guess is not None:
+            # Issued once this layer's own misses are in: the guess's reads never delay them,
+            # and land while this layer computes and the next one runs its attention.
+            store.look_ahead(guess[0], np.unique(np.array(guess[1])).tolist())
         slots = slot_of[routed]
         bank = store.bank(self._layer).arrays
         if dense:

@@ -32,6 +32,7 @@ from ..config import format_bytes
 from ..errors import Edge0Error
 from ..experts.page_cache import FileResidency, evict_file
 from ..trace import Tracer
+from . import bench_reads_ahead
 from .memory_cgroup import MemoryCgroup
 from .read_limit import ReadLimitCgroup, block_device
 
@@ -61,6 +62,7 @@ FIGURES = (
     ("cold MiB read", "read_cold_mib", "{:.1f}"),
     ("read-busy ms", "read_busy_ms", "{:.0f}"),
     ("compute waited ms/step", "compute_waited_ms", "{:.1f}"),
+    *bench_reads_ahead.READ_AHEAD_FIGURES,
 )
 
 
@@ -431,6 +433,7 @@ def build_report(config: BenchConfig, sampled: dict, runs: list[ArmRun]) -> dict
             # the kernel's high-water mark as the replay began, else its whole life ("process").
             "peak_rss_scope": _peak_rss_scope(ok),
             "step_ms_median": _per_step_median([r.step_ms for r in ok]),
+            "routed_by_layer": bench_reads_ahead.routed_by_layer([r.summary for r in ok]),
         }
     for arm, data in arms.items():
         data["ratios"] = {}
@@ -618,6 +621,7 @@ def markdown(report: dict) -> str:
                 f"| {o['limit_ms']:.1f} | {_x(o['step_vs_limit'])} "
                 f"| {o['blocked_share']:.0%} |"
             )
+    lines += bench_reads_ahead.markdown_lines(report, _cell)
     return "\n".join(lines) + "\n"
 
 

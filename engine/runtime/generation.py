@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 
@@ -33,6 +34,7 @@ from ..config import HEAD_MODES, EngineConfig, GenerationConfig, format_bytes
 from ..errors import Edge0Error
 from ..experts.store import LoadCounters
 from ..experts.switch_glu import projection_specs
+from ..routing.lookahead import Lookahead, attach_lookahead
 from ..routing.moe_block import set_top_k
 from ..routing.prerouter import PrerouterHeads
 from ..trace import NO_TRACE, Tracer
@@ -144,6 +146,13 @@ class Engine:
         self._following_compute: bool | None = None
         if self.routing is not None:
             self.routing.shadow_router = self.config.shadow_router
+        self.lookahead: Lookahead | None = None
+        if self.store is not None and self.config.lookahead:
+            self.lookahead = attach_lookahead(
+                self.model, self.loaded.sites, self.loaded.blocks, self.loaded.top_k
+            )
+            for site in self.loaded.sites if self.lookahead is not None else ():
+                getattr(site.parent, site.attribute).lookahead = self.lookahead
         self.guard = None
         if self.config.hidden_guard and self.mode != "resident":
             self.guard = HiddenGuard(self.config.hidden_clip)
@@ -175,9 +184,10 @@ class Engine:
         if self.mode == "resident":
             return ["resident"]
         has_heads = any(p.prerouter for p in self.profiles())
-        return ["on-demand", *HEAD_MODES] if has_heads else ["on-demand"]
+        return ["on-demand", *(HEAD_MODES if has_heads else ()), "prefetch"]
 
     def _default_k(self, mode: str) -> int:
+        """The model's native K; in prerouter mode, the K with heads closest to it."""
         native = self.loaded.top_k
         if mode not in HEAD_MODES:
             return native
@@ -285,7 +295,12 @@ class Engine:
         profile that stood."""
         heads = adapter = None
         if self.routing is not None:
-            heads = self._load_heads(k) if mode in HEAD_MODES else None
+            # Prefetch reads ahead what heads predict where the profile has them.
+            profile = next((p for p in self.profiles() if p.k == k), None)
+            with_heads = mode in HEAD_MODES or (
+                mode == "prefetch" and profile and profile.prerouter
+            )
+            heads = self._load_heads(k) if with_heads else None
             files = self.adapters.get(k)
             if mode == "prerouter" and self.config.lora and files is not None and files.lora:
                 adapter = load_lora(files.lora, self.fingerprint)
@@ -303,6 +318,10 @@ class Engine:
                 predicted = set(heads.consumers)
             self_routed = set(self.loaded.blocks) - predicted if predicted else set()
             self.store.pool.keep_layers(self_routed)
+            if self.lookahead is not None:
+                self.lookahead.k = k
+                # Layers routed by a prediction need no guess of their true router's routing.
+                self.lookahead.skip = frozenset(predicted)
             # Reads ahead only: readers on a core of their own (experts/reader_core.py says why).
             self.store.use_reader_core(mode == "prerouter")
             if adapter is not None:
@@ -512,6 +531,9 @@ class Engine:
             self.routing.early_heads = flush and self.routing.heads is not None and len(tokens) == 1
         if self.store is not None:
             self.store.begin_step()
+        if self.lookahead is not None:
+            self.lookahead.active = len(tokens) == 1 and self.mode in ("prefetch", "prerouter")
+            self._look_ahead_at_first_layer(tokens)
         out = self.model(mx.array(tokens)[None], cache=cache)
         guard_counts = self.guard.pending() if self.guard is not None else []
         with tracer.span("evaluate", "compute"):  # what compute is left once the graph is built
@@ -522,6 +544,8 @@ class Engine:
                 mx.eval([c.state for c in cache], guard_counts)
                 out = None
         repaired = self.guard.take_count() if self.guard is not None else 0
+        if self.lookahead is not None:
+            self.lookahead.end_step()
         counters = self.store.end_step() if self.store is not None else LoadCounters()
         flush_ms = 0.0
         if flush and self.routing is not None and self.routing.heads is not None:
@@ -550,6 +574,15 @@ class Engine:
             )
         )
         return out
+
+    def _look_ahead_at_first_layer(self, tokens: list[int]) -> None:
+        """Read ahead the first MoE layer's guessed experts before the forward starts: no layer
+        before it in the token can guess it (routing/lookahead.py)."""
+        guess = self.lookahead.guess_first(tokens)
+        if guess is not None:
+            with self.tracer.span("lookahead first layer", "prerouter"):
+                mx.eval(guess[1])
+            self.store.look_ahead(guess[0], sorted(set(np.array(guess[1]).ravel().tolist())))
 
     @staticmethod
     def _sample(logits: mx.array, sampler) -> int:

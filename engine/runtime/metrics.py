@@ -14,14 +14,14 @@ import resource
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import mlx.core as mx
 
 from ..config import format_bytes
 from ..experts.page_cache import FileResidency
-from ..experts.store import LoadCounters
+from ..experts.store import LayerRouted, LoadCounters
 
 MIB = 1024 * 1024
 
@@ -75,6 +75,16 @@ class StepMetrics:
     nonfinite_repaired: int = 0  # hidden values the numerical guard zeroed or clipped
     flush_ms: float = 0.0  # the prerouter head flush and issuing its reads
     page_cache_evicted_mib: float = 0.0  # expert pages dropped to keep the page-cache budget
+    # The lookahead (routing/lookahead.py): reads issued for its guesses of this step's layers,
+    # those read in time or late when the layer needed them, those the layer did not route to
+    # (dropped when it routed), and the share of routed experts it had guessed.
+    lookahead_issued: int = 0
+    lookahead_in_time: int = 0
+    lookahead_late: int = 0
+    lookahead_dropped: int = 0
+    lookahead_recall: float | None = None
+    # By MoE layer: where its routed experts came from (`LayerRouted` as a dict).
+    routed_by_layer: dict[int, dict] = field(default_factory=dict)
 
     @classmethod
     def build(
@@ -100,6 +110,11 @@ class StepMetrics:
                 routed["shadow_recall"] = routing.shadow_hits / routing.shadow_total
             if routing.prefetch_routed:
                 routed["prefetch_hit_rate"] = routing.prefetch_hits / routing.prefetch_routed
+        guessed_of = sum(r.guessed_of for r in counters.layers.values())
+        if guessed_of:
+            routed["lookahead_recall"] = (
+                sum(r.guessed_right for r in counters.layers.values()) / guessed_of
+            )
         return cls(
             phase=phase,
             tokens=tokens,
@@ -125,6 +140,11 @@ class StepMetrics:
             nonfinite_repaired=nonfinite_repaired,
             flush_ms=flush_ms,
             page_cache_evicted_mib=counters.page_cache_evicted_bytes / MIB,
+            lookahead_issued=counters.lookahead_issued,
+            lookahead_in_time=counters.lookahead_in_time,
+            lookahead_late=counters.lookahead_late,
+            lookahead_dropped=counters.lookahead_dropped,
+            routed_by_layer={n: asdict(r) for n, r in sorted(counters.layers.items())},
             **routed,
         )
 
@@ -356,6 +376,13 @@ def summarize(
     hit_rates = [s.prefetch_hit_rate for s in decode if s.prefetch_hit_rate is not None]
     if hit_rates:
         summary["prefetch_hit_rate"] = statistics.mean(hit_rates)
+    by_layer = routed_by_layer(decode)
+    if by_layer:
+        summary["routed_by_layer"] = by_layer
+        guessed_of = sum(r["guessed_of"] for r in by_layer.values())
+        if guessed_of:
+            right = sum(r["guessed_right"] for r in by_layer.values())
+            summary["lookahead_recall"] = right / guessed_of
     for name in (
         "wall_ms",
         "blocked_ms",
@@ -374,8 +401,30 @@ def summarize(
         "prefetch_issued",
         "prefetch_in_time",
         "prefetch_late",
+        "lookahead_issued",
+        "lookahead_in_time",
+        "lookahead_late",
+        "lookahead_dropped",
         "flush_ms",
     ):
         values = [getattr(s, name) for s in decode]
         summary[f"median_{name}"] = statistics.median(values) if values else 0.0
     return summary
+
+
+def routed_by_layer(steps: list[StepMetrics]) -> dict[int, dict]:
+    """Where each MoE layer's routed experts came from over `steps` (summed): resident, read
+    ahead by the heads, read ahead by the lookahead, missed; and the lookahead's recall of it
+    (`lookahead_recall`, None for a layer it never guessed)."""
+    totals: dict[int, LayerRouted] = {}
+    for step in steps:
+        for layer, counts in step.routed_by_layer.items():
+            totals.setdefault(int(layer), LayerRouted()).add(LayerRouted(**counts))
+    out = {}
+    for layer, total in sorted(totals.items()):
+        row = asdict(total)
+        row["lookahead_recall"] = (
+            total.guessed_right / total.guessed_of if total.guessed_of else None
+        )
+        out[layer] = row
+    return out

@@ -1,0 +1,179 @@
+"""Exact lookahead: prefetch guesses each next MoE layer's routing from this layer's input, reads
+the guessed experts ahead, and never changes a token (the true router still routes)."""
+
+from __future__ import annotations
+
+import shutil
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from adapters import profile_k, write_random_profile
+from test_expert_pool import _admit, _done_read, _pool
+
+from engine.config import EngineConfig, GenerationConfig, mode_label
+from engine.routing.functions import route
+from engine.runtime.generation import Engine
+
+GREEDY = GenerationConfig(max_tokens=16, temperature=0.0, ignore_eos=True)
+SAMPLED = GenerationConfig(max_tokens=16, temperature=0.9, top_p=0.95, seed=7, ignore_eos=True)
+PROMPT = [5, 9, 13, 17, 21]
+
+
+def _one_layer_budget(model_dir) -> int:
+    """One expert more than a layer's routed set: experts are evicted every step."""
+    engine = Engine(model_dir, EngineConfig(mode="on-demand"))
+    try:
+        layer = max(engine.store.index.layers)
+        return (engine.loaded.top_k + 1) * engine.store.resident_expert_nbytes(layer)
+    finally:
+        engine.close()
+
+
+def _run(model_dir, mode: str, gen: GenerationConfig, **config):
+    engine = Engine(model_dir, EngineConfig(mode=mode, **config))
+    try:
+        result = engine.generate(PROMPT, gen)
+        return result, engine.k
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("heads", ["no heads", "heads"])
+def test_prefetch_gives_on_demand_tokens_with_a_cache_that_evicts_every_step(
+    checkpoint_dir, tmp_path, family, heads
+):
+    """For every family: the same greedy tokens as on-demand (itself resident's: test_parity),
+    with and without trained heads, while the lookahead reads ahead into a cache that holds
+    little more than one layer's routed set."""
+    model_dir = tmp_path / family
+    shutil.copytree(checkpoint_dir(family), model_dir)
+    k = None
+    if heads == "heads":
+        k = profile_k(family)
+        write_random_profile(model_dir, k)
+    budget = _one_layer_budget(model_dir)
+    on_demand, _ = _run(model_dir, "on-demand", GREEDY, k=k, expert_cache_bytes=budget)
+    prefetch, _ = _run(model_dir, "prefetch", GREEDY, k=k, expert_cache_bytes=budget)
+
+    assert prefetch.tokens == on_demand.tokens
+    decode = [s for s in prefetch.steps if s.phase == "decode"]
+    assert sum(s.predicted for s in decode) == 0  # every layer routed by its true router
+    guessed = [s.routed_by_layer for s in decode]
+    assert all(sum(r["guessed_of"] for r in layers.values()) > 0 for layers in guessed)
+    assert prefetch.summary["lookahead_recall"] is not None
+    if heads == "heads":
+        assert sum(s.prefetch_issued for s in decode) > 0  # the heads still read a step ahead
+
+
+@pytest.mark.parametrize("family_name", ["qwen3_moe", "deepseek_v3", "mixtral"])
+def test_sampled_tokens_are_on_demands_too(checkpoint_dir, family_name):
+    model_dir = checkpoint_dir(family_name)
+    budget = _one_layer_budget(model_dir)
+    on_demand, _ = _run(model_dir, "on-demand", SAMPLED, expert_cache_bytes=budget)
+    prefetch, _ = _run(model_dir, "prefetch", SAMPLED, expert_cache_bytes=budget)
+    assert prefetch.tokens == on_demand.tokens
+
+
+def test_prefetch_needs_no_profile_and_runs_at_the_native_k(checkpoint_dir):
+    """A model without any adapter file: prefetch is offered, loads at the model's own K, and
+    reads ahead what the lookahead guesses."""
+    model_dir = checkpoint_dir("qwen3_moe")
+    engine = Engine(model_dir, EngineConfig(mode="prefetch", expert_cache_bytes=60_000))
+    try:
+        assert engine.modes() == ["on-demand", "prefetch"]
+        assert engine.k == engine.loaded.top_k
+        result = engine.generate(PROMPT, GREEDY)
+    finally:
+        engine.close()
+    decode = [s for s in result.steps if s.phase == "decode"]
+    issued = sum(s.lookahead_issued for s in decode)
+    used = sum(s.lookahead_in_time + s.lookahead_late for s in decode)
+    dropped = sum(s.lookahead_dropped for s in decode)
+    assert issued > 0 and used > 0
+    assert used + dropped <= issued  # a read is used, dropped when its layer routes, or at step end
+    by_layer = result.summary["routed_by_layer"]
+    first = min(by_layer)
+    assert by_layer[first]["guessed_of"] > 0  # the first MoE layer's guess from the embedding
+    for row in by_layer.values():
+        routed = row["resident"] + row["heads"] + row["lookahead"] + row["missed"]
+        assert row["guessed_right"] <= row["guessed_of"] == routed
+        assert row["heads"] == 0
+
+
+def test_the_guess_is_the_next_layers_own_routing_of_this_layers_input(checkpoint_dir):
+    """The guess for layer N+1 is layer N+1's own routing function (its norm, gate, bias and
+    groups) applied to the residual that entered layer N's MoE (DeepSeek: sigmoid group top-k
+    with a correction bias)."""
+    engine = Engine(checkpoint_dir("deepseek_v3"), EngineConfig(mode="prefetch"))
+    lookahead = engine.lookahead
+    checked = []
+    guess_after = lookahead.guess_after
+
+    def checking_guess_after(layer):
+        h = lookahead._inputs.get(layer)
+        guess = guess_after(layer)
+        if guess is not None:
+            following, indices = guess
+            block = engine.loaded.blocks[following]
+            site = next(s for s in engine.loaded.sites if s.layer == following)
+            norm = site.decoder_layer.post_attention_layernorm
+            x = mx.fast.rms_norm(h, norm.weight, norm.eps).reshape(-1, h.shape[-1])
+            expected, _ = route(
+                block.gate_logits(x), block.routing_spec, engine.k, block.expert_bias()
+            )
+            checked.append(set(np.array(indices).ravel()) == set(np.array(expected).ravel()))
+        return guess
+
+    lookahead.guess_after = checking_guess_after
+    try:
+        engine.generate(PROMPT, GREEDY)
+    finally:
+        engine.close()
+    assert checked and all(checked)
+
+
+def test_prerouter_guesses_only_the_layers_that_route_themselves(checkpoint_dir, tmp_path):
+    """In prerouter mode the consumer layers route by a prediction: the lookahead guesses only
+    the layers that still route by their own router (the first MoE layer)."""
+    model_dir = tmp_path / "profiled"
+    shutil.copytree(checkpoint_dir("qwen3_moe"), model_dir)
+    write_random_profile(model_dir, 4)
+    engine = Engine(model_dir, EngineConfig(mode="prerouter", k=4))
+    try:
+        consumers = set(engine.routing.heads.consumers)
+        result = engine.generate(PROMPT, GREEDY)
+    finally:
+        engine.close()
+    guessed = {n for n, row in result.summary["routed_by_layer"].items() if row["guessed_of"]}
+    assert guessed and not guessed & consumers
+
+
+def test_without_lookahead_prefetch_reads_nothing_ahead(checkpoint_dir):
+    result, _ = _run(checkpoint_dir("qwen3_moe"), "prefetch", GREEDY, lookahead=False)
+    assert sum(s.lookahead_issued for s in result.steps) == 0
+    assert "lookahead_recall" not in result.summary
+
+
+def test_a_guess_never_evicts_what_the_step_uses_and_wrong_ones_go_when_the_layer_routes():
+    """A read ahead takes a slot only from an expert not in use and not pinned; once its layer
+    routes, the reads ahead it does not use are dropped (their bytes and slots free at once)."""
+    pool = _pool(300, "lru")
+    pool.begin_step()
+    _admit(pool, (0, 0))
+    _admit(pool, (0, 1))
+    _admit(pool, (1, 0))
+    pool.use((0, 0))  # layer 0 computes with it this step
+    pool.pin((1, 0), pool.step)  # guessed for this step's layer 1
+    assert pool.read_ahead((1, 5), pool.step, lambda into: _done_read(), "lookahead")
+    assert (0, 0) in pool and (1, 0) in pool and (0, 1) not in pool
+    assert not pool.read_ahead((1, 6), pool.step, lambda into: _done_read(), "lookahead")
+
+    assert pool.drop_unused_reads_ahead(1, {(1, 0)}) == 1
+    assert not pool.is_read_ahead((1, 5)) and pool.reserved_bytes == 0
+
+
+def test_modes_are_labelled_exact_or_approximate():
+    assert mode_label("prefetch") == "prefetch (exact)"
+    assert mode_label("on-demand") == "on-demand (exact)"
+    assert mode_label("prerouter", 4) == "prerouter K=4 (approximate)"
