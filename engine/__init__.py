@@ -49,6 +49,8 @@ _ON_FIRST_USE = {
     "preload_fast_blas": "engine.runtime.blas",
     "check_adapter_out": "engine.adapters.metadata",
     "check_regular_file": "engine.checkpoint.index",
+    "check_output_file": "engine.checkpoint.outputs",
+    "check_output_folder": "engine.checkpoint.outputs",
 }
 
 __all__ = [

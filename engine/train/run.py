@@ -34,6 +34,7 @@ from rich.progress import (
 )
 
 from ..checkpoint.index import check_regular_file
+from ..checkpoint.outputs import check_output_file, check_output_folder
 from ..errors import Edge0Error
 from ..runtime.metrics import process_lifetime_peaks
 
@@ -73,6 +74,13 @@ def save_state(
     tmp.replace(out_dir / f"{name}.safetensors")
     (out_dir / f"{name}.tmp.json").write_text(text)
     (out_dir / f"{name}.tmp.json").replace(out_dir / f"{name}.json")
+
+
+def check_outputs(out: Path, out_dir: Path) -> None:
+    """A LoRA phase's adapter file and its state folder can be written: checked before the run,
+    which would otherwise fail (with a traceback) only when it saves."""
+    check_output_folder(out_dir, "the training state")
+    check_output_file(out, "the LoRA")
 
 
 def read_state(out_dir: Path, name: str) -> tuple[dict, dict[str, mx.array]] | None:
