@@ -45,6 +45,14 @@ def size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def positive_size(text: str) -> int:
+    """A byte size above 0 (a bandwidth: 0 bytes a second would never read)."""
+    value = size(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text} must be at least 1 byte")
+    return value
+
+
 def page_cache(text: str) -> int | str:
     """--page-cache: a SIZE, or "off" (the OS decides what stays cached)."""
     if text.strip().lower() in ("off", "none"):
