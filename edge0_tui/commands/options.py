@@ -73,6 +73,20 @@ def utf8(text: str) -> str:
     return text
 
 
+def adapter_spec(text: str) -> str:
+    """--adapters: a folder or a repo id, never empty (`Path("")` is the current folder)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("empty: name a folder or a repo id (. for this folder)")
+    return utf8(text)
+
+
+def folder(text: str) -> Path:
+    """A folder argument, never empty (`Path("")` is the current folder)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("empty: name a folder (. for this folder)")
+    return Path(text)
+
+
 def count(least: int) -> Callable[[str], int]:
     """An argparse type: a whole number of at least `least` (rounds, tokens, turns, samples)."""
 
@@ -180,7 +194,12 @@ def add_exact(parser: argparse.ArgumentParser) -> None:
 
 def add_adapters(parser: argparse.ArgumentParser, help: str = ADAPTERS_HELP) -> None:
     parser.add_argument(
-        "--adapters", action="append", default=[], metavar="DIR|REPO_ID", type=utf8, help=help
+        "--adapters",
+        action="append",
+        default=[],
+        metavar="DIR|REPO_ID",
+        type=adapter_spec,
+        help=help,
     )
 
 

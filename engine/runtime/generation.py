@@ -363,8 +363,16 @@ class Engine:
 
     @property
     def warnings(self) -> list[str]:
-        """Problems with the checkpoint that do not stop it from running (e.g. stray shards)."""
-        return list(self.loaded.index.warnings)
+        """Problems that do not stop the model from running: stray shards, adapter files ignored
+        (a K named otherwise than canonically, a K above the model's experts)."""
+        experts = self.loaded.num_experts
+        too_wide = [
+            f"{files.prerouter or files.lora}: ignored: K={k} is above the model's {experts} "
+            "routed experts"
+            for k, files in sorted(self.adapters.items())
+            if k > experts
+        ]
+        return [*self.loaded.index.warnings, *self.adapter_search.warnings, *too_wide]
 
     # -- generation ----------------------------------------------------------------------------------
 
