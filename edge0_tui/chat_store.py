@@ -101,9 +101,9 @@ class ChatStore:
             _private_file(self.path)
             # isolation_level=None: no implicit transactions; each write below opens its own.
             self._db = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_S, isolation_level=None)
+            self._migrate()  # first: a file refused is left byte for byte (WAL rewrites its header)
             self._db.execute("PRAGMA journal_mode = WAL")
             self._db.execute("PRAGMA foreign_keys = ON")
-            self._migrate()
             # SQLite gives new -wal/-shm files the database's mode; older ones may be looser.
             for suffix in ("-wal", "-shm"):
                 _private_file(self.path.with_name(self.path.name + suffix), create=False)
