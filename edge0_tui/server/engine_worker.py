@@ -91,6 +91,7 @@ class Job(ReplyJob):
             k=request.k,
             mode=request.mode,
             fit_context=request.default_max_tokens,
+            prompt_tokens=prompt_tokens,
         )
 
     def _translate(self, event: JobEvent) -> None:
@@ -146,6 +147,7 @@ class EngineWorker:
         self._on_ready = on_ready
         self._on_failed = on_failed
         self._log = log or (lambda line: print(escape_controls(line), file=sys.stderr, flush=True))
+        self._token_chars: int | None = None  # the vocabulary's longest entry, once known
         self.service = EngineService(
             open_engine,  # runs on the engine thread; returns an Engine
             on_event=self._on_event,
@@ -180,6 +182,53 @@ class EngineWorker:
                 type="rate_limit_error",
                 code="queue_full",
             ) from None
+
+    def encode(self, request: GenerationRequest) -> list[int] | None:
+        """The request's prompt as tokens, encoded on the caller's thread (a 4 MB prompt takes
+        seconds: never on the engine thread, where it would stall every reply); None while the
+        model is not ready (`submit` answers that). Raises ApiError 400 for a prompt that cannot
+        fit the model's context: at once, without encoding it, when it has more characters than
+        the context's worth of the longest token; else once encoded, before it is queued."""
+        engine = self.service.engine
+        if engine is None or self.state != "ready":
+            return None
+        limit = engine.context_limit
+        param = "messages" if request.kind == "chat" else "prompt"
+        chars = prompt_chars(request)
+        if chars > limit * self._longest_token(engine):
+            raise ApiError(
+                400,
+                f"the prompt's {chars} characters are more than the model's context of {limit} "
+                f"tokens can hold (a token has at most {self._longest_token(engine)} characters)",
+                param=param,
+                code="context_length_exceeded",
+            )
+        try:
+            if request.kind == "chat":
+                tokens = engine.encode_chat(list(request.messages))
+            else:
+                tokens = engine.encode(request.prompt)
+        except Edge0Error as e:  # a chat template that fails: the model's, said as the engine says
+            raise api_error(e, 0) from None
+        room = 1 if request.default_max_tokens else request.generation.max_tokens
+        if len(tokens) + room > limit:
+            raise ApiError(
+                400,
+                f"prompt of {len(tokens)} tokens plus {room} new tokens exceeds the model's "
+                f"context of {limit}",
+                param=param,
+                code="context_length_exceeded",
+            )
+        return tokens
+
+    def _longest_token(self, engine) -> int:
+        """The most characters one token of the model's vocabulary stands for (its longest
+        entry: a byte-level entry has one character per byte, which is at least one character
+        of text), measured once."""
+        if self._token_chars is None:
+            vocab = engine.tokenizer.get_vocab()
+            self._token_chars = max(map(len, vocab), default=1)
+        return self._token_chars
 
     def cancel_all(self) -> None:
         """Stop the running job and drop the waiting ones (the server is shutting down)."""
@@ -242,6 +291,13 @@ class EngineWorker:
     @property
     def last_figures(self) -> dict:
         return self.service.last_figures
+
+
+def prompt_chars(request: GenerationRequest) -> int:
+    """The characters of text a request brings (the chat template adds more, never fewer)."""
+    if request.kind == "chat":
+        return sum(len(m["content"]) for m in request.messages)
+    return len(request.prompt)
 
 
 def not_ready(state: str, error: str | None) -> ApiError:
