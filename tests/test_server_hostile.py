@@ -162,6 +162,7 @@ def test_stop_holdback_work_is_linear_in_the_reply():
 
     stop = ("a" * 999 + "b", "a" * 500 + "c", "ab" * 400, "z")
     text = StopText(stop)
+    assert text.steps == 0  # the work is counted (and the test ends at once where it is not)
     reply, sent = "", []
     for _ in range(5000):
         reply += "a"
@@ -279,6 +280,17 @@ def test_repeated_log_lines_are_written_once_per_window():
     assert len(written) == 5  # at 0, 10, 20, 30, 40 s
     assert written[0].exc_info and not any(r.exc_info for r in written[1:])
     assert "(199 more like it not shown)" in written[1].getMessage()
+
+
+def test_the_server_writes_uvicorns_repeated_warnings_once(server):
+    """The filter is on the running server's loggers: 30 malformed requests, one warning."""
+    for _ in range(30):
+        sock = connect(server)
+        sock.sendall(b"NOT HTTP AT ALL\r\n\r\n")
+        assert closed_within(sock, 10)[1].startswith(b"HTTP/1.1 400")
+    served(server)
+    lines = server.log.read_text().count("Invalid HTTP request received.")
+    assert lines == 1, server.log.read_text()[-2000:]
 
 
 def test_the_connection_limit_fits_the_open_file_limit(monkeypatch):
