@@ -385,7 +385,9 @@ class Engine:
         forced_tokens: list[int] | None = None,
     ) -> GenerationResult:
         """Generate a reply to `prompt_tokens`. With `forced_tokens`, feed those instead of sampling
-        (teacher forcing): every benchmark arm then does exactly the same work."""
+        (teacher forcing): every benchmark arm then does exactly the same work. `should_stop` is
+        asked before each prefill chunk and after each token; true ends the reply ("cancelled"),
+        with no token at all when it ends the prefill."""
         gen = gen or GenerationConfig()
         if forced_tokens is not None:
             gen = dataclasses.replace(gen, max_tokens=len(forced_tokens))
@@ -428,7 +430,9 @@ class Engine:
         finally:
             # Whatever happened (a read error, a cancel), no per-request state outlives the request.
             self._reset_request_state()
-        if self.config.reuse_prompt_cache and (self.k, self.mode) == profile:
+        if not result.tokens:  # cancelled during the prefill: the cache holds part of it
+            result.summary["generated_tokens"] = 0
+        elif self.config.reuse_prompt_cache and (self.k, self.mode) == profile:
             # The cache now holds the prompt and every generated token but the last (never fed).
             fed = list(prompt_tokens) + result.tokens[:-1]
             self._prompt_cache = (cache, fed, profile)
@@ -473,6 +477,11 @@ class Engine:
         chunk = self.config.prefill_chunk
         body = prompt_tokens[reused:-1]
         for start in range(0, len(body), chunk):
+            # A long prompt is many chunks, each a forward: a caller gone meanwhile (a client
+            # that disconnected) frees the engine now, not after the whole prefill.
+            if should_stop is not None and should_stop():
+                result.stopped_by = "cancelled"
+                return result
             last_chunk = start + chunk >= len(body)
             self._forward(body[start : start + chunk], cache, "prefill", steps, flush=last_chunk)
         logits = self._forward(prompt_tokens[-1:], cache, "prefill", steps)
