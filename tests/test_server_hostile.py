@@ -378,6 +378,34 @@ def test_the_connection_limit_fits_the_open_file_limit(monkeypatch):
     assert limits.connection_cap(20) == 1  # never none at all
 
 
+def test_the_listener_refuses_past_the_limit_before_it_holds_a_socket():
+    """asyncio accepts every waiting connection in one turn and makes protocols later: the
+    refusal is in accept(), so no more than the limit are ever held (issue: 246 sockets under a
+    cap of 181, then EMFILE)."""
+    from edge0_tui.server import limits
+
+    guard = limits.ConnectionLimits(2, 5.0, lambda line: None)
+    listener = guard.listener(socket.create_server(("127.0.0.1", 0)))
+    listener.setblocking(False)
+    port = listener.getsockname()[1]
+    clients = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(5)]
+    held: list[socket.socket] = []
+    try:
+        time.sleep(0.1)  # all five wait in the queue, as after a burst
+        held += [listener.accept()[0] for _ in range(2)]
+        with pytest.raises(BlockingIOError):  # the other three refused inside this call
+            listener.accept()
+        assert guard.held == 2 and guard.refused == 3
+        assert all(c.recv(4096).startswith(b"HTTP/1.1 503") for c in clients[2:])
+        held[0].close()
+        held[0].close()  # counted once
+        assert guard.held == 1
+    finally:
+        for sock in [*clients, *held, listener]:
+            sock.close()
+    assert guard.held == 0
+
+
 # -- 3 (d): a prompt too long to be worth encoding -------------------------------------------------
 
 

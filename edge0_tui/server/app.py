@@ -514,6 +514,7 @@ def serve(
     server: uvicorn.Server | None = None
     settings.hosts = allowed_hosts(host, sock.getsockname()[0])
     limits = ConnectionLimits(settings.max_connections, settings.client_timeout_s, log)
+    sock = limits.listener(sock)  # refuses past the limit in accept(): before it holds a socket
 
     def on_ready(worker: EngineWorker) -> None:
         # The model's files are open now (and loading it may have raised the open-file limit).
@@ -563,7 +564,7 @@ def serve(
         timeout_graceful_shutdown=5,
         # The server's own lines only; uvicorn's stay at warnings.
         server_header=False,
-        http=limits.protocol(),  # the header deadline and the connection limit
+        http=limits.protocol(),  # the header deadline
         timeout_keep_alive=min(KEEP_ALIVE_S, settings.client_timeout_s),
     )
     limit_repeated_logs()  # after Config, which sets up uvicorn's loggers

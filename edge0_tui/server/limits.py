@@ -3,10 +3,12 @@ checks, and a log that cannot be flooded.
 
 - `GuardedH11Protocol` (uvicorn's h11 protocol, per connection): a request's headers must arrive
   within `client_timeout_s` of the connection opening or of the previous response (a client that
-  sends nothing, or its headers a byte at a time, is closed); a connection past
-  `max_connections` gets a 503 and is closed at once, so that idle sockets cannot use up the
-  file descriptors. The body's own time limit is in the app's body reader (app.read_json), which
-  answers 408. An idle kept-alive connection closes after uvicorn's `timeout_keep_alive`.
+  sends nothing, or its headers a byte at a time, is closed). The body's own time limit is in the
+  app's body reader (app.read_json), which answers 408. An idle kept-alive connection closes
+  after uvicorn's `timeout_keep_alive`.
+- `GuardedListener` (the listening socket): a connection past `max_connections` gets a 503 and
+  is closed inside `accept()`, before asyncio makes it a transport, so that idle sockets cannot
+  use up the file descriptors.
 - `connection_cap`: `--max-connections`, lowered to what the open-file limit leaves.
 - `RequestGuard` (ASGI middleware): the Host header must name this server (DNS rebinding) and a
   browser's Origin must be allowed (`--allow-origin`); see `allowed_hosts` for which hosts.
@@ -22,6 +24,7 @@ import json
 import logging
 import os
 import resource
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -75,8 +78,9 @@ def connection_cap(requested: int, margin: int = FD_MARGIN) -> int:
 
 
 class ConnectionLimits:
-    """Shared by every connection's protocol; `max_connections` may be lowered while serving
-    (the model's load opens files too: the cap is measured again when it is ready)."""
+    """Shared by the listening socket and every connection's protocol; `max_connections` may be
+    lowered while serving (the model's load opens files too: the cap is measured again when it is
+    ready). `held` counts the connections accepted and not yet closed."""
 
     def __init__(
         self, max_connections: int, client_timeout_s: float, log: Callable[[str], None]
@@ -86,11 +90,47 @@ class ConnectionLimits:
         self.client_timeout_s = client_timeout_s
         self.log = RepeatLimiter(log)
         self.refused = 0
+        self.held = 0
+        self._lock = threading.Lock()  # sockets are closed on the loop's thread, but say so
 
     def measure(self) -> int:
         """The cap again, from the open-file limit and the files open now."""
         self.max_connections = connection_cap(self.requested)
         return self.max_connections
+
+    def admit(self) -> bool:
+        """Whether one more connection may be held (then it is counted: `release` uncounts it)."""
+        with self._lock:
+            if self.held >= self.max_connections:
+                return False
+            self.held += 1
+            return True
+
+    def release(self) -> None:
+        with self._lock:
+            self.held -= 1
+
+    def refuse(self, conn: socket.socket) -> None:
+        """Answer a connection past the limit 503 and close it, holding its descriptor only for
+        this call. The answer is a few hundred bytes into a fresh socket's empty send buffer:
+        one non-blocking send writes it all, or the client has gone and nothing is lost."""
+        self.refused += 1
+        self.log(
+            "connections",
+            f"edge0: refused a connection: {self.max_connections} are open (the limit; "
+            "--max-connections and the open-file limit set it)",
+        )
+        try:
+            conn.setblocking(False)
+            conn.send(busy_response())
+        except OSError:
+            pass
+        finally:
+            conn.close()
+
+    def listener(self, sock: socket.socket) -> socket.socket:
+        """`sock` (listening) as a `GuardedListener` under these limits; `sock` is detached."""
+        return GuardedListener(sock, self)
 
     def protocol(self) -> type[H11Protocol]:
         """uvicorn's h11 protocol under these limits (uvicorn.Config's `http`)."""
@@ -107,35 +147,84 @@ _BUSY = (
     b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
     b"retry-after: 1\r\nconnection: close\r\ncontent-length: %d\r\n\r\n%s"
 )
+# Connections refused in one accept() at most: then asyncio's accept loop ends and the event loop
+# serves the others before the listening socket's next turn, however fast clients connect.
+REFUSALS_PER_ACCEPT = 64
+
+
+def busy_response() -> bytes:
+    """The 503 a connection past the limit gets, whole (status line, headers, JSON body)."""
+    body = json.dumps(
+        ApiError(
+            503,
+            "the server has too many open connections; try again shortly",
+            "server_error",
+            code="too_many_connections",
+        ).body()
+    ).encode()
+    return _BUSY % (len(body), body)
+
+
+class GuardedListener(socket.socket):
+    """The listening socket uvicorn serves, refusing at accept time. asyncio accepts up to the
+    backlog's worth (uvicorn: 2048) of waiting connections in one turn and makes their
+    transports and protocols two turns later: a refusal in the protocol's connection_made came
+    after every queued connection held a descriptor (measured under `ulimit -n 256` with 300
+    connecting at once: 246 sockets open, then EMFILE and asyncio's traceback). Here a
+    connection is counted when accepted, a `HeldConnection` uncounts it when closed, and one
+    past the limit is answered and closed before the next is accepted."""
+
+    def __init__(self, sock: socket.socket, limits: ConnectionLimits) -> None:
+        super().__init__(sock.family, sock.type, sock.proto, fileno=sock.detach())
+        self.limits = limits
+
+    def accept(self) -> tuple[socket.socket, object]:
+        # BlockingIOError (none waiting) ends asyncio's accept loop quietly; so does stopping
+        # after REFUSALS_PER_ACCEPT refusals, and the loop calls again on the next turn.
+        for _ in range(REFUSALS_PER_ACCEPT):
+            conn, address = super().accept()
+            if self.limits.admit():
+                return HeldConnection.adopt(conn, self.limits), address
+            self.limits.refuse(conn)
+        raise BlockingIOError("refused connections past the limit; more may be waiting")
+
+
+class HeldConnection(socket.socket):
+    """An accepted connection that `ConnectionLimits.held` counts until it is closed (asyncio
+    closes a transport's socket, or the socket of one it failed to make, with close())."""
+
+    limits: ConnectionLimits | None = None
+
+    @classmethod
+    def adopt(cls, conn: socket.socket, limits: ConnectionLimits) -> HeldConnection:
+        held = cls(conn.family, conn.type, conn.proto, fileno=conn.detach())
+        held.limits = limits
+        return held
+
+    def close(self) -> None:
+        super().close()
+        self._uncount()
+
+    def detach(self) -> int:
+        fd = super().detach()
+        self._uncount()  # no longer this object's to close: no longer counted by it
+        return fd
+
+    def _uncount(self) -> None:
+        limits, self.limits = self.limits, None
+        if limits is not None:
+            limits.release()
 
 
 class GuardedH11Protocol(H11Protocol):
-    """uvicorn's h11 protocol with a deadline for each request's headers and a connection limit."""
+    """uvicorn's h11 protocol with a deadline for each request's headers (the connection limit is
+    the listener's)."""
 
     limits: ConnectionLimits
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._deadline = None
-        limits = self.limits
-        if len(self.connections) > limits.max_connections:
-            limits.refused += 1
-            limits.log(
-                "connections",
-                f"edge0: refused a connection: {limits.max_connections} are open (the limit; "
-                "--max-connections and the open-file limit set it)",
-            )
-            body = json.dumps(
-                ApiError(
-                    503,
-                    "the server has too many open connections; try again shortly",
-                    "server_error",
-                    code="too_many_connections",
-                ).body()
-            ).encode()
-            transport.write(_BUSY % (len(body), body))
-            transport.close()
-            return
         self._arm()
 
     def _arm(self) -> None:
