@@ -96,12 +96,14 @@ class ChatStore:
         self.last_error = ""  # why the latest save had to wait
         try:
             _private_directory(self.path.parent)
+            for suffix in ("", "-wal", "-shm"):
+                _refuse_link(self.path.with_name(self.path.name + suffix))
             _private_file(self.path)
             # isolation_level=None: no implicit transactions; each write below opens its own.
             self._db = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_S, isolation_level=None)
+            self._migrate()  # first: a file refused is left byte for byte (WAL rewrites its header)
             self._db.execute("PRAGMA journal_mode = WAL")
             self._db.execute("PRAGMA foreign_keys = ON")
-            self._migrate()
             # SQLite gives new -wal/-shm files the database's mode; older ones may be looser.
             for suffix in ("-wal", "-shm"):
                 _private_file(self.path.with_name(self.path.name + suffix), create=False)
@@ -111,6 +113,7 @@ class ChatStore:
     def _migrate(self) -> None:
         version = self._db.execute("PRAGMA user_version").fetchone()[0]
         if version == SCHEMA_VERSION:
+            self._check_schema()
             return
         if version != 0:
             raise Edge0Error(
@@ -118,6 +121,24 @@ class ChatStore:
             )
         # One script, one transaction: a half-created schema never stays behind.
         self._db.executescript(f"BEGIN; {_SCHEMA} PRAGMA user_version = {SCHEMA_VERSION}; COMMIT;")
+
+    def _check_schema(self) -> None:
+        """The tables and columns of version 1 are there: a file that says version 1 without them
+        left every message pending forever ("no such table"), and the chat was lost. Such a file
+        is refused and left as it is (it may hold someone's data), never repaired or replaced."""
+        for table, columns in _expected_columns().items():
+            found = {row[1] for row in self._db.execute(f"PRAGMA table_info({table})")}
+            if not found:
+                raise Edge0Error(
+                    f"{self.path}: says schema version {SCHEMA_VERSION} but has no {table!r} "
+                    "table; left as it is (move it away to start a new chat database)"
+                )
+            missing = sorted(columns - found)
+            if missing:
+                raise Edge0Error(
+                    f"{self.path}: the {table!r} table has no {missing[0]!r} column; left as it "
+                    "is (move it away to start a new chat database)"
+                )
 
     @contextmanager
     def _transaction(self) -> Iterator[None]:
@@ -254,6 +275,27 @@ class ChatStore:
         return lost
 
 
+def _expected_columns() -> dict[str, set[str]]:
+    """Each table of `_SCHEMA` and its columns, read from the schema itself (in memory)."""
+    db = sqlite3.connect(":memory:")
+    try:
+        db.executescript(_SCHEMA)
+        tables = [r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type='table'")]
+        return {t: {row[1] for row in db.execute(f"PRAGMA table_info({t})")} for t in tables}
+    finally:
+        db.close()
+
+
+def _refuse_link(path: Path) -> None:
+    """A symbolic link where the database (or its -wal/-shm) goes is refused, not followed:
+    followed, its target's mode was changed and a dangling link created the target."""
+    if os.path.islink(path):
+        raise Edge0Error(
+            f"{path}: a symbolic link; the chat database must be a regular file (not followed, "
+            "nothing changed)"
+        )
+
+
 def _private_directory(path: Path) -> None:
     """`path` as a directory only its owner can enter (created 0700, or tightened)."""
     path.mkdir(parents=True, exist_ok=True, mode=PRIVATE_DIR)
@@ -263,8 +305,9 @@ def _private_directory(path: Path) -> None:
 def _private_file(path: Path, create: bool = True) -> None:
     """`path` as a file only its owner can read: created 0600 before SQLite opens it (SQLite would
     create it 0644), or tightened when an older edge0 left it looser."""
-    if create:
-        os.close(os.open(path, os.O_RDWR | os.O_CREAT, PRIVATE_FILE))
+    if create:  # O_NOFOLLOW: a link made since `_refuse_link` looked is not followed either
+        nofollow = getattr(os, "O_NOFOLLOW", 0)
+        os.close(os.open(path, os.O_RDWR | os.O_CREAT | nofollow, PRIVATE_FILE))
     if path.exists():
         _tighten(path, PRIVATE_FILE)
 

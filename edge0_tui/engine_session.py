@@ -107,6 +107,10 @@ class EngineSession:
         self._post: Post = lambda message: None
         self._reply: ReplyJob | None = None  # the latest reply submitted
         self._opened: tuple[str, list[str]] = ("", [])  # the model's name and notices
+        # A config to open with when `engine_config` cannot load the model, and what to say:
+        # set when the config holds kept settings (models.json), so that a kept value that
+        # breaks the load (an expert cache of 1 byte) does not break every start.
+        self.fallback: tuple[EngineConfig, str] | None = None
 
     @property
     def engine(self) -> Engine | None:
@@ -216,8 +220,19 @@ class EngineSession:
         )
         config = dataclasses.replace(self.engine_config, adapter_dirs=adapter_dirs)
         self._post(ModelProgress(f"loading {source.name}", 0, None))
-        engine = Engine(source.path, config)
-        notices = [n for n in (source.notice, engine.quality_note()) if n]
+        fell_back = None
+        try:
+            engine = Engine(source.path, config)
+        except Edge0Error as e:
+            if self.fallback is None:
+                raise
+            self.engine_config, why = self.fallback
+            self.fallback, fell_back = None, f"{why}: {e}; using the default"
+            engine = Engine(
+                source.path,
+                dataclasses.replace(self.engine_config, **{"adapter_dirs": adapter_dirs}),
+            )
+        notices = [n for n in (fell_back, source.notice, engine.quality_note()) if n]
         self._opened = (source.name, notices)
         return engine
 

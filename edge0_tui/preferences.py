@@ -128,7 +128,10 @@ class PreferenceStore:
         prefs = ModelPreferences(generation=generation)
         prompt = stored.get("system_prompt", "")
         if isinstance(prompt, str) and len(prompt) <= MAX_SYSTEM_PROMPT_CHARS:
-            prefs = replace(prefs, system_prompt=sanitize(prompt))
+            if _encodable(prompt):  # a lone surrogate (JSON "\udcff") broke every message
+                prefs = replace(prefs, system_prompt=sanitize(prompt))
+            else:
+                self._warn("system_prompt: not valid Unicode text (a lone surrogate)")
         else:
             self._warn("system_prompt: not a text of at most 16,000 characters")
         k = stored.get("k")
@@ -160,6 +163,31 @@ class PreferenceStore:
     def _warn(self, why: str) -> dict:
         self.warning = f"{self.path}: {sanitize(why)[:200]}; using the defaults there"
         return {}
+
+
+def fit_to_model(
+    prefs: ModelPreferences, context_limit: int, defaults: GenerationConfig, path: Path
+) -> tuple[ModelPreferences, str | None]:
+    """The kept settings checked against the model once it is loaded: a `max_tokens` that does
+    not fit its context (every message was refused) falls back to the default, with one warning
+    naming the settings file."""
+    wanted = prefs.generation.max_tokens
+    if wanted < context_limit:
+        return prefs, None
+    fallback = min(defaults.max_tokens, max(1, context_limit // 2))
+    warning = (
+        f"{path}: max_tokens={wanted} does not fit this model's context of {context_limit} "
+        f"tokens; using {fallback}"
+    )
+    return replace(prefs, generation=replace(prefs.generation, max_tokens=fallback)), warning
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _is_int(value: object) -> bool:

@@ -133,10 +133,10 @@ def test_read_limit_refusals_say_why_in_one_line(monkeypatch, tmp_path, checkpoi
     with pytest.raises(Edge0Error, match="without a block device .*0:"):
         whole_disk(0, 45, "/dev/shm/model")
     model = checkpoint_dir("qwen3_moe")
-    assert main(["bench", str(model), "--read-limit", "0", "--rounds", "1"]) == 2
-    assert "cannot throttle reads for --read-limit: the limit must be at least 1 byte/s" in (
-        capsys.readouterr().err
-    )
+    with pytest.raises(SystemExit) as exited:  # refused as its argument is parsed
+        main(["bench", str(model), "--read-limit", "0", "--rounds", "1"])
+    assert exited.value.code == 2
+    assert "--read-limit: 0 must be at least 1 byte" in capsys.readouterr().err
 
 
 def test_a_partition_is_throttled_on_its_disk(tmp_path):

@@ -11,6 +11,9 @@ from edge0_tui.commands.common import print_stderr, read_text
 from engine import Edge0Error
 
 NAME = "bench"
+# The longest --prompt-file read: far beyond any context a desk run holds (a prompt of a million
+# characters is ~250k tokens), and a bound on what a mistaken file (a disk image) costs.
+MAX_PROMPT_CHARS = 1 << 20
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -31,7 +34,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--ram-limit", type=options.size, default=None)
     parser.add_argument(
         "--read-limit",
-        type=options.size,
+        type=options.positive_size,
         default=None,
         metavar="BW",
         help="throttle each arm's disk reads to BW per second, e.g. 100M (Linux cgroups); "
@@ -70,9 +73,10 @@ def run(args: argparse.Namespace) -> int:
     from engine.measure.bench import DEFAULT_PROMPT, BenchConfig, markdown, run_bench, terminal_plot
 
     check_checkpoint(args.model)  # in this process: the arms' processes would each say it again
+    check_outputs(args)  # before the run: its results are written only at the end
     prompt = DEFAULT_PROMPT
     if args.prompt_file is not None:
-        prompt = read_text(args.prompt_file, "the prompt")
+        prompt = read_prompt(args.prompt_file)
     config = BenchConfig(
         model=args.model,
         arms=[a.strip() for a in args.arms.split(",") if a.strip()],
@@ -103,7 +107,36 @@ def run(args: argparse.Namespace) -> int:
     print(table)
     print(terminal_plot(report))
     if args.json_out:
-        args.json_out.write_text(json.dumps(report, indent=1))
+        write_output(args.json_out, json.dumps(report, indent=1), "the JSON report")
     if args.markdown:
-        args.markdown.write_text(table)
+        write_output(args.markdown, table, "the markdown table")
     return 0
+
+
+def read_prompt(path: Path) -> str:
+    """--prompt-file, read only up to `MAX_PROMPT_CHARS` (one more, to tell a longer file)."""
+    prompt = read_text(path, "the prompt", max_chars=MAX_PROMPT_CHARS + 1)
+    if len(prompt) > MAX_PROMPT_CHARS:
+        raise Edge0Error(f"{path}: the prompt is longer than {MAX_PROMPT_CHARS} characters")
+    return prompt
+
+
+def check_outputs(args: argparse.Namespace) -> None:
+    """--json and --markdown name files that can be written (not a folder, not in a read-only
+    one): found out after a whole run, the results were lost with a traceback."""
+    from engine import check_output_file, check_output_folder
+
+    for path, what in ((args.json_out, "the JSON report"), (args.markdown, "the markdown table")):
+        if path is not None:
+            check_output_file(path, what)
+    if args.trace is not None:
+        check_output_folder(args.trace, "the step timelines")
+
+
+def write_output(path: Path, text: str, what: str) -> None:
+    """One result file; a write that still fails (a full disk, /dev/full) is one line: the
+    table is on stdout already."""
+    try:
+        path.write_text(text)
+    except OSError as e:
+        raise Edge0Error(f"{path}: cannot write {what} ({e.strerror or e})") from None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
 
 from edge0_tui.commands import options
@@ -95,5 +96,12 @@ def run(args: argparse.Namespace) -> int:
         adapter_dirs=tuple(args.adapters),  # the session fetches Hub repos on its thread
         data_dir=data_dir,
     )
-    Edge0App(model=args.model, engine_config=config, data_dir=data_dir, preferences=kept).run()
+    app = Edge0App(model=args.model, engine_config=config, data_dir=data_dir, preferences=kept)
+    if not args.expert_cache and stored.expert_cache_bytes:  # the kept budget, checked at load
+        default = parse_size("4M") if demo else options.AUTO
+        app.session.fallback = (
+            dataclasses.replace(config, **options.expert_cache_config(default)),
+            f"{store.path}: expert_cache_bytes={stored.expert_cache_bytes}",
+        )
+    app.run()
     return 0

@@ -45,6 +45,14 @@ def size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def positive_size(text: str) -> int:
+    """A byte size above 0 (a bandwidth: 0 bytes a second would never read)."""
+    value = size(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text} must be at least 1 byte")
+    return value
+
+
 def page_cache(text: str) -> int | str:
     """--page-cache: a SIZE, or "off" (the OS decides what stays cached)."""
     if text.strip().lower() in ("off", "none"):
@@ -63,6 +71,20 @@ def utf8(text: str) -> str:
             f"not valid UTF-8 (byte 0x{byte:02x} at character {e.start})"
         ) from None
     return text
+
+
+def adapter_spec(text: str) -> str:
+    """--adapters: a folder or a repo id, never empty (`Path("")` is the current folder)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("empty: name a folder or a repo id (. for this folder)")
+    return utf8(text)
+
+
+def folder(text: str) -> Path:
+    """A folder argument, never empty (`Path("")` is the current folder)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("empty: name a folder (. for this folder)")
+    return Path(text)
 
 
 def count(least: int) -> Callable[[str], int]:
@@ -184,7 +206,12 @@ def add_exact(parser: argparse.ArgumentParser) -> None:
 
 def add_adapters(parser: argparse.ArgumentParser, help: str = ADAPTERS_HELP) -> None:
     parser.add_argument(
-        "--adapters", action="append", default=[], metavar="DIR|REPO_ID", type=utf8, help=help
+        "--adapters",
+        action="append",
+        default=[],
+        metavar="DIR|REPO_ID",
+        type=adapter_spec,
+        help=help,
     )
 
 

@@ -23,7 +23,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "model", help="checkpoint directory, Hugging Face repo id, or demo (the model's id)"
     )
     parser.add_argument(
-        "--host", default="127.0.0.1", help="address to listen on (default: loopback only)"
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on (default: loopback only); requests must name it, or a loopback "
+        "name, in their Host header (any name on 0.0.0.0 or ::)",
     )
     parser.add_argument("--port", type=options.port, default=8080, help="0 picks a free port")
     options.add_mode(parser)
@@ -43,7 +46,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--api-key",
         default=os.environ.get(API_KEY_ENV),
         metavar="KEY",
-        help=f"require `Authorization: Bearer KEY` on /v1 and /metrics (default: ${API_KEY_ENV})",
+        help="require `Authorization: Bearer KEY` on /v1 and /metrics; printable ASCII without "
+        f"spaces around it, else refused at start (default: ${API_KEY_ENV})",
     )
     parser.add_argument(
         "--queue-limit",
@@ -52,8 +56,63 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         metavar="N",
         help="requests that may wait behind the one generating; more get 429 (default 16)",
     )
+    parser.add_argument(
+        "--allow-origin",
+        action="append",
+        default=[],
+        type=origin,
+        metavar="ORIGIN",
+        help="let web pages at ORIGIN (e.g. http://localhost:3000) call the API, with CORS "
+        "headers; * allows any; repeatable. Requests from other pages are refused (403)",
+    )
+    parser.add_argument(
+        "--max-connections",
+        type=options.count(1),
+        metavar="N",
+        help="open connections at a time (default 256, less when the open-file limit is lower); "
+        "more are answered 503 and closed",
+    )
+    parser.add_argument(
+        "--client-timeout",
+        type=options.positive_float,
+        metavar="SECONDS",
+        help="the time a client has to send a request's headers, and then its body (default 30)",
+    )
     options.add_exact(parser)
     options.add_adapters(parser)
+
+
+def origin(text: str) -> str:
+    """--allow-origin: `*`, or scheme://host[:port] as a browser sends it in Origin."""
+    value = text.strip().rstrip("/")
+    if value == "*":
+        return value
+    scheme, sep, rest = value.partition("://")
+    if scheme.lower() not in ("http", "https") or not sep or not rest or "/" in rest:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not an origin: give scheme://host[:port], e.g. http://localhost:3000"
+        )
+    return value.lower()
+
+
+def check_api_key(key: str | None) -> None:
+    """Refuse a key no client could send (surrounding spaces are dropped from a header's value;
+    HTTP headers carry ASCII), rather than serve with a key that never matches. Not stripped:
+    the key is a secret, used exactly as given or not at all."""
+    if key is None:
+        return
+    where = f"--api-key (or ${API_KEY_ENV})"
+    if not key.strip():
+        raise Edge0Error(f"{where} is empty")
+    if key != key.strip():
+        raise Edge0Error(
+            f"{where} has spaces at its start or end, which an Authorization header cannot carry"
+        )
+    if not (key.isascii() and key.isprintable()):
+        raise Edge0Error(
+            f"{where} must be printable ASCII: an HTTP header carries no other characters "
+            "reliably, so no client could send it"
+        )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -64,9 +123,8 @@ def run(args: argparse.Namespace) -> int:
     from edge0_tui.model_source import check_model
     from edge0_tui.server import open_engine_for, serve_model
 
+    check_api_key(args.api_key)
     check_model(args.model)  # a one-line error before anything listens
-    if args.api_key is not None and not args.api_key.strip():
-        raise Edge0Error("--api-key is empty")
     # The demo as the chat serves it: a 4 MB expert cache and page-cache budget show the wall.
     demo = args.model == "demo"
     expert_cache = args.expert_cache or (parse_size("4M") if demo else options.AUTO)
@@ -90,5 +148,9 @@ def run(args: argparse.Namespace) -> int:
         port=args.port,
         api_key=args.api_key,
         queue_limit=args.queue_limit,
+        origins=tuple(args.allow_origin),
+        # None: the server's defaults (limits.py; not imported here, where every command parses)
+        max_connections=args.max_connections,
+        client_timeout_s=args.client_timeout,
     )
     return 0

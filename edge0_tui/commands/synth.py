@@ -37,9 +37,23 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--seed", type=options.seed, default=0)
     parser.add_argument(
         "--heads",
+        type=k_list,
         default=None,
         help="comma-separated K values to train quick prerouter heads for (default: 4 for wall)",
     )
+
+
+def k_list(text: str) -> tuple[int, ...]:
+    """--heads: comma-separated routing widths, checked when parsed (a bad one was a traceback
+    after the checkpoint was written)."""
+    values = []
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        if not (part.isascii() and part.isdigit()) or int(part) < 1:
+            raise argparse.ArgumentTypeError(f"{part!r} is not a K (a whole number, at least 1)")
+        values.append(int(part))
+    return tuple(values)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -57,8 +71,8 @@ def run(args: argparse.Namespace) -> int:
             f"{e.filename or args.out}: cannot write the checkpoint ({e.strerror or e})"
         ) from None
     print(f"wrote {preset} {family} checkpoint to {out}")
-    heads = args.heads if args.heads is not None else ("4" if preset == "wall" else "")
-    for k in [int(k) for k in heads.split(",") if k.strip()]:
+    heads = args.heads if args.heads is not None else ((4,) if preset == "wall" else ())
+    for k in heads:
         _quick_heads(out, k)
     return 0
 

@@ -44,7 +44,7 @@ def _add_heads(phases: argparse._SubParsersAction) -> None:
     )
     heads.add_argument(
         "--adapters",
-        type=Path,
+        type=options.folder,
         default=None,
         metavar="DIR",
         help="the adapter folder to write to, traces and training state in DIR/work (default: "
@@ -121,7 +121,7 @@ def _add_lora_and_distill(phases: argparse._SubParsersAction) -> None:
         )
         phase.add_argument(
             "--out-dir",
-            type=Path,
+            type=options.folder,
             default=None,
             help=f"checkpoints (default HEADS_FOLDER/train/{out_dir}_k{{K}}); a rerun resumes "
             "there",

@@ -142,9 +142,12 @@ class ReplyJob:
         k: int | None = None,
         mode: str | None = None,
         fit_context: bool = False,
+        prompt_tokens: list[int] | None = None,
     ) -> None:
         # A list of `role`/`content` dicts goes through the chat template; a string as it is.
         self.prompt = prompt
+        # The prompt already encoded (by the caller, off the engine thread); None: encoded there.
+        self.prompt_tokens = prompt_tokens
         self.generation = generation
         self.post = post  # called on the engine thread; must hand the event on without waiting
         self.text = text

@@ -390,7 +390,9 @@ class _ReplyRun:
     def _generate(self) -> GenerationResult:
         engine, job = self.engine, self.job
         self.service._switch_for(engine, job)
-        if isinstance(job.prompt, str):
+        if job.prompt_tokens is not None:
+            prompt = job.prompt_tokens
+        elif isinstance(job.prompt, str):
             prompt = engine.encode(job.prompt)
         else:
             prompt = engine.encode_chat(list(job.prompt))

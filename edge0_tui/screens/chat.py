@@ -35,7 +35,7 @@ from ..messages import (
     ReplyText,
     SwitchFailed,
 )
-from ..preferences import ModelPreferences
+from ..preferences import ModelPreferences, fit_to_model
 from ..system_memory import SystemMemory, read_system_memory
 from ..widgets.conversation import AssistantTurn, Conversation
 from ..widgets.memory_bar import MemoryBreakdown
@@ -204,6 +204,15 @@ class ChatScreen(Screen):
             return
         if kept.store.warning:
             self.notify(kept.store.warning, title="settings file", severity="warning")
+        engine = self.session.engine
+        if engine is not None:
+            fitted, warning = fit_to_model(
+                kept.current, engine.context_limit, GenerationConfig(), kept.store.path
+            )
+            if warning:
+                kept.current = fitted
+                self.settings = replace(self.settings, max_tokens=fitted.generation.max_tokens)
+                self.notify(warning, title="settings file", severity="warning")
         wanted = kept.current
         if wanted.mode and not kept.mode_from_command_line and wanted.mode != event.info["mode"]:
             if wanted.mode in event.modes:

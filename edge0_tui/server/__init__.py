@@ -1,7 +1,9 @@
 """`edge0 serve`: an OpenAI-compatible HTTP server with the memory wall as live metrics.
 
     app.py            the ASGI app (Starlette) and `serve` (uvicorn, the listening socket)
-    engine_worker.py  requests to the engine thread (../engine_service.py) and back; stop sequences
+    engine_worker.py  requests to the engine thread (../engine_service.py) and back
+    stop_text.py      stop sequences over a growing reply, in linear work
+    limits.py         time limits, the connection limit, Host/Origin checks, the log's flood guard
     openai_shapes.py  request checks and reply/error JSON in the OpenAI API's shapes
     metrics.py        GET /metrics in Prometheus's text format
 
@@ -31,9 +33,12 @@ def serve_model(
     port: int = 8080,
     api_key: str | None = None,
     queue_limit: int = 16,
+    **limits,
 ) -> None:
-    """`edge0 serve MODEL`: the model answers to its name and to `edge0`."""
+    """`edge0 serve MODEL`: the model answers to its name and to `edge0`. `limits`: the
+    ServerSettings of origins, max_connections and client_timeout_s."""
     name = model_name(spec)
     ids = (name,) if name == "edge0" else (name, "edge0")
-    settings = ServerSettings(model_ids=ids, api_key=api_key)
+    given = {name: value for name, value in limits.items() if value is not None}
+    settings = ServerSettings(model_ids=ids, api_key=api_key, **given)
     serve(open_engine, settings, host=host, port=port, queue_limit=queue_limit)

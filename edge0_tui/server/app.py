@@ -6,8 +6,11 @@ an ASGI response that relays the engine thread's events as they come, as server-
 as one JSON body. Each reply also listens for the client's disconnect: a client that goes away
 cancels its job, waiting or running (the engine stops before its next step).
 
-Bodies are read incrementally and refused past `max_body_bytes` (413); every error is OpenAI's
-JSON error shape with its status (`openai_shapes.ApiError`).
+Bodies are read incrementally: refused past `max_body_bytes` (413), or when they take longer than
+the client timeout (408), or are not `application/json` (415). Every error is OpenAI's JSON error
+shape with its status (`openai_shapes.ApiError`). What keeps one client from taking the server
+(time limits, the connection limit, the Host and Origin checks, the log's flood guard) is in
+limits.py.
 """
 
 from __future__ import annotations
@@ -27,7 +30,9 @@ from dataclasses import dataclass
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
@@ -36,6 +41,17 @@ from engine import Edge0Error
 from ..sanitize import escape_controls
 from . import metrics as prometheus
 from .engine_worker import EngineWorker, Failed, Finished, Job, Text, not_ready
+from .limits import (
+    CLIENT_TIMEOUT_S,
+    KEEP_ALIVE_S,
+    LOOPBACK_NAMES,
+    MAX_CONNECTIONS,
+    ConnectionLimits,
+    RequestGuard,
+    allowed_hosts,
+    fd_limit,
+    limit_repeated_logs,
+)
 from .openai_shapes import (
     ApiError,
     GenerationRequest,
@@ -69,6 +85,11 @@ class ServerSettings:
     max_body_bytes: int = MAX_BODY_BYTES
     log: Log = _stderr
     created: int = 0  # the model's `created`, set when the app is made
+    # The Host names answered (None: any); `serve` sets them from the address it binds.
+    hosts: frozenset[str] | None = LOOPBACK_NAMES
+    origins: tuple[str, ...] = ()  # browser origins allowed (--allow-origin); "*": any
+    client_timeout_s: float = CLIENT_TIMEOUT_S  # for a request's headers, and for its body
+    max_connections: int = MAX_CONNECTIONS
 
 
 def error_response(error: ApiError, stats: prometheus.ServerStats | None = None) -> JSONResponse:
@@ -78,18 +99,34 @@ def error_response(error: ApiError, stats: prometheus.ServerStats | None = None)
         else:
             stats.failed += 1
     headers = {"Retry-After": "1"} if error.status in (429, 503) else None
+    if error.status == 408:  # the rest of a body that came too slowly must not be read as a request
+        headers = {"Connection": "close"}
     return JSONResponse(error.body(), status_code=error.status, headers=headers)
 
 
-async def read_json(request: Request, limit: int) -> dict:
-    """The request's JSON object, read chunk by chunk and refused past `limit` bytes."""
+class ClientGone(Exception):
+    """The client disconnected before its request's body had arrived: nobody reads an answer."""
+
+
+async def read_json(request: Request, limit: int, timeout_s: float = CLIENT_TIMEOUT_S) -> dict:
+    """The request's JSON object, read chunk by chunk: refused past `limit` bytes, when it is not
+    `application/json` (a browser's form or text/plain POST needs no preflight), or when the
+    body takes more than `timeout_s` to arrive (a client sending it a byte at a time)."""
+    kind = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+    if kind != "application/json":
+        raise ApiError(
+            415,
+            f"the body must be JSON, sent as Content-Type: application/json (not "
+            f"{kind[:60] or 'none'!r})",
+            code="unsupported_media_type",
+        )
     declared = request.headers.get("content-length", "")
     too_big = declared.isdigit() and int(declared) > limit
     if too_big and int(declared) > DRAIN_BYTES:
         raise _too_big(limit)
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
+    async for chunk in _body(request, timeout_s):
         size += len(chunk)
         too_big = too_big or size > limit
         if too_big:
@@ -106,6 +143,27 @@ async def read_json(request: Request, limit: int) -> dict:
     if not isinstance(body, dict):
         raise ApiError(400, "the body must be a JSON object", code="invalid_json")
     return body
+
+
+async def _body(request: Request, timeout_s: float):
+    """The body's chunks, within `timeout_s` in all; ClientGone when the client leaves."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    stream = request.stream().__aiter__()
+    while True:
+        try:
+            chunk = await asyncio.wait_for(stream.__anext__(), max(0.0, deadline - loop.time()))
+        except StopAsyncIteration:
+            return
+        except asyncio.TimeoutError:
+            raise ApiError(
+                408,
+                f"the request body did not arrive within {timeout_s:g} s",
+                code="request_timeout",
+            ) from None
+        except ClientDisconnect:
+            raise ClientGone() from None
+        yield chunk
 
 
 def _too_big(limit: int) -> ApiError:
@@ -268,6 +326,7 @@ class GenerationResponse:
 def create_app(worker: EngineWorker, settings: ServerSettings) -> Starlette:
     """The ASGI app. Starts the worker when the app starts, shuts it down when the app stops."""
     stats = prometheus.ServerStats()
+    encoding = asyncio.Lock()
     settings.created = settings.created or int(time.time())
 
     def check_key(request: Request) -> None:
@@ -290,12 +349,16 @@ def create_app(worker: EngineWorker, settings: ServerSettings) -> Starlette:
                 return await handler(request)
             except ApiError as e:
                 return error_response(e, stats)
+            except ClientGone:  # nothing to log, nobody to answer
+                return Response(status_code=400)
 
         return endpoint
 
     async def generate(request: Request, parse) -> Response | GenerationResponse:
-        body = await read_json(request, settings.max_body_bytes)
+        body = await read_json(request, settings.max_body_bytes, settings.client_timeout_s)
         parsed: GenerationRequest = parse(body, settings.model_ids)
+        async with encoding:  # one prompt at a time: each may take seconds and much memory
+            tokens = await asyncio.to_thread(worker.encode, parsed)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
 
@@ -305,7 +368,7 @@ def create_app(worker: EngineWorker, settings: ServerSettings) -> Starlette:
             except RuntimeError:  # the loop is closed: nobody is listening any more
                 job.stop()
 
-        job = Job(parsed, post)
+        job = Job(parsed, post, tokens)
         worker.submit(job)  # ApiError: 503 loading, 429 queue full
         return GenerationResponse(parsed, job, events, stats, settings.log)
 
@@ -382,10 +445,27 @@ def create_app(worker: EngineWorker, settings: ServerSettings) -> Starlette:
         ],
         exception_handlers={HTTPException: http_error, Exception: server_error},
         lifespan=lifespan,
+        middleware=_middleware(settings),
     )
     app.state.stats = stats
     app.state.worker = worker
     return app
+
+
+def _middleware(settings: ServerSettings) -> list[Middleware]:
+    """The Host and Origin checks first; then, for the origins allowed, CORS (preflights
+    answered, and the headers that let the page read the reply)."""
+    middleware = [Middleware(RequestGuard, hosts=settings.hosts, origins=settings.origins)]
+    if settings.origins:
+        middleware.append(
+            Middleware(
+                CORSMiddleware,
+                allow_origins=list(settings.origins),
+                allow_methods=["GET", "POST"],
+                allow_headers=["authorization", "content-type"],
+            )
+        )
+    return middleware
 
 
 # -- serve: the `edge0 serve` command's body ---------------------------------------------------
@@ -432,8 +512,18 @@ def serve(
     url = url_of(sock)
     log = settings.log
     server: uvicorn.Server | None = None
+    settings.hosts = allowed_hosts(host, sock.getsockname()[0])
+    limits = ConnectionLimits(settings.max_connections, settings.client_timeout_s, log)
+    sock = limits.listener(sock)  # refuses past the limit in accept(): before it holds a socket
 
     def on_ready(worker: EngineWorker) -> None:
+        # The model's files are open now (and loading it may have raised the open-file limit).
+        if limits.measure() < settings.max_connections:
+            log(
+                f"edge0: at most {limits.max_connections} connections at a time: the open-file "
+                f"limit ({fd_limit()}) leaves no room for --max-connections "
+                f"{settings.max_connections}"
+            )
         log(
             f"edge0: ready: {settings.model_ids[0]} ({worker.info.get('family')}, "
             f"K={worker.live.k}, {worker.live.mode}); OpenAI API at {url}/v1"
@@ -474,7 +564,10 @@ def serve(
         timeout_graceful_shutdown=5,
         # The server's own lines only; uvicorn's stay at warnings.
         server_header=False,
+        http=limits.protocol(),  # the header deadline
+        timeout_keep_alive=min(KEEP_ALIVE_S, settings.client_timeout_s),
     )
+    limit_repeated_logs()  # after Config, which sets up uvicorn's loggers
     server = Server(config)
     if not is_loopback(sock) and settings.api_key is None:
         log(f"edge0: warning: {url} is reachable from other machines and no --api-key is set")

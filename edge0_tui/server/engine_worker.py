@@ -2,9 +2,10 @@
 
 The engine thread is `edge0_tui.engine_service.EngineService` (the app runs on it too), started
 on a thread of its own. This adapter turns what the event loop needs into the service's terms:
-- `Job` makes a `ReplyJob` of a checked request, with `StopText` as its text filter, and hands the
-  service's events to the request's `post` as `Text`, `Finished` and `Failed` (an `ApiError` with
-  the status to send), which `post` puts on the event loop without waiting;
+- `Job` makes a `ReplyJob` of a checked request, with `StopText` (stop_text.py) as its text
+  filter, and hands the service's events to the request's `post` as `Text`, `Finished` and
+  `Failed` (an `ApiError` with the status to send), which `post` puts on the event loop without
+  waiting;
 - `EngineWorker.submit` queues a job, or refuses it (503 while the model loads, 429 when
   `queue_limit` requests already wait behind the one running);
 - `Job.cancel` (a client that went away) drops a waiting job, or makes the running generation
@@ -15,6 +16,7 @@ on a thread of its own. This adapter turns what the event loop needs into the se
 
 from __future__ import annotations
 
+import re
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -38,6 +40,10 @@ from ..engine_service import (
 from ..live_metrics import LiveMetrics
 from ..sanitize import escape_controls
 from .openai_shapes import ApiError, GenerationRequest
+from .stop_text import StopText
+
+# The request fields an engine-side check names at the start of its message (`top_k=...`).
+SAMPLING_FIELD = re.compile(r"(top_k|top_p|temperature|seed|max_tokens)=")
 
 # How often an idle engine thread re-reads MLX and page-cache memory for /metrics.
 IDLE_REFRESH_S = 1.0
@@ -66,48 +72,15 @@ class Failed:
 Event = Text | Finished | Failed
 
 
-class StopText:
-    """The reply's text as it may be sent: cut at the first stop sequence, and holding back what
-    could still become one (or a character whose last bytes have not been decoded yet)."""
-
-    def __init__(self, stop: tuple[str, ...]) -> None:
-        self.stop = stop
-        self.sent = 0  # characters already handed out
-        self.stopped = False
-
-    def _cut(self, text: str) -> str:
-        hits = [i for s in self.stop if (i := text.find(s)) >= 0]
-        if hits:
-            self.stopped = True
-            return text[: min(hits)]
-        return text
-
-    def update(self, text: str) -> str:
-        """The new text that may be sent, given the whole reply decoded so far."""
-        text = self._cut(text)
-        if not self.stopped:
-            text = text.rstrip("\ufffd")
-            held = max(
-                (n for s in self.stop for n in range(len(s) - 1, 0, -1) if text.endswith(s[:n])),
-                default=0,
-            )
-            text = text[: len(text) - held]
-        new = text[self.sent :]
-        self.sent = max(self.sent, len(text))
-        return new
-
-    def finish(self, text: str) -> str:
-        """The rest of the reply once generation has ended."""
-        text = self._cut(text)
-        new = text[self.sent :]
-        self.sent = len(text)
-        return new
-
-
 class Job(ReplyJob):
     """A checked request as the engine thread's job; its events reach `post` in HTTP terms."""
 
-    def __init__(self, request: GenerationRequest, post: Callable[[Event], None]) -> None:
+    def __init__(
+        self,
+        request: GenerationRequest,
+        post: Callable[[Event], None],
+        prompt_tokens: list[int] | None = None,
+    ) -> None:
         self.request = request
         self._post_http = post  # thread-safe: hands an event to the request's handler
         super().__init__(
@@ -118,6 +91,7 @@ class Job(ReplyJob):
             k=request.k,
             mode=request.mode,
             fit_context=request.default_max_tokens,
+            prompt_tokens=prompt_tokens,
         )
 
     def _translate(self, event: JobEvent) -> None:
@@ -150,9 +124,13 @@ def api_error(error: Exception, generated: int) -> ApiError:
         return ApiError(500, f"internal error: {error}", type="server_error")
     if generated:
         return ApiError(500, str(error), type="server_error")
-    # The prompt (too long, a template that fails) or a sampling value.
-    code = "context_length_exceeded" if "exceeds the model's context" in str(error) else None
-    return ApiError(400, str(error), code=code)
+    # The prompt (too long, a template that fails) or a sampling value the engine checks against
+    # the model (top_k against the vocabulary): the message begins with the field's name.
+    message = str(error)
+    if "exceeds the model's context" in message:
+        return ApiError(400, message, code="context_length_exceeded")
+    field = SAMPLING_FIELD.match(message)
+    return ApiError(400, message, param=field.group(1) if field else None)
 
 
 class EngineWorker:
@@ -169,6 +147,7 @@ class EngineWorker:
         self._on_ready = on_ready
         self._on_failed = on_failed
         self._log = log or (lambda line: print(escape_controls(line), file=sys.stderr, flush=True))
+        self._token_chars: int | None = None  # the vocabulary's longest entry, once known
         self.service = EngineService(
             open_engine,  # runs on the engine thread; returns an Engine
             on_event=self._on_event,
@@ -203,6 +182,53 @@ class EngineWorker:
                 type="rate_limit_error",
                 code="queue_full",
             ) from None
+
+    def encode(self, request: GenerationRequest) -> list[int] | None:
+        """The request's prompt as tokens, encoded on the caller's thread (a 4 MB prompt takes
+        seconds: never on the engine thread, where it would stall every reply); None while the
+        model is not ready (`submit` answers that). Raises ApiError 400 for a prompt that cannot
+        fit the model's context: at once, without encoding it, when it has more characters than
+        the context's worth of the longest token; else once encoded, before it is queued."""
+        engine = self.service.engine
+        if engine is None or self.state != "ready":
+            return None
+        limit = engine.context_limit
+        param = "messages" if request.kind == "chat" else "prompt"
+        chars = prompt_chars(request)
+        if chars > limit * self._longest_token(engine):
+            raise ApiError(
+                400,
+                f"the prompt's {chars} characters are more than the model's context of {limit} "
+                f"tokens can hold (a token has at most {self._longest_token(engine)} characters)",
+                param=param,
+                code="context_length_exceeded",
+            )
+        try:
+            if request.kind == "chat":
+                tokens = engine.encode_chat(list(request.messages))
+            else:
+                tokens = engine.encode(request.prompt)
+        except Edge0Error as e:  # a chat template that fails: the model's, said as the engine says
+            raise api_error(e, 0) from None
+        room = 1 if request.default_max_tokens else request.generation.max_tokens
+        if len(tokens) + room > limit:
+            raise ApiError(
+                400,
+                f"prompt of {len(tokens)} tokens plus {room} new tokens exceeds the model's "
+                f"context of {limit}",
+                param=param,
+                code="context_length_exceeded",
+            )
+        return tokens
+
+    def _longest_token(self, engine) -> int:
+        """The most characters one token of the model's vocabulary stands for (its longest
+        entry: a byte-level entry has one character per byte, which is at least one character
+        of text), measured once."""
+        if self._token_chars is None:
+            vocab = engine.tokenizer.get_vocab()
+            self._token_chars = max(map(len, vocab), default=1)
+        return self._token_chars
 
     def cancel_all(self) -> None:
         """Stop the running job and drop the waiting ones (the server is shutting down)."""
@@ -265,6 +291,13 @@ class EngineWorker:
     @property
     def last_figures(self) -> dict:
         return self.service.last_figures
+
+
+def prompt_chars(request: GenerationRequest) -> int:
+    """The characters of text a request brings (the chat template adds more, never fewer)."""
+    if request.kind == "chat":
+        return sum(len(m["content"]) for m in request.messages)
+    return len(request.prompt)
 
 
 def not_ready(state: str, error: str | None) -> ApiError:

@@ -18,8 +18,14 @@ from engine import MODES, Edge0Error, GenerationConfig
 
 # A reply's length when the request does not say (`max_tokens` / `max_completion_tokens`).
 DEFAULT_MAX_TOKENS = 512
-# OpenAI takes up to 4 stop sequences.
+# OpenAI takes up to 4 stop sequences. Their length is edge0's bound: the reply's last
+# characters are held back while they could still begin one, and a stop sequence longer than any
+# reply would only hold text back.
 MAX_STOP = 4
+MAX_STOP_CHARS = 1000
+# A lone surrogate (a JSON "\ud800" escape without its pair) is not text: no tokenizer encodes
+# it and no reply can carry it back.
+LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
 
@@ -90,6 +96,26 @@ def _optional(body: dict, name: str, check, wanted: str):
     return value
 
 
+def _shown(value: object) -> str:
+    """A client's value in an error message: strings quoted and cut short, others by type."""
+    if isinstance(value, str):
+        shown = repr(value)
+        return shown if len(shown) <= 60 else shown[:57] + "..."
+    return _json_type(value)
+
+
+def _text(value: str, where: str) -> str:
+    """`value`, refused (naming `where`) when it holds a lone surrogate."""
+    found = LONE_SURROGATE.search(value)
+    if found:
+        raise bad(
+            f"{where} holds a lone surrogate (U+{ord(found.group()):04X} at character "
+            f"{found.start()}), which is not text",
+            where,
+        )
+    return value
+
+
 def _json_type(value: object) -> str:
     if isinstance(value, bool):
         return "a boolean"
@@ -118,7 +144,7 @@ def check_model(body: dict, model_ids: tuple[str, ...]) -> str:
     if model not in model_ids:
         raise ApiError(
             404,
-            f"the model {model!r} does not exist here (this server runs {model_ids[0]!r})",
+            f"the model {_shown(model)} does not exist here (this server runs {model_ids[0]!r})",
             param="model",
             code="model_not_found",
         )
@@ -168,7 +194,13 @@ def _stop(body: dict) -> tuple[str, ...]:
         raise bad(f"stop takes at most {MAX_STOP} sequences, not {len(stop)}", "stop")
     if any(s == "" for s in stop):
         raise bad("stop sequences must not be empty", "stop")
-    return tuple(stop)
+    longest = max(len(s) for s in stop)
+    if longest > MAX_STOP_CHARS:
+        raise bad(
+            f"stop sequences may have at most {MAX_STOP_CHARS} characters each, not {longest}",
+            "stop",
+        )
+    return tuple(_text(s, "stop") for s in stop)
 
 
 def _profile(body: dict) -> tuple[int | None, str | None]:
@@ -226,7 +258,7 @@ def _content(message: dict, index: int) -> str:
             return ""
         raise bad(f"{where} is missing", where)
     if isinstance(content, str):
-        return content
+        return _text(content, where)
     if isinstance(content, list):
         parts = []
         for part in content:
@@ -234,7 +266,7 @@ def _content(message: dict, index: int) -> str:
                 raise bad(f"{where}: only text parts are supported", where)
             if not isinstance(part.get("text"), str):
                 raise bad(f"{where}: a text part needs a string `text`", where)
-            parts.append(part["text"])
+            parts.append(_text(part["text"], where))
         return "".join(parts)
     raise bad(f"{where} must be a string or an array of text parts", where)
 
@@ -250,9 +282,9 @@ def _messages(body: dict) -> tuple[dict, ...]:
         if not isinstance(message, dict):
             raise bad(f"messages[{i}] must be an object", f"messages[{i}]")
         role = message.get("role")
-        if role not in ROLES:
+        if not isinstance(role, str) or role not in ROLES:  # a list or an object is unhashable
             raise bad(
-                f"messages[{i}].role must be one of {', '.join(ROLES)}, not {role!r}",
+                f"messages[{i}].role must be one of {', '.join(ROLES)}, not {_shown(role)}",
                 f"messages[{i}].role",
             )
         out.append({"role": ROLES[role], "content": _content(message, i)})
@@ -276,7 +308,7 @@ def parse_completion(body: dict, model_ids: tuple[str, ...]) -> GenerationReques
         raise bad("prompt must be a string (one prompt per request)", "prompt")
     if not prompt:
         raise bad("prompt must not be empty", "prompt")
-    return _request(body, "completion", model, ("max_tokens",), prompt=prompt)
+    return _request(body, "completion", model, ("max_tokens",), prompt=_text(prompt, "prompt"))
 
 
 def _request(

@@ -34,6 +34,9 @@ from .metadata import (
 
 # The reference's published adapters use r=16, alpha=32; a file that records no alpha is read so.
 DEFAULT_ALPHA_PER_RANK = 2.0
+# The largest scale (alpha / r) a LoRA file may carry. Published adapters use 0.5 to 4 and even
+# aggressive ones stay under 100; alpha=-1e30 ran and turned every reply into garbage unflagged.
+MAX_LORA_SCALE = 1024.0
 
 
 class LoRALinear(nn.Module):
@@ -118,6 +121,7 @@ def load_lora(path: Path, fingerprint: str) -> LoRAAdapter:
             raise ValueError(alpha)
     except (TypeError, ValueError, OverflowError):
         raise Edge0Error(f"{path}: metadata alpha={meta.get('alpha')!r} is not a number") from None
+    check_scale(path, alpha, r)
     return LoRAAdapter(path, r, alpha, metadata_int(meta, "K", path), weights)
 
 
@@ -183,6 +187,16 @@ class AppliedLoRA:
         self._installed.clear()
 
 
+def check_scale(path: Path, alpha: float, r: int) -> None:
+    """Refuse a LoRA whose scale (alpha / r) is not above 0 and at most `MAX_LORA_SCALE`."""
+    scale = alpha / r
+    if not 0 < scale <= MAX_LORA_SCALE:
+        raise Edge0Error(
+            f"{path}: metadata alpha={alpha:g} with rank {r} scales the LoRA by {scale:g}; "
+            f"a LoRA's scale (alpha / r) is above 0 and at most {MAX_LORA_SCALE:g}"
+        )
+
+
 def save_lora(
     path: Path,
     weights: dict[str, tuple[mx.array, mx.array]],
@@ -191,6 +205,7 @@ def save_lora(
     k: int,
     fingerprint: str,
 ) -> None:
+    check_scale(path, alpha, r)
     tensors = {}
     for module, (a, b) in weights.items():
         tensors[f"{module}.lora_A"] = a.astype(mx.float16)

@@ -129,6 +129,7 @@ def write_adapter(path: Path, tensors: dict[str, mx.array], metadata: dict[str, 
             f"{path}: not written: tensor {bad[0]!r} holds NaN or infinite values (training "
             "diverged: try a lower --lr); the previous file, if any, is kept"
         )
+    _remove_stale_temps(path)
     # mx.save_safetensors adds `.safetensors` to a name that lacks it.
     tmp = path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp.safetensors")
     try:
@@ -147,6 +148,33 @@ def write_adapter(path: Path, tensors: dict[str, mx.array], metadata: dict[str, 
     except BaseException:  # Ctrl-C: no temporary file left behind either
         tmp.unlink(missing_ok=True)
         raise
+
+
+def _remove_stale_temps(path: Path) -> None:
+    """Temporary files of an earlier write of `path` whose process is gone (killed mid-write):
+    ours by their name, `.NAME.PID-HEX.tmp.safetensors`, and removed, never another's."""
+    pattern = re.compile(rf"\.{re.escape(path.name)}\.(\d+)-[0-9a-f]+\.tmp\.safetensors")
+    try:
+        names = os.listdir(path.parent)
+    except OSError:
+        return
+    for name in names:
+        match = pattern.fullmatch(name)
+        if match and not _process_alive(int(match.group(1))):
+            try:
+                (path.parent / name).unlink()
+            except OSError:
+                pass
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, OverflowError):  # none such (a PID too large for any)
+        return False
+    except PermissionError:  # another user's process: alive
+        return True
+    return True
 
 
 def _write_safetensors(path: Path, tensors: dict[str, mx.array], metadata: dict[str, str]) -> None:

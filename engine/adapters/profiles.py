@@ -38,6 +38,7 @@ class ProfileSearch:
     folders: list[AdapterFolder]
     profiles: dict[int, AdapterFiles]  # K -> the profile used (from the first folder that has K)
     shadowed: list[AdapterFiles] = field(default_factory=list)  # the same K in later folders
+    warnings: list[str] = field(default_factory=list)  # adapter files ignored, and why
 
 
 def search_profiles(model_dir: Path, fingerprint: str, config: EngineConfig) -> ProfileSearch:
@@ -45,7 +46,8 @@ def search_profiles(model_dir: Path, fingerprint: str, config: EngineConfig) -> 
     folders = search_folders(Path(model_dir), fingerprint, config.adapter_dirs, config.data_dir)
     search = ProfileSearch(folders, {})
     for folder in folders:
-        for k, files in sorted(discover_profiles(folder.path, folder.origin).items()):
+        found = discover_profiles(folder.path, folder.origin, search.warnings)
+        for k, files in sorted(found.items()):
             if k in search.profiles:
                 search.shadowed.append(files)
             else:
@@ -53,15 +55,45 @@ def search_profiles(model_dir: Path, fingerprint: str, config: EngineConfig) -> 
     return search
 
 
-def discover_profiles(model_dir: Path, origin: str = MODEL) -> dict[int, AdapterFiles]:
-    """The K profiles of one adapter folder (the model directory by default)."""
+# K in a file name: ASCII decimal without leading zeros, so one K has one name (`k0004` or an
+# Arabic-Indic `k٤` read as K=4 was never paired with `lora_k4`).
+_CANONICAL_K = re.compile(r"k(0|[1-9][0-9]*)", re.ASCII)
+_ANY_K = re.compile(r"k\d+")  # what looks like a K to a reader: any digits, any script
+
+
+def _k_of_name(path: Path, suffix: str, warnings: list[str]) -> tuple[bool, int | None]:
+    """(whether to read the file, the K its name says): a K written otherwise than canonically
+    is not read, with a warning naming the file."""
+    if suffix.endswith(".tmp"):  # `x.tmp.safetensors`: a write that never finished, not a K
+        warnings.append(f"{path}: ignored: a temporary file (a write that was interrupted)")
+        return False, None
+    match = _CANONICAL_K.fullmatch(suffix)
+    if match:
+        return True, int(match.group(1))
+    if _ANY_K.fullmatch(suffix):
+        warnings.append(
+            f"{path}: ignored: K in an adapter file name is ASCII digits without leading zeros "
+            "(prerouter_k4.safetensors, lora_k4.safetensors)"
+        )
+        return False, None
+    return True, None
+
+
+def discover_profiles(
+    model_dir: Path, origin: str = MODEL, warnings: list[str] | None = None
+) -> dict[int, AdapterFiles]:
+    """The K profiles of one adapter folder (the model directory by default); the files ignored
+    go to `warnings`, each naming the file and why."""
+    warnings = [] if warnings is None else warnings
     profiles: dict[int, AdapterFiles] = {}
     for prerouter in sorted(model_dir.glob("prerouter_*.safetensors")):
         suffix = prerouter.name[len("prerouter_") : -len(".safetensors")]
-        match = re.fullmatch(r"k(\d+)", suffix)
+        read, name_k = _k_of_name(prerouter, suffix, warnings)
+        if not read:
+            continue
         meta = flat_metadata(read_adapter_header(prerouter)[1])
         meta_k = metadata_int(meta, "K", prerouter)
-        k = int(match.group(1)) if match else meta_k
+        k = name_k if name_k is not None else meta_k
         if k is None:
             raise Edge0Error(f"{prerouter}: no K in the file name (prerouter_k4...) or metadata")
         if k < 1:
@@ -76,10 +108,12 @@ def discover_profiles(model_dir: Path, origin: str = MODEL) -> dict[int, Adapter
             )
         lora = model_dir / f"lora_{suffix}.safetensors"
         profiles[k] = AdapterFiles(k, prerouter, lora if lora.exists() else None, origin)
+    paired = {files.lora for files in profiles.values()}
     for lora in sorted(model_dir.glob("lora_k*.safetensors")):
-        match = re.fullmatch(r"lora_k(\d+)\.safetensors", lora.name)
-        if match and int(match.group(1)) not in profiles:
-            k = int(match.group(1))
+        if lora in paired:
+            continue
+        read, k = _k_of_name(lora, lora.name[len("lora_") : -len(".safetensors")], warnings)
+        if read and k is not None and k not in profiles:
             if k < 1:
                 raise Edge0Error(f"{lora}: K={k} is not a routing width (at least 1)")
             profiles[k] = AdapterFiles(k, None, lora, origin)

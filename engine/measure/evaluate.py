@@ -259,6 +259,11 @@ def evaluate(model_dir: str | Path, text: str, config: EvalConfig, log: Log | No
         adapter_dirs=config.adapter_dirs,
         data_dir=config.data_dir,
     )
+    if config.max_tokens < config.window:  # else "the text is too short", whatever the text
+        raise Edge0Error(
+            f"max_tokens={config.max_tokens} is below one perplexity window of {config.window} "
+            f"tokens: give at least {config.window}"
+        )
     engine = Engine(model_dir, engine_config)
     try:
         if config.mode is None and "prerouter" in engine.modes():

@@ -382,8 +382,16 @@ class Engine:
 
     @property
     def warnings(self) -> list[str]:
-        """Problems with the checkpoint that do not stop it from running (e.g. stray shards)."""
-        return list(self.loaded.index.warnings)
+        """Problems that do not stop the model from running: stray shards, adapter files ignored
+        (a K named otherwise than canonically, a K above the model's experts)."""
+        experts = self.loaded.num_experts
+        too_wide = [
+            f"{files.prerouter or files.lora}: ignored: K={k} is above the model's {experts} "
+            "routed experts"
+            for k, files in sorted(self.adapters.items())
+            if k > experts
+        ]
+        return [*self.loaded.index.warnings, *self.adapter_search.warnings, *too_wide]
 
     # -- generation ----------------------------------------------------------------------------------
 
@@ -396,7 +404,9 @@ class Engine:
         forced_tokens: list[int] | None = None,
     ) -> GenerationResult:
         """Generate a reply to `prompt_tokens`. With `forced_tokens`, feed those instead of sampling
-        (teacher forcing): every benchmark arm then does exactly the same work."""
+        (teacher forcing): every benchmark arm then does exactly the same work. `should_stop` is
+        asked before each prefill chunk and after each token; true ends the reply ("cancelled"),
+        with no token at all when it ends the prefill."""
         gen = gen or GenerationConfig()
         if forced_tokens is not None:
             gen = dataclasses.replace(gen, max_tokens=len(forced_tokens))
@@ -439,7 +449,9 @@ class Engine:
         finally:
             # Whatever happened (a read error, a cancel), no per-request state outlives the request.
             self._reset_request_state()
-        if self.config.reuse_prompt_cache and (self.k, self.mode) == profile:
+        if not result.tokens:  # cancelled during the prefill: the cache holds part of it
+            result.summary["generated_tokens"] = 0
+        elif self.config.reuse_prompt_cache and (self.k, self.mode) == profile:
             # The cache now holds the prompt and every generated token but the last (never fed).
             fed = list(prompt_tokens) + result.tokens[:-1]
             self._prompt_cache = (cache, fed, profile)
@@ -484,6 +496,11 @@ class Engine:
         chunk = self.config.prefill_chunk
         body = prompt_tokens[reused:-1]
         for start in range(0, len(body), chunk):
+            # A long prompt is many chunks, each a forward: a caller gone meanwhile (a client
+            # that disconnected) frees the engine now, not after the whole prefill.
+            if should_stop is not None and should_stop():
+                result.stopped_by = "cancelled"
+                return result
             last_chunk = start + chunk >= len(body)
             self._forward(body[start : start + chunk], cache, "prefill", steps, flush=last_chunk)
         logits = self._forward(prompt_tokens[-1:], cache, "prefill", steps)

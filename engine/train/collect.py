@@ -40,6 +40,7 @@ import mlx.nn as nn
 import numpy as np
 
 from ..checkpoint.index import base_fingerprint
+from ..checkpoint.outputs import check_free_space, reserve
 from ..config import format_bytes
 from ..errors import Edge0Error
 from ..routing.moe_block import ops_for
@@ -97,19 +98,39 @@ class TraceFiles:
         """The folder's traces so far when it holds this collection, else a new empty one."""
         found = cls.open(folder)
         if found is not None and found.shape == shape:
+            if not found.complete:  # written by a version that left them sparse, maybe
+                found.reserve()
             return found
         folder.mkdir(parents=True, exist_ok=True)
+        check_free_space(folder, shape.nbytes, "the traces")
         np.save(folder / "tokens.npy", windows)
-        w, t = shape.windows, shape.window
-        for layer in shape.layers:  # sized, not written: the files start sparse
-            for path, dtype, width in (
-                (cls._x_path(folder, layer), X_DTYPE, shape.hidden),
-                (cls._logits_path(folder, layer), LOGITS_DTYPE, shape.experts),
-            ):
-                np.lib.format.open_memmap(path, "w+", dtype, (w, t, width))  # unmapped at once
         files = cls(folder, shape, 0)
+        try:
+            files._create_arrays()
+            files.reserve()
+        except Edge0Error:  # the disk filled: the arrays made so far would only hold it full
+            for path in files._array_paths():
+                path.unlink(missing_ok=True)
+            raise
         files._write_progress()
         return files
+
+    def _create_arrays(self) -> None:
+        w, t = self.shape.windows, self.shape.window
+        for layer in self.shape.layers:  # sized, not written: the files start sparse
+            for path, dtype, width in (
+                (self._x_path(self.folder, layer), X_DTYPE, self.shape.hidden),
+                (self._logits_path(self.folder, layer), LOGITS_DTYPE, self.shape.experts),
+            ):
+                np.lib.format.open_memmap(path, "w+", dtype, (w, t, width))  # unmapped at once
+
+    def _array_paths(self) -> list[Path]:
+        """x_L then logits_L for every layer L."""
+        return [
+            path
+            for layer in self.shape.layers
+            for path in (self._x_path(self.folder, layer), self._logits_path(self.folder, layer))
+        ]
 
     @classmethod
     def open(cls, folder: Path) -> TraceFiles | None:
@@ -123,6 +144,12 @@ class TraceFiles:
         if saved.get("version") != FORMAT_VERSION or not 0 <= done <= shape.windows:
             return None
         return cls(folder, shape, done)
+
+    def reserve(self) -> None:
+        """Every array's blocks allocated on disk now (they were made sparse): a window written
+        through a memory map on a full disk would otherwise kill the process with SIGBUS."""
+        for path in self._array_paths():
+            reserve(path, path.stat().st_size, "the traces")
 
     @property
     def complete(self) -> bool:

@@ -36,7 +36,14 @@ from ..runtime.generation import Engine
 from ..runtime.metrics import peak_memory_line
 from .data import corpus_tokens, draw_prompts, masked_mean, sample_served
 from .lora import teacher_bytes
-from .run import Log, TrainingRun, check_token_rows, read_cache, training_progress
+from .run import (
+    Log,
+    TrainingRun,
+    check_outputs,
+    check_token_rows,
+    read_cache,
+    training_progress,
+)
 from .student import PROFILE_LORA, Student, load_student
 from .teacher import load_teacher
 
@@ -112,6 +119,8 @@ def train_distill(
     )
     lora_path = student.lora.path
     out_dir = Path(out_dir or student.adapter_folder / "train" / f"distill_k{config.k}")
+    out = Path(out or lora_path)
+    check_outputs(out, out_dir)  # before the rollouts and the steps, not after them
     teacher = load_teacher(teacher_dir, student)
     corpus = corpus_tokens(student.tokenizer, text, config.max_corpus_tokens)
     p = config.prompt_tokens
@@ -137,7 +146,6 @@ def train_distill(
     finally:
         engine.close()
 
-    out = Path(out or lora_path)
     student.save_lora(out)
     log(f"wrote {out}")
     log(peak_memory_line())  # what the run needed at most: a RAM limit must leave room for it

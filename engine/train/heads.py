@@ -38,6 +38,7 @@ import numpy as np
 from ..adapters.locations import auto_adapter_dir
 from ..adapters.profiles import search_profiles
 from ..checkpoint.index import base_fingerprint
+from ..checkpoint.outputs import check_output_file, check_output_folder
 from ..config import EngineConfig, format_bytes
 from ..errors import Edge0Error
 from ..routing.functions import RoutingSpec, route
@@ -256,6 +257,10 @@ def train_heads(
         context_tokens=config.window,  # one teacher-forced window a forward, no cache kept
         prefill_chunk=config.window,
     )
+    if out is not None:  # before the model loads and the traces are collected, not after
+        check_output_file(out, "the heads")
+    if adapters_dir:
+        check_output_folder(adapters_dir, "the heads and their traces")
     started = time.perf_counter()
     loaded = load(model_dir, engine_config)
     try:
@@ -269,6 +274,7 @@ def train_heads(
             else auto_adapter_dir(fingerprint, engine_config.data_dir)
         )
         work = make_folder(folder) / "work"
+        check_output_folder(work, "the traces")
 
         # -- 1. collect -----------------------------------------------------------------------------
         if text is None:

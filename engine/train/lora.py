@@ -40,7 +40,14 @@ from ..config import EngineConfig
 from ..errors import Edge0Error
 from ..runtime.metrics import peak_memory_line
 from .data import continuation_mask, corpus_tokens, draw_prompts, masked_mean, sample
-from .run import Log, TrainingRun, check_token_rows, read_cache, training_progress
+from .run import (
+    Log,
+    TrainingRun,
+    check_outputs,
+    check_token_rows,
+    read_cache,
+    training_progress,
+)
 from .student import LoRAInit, Student, dequantized_bytes, float_size, load_student
 from .teacher import CheckpointTeacher, load_teacher
 
@@ -98,6 +105,8 @@ def train_lora(
     )
     folder = student.adapter_folder
     out_dir = Path(out_dir or folder / "train" / f"lora_k{config.k}")
+    out = Path(out or folder / f"lora_k{config.k}.safetensors")
+    check_outputs(out, out_dir)  # before the teacher rows and the steps, not after them
     rows_path = Path(rows_path or folder / "train" / "teacher_rows.npz")
     teacher = load_teacher(teacher_dir, student)
     log(f"teacher: {teacher_dir or 'the checkpoint itself (its own routers, native K, no LoRA)'}")
@@ -140,7 +149,6 @@ def train_lora(
             progress.update(task, advance=1, status=f"loss {loss:.4f}")
 
     # -- 3. save -----------------------------------------------------------------------------------
-    out = Path(out or folder / f"lora_k{config.k}.safetensors")
     student.save_lora(out)
     log(f"wrote {out}")
     log(peak_memory_line())  # what the run needed at most: a RAM limit must leave room for it

@@ -34,6 +34,7 @@ from rich.progress import (
 )
 
 from ..checkpoint.index import check_regular_file
+from ..checkpoint.outputs import check_output_file, check_output_folder
 from ..errors import Edge0Error
 from ..runtime.metrics import process_lifetime_peaks
 
@@ -75,6 +76,13 @@ def save_state(
     (out_dir / f"{name}.tmp.json").replace(out_dir / f"{name}.json")
 
 
+def check_outputs(out: Path, out_dir: Path) -> None:
+    """A LoRA phase's adapter file and its state folder can be written: checked before the run,
+    which would otherwise fail (with a traceback) only when it saves."""
+    check_output_folder(out_dir, "the training state")
+    check_output_file(out, "the LoRA")
+
+
 def read_state(out_dir: Path, name: str) -> tuple[dict, dict[str, mx.array]] | None:
     """A saved run's JSON state and arrays from OUT/NAME.safetensors; None when there is none."""
     path = out_dir / f"{name}.safetensors"
@@ -112,6 +120,7 @@ def read_cache(path: Path, what: str, names: tuple[str, ...]) -> dict[str, np.nd
             missing = [n for n in names if n not in archive.files]
             if missing:
                 raise ValueError(f"no {', '.join(map(repr, missing))} array")
+            _check_unpacked_sizes(archive, names, os.path.getsize(path))
             arrays = {n: archive[n] for n in names}
     except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile, zlib.error) as e:
         raise Edge0Error(f"{path}: not a {what} ({_reason(e)}); {hint}") from None
@@ -120,6 +129,34 @@ def read_cache(path: Path, what: str, names: tuple[str, ...]) -> dict[str, np.nd
     except AttributeError:  # np.load's reply to some garbage
         raise Edge0Error(f"{path}: not a {what} (unreadable .npz); {hint}") from None
     return arrays
+
+
+# How much larger than its file an .npz cache may unpack: token ids compress about 4x, a zip
+# bomb a thousand times and more (a small file that would take all memory once loaded).
+MAX_UNPACK_RATIO = 64
+MAX_UNPACK_SLACK = 64 << 20  # and any cache may unpack to this much, whatever its file
+
+
+def _check_unpacked_sizes(archive, names: tuple[str, ...], file_bytes: int) -> None:
+    """Bound what loading `names` allocates before any is read: the sizes the zip directory says
+    (zipfile stops reading a member at its stated size) and the shapes the .npy headers say."""
+    limit = MAX_UNPACK_RATIO * file_bytes + MAX_UNPACK_SLACK
+    total = 0
+    for name in names:
+        info = archive.zip.getinfo(f"{name}.npy")
+        with archive.zip.open(info) as member:
+            version = np.lib.format.read_magic(member)
+            v1 = version == (1, 0)  # 2.0 and 3.0 share the header's layout
+            read = (
+                np.lib.format.read_array_header_1_0 if v1 else np.lib.format.read_array_header_2_0
+            )
+            shape, _, dtype = read(member)
+        declared = int(np.prod(shape, dtype=object)) * dtype.itemsize
+        if declared > info.file_size:
+            raise ValueError(f"array {name!r} says {declared} bytes but holds {info.file_size}")
+        total += info.file_size
+    if total > limit:
+        raise ValueError(f"unpacks to {total} bytes from a file of {file_bytes}, a zip bomb")
 
 
 def _reason(e: Exception) -> str:

@@ -132,30 +132,33 @@ def pad_experts(
     _check_sizes(plan, width, model_dir, out_dir)
     source_fingerprint = _fingerprint(index)
 
+    created = not out_dir.exists()
     out_dir.mkdir(parents=True, exist_ok=True)
     for name in os.listdir(out_dir):
         if any(fnmatch.fnmatch(name, p) for p in WRITTEN_PATTERNS):
             (out_dir / name).unlink()
-    shards = _write_shards(out_dir, plan, max_shard_bytes)
-    if family.name == "bailing_moe":  # its shared experts default to moe_intermediate_size
-        sizes.setdefault("moe_shared_expert_intermediate_size", before)
-    sizes["moe_intermediate_size"] = width
-    (out_dir / "config.json").write_text(json.dumps(config, indent=4) + "\n")
-
-    padded = CheckpointIndex(out_dir)
-    fingerprint = _fingerprint(padded)
-    restamped, unchanged = [], []
-    for name in sorted(os.listdir(model_dir)):
-        source = model_dir / name
-        if not source.is_file() or any(fnmatch.fnmatch(name, p) for p in NOT_COPIED):
-            continue
-        if any(fnmatch.fnmatch(name, p) for p in ADAPTER_PATTERNS):
-            done = _restamp(source, out_dir / name, source_fingerprint, fingerprint)
-            (restamped if done else unchanged).append(name)
-        else:
-            shutil.copyfile(source, out_dir / name)
-    marker = {"from": str(model_dir), "expert_width": width}
-    (out_dir / MARKER_FILE).write_text(json.dumps(marker) + "\n")
+    written: list[Path] = []  # every file made so far: removed again if the disk fills
+    try:
+        shards = _write_shards(out_dir, plan, max_shard_bytes, written)
+        if family.name == "bailing_moe":  # its shared experts default to moe_intermediate_size
+            sizes.setdefault("moe_shared_expert_intermediate_size", before)
+        sizes["moe_intermediate_size"] = width
+        _write_text(out_dir / "config.json", json.dumps(config, indent=4) + "\n", written)
+        padded = CheckpointIndex(out_dir)
+        restamped, unchanged = _copy_the_rest(
+            model_dir, out_dir, source_fingerprint, padded, written
+        )
+        marker = {"from": str(model_dir), "expert_width": width}
+        _write_text(out_dir / MARKER_FILE, json.dumps(marker) + "\n", written)
+    except OSError as e:  # a full disk, a quota, a file-size limit: no half checkpoint is left
+        for path in written:
+            path.unlink(missing_ok=True)
+        if created:
+            out_dir.rmdir()
+        raise Edge0Error(
+            f"{out_dir}: cannot write the padded checkpoint ({e.strerror or e}); what was written "
+            "of it is removed"
+        ) from None
     return WallReport(
         out_dir,
         before,
@@ -166,6 +169,31 @@ def pad_experts(
         tuple(restamped),
         tuple(unchanged),
     )
+
+
+def _write_text(path: Path, text: str, written: list[Path]) -> None:
+    written.append(path)
+    path.write_text(text)
+
+
+def _copy_the_rest(
+    model_dir: Path, out_dir: Path, source_fingerprint: str, padded: CheckpointIndex, written
+) -> tuple[list[str], list[str]]:
+    """The source's other files (tokenizer, adapters restamped for the padded base); returns the
+    adapter names (restamped, copied unchanged)."""
+    fingerprint = _fingerprint(padded)
+    restamped, unchanged = [], []
+    for name in sorted(os.listdir(model_dir)):
+        source = model_dir / name
+        if not source.is_file() or any(fnmatch.fnmatch(name, p) for p in NOT_COPIED):
+            continue
+        written.append(out_dir / name)
+        if any(fnmatch.fnmatch(name, p) for p in ADAPTER_PATTERNS):
+            done = _restamp(source, out_dir / name, source_fingerprint, fingerprint)
+            (restamped if done else unchanged).append(name)
+        else:
+            shutil.copyfile(source, out_dir / name)
+    return restamped, unchanged
 
 
 def _check_sizes(plan: dict[str, _Planned], width: int, model_dir: Path, out_dir: Path) -> None:
@@ -273,8 +301,11 @@ def _plan(
     return plan
 
 
-def _write_shards(out_dir: Path, plan: dict[str, _Planned], max_shard_bytes: int) -> int:
-    """Write the planned tensors into shards with an index; returns the number of shards."""
+def _write_shards(
+    out_dir: Path, plan: dict[str, _Planned], max_shard_bytes: int, written: list[Path]
+) -> int:
+    """Write the planned tensors into shards with an index; returns the number of shards. Each
+    shard is written under a temporary name and renamed whole (`written` lists both)."""
     shards = plan_shards(plan, max_shard_bytes)
     weight_map = {}
     for i, names in enumerate(shards):
@@ -282,13 +313,18 @@ def _write_shards(out_dir: Path, plan: dict[str, _Planned], max_shard_bytes: int
             file_name = "model.safetensors"
         else:
             file_name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        _write_safetensors(out_dir / file_name, [(n, plan[n]) for n in names])
+        path, tmp = out_dir / file_name, out_dir / f".{file_name}.tmp"
+        written += [tmp, path]
+        _write_safetensors(tmp, [(n, plan[n]) for n in names])
+        os.replace(tmp, path)
         weight_map.update(dict.fromkeys(names, file_name))
     index = {
         "metadata": {"total_size": sum(p.nbytes for p in plan.values())},
         "weight_map": dict(sorted(weight_map.items())),
     }
-    (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=4) + "\n")
+    _write_text(
+        out_dir / "model.safetensors.index.json", json.dumps(index, indent=4) + "\n", written
+    )
     return len(shards)
 
 
