@@ -114,7 +114,7 @@ def test_the_guess_is_the_next_layers_own_routing_of_this_layers_input(checkpoin
         h = lookahead._inputs.get(layer)
         guess = guess_after(layer)
         if guess is not None:
-            following, indices = guess
+            following, indices = guess.layer, guess.arrays[0]
             block = engine.loaded.blocks[following]
             site = next(s for s in engine.loaded.sites if s.layer == following)
             norm = site.decoder_layer.post_attention_layernorm
@@ -123,6 +123,8 @@ def test_the_guess_is_the_next_layers_own_routing_of_this_layers_input(checkpoin
                 block.gate_logits(x), block.routing_spec, engine.k, block.expert_bias()
             )
             checked.append(set(np.array(indices).ravel()) == set(np.array(expected).ravel()))
+            # The wider guess holds the K likeliest, and reads the next best after them.
+            assert set(guess.likely) <= set(np.array(guess.arrays[-1]).ravel())
         return guess
 
     lookahead.guess_after = checking_guess_after

@@ -289,15 +289,22 @@ class ExpertPool:
     def drop_unused_reads_ahead(self, layer: int, used: Collection[ExpertKey]) -> int:
         """`layer` has routed this step: its reads ahead for this step (or before) that it does not
         use are dropped now rather than at the step's end, so that a wrong guess queued behind
-        others is never read and its slot and bytes are free for the layers after. Returns how
-        many were dropped."""
+        others is never read and its slot and bytes are free for the layers after. One already
+        read is kept as a cached expert instead (its bytes are paid for, and an expert a guess
+        nearly chose is often routed soon), evicting by the policy as any admitted expert does.
+        Returns how many were not used."""
         unused = [
             key
             for key, ahead in self._reads_ahead.items()
             if key[0] == layer and ahead.step <= self.step and key not in used
         ]
         for key in unused:
-            self._forget_read_ahead(key)
+            ahead = self._reads_ahead[key]
+            if ahead.read.done() and ahead.read.exception() is None:
+                self.claim_read_ahead(key)
+                self.admit(key, ahead.slot)
+            else:
+                self._forget_read_ahead(key)
         return len(unused)
 
     def forget_reads_ahead(self) -> None:

@@ -129,7 +129,7 @@ class StreamingSwitchGLU(nn.Module):
             # The true router's choice is needed on the host: this waits for every layer before,
             # which have therefore computed (their experts' slots may be reused).
             with store.tracer.span(f"router sync {self._layer}", "compute"):
-                mx.eval(indices) if guess is None else mx.eval(indices, guess[1])
+                mx.eval(indices) if guess is None else mx.eval(indices, guess.arrays)
             routed = np.array(indices)
             store.layer_computed(self._layer - 1)
         self.last_routed = routed
@@ -152,7 +152,7 @@ class StreamingSwitchGLU(nn.Module):
         if guess is not None:
             # Issued once this layer's own misses are in: the guess's reads never delay them,
             # and land while this layer computes and the next one runs its attention.
-            store.look_ahead(guess[0], np.unique(np.array(guess[1])).tolist())
+            store.look_ahead(guess.layer, guess.likely, guess.less_likely)
         slots = slot_of[routed]
         bank = store.bank(self._layer).arrays
         if dense:

@@ -23,23 +23,33 @@ the top K of its gate's logits. Nothing here changes what any layer computes.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 from .functions import route
 
-# A guess: (the normed-input function of the consumer, its router) -> lazy expert indices.
-Guesser = Callable[[mx.array, int], mx.array]
+# A guess: (a layer's input residual, widths) -> the consumer's guessed experts at each width
+# (lazy indices), from one evaluation of its router.
+Guesser = Callable[[mx.array, tuple[int, ...]], list[mx.array]]
+# Beyond its K likeliest experts, a guess also reads this share of K more, after them: the true
+# routing's experts just outside the guess's top K (docs/benchmarks.md, "Exact lookahead").
+WIDER_SHARE = 0.5
 
 
 class Lookahead:
     """Records each MoE layer's input residual during a one-token forward and turns it into the
     next MoE layer's guessed experts. `active` is set per step by the engine."""
 
-    def __init__(self, guessers: dict[int, Guesser], embed: nn.Module | None, k: int) -> None:
+    def __init__(
+        self, guessers: dict[int, Guesser], embed: nn.Module | None, k: int, experts: int
+    ) -> None:
         self.layers = sorted(guessers)
+        self.experts = experts
+        self.wider_share = WIDER_SHARE
         self._guessers = guessers
         self._next = dict(zip(self.layers, self.layers[1:]))
         self._embed = embed
@@ -53,26 +63,55 @@ class Lookahead:
         if self.active:
             self._inputs[layer] = h
 
-    def guess_after(self, layer: int) -> tuple[int, mx.array] | None:
-        """The next MoE layer and its guessed experts (lazy), from `layer`'s input; None when
-        inactive, last, or nothing was recorded."""
+    def guess_after(self, layer: int) -> Guess | None:
+        """The next MoE layer's guess from `layer`'s input; None when inactive, last, or nothing
+        was recorded."""
         following = self._next.get(layer)
         h = self._inputs.pop(layer, None)
         if not self.active or following is None or h is None or following in self.skip:
             return None
-        return following, self._guessers[following](h, self.k)
+        return self._guess(following, h)
 
-    def guess_first(self, tokens: list[int]) -> tuple[int, mx.array] | None:
-        """The first MoE layer's guessed experts (lazy) from the token's embedding."""
+    def guess_first(self, tokens: list[int]) -> Guess | None:
+        """The first MoE layer's guess from the token's embedding."""
         if not self.active or self._embed is None or not self.layers:
             return None
         first = self.layers[0]
         if first in self.skip:
             return None
-        return first, self._guessers[first](self._embed(mx.array(tokens)[None]), self.k)
+        return self._guess(first, self._embed(mx.array(tokens)[None]))
+
+    def _guess(self, layer: int, h: mx.array) -> Guess:
+        wider = min(self.experts, self.k + math.ceil(self.k * self.wider_share))
+        widths = (self.k, wider) if wider > self.k else (self.k,)
+        return Guess(layer, self._guessers[layer](h, widths))
 
     def end_step(self) -> None:
         self._inputs.clear()
+
+
+class Guess:
+    """A layer's guessed experts: lazy until `mx.eval(guess.arrays)`, then `likely` (its top K)
+    and `less_likely` (the next best, read after them)."""
+
+    def __init__(self, layer: int, arrays: list[mx.array]) -> None:
+        self.layer = layer
+        self.arrays = arrays
+
+    @property
+    def likely(self) -> list[int]:
+        return _distinct(self.arrays[0])
+
+    @property
+    def less_likely(self) -> list[int]:
+        if len(self.arrays) == 1:
+            return []
+        likely = set(self.likely)
+        return [e for e in _distinct(self.arrays[1]) if e not in likely]
+
+
+def _distinct(indices: mx.array) -> list[int]:
+    return list(dict.fromkeys(np.array(indices).reshape(-1).tolist()))
 
 
 def attach_lookahead(model: nn.Module, sites, blocks: dict, k: int) -> Lookahead | None:
@@ -93,39 +132,41 @@ def attach_lookahead(model: nn.Module, sites, blocks: dict, k: int) -> Lookahead
             return None
         guessers[site.layer] = _guesser(plain_norm, router)
         norms[site.layer] = norm
-    lookahead = Lookahead(guessers, _embedding(model), k)
+    experts = min(site.switch.gate_proj.weight.shape[0] for site in sites)
+    lookahead = Lookahead(guessers, _embedding(model), k, experts)
     for layer, norm in norms.items():
         _hook(norm, layer, lookahead)
     return lookahead
 
 
 def _guesser(norm: Callable[[mx.array], mx.array], router) -> Guesser:
-    def guess(h: mx.array, k: int) -> mx.array:
-        return router(norm(h).reshape(-1, h.shape[-1]), k)
+    def guess(h: mx.array, widths: tuple[int, ...]) -> list[mx.array]:
+        return router(norm(h).reshape(-1, h.shape[-1]), widths)
 
     return guess
 
 
-def _engine_router(block) -> Callable[[mx.array, int], mx.array]:
-    """The layer's own routing function: the set it would route `x` to, bias and groups included."""
+def _engine_router(block) -> Callable[[mx.array, tuple[int, ...]], list[mx.array]]:
+    """The layer's own routing function: the set it would route `x` to at each width (a wider
+    one holds the narrower: top k of the same scores), bias and groups included."""
 
-    def indices(x: mx.array, k: int) -> mx.array:
-        inds, _ = route(block.gate_logits(x), block.routing_spec, k, block.expert_bias())
-        return inds
+    def indices(x: mx.array, widths: tuple[int, ...]) -> list[mx.array]:
+        logits, spec, bias = block.gate_logits(x), block.routing_spec, block.expert_bias()
+        return [route(logits, spec, k, bias)[0] for k in widths]
 
     return indices
 
 
-def _gate_top_k(parent: nn.Module) -> Callable[[mx.array, int], mx.array] | None:
+def _gate_top_k(parent: nn.Module) -> Callable[[mx.array, tuple[int, ...]], list[mx.array]] | None:
     """A family whose own block routes: the top k of its `gate` linear layer's logits (the set
     softmax or sigmoid top-k routes to, without biases or groups), if it has one."""
     gate = parent.get("gate") if isinstance(parent, nn.Module) else None
     if not isinstance(gate, (nn.Linear, nn.QuantizedLinear)):
         return None
 
-    def indices(x: mx.array, k: int) -> mx.array:
+    def indices(x: mx.array, widths: tuple[int, ...]) -> list[mx.array]:
         logits = gate(x)
-        return mx.argpartition(-logits, kth=k - 1, axis=-1)[..., :k]
+        return [mx.argpartition(-logits, kth=k - 1, axis=-1)[..., :k] for k in widths]
 
     return indices
 

@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import mlx.core as mx
-import numpy as np
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 
@@ -598,8 +597,8 @@ class Engine:
         guess = self.lookahead.guess_first(tokens)
         if guess is not None:
             with self.tracer.span("lookahead first layer", "prerouter"):
-                mx.eval(guess[1])
-            self.store.look_ahead(guess[0], sorted(set(np.array(guess[1]).ravel().tolist())))
+                mx.eval(guess.arrays)
+            self.store.look_ahead(guess.layer, guess.likely, guess.less_likely)
 
     @staticmethod
     def _sample(logits: mx.array, sampler) -> int:
