@@ -18,6 +18,8 @@ from engine import StepMetrics
 # (long enough to smooth single slow steps, short enough to show a K switch within a second).
 HISTORY_STEPS = 60
 FIGURE_STEPS = 16
+# Where a routed expert came from (`engine.experts.store.LayerRouted`'s fields).
+ROUTED_SOURCES = ("resident", "heads", "lookahead", "missed")
 
 
 @dataclass(frozen=True)
@@ -74,6 +76,30 @@ class LiveMetrics:
         window = self.recent_steps[-FIGURE_STEPS:]
         read = sum(s.mib_read for s in window)
         return sum(s.mib_read * s.cold_fraction for s in window) / read if read else 0.0
+
+    @property
+    def routed_shares(self) -> dict[str, float]:
+        """Where the recent decode steps' routed experts came from, as shares: resident, read
+        ahead by the heads, read ahead by the lookahead, missed (empty before any step)."""
+        totals = dict.fromkeys(ROUTED_SOURCES, 0)
+        for step in self.recent_steps[-FIGURE_STEPS:]:
+            for row in step.routed_by_layer.values():
+                for source in ROUTED_SOURCES:
+                    totals[source] += row[source]
+        routed = sum(totals.values())
+        return {s: n / routed for s, n in totals.items()} if routed else {}
+
+    @property
+    def lookahead_recall_by_layer(self) -> dict[int, float]:
+        """The lookahead's recall of each MoE layer's routing over the recent decode steps (the
+        layers it guessed)."""
+        right: dict[int, int] = {}
+        of: dict[int, int] = {}
+        for step in self.recent_steps[-FIGURE_STEPS:]:
+            for layer, row in step.routed_by_layer.items():
+                right[layer] = right.get(layer, 0) + row["guessed_right"]
+                of[layer] = of.get(layer, 0) + row["guessed_of"]
+        return {layer: right[layer] / of[layer] for layer in sorted(of) if of[layer]}
 
     def _mean(self, name: str) -> float:
         window = self.recent_steps[-FIGURE_STEPS:]

@@ -24,7 +24,11 @@ def test_generate_json_contract(checkpoint_dir):
     assert out.returncode == 0, out.stderr
     payload = json.loads(out.stdout)  # stdout is exactly one JSON object
     assert {"mode", "prompt_tokens", "tokens", "text", "steps", "summary"} <= set(payload)
-    assert payload["mode"] == "on-demand"
+    assert (
+        payload["mode"] == "prefetch"
+    )  # the default: exact, reading ahead the lookahead's guesses
+    assert 0.0 <= payload["summary"]["lookahead_recall"] <= 1.0
+    assert payload["summary"]["routed_by_layer"]
     assert 1 <= len(payload["tokens"]) <= 6
     step = payload["steps"][-1]
     for key in (

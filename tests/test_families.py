@@ -77,13 +77,15 @@ def test_another_mlx_lm_moe_family_streams_with_its_own_router(granite):
         one_layer = 5 * engine.store.resident_expert_nbytes(0)
         assert engine.loaded.family.name == "granitemoe"
         assert not engine.loaded.family.routing and engine.loaded.blocks == {}
-        assert engine.modes() == ["on-demand"]
+        assert engine.modes() == ["on-demand", "prefetch"]
         assert [p.k for p in engine.profiles()] == [4]  # the native K only
         info = engine.info()
-        assert info["family_modes"] == ["resident", "on-demand"]
+        assert info["family_modes"] == ["resident", "on-demand", "prefetch"]
         assert info["expert_format"].startswith("affine 4-bit, group 64")
     streamed = _tokens(granite, mode="on-demand", expert_cache_bytes=one_layer)
     assert len(resident) == 32 and streamed == resident
+    # Prefetch: the lookahead guesses from the block's own gate; the tokens stay resident's.
+    assert _tokens(granite, mode="prefetch", expert_cache_bytes=one_layer) == resident
     with pytest.raises(Edge0Error, match="prerouter_k"):
         Engine(granite, EngineConfig(mode="prerouter"))
     with pytest.raises(Edge0Error, match="granitemoe: .*no routing function"):

@@ -4,6 +4,7 @@ the guessed experts ahead, and never changes a token (the true router still rout
 from __future__ import annotations
 
 import shutil
+from concurrent.futures import Future
 
 import mlx.core as mx
 import numpy as np
@@ -173,6 +174,14 @@ def test_a_guess_never_evicts_what_the_step_uses_and_wrong_ones_go_when_the_laye
 
     assert pool.drop_unused_reads_ahead(1, {(1, 0)}) == 1
     assert not pool.is_read_ahead((1, 5)) and pool.reserved_bytes == 0
+    assert (1, 5) in pool  # it had landed: kept as a cached expert, inside the budget
+    assert pool.resident_bytes <= pool.budget_bytes
+
+    # One still being read when its layer routes is dropped, not kept.
+    pending = Future()
+    assert pool.read_ahead((2, 1), pool.step, lambda into: pending, "lookahead")
+    assert pool.drop_unused_reads_ahead(2, set()) == 1
+    assert (2, 1) not in pool and not pool.is_read_ahead((2, 1))
 
 
 def test_modes_are_labelled_exact_or_approximate():

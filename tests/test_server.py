@@ -340,6 +340,29 @@ def test_models_health_and_metrics_parse(server):
     assert metric(after, tokens) == metric(before, tokens) + 3
     assert metric(after, "edge0_mlx_active_bytes") > 0
     assert metric(after, "edge0_expert_pool_bytes") > 0
+    # Where routed experts came from, and in prefetch mode (the default) the lookahead's recall
+    # by layer.
+    shares = {k: v for k, v in after.items() if k.startswith("edge0_routed_experts_share{")}
+    assert set(shares) == {
+        f'edge0_routed_experts_share{{source="{s}"}}'
+        for s in ("resident", "heads", "lookahead", "missed")
+    }
+    assert sum(float(v) for v in shares.values()) == pytest.approx(1.0)
+    info = next(k for k in after if k.startswith("edge0_info{"))
+    if 'mode="prefetch"' in info:  # (an earlier test of this server may have switched mode)
+        assert any(k.startswith('edge0_lookahead_recall{layer="') for k in after)
+
+
+def test_metrics_describe_each_name_once():
+    """Prometheus's text format: one HELP and one TYPE per metric name, however many samples."""
+    from edge0_tui.server.metrics import _Writer
+
+    writer = _Writer()
+    for layer in range(3):
+        writer.metric("edge0_x", "gauge", "X.", layer, {"layer": layer})
+    lines = writer.text().splitlines()
+    assert lines.count("# HELP edge0_x X.") == 1 and lines.count("# TYPE edge0_x gauge") == 1
+    assert len(lines) == 5
 
 
 # The server, its engine holding TRANSIENT_BYTES for a moment inside each prompt's prefill:

@@ -36,12 +36,15 @@ def _label(value: object) -> str:
 class _Writer:
     def __init__(self) -> None:
         self.lines: list[str] = []
+        self._described: set[str] = set()
 
     def metric(
         self, name: str, kind: str, help: str, value: float, labels: dict | None = None
     ) -> None:
-        self.lines.append(f"# HELP {name} {help}")
-        self.lines.append(f"# TYPE {name} {kind}")
+        if name not in self._described:  # one HELP and TYPE per name, before its first sample
+            self._described.add(name)
+            self.lines.append(f"# HELP {name} {help}")
+            self.lines.append(f"# TYPE {name} {kind}")
         shown = ""
         if labels:
             shown = "{" + ",".join(f"{k}={_label(v)}" for k, v in labels.items()) + "}"
@@ -133,6 +136,24 @@ def render(worker: EngineWorker, stats: ServerStats, model_id: str) -> str:
         "included.",
         max(live.peak_rss_bytes, memory.get("process_peak_rss_bytes", 0)),
     )
+    for source, share in live.routed_shares.items():
+        w.metric(
+            "edge0_routed_experts_share",
+            "gauge",
+            "Share of the recent decode steps' routed experts by where they came from: resident, "
+            "read ahead by the heads or by the lookahead, or missed (read while the step waited).",
+            share,
+            {"source": source},
+        )
+    for layer, recall in live.lookahead_recall_by_layer.items():
+        w.metric(
+            "edge0_lookahead_recall",
+            "gauge",
+            "The lookahead's recall of a MoE layer's routing over the recent decode steps: the "
+            "share of its routed experts that the guess made a layer earlier had named.",
+            recall,
+            {"layer": layer},
+        )
     w.metric(
         "edge0_checkpoint_page_cache_bytes",
         "gauge",

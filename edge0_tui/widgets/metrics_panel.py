@@ -32,6 +32,7 @@ class MetricsPanel(VerticalScroll):
         yield Label("cold pages, decode (of bytes read)", classes="panel-title")
         yield ProgressBar(total=1.0, show_eta=False, id="cold-fraction")
         yield Label("", id="loads", classes="panel-value")
+        yield Label("", id="routed-from", classes="panel-note")
         yield Label("", id="prefill", classes="panel-note")
         yield Label("edge0's memory", classes="panel-title")
         yield MemoryBar(id="memory")
@@ -57,8 +58,22 @@ class MetricsPanel(VerticalScroll):
         self.query_one("#loads", Label).update(
             f"{metrics.loads_per_step:.1f} loads/step   {metrics.mib_per_step:.2f} MiB/step"
         )
+        self.query_one("#routed-from", Label).update(routed_line(metrics))
         self.query_one("#prefill", Label).update(prefill_line(metrics))
         self.query_one("#memory", MemoryBar).show(memory)
+
+
+def routed_line(metrics: LiveMetrics) -> str:
+    """Where the routed experts came from, and the lookahead's recall layer by layer."""
+    shares = metrics.routed_shares
+    if not shares:
+        return ""
+    read_ahead = shares["heads"] + shares["lookahead"]
+    line = f"resident {shares['resident']:.0%}, read ahead {read_ahead:.0%}, missed {shares['missed']:.0%}"
+    recall = metrics.lookahead_recall_by_layer
+    if recall:
+        line += "\nlookahead recall by layer: " + " ".join(f"{r:.2f}" for r in recall.values())
+    return line
 
 
 def prefill_line(metrics: LiveMetrics) -> str:
