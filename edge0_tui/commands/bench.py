@@ -22,7 +22,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--arms",
         default="resident,on-demand,prerouter",
-        help="comma-separated: resident, on-demand, prerouter, compute-only (every expert "
+        help="comma-separated: resident, on-demand, prefetch, prerouter, compute-only (every expert "
         "resident before the replay, no limits: the compute a step cannot go below, for the "
         "overlap-limit table; needs every expert in memory)",
     )
@@ -30,7 +30,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--rounds", type=options.count(1), default=3)
     parser.add_argument("--tokens", type=options.count(1), default=64)
     parser.add_argument("--prompt-file", type=Path, default=None)
-    options.add_expert_cache(parser)
+    options.add_expert_cache(
+        parser, auto=True, help='e.g. 112M, or "auto": what each arm\'s memory plan leaves'
+    )
     parser.add_argument("--ram-limit", type=options.size, default=None)
     parser.add_argument(
         "--read-limit",
@@ -84,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
         rounds=args.rounds,
         tokens=args.tokens,
         prompt=prompt,
-        expert_cache_bytes=args.expert_cache,
+        **options.expert_cache_config(args.expert_cache),
         ram_limit_bytes=args.ram_limit,
         # A throttle acts on cold reads only: with a warm page cache it would measure nothing.
         cold=args.cold or (args.read_limit is not None and not args.warm),

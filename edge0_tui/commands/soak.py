@@ -20,7 +20,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--turns", type=options.count(1), default=20)
     parser.add_argument("--steps", type=options.count(1), default=2000)
     options.add_mode(parser)
-    options.add_expert_cache(parser)
+    options.add_expert_cache(parser, default=options.AUTO, auto=True)
     parser.add_argument(
         "--fresh", action="store_true", help="a new conversation every turn (no growing KV cache)"
     )
@@ -30,7 +30,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from engine.measure.soak import soak
 
-    config = EngineConfig(mode=args.mode, expert_cache_bytes=args.expert_cache)
+    config = EngineConfig(mode=args.mode, **options.expert_cache_config(args.expert_cache))
     log = print_stderr if args.json else print
     report = soak(args.model, config, args.turns, args.steps, progress=log, fresh=args.fresh)
     if args.json:

@@ -53,7 +53,10 @@ def _add_heads(phases: argparse._SubParsersAction) -> None:
     )
     options.add_expert_cache(
         heads,
-        help="routed-expert budget while collecting, e.g. 512M, 2G (the model runs on-demand)",
+        default=options.AUTO,
+        auto=True,
+        help="routed-expert budget while collecting, e.g. 512M, 2G, or auto (default: what the "
+        "memory plan leaves; the model runs on-demand)",
     )
     heads.add_argument(
         "--window",
@@ -185,7 +188,9 @@ def run_heads(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens,
         window=args.window,
     )
-    engine_config = EngineConfig(expert_cache_bytes=args.expert_cache, data_dir=options.data_dir())
+    engine_config = EngineConfig(
+        **options.expert_cache_config(args.expert_cache), data_dir=options.data_dir()
+    )
     train_heads(
         args.model,
         text,

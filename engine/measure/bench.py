@@ -87,6 +87,8 @@ class BenchConfig:
     tokens: int = 64
     prompt: str = DEFAULT_PROMPT
     expert_cache_bytes: int = 1 << 30
+    # Each arm's expert cache takes what its memory plan leaves (in its cgroup, with --ram-limit).
+    expert_cache_auto: bool = False
     ram_limit_bytes: int | None = None
     cold: bool = False
     read_limit_bps: int | None = None  # bytes/s each arm may read from the checkpoint's disk
@@ -140,6 +142,7 @@ def run_arm(spec: dict) -> dict:
     config = EngineConfig(
         mode=spec["mode"],
         expert_cache_bytes=spec["expert_cache_bytes"],
+        expert_cache_auto=spec.get("expert_cache_auto", False),
         k=spec["k"],
         exact_kernels=spec.get("exact_kernels", False),
         adapter_dirs=tuple(Path(d) for d in spec["adapter_dirs"]),
@@ -298,6 +301,7 @@ def run_bench(config: BenchConfig, progress=print, timeout_s: float = 3600) -> d
         "model": str(config.model),
         "k": config.k,
         "expert_cache_bytes": config.expert_cache_bytes,
+        "expert_cache_auto": config.expert_cache_auto,
         "seed": config.seed,
         "temperature": config.temperature,
         "exact_kernels": config.exact_kernels,
@@ -341,7 +345,12 @@ def run_bench(config: BenchConfig, progress=print, timeout_s: float = 3600) -> d
             if arm == COMPUTE_ONLY:
                 cgroups = []
                 streamed = "prerouter" if "prerouter" in config.arms else "on-demand"
-                spec.update(mode=streamed, preload_experts=True, expert_cache_bytes=1 << 60)
+                spec.update(
+                    mode=streamed,
+                    preload_experts=True,
+                    expert_cache_bytes=1 << 60,
+                    expert_cache_auto=False,
+                )
             else:
                 if config.paced:
                     spec["read_pace_bps"] = config.read_limit_bps
@@ -525,7 +534,8 @@ def markdown(report: dict) -> str:
     reads = f"read limit {format_bytes(read_limit)}/s{how}, " if read_limit else ""
     lines = [
         f"Model `{cfg['model']}`, K={cfg['k'] or 'native'}, expert cache "
-        f"{format_bytes(cfg['expert_cache_bytes'])}, RAM limit {limit}, {reads}"
+        f"{'auto' if cfg.get('expert_cache_auto') else format_bytes(cfg['expert_cache_bytes'])}, "
+        f"RAM limit {limit}, {reads}"
         f"{'cold' if cfg['cold'] else 'warm'} page cache, {cfg['rounds']} rounds (order rotated), "
         f"{report['prompt_tokens']} prompt + {report['tokens']} replayed tokens. Median [min-max].",
         "",
