@@ -120,6 +120,12 @@ class EngineConfig:
     # Prefetch and prerouter modes: guess each next MoE layer's routing from this layer's input
     # and read its experts ahead (routing/lookahead.py). Never changes the output.
     lookahead: bool = True
+    # Prefetch mode reads nothing ahead (neither the lookahead's guesses nor a profile's
+    # predictions) for experts smaller than this: such an expert is read faster by the layer
+    # that needs it than a read handed to a reader thread costs (the demo's 50 KiB experts:
+    # prefetch 67 ms a step against on-demand's 35, and 33 ms with this rule;
+    # docs/benchmarks.md, "Exact lookahead"). 0 reads every guess ahead.
+    prefetch_min_expert_bytes: int = 1 << 20
     # Apply the profile's recovery LoRA in prerouter mode.
     lora: bool = True
     # Also run the true router on consumer layers to measure the prediction's recall@K (costs compute).

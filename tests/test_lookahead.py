@@ -19,6 +19,8 @@ from engine.runtime.generation import Engine
 GREEDY = GenerationConfig(max_tokens=16, temperature=0.0, ignore_eos=True)
 SAMPLED = GenerationConfig(max_tokens=16, temperature=0.9, top_p=0.95, seed=7, ignore_eos=True)
 PROMPT = [5, 9, 13, 17, 21]
+# The tiny checkpoints' experts are far below the size prefetch reads ahead by default.
+READ_EVERY_GUESS = {"prefetch_min_expert_bytes": 0}
 
 
 def _one_layer_budget(model_dir) -> int:
@@ -32,7 +34,7 @@ def _one_layer_budget(model_dir) -> int:
 
 
 def _run(model_dir, mode: str, gen: GenerationConfig, **config):
-    engine = Engine(model_dir, EngineConfig(mode=mode, **config))
+    engine = Engine(model_dir, EngineConfig(mode=mode, **READ_EVERY_GUESS, **config))
     try:
         result = engine.generate(PROMPT, gen)
         return result, engine.k
@@ -80,7 +82,9 @@ def test_prefetch_needs_no_profile_and_runs_at_the_native_k(checkpoint_dir):
     """A model without any adapter file: prefetch is offered, loads at the model's own K, and
     reads ahead what the lookahead guesses."""
     model_dir = checkpoint_dir("qwen3_moe")
-    engine = Engine(model_dir, EngineConfig(mode="prefetch", expert_cache_bytes=60_000))
+    engine = Engine(
+        model_dir, EngineConfig(mode="prefetch", expert_cache_bytes=60_000, **READ_EVERY_GUESS)
+    )
     try:
         assert engine.modes() == ["on-demand", "prefetch"]
         assert engine.k == engine.loaded.top_k
@@ -106,7 +110,9 @@ def test_the_guess_is_the_next_layers_own_routing_of_this_layers_input(checkpoin
     """The guess for layer N+1 is layer N+1's own routing function (its norm, gate, bias and
     groups) applied to the residual that entered layer N's MoE (DeepSeek: sigmoid group top-k
     with a correction bias)."""
-    engine = Engine(checkpoint_dir("deepseek_v3"), EngineConfig(mode="prefetch"))
+    engine = Engine(
+        checkpoint_dir("deepseek_v3"), EngineConfig(mode="prefetch", **READ_EVERY_GUESS)
+    )
     lookahead = engine.lookahead
     checked = []
     guess_after = lookahead.guess_after
@@ -182,6 +188,25 @@ def test_a_guess_never_evicts_what_the_step_uses_and_wrong_ones_go_when_the_laye
     assert pool.read_ahead((2, 1), pool.step, lambda into: pending, "lookahead")
     assert pool.drop_unused_reads_ahead(2, set()) == 1
     assert (2, 1) not in pool and not pool.is_read_ahead((2, 1))
+
+
+def test_small_experts_are_not_read_ahead_in_prefetch(checkpoint_dir, tmp_path):
+    """Below `prefetch_min_expert_bytes` prefetch reads nothing ahead (the guesses are still
+    scored), heads or not, and its tokens stay on-demand's."""
+    model_dir = tmp_path / "profiled"
+    shutil.copytree(checkpoint_dir("qwen3_moe"), model_dir)
+    write_random_profile(model_dir, 4)
+    engine = Engine(model_dir, EngineConfig(mode="prefetch", k=4, expert_cache_bytes=60_000))
+    try:
+        assert engine.routing.heads is None  # a profile's heads would only read ahead
+        result = engine.generate(PROMPT, GREEDY)
+    finally:
+        engine.close()
+    decode = [s for s in result.steps if s.phase == "decode"]
+    assert sum(s.lookahead_issued + s.prefetch_issued for s in decode) == 0
+    assert result.summary["lookahead_recall"] is not None
+    on_demand, _ = _run(model_dir, "on-demand", GREEDY, k=4, expert_cache_bytes=60_000)
+    assert result.tokens == on_demand.tokens
 
 
 def test_modes_are_labelled_exact_or_approximate():

@@ -441,7 +441,10 @@ def test_prefetch_reads_predictions_ahead_and_keeps_the_true_routing(profiled, f
     tokens = {}
     for mode in ("on-demand", "prefetch"):
         k = profile_k(family)
-        engine = Engine(model_dir, EngineConfig(mode=mode, k=k, expert_cache_bytes=60_000))
+        engine = Engine(
+            model_dir,
+            EngineConfig(mode=mode, k=k, expert_cache_bytes=60_000, prefetch_min_expert_bytes=0),
+        )
         try:
             assert "prefetch" in engine.modes()
             result = engine.generate([5, 9, 13, 17], GREEDY)
@@ -466,7 +469,8 @@ def test_prefetch_drops_reads_ahead_its_step_did_not_use(profiled):
     used: it is dropped when the step it was for ends. (Kept until the request ended, such reads
     held 2.5 MiB each outside the pool's budget and a 384 MiB wall was killed in a few steps.)"""
     engine = Engine(
-        profiled("qwen3_moe"), EngineConfig(mode="prefetch", k=4, expert_cache_bytes=60_000)
+        profiled("qwen3_moe"),
+        EngineConfig(mode="prefetch", k=4, expert_cache_bytes=60_000, prefetch_min_expert_bytes=0),
     )
     store = engine.store
     held_after_step = []
@@ -504,7 +508,10 @@ def test_reads_ahead_stay_inside_the_expert_cache_budget(profiled, mode):
     and reads in flight together stay within --expert-cache (they used to sit outside it, and the
     prefetch arm of a 384 MiB wall was killed for it). The slot bank they live in is the budget."""
     budget = 200_000  # two steps' predicted sets of the tiny model, a quarter of its experts
-    engine = Engine(profiled("qwen3_moe"), EngineConfig(mode=mode, k=4, expert_cache_bytes=budget))
+    engine = Engine(
+        profiled("qwen3_moe"),
+        EngineConfig(mode=mode, k=4, expert_cache_bytes=budget, prefetch_min_expert_bytes=0),
+    )
     store, pool = engine.store, engine.store.pool
     seen = []
     stage = store.stage
@@ -525,7 +532,10 @@ def test_reads_ahead_stay_inside_the_expert_cache_budget(profiled, mode):
     assert pool.reserved_bytes == 0  # every promise was taken back when the request ended
 
     # A budget below one step's reads ahead: some are not made ahead, none goes over it.
-    small = Engine(profiled("qwen3_moe"), EngineConfig(mode=mode, k=4, expert_cache_bytes=60_000))
+    small = Engine(
+        profiled("qwen3_moe"),
+        EngineConfig(mode=mode, k=4, expert_cache_bytes=60_000, prefetch_min_expert_bytes=0),
+    )
     store, pool = small.store, small.store.pool
     stage = store.stage
     store.stage = checked_stage
@@ -540,7 +550,9 @@ def test_reads_ahead_stay_inside_the_expert_cache_budget(profiled, mode):
 def test_prefetch_hit_rate_is_the_overlap_of_reads_ahead_and_routing(profiled):
     """The hit rate a step reports is the share of the experts its consumer layers' routers chose
     that the previous flush had predicted (and so read ahead)."""
-    engine = Engine(profiled("qwen3_moe"), EngineConfig(mode="prefetch", k=4))
+    engine = Engine(
+        profiled("qwen3_moe"), EngineConfig(mode="prefetch", k=4, prefetch_min_expert_bytes=0)
+    )
     staged_sets, chosen_sets = [], []
     try:
         state = engine.routing

@@ -421,7 +421,8 @@ def test_k_and_mode_switch_between_requests(server):
     try:
         figures = chat(k=2, mode="prefetch")
         assert (figures["k"], figures["mode"]) == (2, "prefetch")
-        assert 0 <= figures["prefetch_hit_rate"] <= 1
+        # The tiny model's experts are below prefetch_min_expert_bytes: no heads read ahead.
+        assert "prefetch_hit_rate" not in figures
         info = next(k for k in server.metrics() if k.startswith("edge0_info{"))
         assert 'k="2"' in info and 'mode="prefetch"' in info
         figures = chat()  # the profile stays until another request changes it

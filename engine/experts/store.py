@@ -121,6 +121,8 @@ class ExpertStore:
         self._pending_layers: dict[int, Future[ReadResult]] = {}
         self._issued_for_next_step = 0  # reads ahead issued during this step for the next
         self._guessed: dict[int, set[int]] = {}  # layer -> the lookahead's guess, this step
+        # Experts smaller than this are not read ahead by the lookahead (only scored).
+        self.lookahead_min_bytes = 0
         # When a list, every fetch appends (step, layer, experts): the routing trace that the eviction
         # benchmark replays.
         self.trace: list[tuple[int, int, list[int]]] | None = None
@@ -211,6 +213,8 @@ class ExpertStore:
         own router; `routing_known` then drops the wrong reads."""
         self._guessed[layer] = set(experts)
         step = self.pool.step
+        if self.index.layers[layer].expert_nbytes < self.lookahead_min_bytes:
+            experts, less_likely = [], []
         issued = self._read_ahead(layer, experts, step, "lookahead")
         issued += self._read_ahead(layer, less_likely, step, "lookahead", rank=1)
         self.counters.lookahead_issued += issued

@@ -294,10 +294,13 @@ class Engine:
         profile that stood."""
         heads = adapter = None
         if self.routing is not None:
-            # Prefetch reads ahead what heads predict where the profile has them.
+            # Prefetch reads ahead what heads predict where the profile has them, and where
+            # the experts are big enough for a read ahead to pay (EngineConfig's
+            # prefetch_min_expert_bytes).
             profile = next((p for p in self.profiles() if p.k == k), None)
+            reads_pay = self._largest_expert_bytes() >= self.config.prefetch_min_expert_bytes
             with_heads = mode in HEAD_MODES or (
-                mode == "prefetch" and profile and profile.prerouter
+                mode == "prefetch" and profile and profile.prerouter and reads_pay
             )
             heads = self._load_heads(k) if with_heads else None
             files = self.adapters.get(k)
@@ -319,6 +322,9 @@ class Engine:
             self.store.pool.keep_layers(self_routed)
             if self.lookahead is not None:
                 self.lookahead.k = k
+                self.store.lookahead_min_bytes = (
+                    self.config.prefetch_min_expert_bytes if mode == "prefetch" else 0
+                )
                 # Layers routed by a prediction need no guess of their true router's routing.
                 self.lookahead.skip = frozenset(predicted)
             # Reads ahead only: readers on a core of their own (experts/reader_core.py says why).
@@ -328,6 +334,9 @@ class Engine:
         self.k, self.mode = k, mode
         if self.store is not None:
             self.memory_plan = self.loaded.plan_at(k)
+
+    def _largest_expert_bytes(self) -> int:
+        return max(layer.expert_nbytes for layer in self.loaded.index.layers.values())
 
     def _load_heads(self, k: int) -> PrerouterHeads:
         return self.loaded.load_heads(self.adapters[k].prerouter, self.fingerprint, k)
