@@ -12,7 +12,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
-from engine import StepMetrics
+from engine import StepMetrics, routed_by_layer
 
 # Steps kept for the sparklines, and the most recent of those averaged into the headline figures
 # (long enough to smooth single slow steps, short enough to show a K switch within a second).
@@ -81,11 +81,8 @@ class LiveMetrics:
     def routed_shares(self) -> dict[str, float]:
         """Where the recent decode steps' routed experts came from, as shares: resident, read
         ahead by the heads, read ahead by the lookahead, missed (empty before any step)."""
-        totals = dict.fromkeys(ROUTED_SOURCES, 0)
-        for step in self.recent_steps[-FIGURE_STEPS:]:
-            for row in step.routed_by_layer.values():
-                for source in ROUTED_SOURCES:
-                    totals[source] += row[source]
+        rows = self._routed_by_layer().values()
+        totals = {source: sum(row[source] for row in rows) for source in ROUTED_SOURCES}
         routed = sum(totals.values())
         return {s: n / routed for s, n in totals.items()} if routed else {}
 
@@ -93,13 +90,13 @@ class LiveMetrics:
     def lookahead_recall_by_layer(self) -> dict[int, float]:
         """The lookahead's recall of each MoE layer's routing over the recent decode steps (the
         layers it guessed)."""
-        right: dict[int, int] = {}
-        of: dict[int, int] = {}
-        for step in self.recent_steps[-FIGURE_STEPS:]:
-            for layer, row in step.routed_by_layer.items():
-                right[layer] = right.get(layer, 0) + row["guessed_right"]
-                of[layer] = of.get(layer, 0) + row["guessed_of"]
-        return {layer: right[layer] / of[layer] for layer in sorted(of) if of[layer]}
+        rows = self._routed_by_layer().items()
+        return {
+            n: row["lookahead_recall"] for n, row in rows if row["lookahead_recall"] is not None
+        }
+
+    def _routed_by_layer(self) -> dict[int, dict]:
+        return routed_by_layer(list(self.recent_steps[-FIGURE_STEPS:]))
 
     def _mean(self, name: str) -> float:
         window = self.recent_steps[-FIGURE_STEPS:]

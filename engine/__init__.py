@@ -43,6 +43,7 @@ _ON_FIRST_USE = {
     "StepMetrics": "engine.runtime.metrics",
     "peak_memory_line": "engine.runtime.metrics",
     "process_lifetime_peaks": "engine.runtime.metrics",
+    "routed_by_layer": "engine.runtime.metrics",
     "check_checkpoint": "engine.runtime.loader",
     "CgroupMemory": "engine.runtime.linux_memory",
     "cgroup_memory": "engine.runtime.linux_memory",

@@ -348,8 +348,6 @@ def test_a_server_under_a_low_open_file_limit_keeps_serving(model_dir, tmp_path_
             "the server did not start",
             60,
         )
-        if process.poll() is not None and "not allowed to raise maximum limit" in log.read_text():
-            pytest.skip("mlx-lm's import under a hard limit below 4096 is issue 33 item 16's")
         assert found and process.poll() is None, log.read_text()
         port = int(re.search(r"at http://127\.0\.0\.1:(\d+)", log.read_text()).group(1))
         cap = int(re.search(r"at most (\d+) connections", log.read_text()).group(1))

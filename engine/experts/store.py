@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from functools import partial
@@ -51,6 +52,17 @@ class LayerRouted:
     def add(self, other: LayerRouted) -> None:
         for name in self.__dataclass_fields__:
             setattr(self, name, getattr(self, name) + getattr(other, name))
+
+
+def sum_layer_routed(tables: Iterable[dict]) -> dict[int, LayerRouted]:
+    """Per-layer tables of `LayerRouted` fields (a step's `routed_by_layer`, a summary's; other
+    keys, such as a recall, ignored; layers as ints or, after JSON, text), summed by layer."""
+    totals: dict[int, LayerRouted] = {}
+    for table in tables:
+        for layer, row in table.items():
+            counts = {k: v for k, v in row.items() if k in LayerRouted.__dataclass_fields__}
+            totals.setdefault(int(layer), LayerRouted()).add(LayerRouted(**counts))
+    return dict(sorted(totals.items()))
 
 
 @dataclass
@@ -121,8 +133,9 @@ class ExpertStore:
         self._pending_layers: dict[int, Future[ReadResult]] = {}
         self._issued_for_next_step = 0  # reads ahead issued during this step for the next
         self._guessed: dict[int, set[int]] = {}  # layer -> the lookahead's guess, this step
-        # Experts smaller than this are not read ahead by the lookahead (only scored).
-        self.lookahead_min_bytes = 0
+        # False: the lookahead's guesses are only scored, not read ahead (the engine decides:
+        # EngineConfig.prefetch_min_expert_bytes).
+        self.lookahead_reads = True
         # When a list, every fetch appends (step, layer, experts): the routing trace that the eviction
         # benchmark replays.
         self.trace: list[tuple[int, int, list[int]]] | None = None
@@ -213,7 +226,7 @@ class ExpertStore:
         own router; `routing_known` then drops the wrong reads."""
         self._guessed[layer] = set(experts)
         step = self.pool.step
-        if self.index.layers[layer].expert_nbytes < self.lookahead_min_bytes:
+        if not self.lookahead_reads:
             experts, less_likely = [], []
         issued = self._read_ahead(layer, experts, step, "lookahead")
         issued += self._read_ahead(layer, less_likely, step, "lookahead", rank=1)
@@ -255,10 +268,7 @@ class ExpertStore:
             routed.guessed_right += len(guessed.intersection(experts))
 
     def _layer_counts(self, layer: int) -> LayerRouted:
-        routed = self.counters.layers.get(layer)
-        if routed is None:
-            routed = self.counters.layers[layer] = LayerRouted()
-        return routed
+        return self.counters.layers.setdefault(layer, LayerRouted())
 
     def layer_computed(self, layer: int) -> None:
         """`layer` (and so every layer before it) has computed this step: the experts it used or

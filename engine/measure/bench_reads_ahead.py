@@ -9,7 +9,7 @@ by the heads or by the lookahead, or missed (read while the forward waited).
 
 from __future__ import annotations
 
-from ..experts.store import LayerRouted
+from ..experts.store import sum_layer_routed
 
 # (label, summary key, format): added to the bench's per-arm figures.
 READ_AHEAD_FIGURES = (
@@ -25,12 +25,8 @@ READ_AHEAD_FIGURES = (
 def routed_by_layer(summaries: list[dict]) -> dict[int, dict]:
     """Each layer's routed experts by where they came from, summed over the summaries of an
     arm's successful runs."""
-    totals: dict[int, LayerRouted] = {}
-    for summary in summaries:
-        for layer, row in summary.get("routed_by_layer", {}).items():
-            counts = {k: v for k, v in row.items() if k in LayerRouted.__dataclass_fields__}
-            totals.setdefault(int(layer), LayerRouted()).add(LayerRouted(**counts))
-    return {layer: vars(total) for layer, total in sorted(totals.items())}
+    tables = (summary.get("routed_by_layer", {}) for summary in summaries)
+    return {layer: vars(total) for layer, total in sum_layer_routed(tables).items()}
 
 
 def markdown_lines(report: dict, cell) -> list[str]:

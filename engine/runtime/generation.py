@@ -322,9 +322,7 @@ class Engine:
             self.store.pool.keep_layers(self_routed)
             if self.lookahead is not None:
                 self.lookahead.k = k
-                self.store.lookahead_min_bytes = (
-                    self.config.prefetch_min_expert_bytes if mode == "prefetch" else 0
-                )
+                self.store.lookahead_reads = reads_pay or mode != "prefetch"
                 # Layers routed by a prediction need no guess of their true router's routing.
                 self.lookahead.skip = frozenset(predicted)
             # Reads ahead only: readers on a core of their own (experts/reader_core.py says why).

@@ -21,7 +21,7 @@ import mlx.core as mx
 
 from ..config import format_bytes
 from ..experts.page_cache import FileResidency
-from ..experts.store import LayerRouted, LoadCounters
+from ..experts.store import LoadCounters, sum_layer_routed
 
 MIB = 1024 * 1024
 
@@ -416,12 +416,8 @@ def routed_by_layer(steps: list[StepMetrics]) -> dict[int, dict]:
     """Where each MoE layer's routed experts came from over `steps` (summed): resident, read
     ahead by the heads, read ahead by the lookahead, missed; and the lookahead's recall of it
     (`lookahead_recall`, None for a layer it never guessed)."""
-    totals: dict[int, LayerRouted] = {}
-    for step in steps:
-        for layer, counts in step.routed_by_layer.items():
-            totals.setdefault(int(layer), LayerRouted()).add(LayerRouted(**counts))
     out = {}
-    for layer, total in sorted(totals.items()):
+    for layer, total in sum_layer_routed(s.routed_by_layer for s in steps).items():
         row = asdict(total)
         row["lookahead_recall"] = (
             total.guessed_right / total.guessed_of if total.guessed_of else None
