@@ -12,7 +12,15 @@ import pytest
 from edge0_tui.cli import main
 from engine import Edge0Error
 from engine.checkpoint.index import checkpoint_shards
-from engine.measure.bench import BenchConfig, ReadSpans, markdown, run_bench
+from engine.measure.bench import (
+    ArmRun,
+    BenchConfig,
+    ReadSpans,
+    _plan_note,
+    markdown,
+    plan_check,
+    run_bench,
+)
 from engine.measure.memory_cgroup import MemoryCgroup
 from engine.measure.read_limit import ReadLimitCgroup, block_device, whole_disk
 
@@ -41,6 +49,15 @@ def test_rotated_arms_replay_the_same_tokens(checkpoint_dir, tmp_path, capsys):
     assert "peak RSS: the kernel's high-water mark" in printed
     for run in report["runs"]:
         assert run["summary"]["peak_rss_bytes"] >= run["summary"]["median_rss_bytes"] > 0
+        # Each arm's plan, made before it loaded, beside the peak it reached (issue 31).
+        summary = run["summary"]
+        assert summary["plan_mib"] > 0
+        assert summary["peak_rss_vs_plan"] == pytest.approx(
+            summary["peak_rss_bytes"] / 2**20 / summary["plan_mib"]
+        )
+    assert report["plan_check"]["runs"] == 4
+    assert "| plan MiB | peak RSS / plan |" in printed
+    assert "within its memory plan + 10%" in printed or "Over the memory plan" in printed
     # --trace: a timeline per arm and round, and on Linux how long compute waited a step.
     assert sorted(p.name for p in traces.iterdir()) == [
         "on-demand-round1.json",
@@ -52,6 +69,19 @@ def test_rotated_arms_replay_the_same_tokens(checkpoint_dir, tmp_path, capsys):
         assert "**Compute waits**" in printed
         waited = on_demand["figures"]["compute_waited_ms"]["median"]
         assert 0 < waited < on_demand["figures"]["median_wall_ms"]["max"]
+
+
+def test_a_run_over_its_memory_plan_is_named_under_the_table():
+    def run(arm: str, round_index: int, peak_mib: float, plan_mib: float) -> ArmRun:
+        summary = {"peak_rss_mib": peak_mib, "plan_mib": plan_mib}
+        summary["peak_rss_vs_plan"] = peak_mib / plan_mib
+        return ArmRun(arm, round_index, ok=True, summary=summary)
+
+    within = plan_check([run("on-demand", 0, 200, 300), run("prefetch", 0, 320, 300)])
+    assert within["over"] == [] and within["largest_ratio"] == pytest.approx(320 / 300)
+    over = plan_check([run("on-demand", 0, 200, 300), run("prefetch", 1, 340, 300)])
+    assert over["over"] == [{"arm": "prefetch", "round": 2, "peak_rss_mib": 340, "plan_mib": 300}]
+    assert "prefetch round 2: peak 340 MiB, plan 300 MiB" in _plan_note(over)
 
 
 def test_cold_evicts_and_memory_limit_failures_are_reported(checkpoint_dir):
