@@ -13,8 +13,6 @@ Elsewhere the total comes from `sysconf` and the other figures are unknown (None
 from __future__ import annotations
 
 import os
-import re
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -22,6 +20,17 @@ from pathlib import Path
 
 # Linux's readers (/proc/meminfo, the memory cgroup) are the engine's: training reads them too.
 from engine import cgroup_memory, read_meminfo
+
+# macOS's parsers are the engine's too: the memory plan reads what the Mac has available.
+from engine.runtime.macos_memory import (
+    MACOS_SYSCTLS,
+    SYSCTL,
+    VM_STAT,
+    command_output,
+    mac_counters,
+    parse_sysctl,
+    parse_vm_stat,
+)
 
 
 @dataclass(frozen=True)
@@ -76,44 +85,11 @@ def read_linux_memory(
 
 # -- macOS -----------------------------------------------------------------------------------------
 
+_macos_sample: list[tuple[float, SystemMemory]] = []  # the latest (time, figures), at most one
+
 # Two short subprocesses cost a few ms, and the panel asks several times a second from the UI
 # thread: one sample a second is plenty for a memory figure.
 MACOS_SAMPLE_SECONDS = 1.0
-# A hung `vm_stat` must not freeze the app: past this, the figures are unknown for that sample.
-MACOS_COMMAND_TIMEOUT_S = 0.5
-# Full paths: an app started from a launcher may have a PATH without /usr/sbin.
-VM_STAT, SYSCTL = "/usr/bin/vm_stat", "/usr/sbin/sysctl"
-# sysctl names, printed as "name: value" lines (not `-n`: a name one macOS lacks is then skipped,
-# instead of shifting every later value by one line).
-MACOS_SYSCTLS = (
-    "hw.memsize",
-    "hw.pagesize",
-    "vm.page_pageable_internal_count",
-    "vm.page_purgeable_count",
-)
-
-_VM_STAT_PAGE_SIZE = re.compile(r"page size of (\d+) bytes")
-_macos_sample: list[tuple[float, SystemMemory]] = []  # the latest (time, figures), at most one
-
-
-@dataclass(frozen=True)
-class VmStat:
-    page_size: int | None  # from the header line, "(page size of 16384 bytes)"
-    pages: dict[str, int]  # page counts by their label: "Pages free", "File-backed pages", ...
-
-
-@dataclass(frozen=True)
-class MacMemoryCounters:
-    """macOS's own page counters, in bytes: what Activity Monitor's memory tab is made of."""
-
-    wired: int
-    active: int
-    inactive: int
-    compressed: int  # "Pages occupied by compressor": RAM the compressed pages take
-    file_backed: int
-    anonymous: int  # app memory: pageable pages not backed by a file
-    purgeable: int  # anonymous pages their owner allows the OS to drop
-    free: int
 
 
 def read_macos_memory() -> SystemMemory:
@@ -122,7 +98,7 @@ def read_macos_memory() -> SystemMemory:
     if _macos_sample and now - _macos_sample[0][0] < MACOS_SAMPLE_SECONDS:
         return _macos_sample[0][1]
     memory = macos_memory(
-        _command_output([VM_STAT]), _command_output([SYSCTL, *MACOS_SYSCTLS]), _sysconf_total()
+        command_output([VM_STAT]), command_output([SYSCTL, *MACOS_SYSCTLS]), _sysconf_total()
     )
     _macos_sample[:] = [(now, memory)]
     return memory
@@ -142,72 +118,6 @@ def macos_memory(vm_stat: str, sysctl: str, fallback_total: int) -> SystemMemory
     used = counters.wired + counters.compressed + max(0, counters.anonymous - counters.purgeable)
     file_cache = counters.file_backed + counters.purgeable
     return SystemMemory(total, used, "RAM", file_cache, counters.free)
-
-
-def mac_counters(vm_stat: VmStat, sysctl: dict[str, int]) -> MacMemoryCounters | None:
-    """The counters in bytes; None when the page size or a needed counter is missing."""
-    page_size = sysctl.get("hw.pagesize") or vm_stat.page_size
-    pages = vm_stat.pages
-    needed = (
-        "Pages wired down",
-        "Pages active",
-        "Pages inactive",
-        "Pages occupied by compressor",
-        "File-backed pages",
-        "Pages free",
-    )
-    if not page_size or any(name not in pages for name in needed):
-        return None
-    wired, active, inactive, compressed, file_backed, free = (pages[name] for name in needed)
-    # sysctl's counts are the kernel's own; vm_stat's lines are the fallback on an older macOS.
-    anonymous = sysctl.get("vm.page_pageable_internal_count", pages.get("Anonymous pages"))
-    if anonymous is None:
-        anonymous = max(0, active + inactive + pages.get("Pages speculative", 0) - file_backed)
-    purgeable = sysctl.get("vm.page_purgeable_count", pages.get("Pages purgeable", 0))
-    return MacMemoryCounters(
-        wired=wired * page_size,
-        active=active * page_size,
-        inactive=inactive * page_size,
-        compressed=compressed * page_size,
-        file_backed=file_backed * page_size,
-        anonymous=anonymous * page_size,
-        purgeable=purgeable * page_size,
-        free=free * page_size,
-    )
-
-
-def parse_vm_stat(text: str) -> VmStat:
-    """`vm_stat`'s output: "Label:   12345." lines under a header that gives the page size."""
-    found = _VM_STAT_PAGE_SIZE.search(text)
-    pages = {}
-    for line in text.splitlines():
-        label, _, value = line.rpartition(":")
-        value = value.strip().rstrip(".")
-        if label and value.isdigit():
-            pages[label.strip().strip('"')] = int(value)
-    return VmStat(int(found.group(1)) if found else None, pages)
-
-
-def parse_sysctl(text: str) -> dict[str, int]:
-    """`sysctl NAME...` output, "name: value" lines; values that are not integers are left out."""
-    values = {}
-    for line in text.splitlines():
-        name, _, value = line.partition(":")
-        if value.strip().isdigit():
-            values[name.strip()] = int(value.strip())
-    return values
-
-
-def _command_output(command: list[str]) -> str:
-    """A command's stdout, or "" when it cannot run or takes too long. A non-zero exit still
-    returns what was printed: sysctl exits 1 for one unknown name but prints the others."""
-    try:
-        done = subprocess.run(
-            command, capture_output=True, text=True, timeout=MACOS_COMMAND_TIMEOUT_S, check=False
-        )
-    except (OSError, subprocess.SubprocessError, ValueError):
-        return ""
-    return done.stdout or ""
 
 
 def _sysconf_total() -> int:

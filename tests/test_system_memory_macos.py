@@ -187,3 +187,52 @@ def test_the_platform_picks_the_reader(monkeypatch):
     assert system_memory.read_system_memory() == "mac"
     monkeypatch.setattr(system_memory.sys, "platform", "linux")
     assert system_memory.read_system_memory() == "linux"
+
+
+# -- the memory plan's limit on a Mac (engine/runtime/memory_plan.py) ------------------------------
+
+
+def test_a_macs_limit_is_what_vm_stat_leaves_at_most_metals_working_set():
+    from engine.runtime.memory_plan import mac_memory_limit
+
+    counters = mac_counters(parse_vm_stat(VM_STAT_16GB), parse_sysctl(SYSCTL_16GB))
+    # free 20311 + file-backed 331508 + purgeable 12130 pages, plus what the process holds.
+    available = (20311 + 331508 + 12130) * PAGE
+    rss = 300 << 20
+    assert mac_memory_limit(rss, counters, None) == (
+        rss + available,
+        "vm_stat: free + file-backed + purgeable",
+    )
+    assert mac_memory_limit(rss, counters, 4 * GIB) == (4 * GIB, "Metal's recommended working set")
+
+
+def test_the_plan_reads_the_mac_counters_where_there_is_no_proc(monkeypatch, tmp_path):
+    from engine.runtime import memory_plan
+
+    counters = mac_counters(parse_vm_stat(VM_STAT_16GB), parse_sysctl(SYSCTL_16GB))
+    monkeypatch.setattr(memory_plan.sys, "platform", "darwin")
+    monkeypatch.setattr(memory_plan, "read_mac_counters", lambda: counters)
+    monkeypatch.setattr(memory_plan, "metal_wired_limit_bytes", lambda: 4 * GIB)
+    limit, source = memory_plan.memory_limit(proc=tmp_path)  # no meminfo there
+    assert (limit, source) == (4 * GIB, "Metal's recommended working set")
+
+
+def test_the_wired_limit_is_the_resident_part_of_the_plan_within_the_working_set():
+    from engine.runtime.memory_plan import MemoryPlan, wired_bytes_for
+
+    plan = MemoryPlan(
+        runtime_bytes=100 << 20,
+        resident_bytes=3 * GIB,
+        expert_cache_bytes=2 * GIB,
+        prefill_bytes=GIB,
+        kv_cache_bytes=GIB,
+        working_bytes=0,
+        whole_layer_prefill=False,
+        context_tokens=8192,
+        k=8,
+        limit_bytes=16 * GIB,
+        limit_source="test",
+    )
+    assert wired_bytes_for(plan, None) is None  # no Metal: nothing wired
+    assert wired_bytes_for(plan, 10 * GIB) == 5 * GIB
+    assert wired_bytes_for(plan, 4 * GIB) == 4 * GIB  # never above the working set

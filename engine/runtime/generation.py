@@ -40,6 +40,7 @@ from ..trace import NO_TRACE, Tracer
 from .blas import blas_in_use, prefill_kernels
 from .compute_activity import follow_compute
 from .loader import LoadedModel, load, render_chat_template
+from .memory_plan import wire_for_plan
 from .metrics import (
     MemorySampler,
     StepMetrics,
@@ -105,6 +106,8 @@ class Engine:
         self.loaded: LoadedModel = load(self.model_dir, self.config, tracer)
         self.config = self.loaded.engine_config  # as the memory plan resolved it
         self.memory_plan = self.loaded.memory_plan
+        # Metal: the plan's resident weights and expert cache wired (None elsewhere).
+        self.wired_bytes = wire_for_plan(self.memory_plan)
         self.store = self.loaded.store
         self.tracer = tracer
         self.memory = None
@@ -332,6 +335,7 @@ class Engine:
         self.k, self.mode = k, mode
         if self.store is not None:
             self.memory_plan = self.loaded.plan_at(k)
+            self.wired_bytes = wire_for_plan(self.memory_plan)
 
     def _largest_expert_bytes(self) -> int:
         return max(layer.expert_nbytes for layer in self.loaded.index.layers.values())
@@ -377,7 +381,9 @@ class Engine:
             "expert_bytes": index.expert_nbytes,
             "expert_cache_bytes": self.config.expert_cache_bytes,  # as the plan resolved it
             "memory_plan": self.memory_plan.as_dict(),
-            "wired_limit_bytes": metal_wired_limit_bytes(),  # Metal only; None elsewhere
+            # Metal only, None elsewhere: the wired limit this run set, and the most it could.
+            "wired_limit_bytes": self.wired_bytes,
+            "working_set_bytes": metal_wired_limit_bytes(),
             "dtype": str(self.loaded.float_dtype or "as saved"),
             "blas": blas_in_use().as_dict(),
             "prefill_kernels": prefill_kernels(self.config),

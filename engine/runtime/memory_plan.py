@@ -18,12 +18,15 @@ The total is held against what the machine leaves: MemAvailable, lowered to what
 memory cgroup leaves (`linux_memory.available_memory_bytes`), plus what this process already
 holds. Where whole-layer reads do not fit, prefill goes through the expert cache instead
 (`EngineConfig.whole_layer_prefill`); where nothing fits, the run is refused before it loads.
+On a Mac the limit comes from `vm_stat` and Metal's recommended working set, and the plan's resident
+weights and expert cache are wired (`wire_for_plan`).
 """
 
 from __future__ import annotations
 
 import math
 import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -38,7 +41,8 @@ from ..experts.pool import ExpertPool
 from ..experts.store import expert_layout
 from ..experts.switch_glu import DENSE_EVAL_BYTES, GATHER_ACTIVATION_BYTES
 from .linux_memory import cgroup_memory, read_meminfo
-from .metrics import process_rss_bytes
+from .macos_memory import MacMemoryCounters, available_bytes, read_mac_counters
+from .metrics import metal_wired_limit_bytes, process_rss_bytes
 
 # The context a run allows when the model's own is longer: the KV cache is planned for it.
 DEFAULT_CONTEXT_TOKENS = 8192
@@ -149,8 +153,9 @@ def memory_limit(
     proc: Path = Path("/proc"), cgroup_root: Path = Path("/sys/fs/cgroup")
 ) -> tuple[int | None, str]:
     """What this process may hold in all, and where the figure comes from: what it holds now
-    plus what the machine leaves (MemAvailable), at most its memory cgroup's limit (the
-    tightest of its ancestors'); macOS: physical memory."""
+    plus what the machine leaves (Linux: MemAvailable, at most its memory cgroup's limit, the
+    tightest of its ancestors'; macOS: free, file-backed and purgeable pages from `vm_stat`, at
+    most Metal's recommended working set); else physical memory."""
     meminfo = read_meminfo(proc / "meminfo")
     if meminfo is not None and "MemAvailable" in meminfo:
         limit, source = process_rss_bytes() + meminfo["MemAvailable"], "MemAvailable"
@@ -161,10 +166,41 @@ def memory_limit(
         if cgroup is not None and cgroup.limit_bytes < limit:
             limit, source = cgroup.limit_bytes, f"memory cgroup v{cgroup.version} limit"
         return limit, source
+    if sys.platform == "darwin" and (counters := read_mac_counters()) is not None:
+        return mac_memory_limit(process_rss_bytes(), counters, metal_wired_limit_bytes())
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "physical memory"
     except (ValueError, OSError, AttributeError):
         return None, "unknown"
+
+
+def mac_memory_limit(
+    rss_bytes: int, counters: MacMemoryCounters, working_set_bytes: int | None
+) -> tuple[int, str]:
+    """A Mac's limit: what the process holds plus what `vm_stat` shows available, at most
+    Metal's recommended working set (past it MLX's buffers page, and the GPU waits on them)."""
+    limit, source = rss_bytes + available_bytes(counters), "vm_stat: free + file-backed + purgeable"
+    if working_set_bytes is not None and working_set_bytes < limit:
+        limit, source = working_set_bytes, "Metal's recommended working set"
+    return limit, source
+
+
+def wired_bytes_for(plan: MemoryPlan, working_set_bytes: int | None) -> int | None:
+    """The Metal wired limit a run asks for: its resident weights and expert cache (the memory
+    every step touches, which paging would stall), never more than the recommended working set;
+    None without Metal."""
+    if working_set_bytes is None:
+        return None
+    return min(plan.resident_bytes + plan.expert_cache_bytes, working_set_bytes)
+
+
+def wire_for_plan(plan: MemoryPlan) -> int | None:
+    """Wire the plan's resident memory on Metal (`mx.set_wired_limit`); the limit set, or None
+    where there is no Metal."""
+    wired = wired_bytes_for(plan, metal_wired_limit_bytes())
+    if wired is not None:
+        mx.set_wired_limit(wired)
+    return wired
 
 
 def kv_bytes_per_token(model_config: dict, itemsize: int) -> int:
