@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -251,3 +252,49 @@ def test_read_limit_by_pacing_limits_the_streaming_arms_on_any_os(checkpoint_dir
     assert "(paced in the readers)" in markdown(report)
     with pytest.raises(Edge0Error, match="unknown read limiter"):
         run_bench(BenchConfig(model, ["on-demand"], read_limit_by="tc"), lambda line: None)
+
+
+def test_a_run_without_a_wall_says_so_and_each_mode_runs_compute_only(checkpoint_dir, capsys):
+    model = checkpoint_dir("qwen3_moe")
+    args = ["bench", str(model), "--arms", "on-demand,prefetch,compute-only:prefetch"]
+    args += ["--rounds", "1", "--tokens", "6", "--expert-cache", "1G", "--page-cache", "off"]
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    # Warm and a cache that holds every expert: nothing is read cold.
+    assert "**No memory wall in this run**" in printed
+    assert "- prefetch: " in printed and "against on-demand with nothing to read" in printed
+    # compute-only:prefetch is prefetch with every expert in memory: the overlap limit of the
+    # prefetch arm is its own mode's compute, and on-demand (no compute-only arm of its own, no
+    # plain compute-only arm) has none.
+    assert "| compute-only:prefetch |" in printed
+    overlap = printed.split("**Overlap limit**")[1].split("**")[0]
+    assert "| prefetch |" in overlap and "| on-demand |" not in overlap
+
+
+def test_compute_only_arms_name_their_mode():
+    from engine.measure.bench import compute_only_mode
+
+    assert compute_only_mode("compute-only", ["on-demand", "compute-only"]) == "on-demand"
+    assert compute_only_mode("compute-only", ["prerouter", "compute-only"]) == "prerouter"
+    assert compute_only_mode("compute-only:prefetch") == "prefetch"
+    assert compute_only_mode("compute-only:resident") is None
+    assert compute_only_mode("on-demand") is None
+    with pytest.raises(Edge0Error, match="compute-only:MODE"):
+        run_bench(BenchConfig(Path("unused"), ["compute-only:bogus"]), progress=lambda line: None)
+
+
+def test_a_wall_by_page_cache_budget_is_cold(checkpoint_dir, tmp_path):
+    # --page-cache: the streaming arms' expert pages are held to a budget, so reads go cold even
+    # on a warm machine (how the app makes its wall on the demo).
+    model = checkpoint_dir("qwen3_moe")
+    config = BenchConfig(
+        model,
+        ["on-demand"],
+        rounds=1,
+        tokens=6,
+        expert_cache_bytes=60 << 10,
+        page_cache_bytes=64 << 10,
+    )
+    report = run_bench(config, progress=lambda line: None)
+    assert report["memory_wall"]["cold_mib"] > 0
+    assert "No memory wall" not in markdown(report)

@@ -24,14 +24,23 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         default="resident,on-demand,prerouter",
         help="comma-separated: resident, on-demand, prefetch, prerouter, compute-only (every expert "
         "resident before the replay, no limits: the compute a step cannot go below, for the "
-        "overlap-limit table; needs every expert in memory)",
+        "overlap-limit table; needs every expert in memory), compute-only:MODE (that mode so: "
+        "what it costs a step with nothing to read)",
     )
     options.add_k(parser, help=None)
     parser.add_argument("--rounds", type=options.count(1), default=3)
     parser.add_argument("--tokens", type=options.count(1), default=64)
     parser.add_argument("--prompt-file", type=Path, default=None)
     options.add_expert_cache(
-        parser, auto=True, help='e.g. 112M, or "auto": what each arm\'s memory plan leaves'
+        parser,
+        default=None,
+        auto=True,
+        help='e.g. 112M, or "auto": what each arm\'s memory plan leaves (default: auto; 4M for the '
+        "bundled demo, as the chat)",
+    )
+    options.add_page_cache(
+        parser,
+        help=options.PAGE_CACHE_HELP + " (default: off; 4M for the bundled demo, as the chat)",
     )
     parser.add_argument("--ram-limit", type=options.size, default=None)
     parser.add_argument(
@@ -71,11 +80,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from engine import check_checkpoint
+    from edge0_tui.model_source import BUNDLED_DEMO
+    from engine import check_checkpoint, parse_size
     from engine.measure.bench import DEFAULT_PROMPT, BenchConfig, markdown, run_bench, terminal_plot
 
     check_checkpoint(args.model)  # in this process: the arms' processes would each say it again
     check_outputs(args)  # before the run: its results are written only at the end
+    # The bundled demo fits any page cache: the chat's 4 MB budgets make its wall (cold reads).
+    demo = args.model.resolve() == BUNDLED_DEMO.resolve()
+    expert_cache = args.expert_cache or (parse_size("4M") if demo else options.AUTO)
+    page_cache = args.page_cache or (parse_size("4M") if demo else "off")
     prompt = DEFAULT_PROMPT
     if args.prompt_file is not None:
         prompt = read_prompt(args.prompt_file)
@@ -86,7 +100,8 @@ def run(args: argparse.Namespace) -> int:
         rounds=args.rounds,
         tokens=args.tokens,
         prompt=prompt,
-        **options.expert_cache_config(args.expert_cache),
+        **options.expert_cache_config(expert_cache),
+        page_cache_bytes=options.page_cache_bytes(page_cache),
         ram_limit_bytes=args.ram_limit,
         # A throttle acts on cold reads only: with a warm page cache it would measure nothing.
         cold=args.cold or (args.read_limit is not None and not args.warm),

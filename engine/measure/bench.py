@@ -40,8 +40,11 @@ DEFAULT_PROMPT = "Write a short story about a lighthouse keeper who finds a mess
 ARMS = ("resident", "on-demand", "prerouter", "prefetch", "compute-only")
 # The compute-only arm streams like the others but has every expert resident before the replay (no
 # RAM or read limit, no eviction: it reads nothing). Its step is the compute a streamed step cannot
-# go below, one term of the overlap limit.
+# go below, one term of the overlap limit. `compute-only:MODE` runs that mode so (what the mode
+# costs a step when nothing is read: the heads' work, the lookahead's guesses); plain
+# `compute-only` runs prerouter where the bench has it, else on-demand.
 COMPUTE_ONLY = "compute-only"
+STREAMED_MODES = ("on-demand", "prefetch", "prerouter")
 READ_LIMITERS = ("cgroup", "pacing")
 # (label, summary key, format) of the figures reported per arm.
 FIGURES = (
@@ -108,6 +111,9 @@ class BenchConfig:
     # Every arm, resident included, computes prefill the same way: today's kernels with this,
     # else the dense prefill path wherever the arm's process has a fast BLAS (EngineConfig's).
     exact_kernels: bool = False
+    # Each streaming arm's page-cache budget for the model's expert pages (EngineConfig's); None:
+    # the OS's page cache as it is.
+    page_cache_bytes: int | None = None
     # Where every arm looks for K profiles (EngineConfig's fields of the same names).
     adapter_dirs: tuple[Path, ...] = ()
     data_dir: Path | None = None
@@ -155,6 +161,7 @@ def run_arm(spec: dict) -> dict:
         adapter_dirs=tuple(Path(d) for d in spec["adapter_dirs"]),
         data_dir=Path(spec["data_dir"]) if spec["data_dir"] else None,
         read_pace_bps=spec.get("read_pace_bps"),
+        page_cache_bytes=spec.get("page_cache_bytes"),
     )
     reads = ReadSpans(whole_trace=spec.get("trace") is not None)
     with Engine(spec["model"], config, tracer=reads) as engine:
@@ -304,9 +311,12 @@ def _warm(shards: list[Path]) -> None:
 
 
 def run_bench(config: BenchConfig, progress=print, timeout_s: float = 3600) -> dict:
-    unknown = [a for a in config.arms if a not in ARMS]
+    unknown = [a for a in config.arms if a not in ARMS and compute_only_mode(a) is None]
     if unknown or not config.arms:
-        raise Edge0Error(f"unknown arm(s) {unknown}: choose from {', '.join(ARMS)}")
+        raise Edge0Error(
+            f"unknown arm(s) {unknown}: choose from {', '.join(ARMS)}, or compute-only:MODE "
+            f"(MODE one of {', '.join(STREAMED_MODES)})"
+        )
     shards = checkpoint_shards(Path(config.model))
     base = {
         "model": str(config.model),
@@ -316,6 +326,7 @@ def run_bench(config: BenchConfig, progress=print, timeout_s: float = 3600) -> d
         "seed": config.seed,
         "temperature": config.temperature,
         "exact_kernels": config.exact_kernels,
+        "page_cache_bytes": config.page_cache_bytes,
         "adapter_dirs": [str(d) for d in config.adapter_dirs],
         "data_dir": str(config.data_dir) if config.data_dir else None,
     }
@@ -353,14 +364,14 @@ def run_bench(config: BenchConfig, progress=print, timeout_s: float = 3600) -> d
                 prompt_tokens=sampled["prompt_tokens"],
                 forced_tokens=sampled["tokens"],
             )
-            if arm == COMPUTE_ONLY:
+            if (streamed := compute_only_mode(arm, config.arms)) is not None:
                 cgroups = []
-                streamed = "prerouter" if "prerouter" in config.arms else "on-demand"
                 spec.update(
                     mode=streamed,
                     preload_experts=True,
                     expert_cache_bytes=1 << 60,
                     expert_cache_auto=False,
+                    page_cache_bytes=None,
                 )
             else:
                 if config.paced:
@@ -396,6 +407,14 @@ def run_bench(config: BenchConfig, progress=print, timeout_s: float = 3600) -> d
             )
             runs.append(run)
     return build_report(config, sampled, runs)
+
+
+def compute_only_mode(arm: str, arms: list[str] = ()) -> str | None:
+    """The mode a compute-only arm runs (None: `arm` is no compute-only arm)."""
+    if arm == COMPUTE_ONLY:
+        return "prerouter" if "prerouter" in arms else "on-demand"
+    name, _, mode = arm.partition(":")
+    return mode if name == COMPUTE_ONLY and mode in STREAMED_MODES else None
 
 
 def _arm_cgroups(
@@ -465,12 +484,12 @@ def build_report(config: BenchConfig, sampled: dict, runs: list[ArmRun]) -> dict
             data["ratios"][f"tok_s_vs_{reference}"] = _ratio(mine, ref, "decode_tok_per_s")
             data["ratios"][f"blocked_vs_{reference}"] = _ratio(mine, ref, "median_blocked_ms")
             data["ratios"][f"peak_mlx_vs_{reference}"] = _ratio(mine, ref, "peak_mlx_mib")
-    compute = arms.get(COMPUTE_ONLY, {}).get("figures", {}).get("median_wall_ms")
     for arm, data in arms.items():
         f = data["figures"]
-        if compute is None or arm in (COMPUTE_ONLY, "resident") or "median_wall_ms" not in f:
+        compute = _compute_only_step(arms, arm)
+        if compute is None or arm not in STREAMED_MODES or "median_wall_ms" not in f:
             continue
-        data["overlap"] = overlap_limit(f, compute["median"])
+        data["overlap"] = overlap_limit(f, compute)
     return {
         # As plain JSON data: paths as text, tuples as lists.
         "config": json.loads(json.dumps(asdict(config), default=str)),
@@ -478,8 +497,56 @@ def build_report(config: BenchConfig, sampled: dict, runs: list[ArmRun]) -> dict
         "tokens": len(sampled["tokens"]),
         "arms": arms,
         "plan_check": plan_check(runs),
+        "memory_wall": memory_wall(runs),
         "runs": [asdict(r) for r in runs],
     }
+
+
+def memory_wall(runs: list[ArmRun]) -> dict:
+    """Whether the streaming arms met a memory wall: the expert loads they made and the cold MiB
+    (read from disk, by mincore) over all their runs."""
+    streamed = [r for r in runs if r.ok and r.arm in STREAMED_MODES]
+    loads = sum(r.summary.get("median_loads", 0.0) for r in streamed)
+    cold = sum(r.summary.get("read_cold_mib", 0.0) for r in streamed)
+    return {"runs": len(streamed), "loads_per_step": loads, "cold_mib": cold}
+
+
+def _wall_lines(report: dict) -> list[str]:
+    """Under the throughput table, where a run had no wall: why, and what each mode then costs."""
+    wall = report.get("memory_wall")
+    if not wall or not wall["runs"] or wall["cold_mib"] > 0:
+        return []
+    why = (
+        "the expert cache holds every expert the replay routes to (0 loads a step)"
+        if wall["loads_per_step"] == 0
+        else "every expert read came from the page cache (0 MiB read cold)"
+    )
+    lines = [
+        "",
+        f"**No memory wall in this run**: every expert is in memory ({why}). Each arm's ms/step "
+        "is then its mode's own cost with nothing to read from disk. For a wall: a smaller "
+        "`--expert-cache`, a `--page-cache` budget, or `--cold` with `--ram-limit` below the model.",
+    ]
+    arms = report["arms"]
+    base = arms.get("on-demand", {}).get("figures", {}).get("median_wall_ms")
+    for mode, what in (("prefetch", "the lookahead's guesses"), ("prerouter", "its heads' work")):
+        step = arms.get(mode, {}).get("figures", {}).get("median_wall_ms")
+        if base is not None and step is not None:
+            extra = step["median"] - base["median"]
+            lines.append(
+                f"- {mode}: {extra:+.1f} ms/step against on-demand with nothing to read ({what})."
+            )
+    return lines
+
+
+def _compute_only_step(arms: dict, mode: str) -> float | None:
+    """The median step of `mode` with nothing to read: its own compute-only arm where the bench
+    ran one, else the plain compute-only arm's."""
+    for name in (f"{COMPUTE_ONLY}:{mode}", COMPUTE_ONLY):
+        step = arms.get(name, {}).get("figures", {}).get("median_wall_ms")
+        if step is not None:
+            return step["median"]
+    return None
 
 
 def plan_check(runs: list[ArmRun]) -> dict:
@@ -603,6 +670,7 @@ def markdown(report: dict) -> str:
             f"| {_cell(f, 'median_blocked_ms', '{:.1f}')} | {_x(ratios.get('blocked_vs_on-demand'))} "
             f"| {_cell(f, 'median_flush_ms', '{:.1f}')} |"
         )
+    lines += _wall_lines(report)
     lines += [
         "",
         "**Loads and memory** (cf. the paper's Table 4)",
