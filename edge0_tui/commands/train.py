@@ -108,6 +108,21 @@ def _add_lora_and_distill(phases: argparse._SubParsersAction) -> None:
         )
         phase.add_argument("--steps", type=options.count(1), default=steps)
         phase.add_argument(
+            "--student",
+            choices=("auto", "memory", "streamed"),
+            default="auto",
+            help="memory: the base dequantized in memory (faster); streamed: routed experts stay "
+            "4-bit on disk, read through the expert cache in forward and again in backward "
+            "(bounded by the memory plan); auto (default): memory where it fits",
+        )
+        options.add_expert_cache(
+            phase,
+            default="auto",
+            auto=True,
+            help='the streamed student\'s expert cache, e.g. 256M, or "auto" (default): what '
+            "the memory plan leaves",
+        )
+        phase.add_argument(
             "--lr", type=options.positive_float, default=None, help="AdamW learning rate"
         )
         phase.add_argument(
@@ -264,8 +279,11 @@ def run_lora_or_distill(args: argparse.Namespace) -> int:
         log=lambda line: print(line, flush=True),
         bar=sys.stderr.isatty(),
         engine_config=EngineConfig(
-            adapter_dirs=options.adapter_dirs(args.adapters), data_dir=options.data_dir()
+            adapter_dirs=options.adapter_dirs(args.adapters),
+            data_dir=options.data_dir(),
+            **options.expert_cache_config(args.expert_cache),
         ),
+        streamed={"auto": None, "memory": False, "streamed": True}[args.student],
         **extra,
     )
     return 0

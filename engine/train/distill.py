@@ -100,6 +100,7 @@ def train_distill(
     log: Log = print,
     bar: bool = False,
     engine_config: EngineConfig | None = None,
+    streamed: bool | None = None,
 ) -> tuple[Path, list[dict]]:
     """Distill the K=config.k LoRA on-policy; write it; return (path, log of {step, loss}).
     `teacher_dir` None: the checkpoint itself teaches. The K profile (heads and phase-2 LoRA) is
@@ -116,8 +117,10 @@ def train_distill(
         PROFILE_LORA,
         engine_config,
         teacher_bytes(teacher_dir, engine_config),
+        streamed,
     )
     lora_path = student.lora.path
+    log(student.describe())
     out_dir = Path(out_dir or student.adapter_folder / "train" / f"distill_k{config.k}")
     out = Path(out or lora_path)
     check_outputs(out, out_dir)  # before the rollouts and the steps, not after them

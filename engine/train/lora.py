@@ -90,8 +90,11 @@ def train_lora(
     bar: bool = False,
     rows_path: Path | None = None,
     engine_config: EngineConfig | None = None,
+    streamed: bool | None = None,
 ) -> tuple[Path, list[dict]]:
     """Train the LoRA for K=config.k; write it; return (path, log of {step, loss[, heldout]}).
+    The student is streamed where the dequantized base does not fit (`streamed` None), or as
+    `streamed` says.
     `teacher_dir` None: the checkpoint itself teaches (`teacher.CheckpointTeacher`). Written
     beside the K profile's heads (found over `engine_config`'s adapter search) unless `out`."""
     model_dir = Path(model_dir)
@@ -101,8 +104,15 @@ def train_lora(
         raise Edge0Error(f"targets={config.targets!r}: must be 'teacher' or 'tokens'")
     lora = LoRAInit(config.r, config.alpha, config.seed)
     student = load_student(
-        model_dir, config.k, True, lora, engine_config, teacher_bytes(teacher_dir, engine_config)
+        model_dir,
+        config.k,
+        True,
+        lora,
+        engine_config,
+        teacher_bytes(teacher_dir, engine_config),
+        streamed,
     )
+    log(student.describe())
     folder = student.adapter_folder
     out_dir = Path(out_dir or folder / "train" / f"lora_k{config.k}")
     out = Path(out or folder / f"lora_k{config.k}.safetensors")
@@ -128,14 +138,21 @@ def train_lora(
     gate_prefix = p - 1  # the engine prefills prompt[:-1] with the gate
 
     # -- 2. train ----------------------------------------------------------------------------------
-    def loss_fn(x, y, w):
+    def loss_fn(x, target, w):
+        """`target`: the sampled tokens, or the teacher's logits (computed outside, so that the
+        student's forward is all the gradient runs through)."""
         logits = student(x, gate_prefix)
         if config.targets == "tokens":
-            return masked_mean(nn.losses.cross_entropy(logits, y), w)
-        return masked_mean(forward_kl(teacher(x), logits), w)
+            return masked_mean(nn.losses.cross_entropy(logits, target), w)
+        return masked_mean(forward_kl(target, logits), w)
+
+    def batch(rows: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        x = inputs[rows]
+        target = targets[rows] if config.targets == "tokens" else teacher(x)
+        return x, target, weights[rows]
 
     def heldout_loss() -> float:
-        return loss_fn(inputs[:held], targets[:held], weights[:held]).item()
+        return loss_fn(*batch(mx.arange(held))).item()
 
     run = TrainingRun(out_dir, student, config, loss_fn, heldout_loss, log)
     with training_progress(bar) as progress:
@@ -145,7 +162,7 @@ def train_lora(
             rng = np.random.default_rng([config.seed, step])
             size = min(config.batch, len(train_rows))
             rows = mx.array(rng.choice(train_rows, size=size, replace=False))
-            loss = run.step(step, inputs[rows], targets[rows], weights[rows])
+            loss = run.step(step, *batch(rows))
             progress.update(task, advance=1, status=f"loss {loss:.4f}")
 
     # -- 3. save -----------------------------------------------------------------------------------

@@ -218,7 +218,7 @@ class TrainingRun:
     def __init__(self, out_dir: Path, student, config, loss_fn, heldout, log: Log):
         self.out_dir, self.student, self.config = out_dir, student, config
         self.heldout, self.log = heldout, log
-        self.loss_and_grad = nn.value_and_grad(student.model, loss_fn)
+        self.loss_and_grad = student.value_and_grad(loss_fn)
         self.optimizer = optim.AdamW(learning_rate=config.lr, weight_decay=config.weight_decay)
         self.state = self._resume()
         if self.state is None:

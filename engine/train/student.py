@@ -28,6 +28,7 @@ Beside it, shared by phases 2 and 3 and `edge0 eval`: `teacher.py` (the unquanti
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -50,6 +51,7 @@ from ..routing.prerouter import (
 )
 from ..runtime.linux_memory import available_memory_bytes
 from ..runtime.loader import LoadedModel, compute_dtype, load, read_config
+from .streamed_student import LayerwiseGrad, make_experts_trainable, streaming_config
 
 # LoRA targets by kind: a linear layer whose module path holds one of these markers. Routers
 # (`mlp.gate`), the shared expert's scalar gate (`mlp.shared_expert_gate`), routed experts, dense FFN
@@ -193,7 +195,8 @@ class Student:
         plan.predicted_positions = (mx.arange(length)[None, :] >= prefix[:, None])[..., None]
         plan.predicted, plan.record = {}, record
         try:
-            return self.model(tokens)
+            with self._step():
+                return self.model(tokens)
         finally:
             plan.predicted, plan.record = {}, None
 
@@ -208,11 +211,50 @@ class Student:
         for module in lora_modules:
             module.scale = 0.0
         try:
-            return mx.stop_gradient(self.model(tokens, cache=cache))
+            with self._step():
+                return mx.stop_gradient(self.model(tokens, cache=cache))
         finally:
             plan.base, plan.k = False, self.k
             for module, scale in zip(lora_modules, scales):
                 module.scale = scale
+
+    def describe(self) -> str:
+        """One line for a training run's start: which student, and what it holds."""
+        if not self.streamed:
+            return "student: in memory (the base dequantized; the faster path where it fits)"
+        cache = self.loaded.engine_config.expert_cache_bytes
+        return (
+            "student: streamed (the dequantized base does not fit; routed experts stay 4-bit, "
+            f"read through a {format_bytes(cache)} expert cache, again in backward); "
+            + self.loaded.memory_plan.line()
+        )
+
+    def value_and_grad(self, loss_fn):
+        """`loss_fn`'s value and its LoRA gradients: by autograd over the whole model in memory;
+        a layer at a time on the streamed student (`streamed_student.LayerwiseGrad`), whose
+        memory is then one layer's."""
+        if self.streamed:
+            return LayerwiseGrad(self, loss_fn)
+        return nn.value_and_grad(self.model, loss_fn)
+
+    @property
+    def streamed(self) -> bool:
+        """Routed experts read through the expert cache (`streamed_student.py`), not in memory."""
+        return self.loaded.store is not None
+
+    @contextlib.contextmanager
+    def _step(self):
+        """One forward is one step of the expert cache (its uses and pins end with it); a
+        backward's reads follow in their own groups (`streamed_student.expert_input_grad`)."""
+        store = self.loaded.store
+        if store is None:
+            yield
+            return
+        store.begin_step()
+        try:
+            yield
+        finally:
+            store.end_step()
 
     # -- the adapter ----------------------------------------------------------------------------------
 
@@ -236,21 +278,35 @@ def load_student(
     lora: Path | LoRAInit | str | None = None,
     engine_config: EngineConfig | None = None,
     extra_bytes: int = 0,
+    streamed: bool | None = None,
 ) -> Student:
-    """The student for width K: dequantized base, the K profile's heads (when `heads`, found over
+    """The student for width K: the base, the K profile's heads (when `heads`, found over
     `engine_config`'s adapter search), and a LoRA read from a file, the profile's own
-    (`PROFILE_LORA`) or freshly initialized; only the LoRA is trainable. Refused up front when
-    the dequantized model (plus `extra_bytes`, e.g. a float teacher) cannot fit in the memory
-    available."""
+    (`PROFILE_LORA`) or freshly initialized; only the LoRA is trainable.
+
+    The base is dequantized in memory where it fits (with `extra_bytes`, e.g. a float teacher),
+    else streamed: routed experts packed, read through the expert cache (`streamed_student.py`;
+    slower, bounded by the memory plan). `streamed` True or False forces one; False is refused
+    up front where the dequantized model cannot fit."""
     model_dir = Path(model_dir)
     engine_config = engine_config or EngineConfig()
-    check_student_fits(model_dir, engine_config, extra_bytes)
-    loaded = load(model_dir, replace(engine_config, mode="resident"))
-    dequantize_model(loaded.model)
-    mx.eval(loaded.model.parameters())  # drop the packed weights now, not at the first forward
+    if streamed is None:
+        streamed = student_bytes(model_dir, engine_config, extra_bytes) > (
+            available_memory_bytes() or float("inf")
+        )
+    if streamed:
+        loaded = load(model_dir, streaming_config(engine_config))
+    else:
+        check_student_fits(model_dir, engine_config, extra_bytes)
+        loaded = load(model_dir, replace(engine_config, mode="resident"))
+        dequantize_model(loaded.model)
+        mx.eval(loaded.model.parameters())  # drop the packed weights now, not at the first forward
     k = loaded.top_k if k is None else k
     if not 1 <= k <= loaded.num_experts:
         raise Edge0Error(f"K={k} must be between 1 and the {loaded.num_experts} routed experts")
+    if streamed:
+        loaded.store.set_top_k(max(k, loaded.top_k))  # the teacher routes at the native K
+        make_experts_trainable(loaded)
     fingerprint = base_fingerprint(loaded.index)
     prerouter, folder = None, None
     if heads or lora == PROFILE_LORA:
@@ -325,12 +381,18 @@ def float_size(engine_config: EngineConfig) -> int:
     return dtype.size if dtype is not None else 2
 
 
-def check_student_fits(model_dir: Path, engine_config: EngineConfig, extra_bytes: int = 0) -> None:
-    """Refuse, before loading anything, a student that cannot fit: the student path holds the
-    whole model dequantized (backward needs every expert a batch touched, and a batch touches
-    nearly all of them), so phases 2 and 3 need the model's float size in memory."""
+def student_bytes(model_dir: Path, engine_config: EngineConfig, extra_bytes: int = 0) -> int:
+    """What the in-memory student needs: the model dequantized, `extra_bytes`, and a margin."""
     size = float_size(engine_config)
-    need = dequantized_bytes(model_dir, size) + extra_bytes + STUDENT_MARGIN_BYTES
+    return dequantized_bytes(model_dir, size) + extra_bytes + STUDENT_MARGIN_BYTES
+
+
+def check_student_fits(model_dir: Path, engine_config: EngineConfig, extra_bytes: int = 0) -> None:
+    """Refuse, before loading anything, an in-memory student that cannot fit: it holds the
+    whole model dequantized (backward needs every expert a batch touched, and a batch touches
+    nearly all of them), so it needs the model's float size in memory."""
+    size = float_size(engine_config)
+    need = student_bytes(model_dir, engine_config, extra_bytes)
     available = available_memory_bytes()
     if available is not None and need > available:
         raise Edge0Error(

@@ -1,0 +1,284 @@
+"""The streamed student: phases 2 and 3 for a model that does not fit dequantized.
+
+The in-memory student (`student.py`) dequantizes the whole base, because backward through a
+batch touches nearly every expert. But the LoRA trains only resident modules (attention, linear
+attention, shared experts): the routed experts are frozen, and a gradient needs to pass through
+them only to their input. `gather_qmm` gives that gradient on the packed 4-bit weights, so the
+experts can stay on disk and go through the streaming engine's expert cache as in inference:
+
+- **Forward.** The checkpoint is loaded as the streaming engine loads it (`on-demand`, today's
+  4-bit kernels: `exact_kernels`), and each MoE layer runs the student's routing (`StudentMoE`:
+  the gate, or the heads' predictions) over the whole batch. A layer routed to more experts than
+  the cache holds computes them a bankful at a time (`StreamingSwitchGLU._by_expert_groups`).
+- **Backward.** Each layer's routed experts are one `mx.custom_function` (`TrainableExperts`)
+  whose VJP reads that layer's experts again, a bankful at a time, and accumulates the input's
+  gradient group by group (`expert_input_grad`), each group evaluated before the next is read
+  into the same slots. The routing weights' gradient flows as usual: they multiply the experts'
+  outputs outside this function.
+
+Memory is the resident weights, the expert cache, the LoRA with its optimizer state, and the
+activations autograd keeps of the resident modules; no expert is ever held twice. The same
+`Student` class runs on it, so losses, heads and LoRA files are those of the in-memory path
+(tests/test_streamed_student.py: losses and LoRA gradients equal it within 1e-4 relative).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from functools import partial
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_flatten, tree_unflatten
+
+from ..experts.switch_glu import StreamingSwitchGLU, _sorted_glu, gather_activation_tokens
+from ..runtime.loader import LoadedModel
+
+
+class TrainableExperts(nn.Module):
+    """A layer's streamed routed experts as a differentiable function of their input: `[..., H]`
+    and indices `[..., K]` -> `[..., K, H]`, as the family's `SwitchGLU` returns them."""
+
+    def __init__(self, switch: StreamingSwitchGLU) -> None:
+        super().__init__()
+        self.switch = switch  # no parameters: its weights are the expert cache's slots
+        experts = mx.custom_function(self._forward)
+        experts.vjp(self._backward)
+        self._experts = experts
+
+    def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
+        return self._experts(x, indices)
+
+    def _forward(self, x: mx.array, indices: mx.array) -> mx.array:
+        y = self.switch(x, indices)
+        # Computed now, while this layer's experts are in their slots: the next layer's reads (or
+        # a backward's, which starts before the loss is evaluated) may take the same slots.
+        mx.eval(y)
+        return y
+
+    def _backward(
+        self, primals: tuple[mx.array, mx.array], cotangent: mx.array, output: mx.array
+    ) -> tuple[mx.array, mx.array]:
+        x, indices = primals
+        return expert_input_grad(self.switch, x, indices, cotangent), mx.zeros_like(indices)
+
+
+def expert_input_grad(
+    switch: StreamingSwitchGLU, x: mx.array, indices: mx.array, cotangent: mx.array
+) -> mx.array:
+    """d(loss)/dx of the experts' outputs, the layer's experts read again a bankful at a time:
+    each group's rows are differentiated through the 4-bit kernel (`_sorted_glu`, the forward's
+    kernel for a chunk) and their gradients added into the rows they came from, evaluated before
+    the next group takes the slots."""
+    store, layer = switch._store, switch._layer
+    mx.eval(x, indices, cotangent)
+    routed = np.array(indices)
+    k = routed.shape[-1]
+    hidden = x.shape[-1]
+    flat_x = x.reshape(-1, hidden)
+    flat_cotangent = cotangent.reshape(-1, cotangent.shape[-1])  # one row per assignment
+    experts = routed.reshape(-1)
+    distinct = np.unique(experts)
+    group_size = store.pool.capacity(layer)
+    grad = mx.zeros_like(flat_x)
+    for start in range(0, len(distinct), group_size):
+        group = distinct[start : start + group_size].tolist()
+        slot_of = np.zeros(switch._num_experts, dtype=np.uint32)
+        slot_of[group] = store.fetch(layer, group)
+        bank = store.bank(layer).arrays
+        ids = np.flatnonzero(np.isin(experts, group))
+        ids = ids[np.argsort(experts[ids], kind="stable")]  # grouped by expert, as the kernel sorts
+        width = bank["up_proj.weight"].shape[-2]
+        block = gather_activation_tokens(1, width, x.dtype.size)
+        for first in range(0, len(ids), block):
+            part = ids[first : first + block]
+            rows = mx.array((part // k).astype(np.uint32))  # the token each assignment is of
+            slots = mx.array(slot_of[experts[part]])
+
+            glu = partial(_rows_glu, switch, slots, bank)
+            part_cotangent = flat_cotangent[mx.array(part)][:, None, :]
+            _, (row_grads,) = mx.vjp(glu, [flat_x[rows]], [part_cotangent])
+            grad = grad.at[rows].add(row_grads)
+            mx.eval(grad)
+        store.layer_computed(layer)  # the group's slots may take the next group
+    return grad.reshape(x.shape)
+
+
+def _rows_glu(
+    switch: StreamingSwitchGLU, slots: mx.array, bank: dict[str, mx.array], rows: mx.array
+) -> mx.array:
+    """Row i of `rows` `[n, H]` through the bank's expert in `slots[i]` (sorted): `[n, 1, H]`."""
+    return _sorted_glu(switch, rows[:, None, :], slots, bank)
+
+
+def make_experts_trainable(loaded: LoadedModel) -> None:
+    """Put `TrainableExperts` around every MoE layer's streamed experts (before the `Student`
+    takes the layers' children)."""
+    for site in loaded.sites:
+        switch = getattr(site.parent, site.attribute)
+        if not isinstance(switch, StreamingSwitchGLU):
+            raise TypeError(f"layer {site.layer}: experts are not streamed ({type(switch)})")
+        setattr(site.parent, site.attribute, TrainableExperts(switch))
+
+
+def streaming_config(engine_config):
+    """The engine config a streamed student loads with: streamed experts on today's 4-bit
+    kernels (the dense prefill path has no gradient rule here)."""
+    return replace(engine_config, mode="on-demand", exact_kernels=True)
+
+
+# -- the training step, a layer at a time ------------------------------------------------------------
+
+
+class _Recorder:
+    """What the taps do in each pass of `LayerwiseGrad`, and what they keep."""
+
+    def __init__(self, plan) -> None:
+        self.plan = (
+            plan  # the student's `_Plan`: predictions between layers, `base` for the teacher
+        )
+        self.mode = "off"  # "record": keep each layer's input; "replay": skip the layers
+        self.inputs: dict[int, tuple[mx.array, tuple, dict]] = {}
+        self.predicted_in: dict[int, mx.array] = {}  # consumer layer -> the prediction it routed by
+        self.last_output: mx.array | None = None
+        self.variable: mx.array | None = None  # what the last layer returns in "replay"
+
+
+class _Tap:
+    """Stands in a decoder layer's place in the model's list during one training step. Not an
+    `nn.Module`: it is never in the parameter tree (it is taken out before the optimizer runs)."""
+
+    def __init__(self, index: int, layer: nn.Module, last: bool, recorder: _Recorder) -> None:
+        self.index, self.layer, self.last, self.recorder = index, layer, last, recorder
+
+    def __getattr__(self, name: str):
+        return getattr(self.layer, name)  # what the model's loop asks of a layer (`is_linear`)
+
+    def __call__(self, x: mx.array, *args, **kwargs) -> mx.array:
+        recorder = self.recorder
+        if recorder.plan.base or recorder.mode == "off":  # the teacher's forward: untouched
+            return self.layer(x, *args, **kwargs)
+        if recorder.mode == "replay":
+            return recorder.variable if self.last else x
+        predicted = recorder.plan.predicted.get(self.index)
+        mx.eval(x) if predicted is None else mx.eval(x, predicted)
+        recorder.inputs[self.index] = (x, args, kwargs)
+        if predicted is not None:
+            recorder.predicted_in[self.index] = predicted
+        y = self.layer(x, *args, **kwargs)
+        if self.last:
+            mx.eval(y)
+            recorder.last_output = y
+        return y
+
+
+def decoder_layer_list(model: nn.Module) -> list:
+    """The list the model keeps its decoder layers in (`model.layers` may be a fresh slice of it
+    each time, as mlx-lm's pipeline models give it), so that an entry set there is called."""
+    layers = model.layers
+    for _, module in model.named_modules():
+        for value in module.values():
+            if isinstance(value, list) and value and value[0] is layers[0]:
+                return value
+    raise RuntimeError("cannot find the model's list of decoder layers")
+
+
+class LayerwiseGrad:
+    """`loss_fn`'s value and its gradients on the student's trainable parameters (the LoRA), as
+    `nn.value_and_grad(student.model, loss_fn)` gives them, in bounded memory:
+
+    1. forward, no gradient: each decoder layer's input (and the prediction it routes by) kept;
+    2. the loss's gradient at the last layer's output (the layers skipped: `_Tap` "replay");
+    3. from the last layer down: the layer computed again from its input and differentiated,
+       its experts read again (`TrainableExperts`); its input's gradient feeds the layer below,
+       its prediction's gradient the layer that made it.
+
+    `loss_fn(*batch)` must run the student's forward once (`student(tokens, gate_prefix)`); a
+    teacher's logits are computed outside it."""
+
+    def __init__(self, student, loss_fn) -> None:
+        self.student, self.loss_fn = student, loss_fn
+
+    def __call__(self, *batch):
+        student = self.student
+        layers = decoder_layer_list(student.model)
+        recorder = _Recorder(student._plan)
+        originals = list(layers)
+        for index, layer in enumerate(originals):
+            layers[index] = _Tap(index, layer, index == len(originals) - 1, recorder)
+        try:
+            # 1. forward: the checkpoints.
+            recorder.mode = "record"
+            mx.eval(self.loss_fn(*batch))
+            if len(recorder.inputs) != len(originals) or recorder.last_output is None:
+                raise RuntimeError("the model did not call every decoder layer in order")
+            positions = student._plan.predicted_positions
+            # 2. the loss at the last layer's output.
+            recorder.mode = "replay"
+
+            def head(output: mx.array) -> mx.array:
+                recorder.variable = output
+                return self.loss_fn(*batch)
+
+            (loss,), (grad,) = mx.vjp(head, [recorder.last_output], [mx.array(1.0)])
+            mx.eval(loss, grad)
+        finally:
+            recorder.mode = "off"
+            layers[:] = originals
+        # 3. the layers, last to first.
+        grads: list[tuple[str, mx.array]] = []
+        prediction_grads: dict[int, mx.array] = {}
+        paths = {id(module): path for path, module in student.model.named_modules()}
+        for index in reversed(range(len(originals))):
+            layer = originals[index]
+            grad, layer_grads = self._layer_backward(
+                index, layer, recorder, positions, grad, prediction_grads
+            )
+            prefix = paths[id(layer)]
+            grads += [(f"{prefix}.{name}", g) for name, g in layer_grads]
+        return loss, tree_unflatten(grads)
+
+    def _layer_backward(self, index, layer, recorder, positions, grad, prediction_grads):
+        """One layer's input gradient and its LoRA's, from its output's (and, on an owner of
+        heads, its prediction's) gradient."""
+        plan = self.student._plan
+        x, args, kwargs = recorder.inputs[index]
+        predicted_in = recorder.predicted_in.get(index)
+        consumer = self._consumer_of(index)
+        params = tree_flatten(layer.trainable_parameters())
+        names = [name for name, _ in params]
+        originals = [value for _, value in params]
+
+        def forward(x: mx.array, *rest: mx.array) -> list[mx.array]:
+            if predicted_in is not None:
+                predicted, rest = rest[0], rest[1:]
+            layer.update(tree_unflatten(list(zip(names, rest))))
+            plan.base, plan.k, plan.predicted_positions = False, self.student.k, positions
+            plan.predicted = {index: predicted} if predicted_in is not None else {}
+            y = layer(x, *args, **kwargs)
+            made = plan.predicted.pop(consumer, None) if consumer is not None else None
+            plan.predicted = {}
+            return [y] if made is None else [y, made]
+
+        primals = [x, *([predicted_in] if predicted_in is not None else []), *originals]
+        cotangents = [grad]
+        if consumer is not None:
+            cotangents.append(prediction_grads.pop(consumer))
+        with self.student._step():
+            try:
+                _, input_grads = mx.vjp(forward, primals, cotangents)
+                mx.eval(input_grads)
+            finally:
+                layer.update(tree_unflatten(list(zip(names, originals))))
+        grad, rest = input_grads[0], input_grads[1:]
+        if predicted_in is not None:
+            prediction_grads[index], rest = rest[0], rest[1:]
+        return grad, list(zip(names, rest))
+
+    def _consumer_of(self, index: int) -> int | None:
+        """The layer whose routing this layer's heads predict (None: it owns no head)."""
+        heads = self.student.heads
+        if heads is None or index not in heads.owners:
+            return None
+        return heads.consumers[list(heads.owners).index(index)]

@@ -1,0 +1,124 @@
+"""The streamed student (engine/train/streamed_student.py): phases 2 and 3 with the routed experts
+packed and read through a small expert cache give the in-memory (dequantized) student's losses
+and LoRA gradients, for families with and without shared experts, linear attention and
+pre-scaled expert inputs, routed by the heads' predictions."""
+
+from __future__ import annotations
+
+import shutil
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from adapters import profile_k, write_random_profile
+from mlx.utils import tree_flatten
+
+from engine.config import EngineConfig
+from engine.train.data import masked_mean
+from engine.train.lora import forward_kl
+from engine.train.streamed_student import LayerwiseGrad
+from engine.train.student import LoRAInit, load_student
+
+# float32 on the CPU; the 4-bit kernels and the dequantized matmuls sum in other orders.
+RELATIVE_TOLERANCE = 1e-4
+# Small enough that no layer's experts fit at once: the forward and the backward go through the
+# cache in several bankfuls (checked below).
+EXPERT_CACHE_BYTES = 40_000
+
+
+def _loss_and_lora_grads(student, tokens: mx.array, gate_prefix: int, layerwise: bool = False):
+    """Phase 2's loss (KL to the checkpoint's own routing at native K) and its LoRA gradients:
+    the student's own way (autograd in memory, a layer at a time streamed), or a layer at a time
+    whatever the student (`layerwise`)."""
+    teacher = student.base_logits(tokens)
+
+    def loss(batch, target):
+        logits = student(batch, gate_prefix)
+        return masked_mean(forward_kl(target, logits), mx.ones(batch.shape))
+
+    value_and_grad = LayerwiseGrad(student, loss) if layerwise else student.value_and_grad(loss)
+    value, grads = value_and_grad(tokens, teacher)
+    mx.eval(value, grads)
+    return value.item(), {name: np.array(g) for name, g in tree_flatten(grads)}
+
+
+def _student(model_dir, k, streamed: bool):
+    student = load_student(
+        model_dir,
+        k,
+        heads=True,
+        lora=LoRAInit(seed=1),
+        engine_config=EngineConfig(expert_cache_bytes=EXPERT_CACHE_BYTES),
+        streamed=streamed,
+    )
+    # B starts at zero (the base); a non-zero B gives A a gradient too.
+    for index, module in enumerate(student.lora_modules().values()):
+        module.lora_b = 0.02 * mx.random.normal(module.lora_b.shape, key=mx.random.key(index))
+    return student
+
+
+def test_streamed_student_has_the_in_memory_losses_and_gradients(checkpoint_dir, tmp_path, family):
+    model_dir = tmp_path / family
+    shutil.copytree(checkpoint_dir(family), model_dir)
+    k = profile_k(family, 2)
+    write_random_profile(model_dir, k)
+    tokens = mx.array(np.random.default_rng(0).integers(0, 500, size=(2, 24)))
+
+    in_memory = _student(model_dir, k, streamed=False)
+    assert not in_memory.streamed
+    expected_loss, expected = _loss_and_lora_grads(in_memory, tokens, gate_prefix=8)
+    # The layer-at-a-time gradient on the same (in-memory) student: autograd's.
+    _check_equal(
+        _loss_and_lora_grads(in_memory, tokens, 8, layerwise=True), expected_loss, expected
+    )
+    del in_memory
+
+    streamed = _student(model_dir, k, streamed=True)
+    store = streamed.loaded.store
+    assert streamed.streamed
+    layer = streamed.loaded.sites[0].layer
+    assert store.pool.capacity(layer) < store.index.layers[layer].num_experts  # bankfuls
+    _check_equal(_loss_and_lora_grads(streamed, tokens, gate_prefix=8), expected_loss, expected)
+
+
+def _check_equal(got, expected_loss: float, expected: dict) -> None:
+    loss, grads = got
+    assert loss > 0
+    assert loss == pytest.approx(expected_loss, rel=RELATIVE_TOLERANCE)
+    assert grads.keys() == expected.keys() and len(grads) > 0
+    for name, grad in expected.items():
+        scale = np.abs(grad).max()
+        assert scale > 0, f"{name}: no gradient"
+        assert np.abs(grads[name] - grad).max() <= RELATIVE_TOLERANCE * scale, name
+
+
+def test_streamed_backward_reads_each_layers_experts_again_once(checkpoint_dir, tmp_path):
+    # The backward keeps nothing of the forward's experts: with a cache smaller than a layer, it
+    # asks the cache for every expert the forward executed, once per layer, a bankful at a time.
+    model_dir = tmp_path / "qwen3_moe"
+    shutil.copytree(checkpoint_dir("qwen3_moe"), model_dir)
+    write_random_profile(model_dir, 2)
+    student = _student(model_dir, 2, streamed=True)
+    store = student.loaded.store
+    tokens = mx.array(np.random.default_rng(1).integers(0, 500, size=(2, 24)))
+    executed: dict = {}
+    fetched: dict[int, list[int]] = {}
+    fetch = store.fetch
+
+    def counting_fetch(layer: int, experts: list[int]):
+        fetched.setdefault(layer, []).extend(experts)
+        return fetch(layer, experts)
+
+    logits = student(tokens, 8, record=executed)
+    mx.eval(logits)
+
+    store.fetch = counting_fetch
+    # The layers' backward, a layer at a time (the forward's checkpoints taken first).
+    _, grads = student.value_and_grad(lambda batch: student(batch, 8).sum())(tokens)
+    mx.eval(grads)
+    # Each layer's experts were asked for twice: by the checkpointing forward, and again by the
+    # layer's recomputation and its backward.
+    assert executed.keys() == fetched.keys()
+    for layer, (inds, _, _) in executed.items():
+        routed = np.unique(np.array(inds)).tolist()
+        assert sorted(fetched[layer]) == sorted(routed * 3), layer
