@@ -42,10 +42,11 @@ def _gpu_backends() -> dict[str, bool]:
     return {"Metal": available("metal"), "CUDA": available("cuda")}
 
 
-def check_device() -> Check:
-    """MLX's version and the device it computes on: a GPU wherever MLX has one here."""
-    device = mx.default_device()
-    gpus = _gpu_backends()
+def check_device(device: mx.Device | None = None, gpus: dict[str, bool] | None = None) -> Check:
+    """MLX's version and the device it computes on: a GPU wherever MLX has one here. (`device`
+    and `gpus`: what MLX reports, unless given: tests give a GPU left unused.)"""
+    device = device or mx.default_device()
+    gpus = gpus if gpus is not None else _gpu_backends()
     have = [name for name, yes in gpus.items() if yes]
     on = "GPU" if device.type == mx.DeviceType.gpu else "CPU"
     detail = f"MLX {mx.__version__}, computing on the {on} ({', '.join(have) or 'no GPU backend'})"
