@@ -20,6 +20,8 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check engine edge0_tui tests
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS)
+	# Every check's Linux path, as a user runs it (exit status 1 on a FAIL).
+	$(BIN)/edge0 doctor --quick
 
 lint: $(STAMP)
 	$(BIN)/ruff format engine edge0_tui tests
