@@ -1,15 +1,18 @@
 """The doctor's disk checks: cold read bandwidth, the fixed cost of one load, F_NOCACHE on macOS.
 
-Cold means not in the page cache, and every figure says how that was proven: on Linux the
-shards' pages are dropped with posix_fadvise(DONTNEED) and `mincore` then shows none of the
-sampled expert bytes resident; the engine's reader counts each read's cold bytes with `mincore`
-just before it reads. macOS cannot drop one file's pages: its reads go through F_NOCACHE
-descriptors, and only pages `mincore` finds absent count as cold.
+Cold means not in the page cache, and every figure says how that was proven: the shards' pages
+are dropped (Linux: posix_fadvise(DONTNEED); macOS, which has no fadvise: msync(MS_INVALIDATE)
+over a shared mapping of the file, as vmtouch -e does there; not yet run on a Mac) and `mincore`
+then shows how much of the sampled expert bytes is still resident; the engine's reader counts
+each read's cold bytes with `mincore` just before it reads. On macOS the reads go through
+F_NOCACHE descriptors, as the engine's do under a page-cache budget.
 """
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
+import mmap
 import os
 import random
 import sys
@@ -19,7 +22,7 @@ from pathlib import Path
 
 from ..checkpoint.index import CheckpointIndex
 from ..config import EngineConfig, format_bytes
-from ..experts.page_cache import PAGE_SIZE, FileResidency, evict_file
+from ..experts.page_cache import LIBC, PAGE_SIZE, FileResidency, evict_file
 from ..experts.page_cache_budget import CAN_EVICT_RANGES
 from ..experts.reads import ExpertReader
 from ..runtime.generation import Engine
@@ -37,7 +40,7 @@ COLD_SHARE = 0.9
 
 def _index(model_dir: Path) -> tuple[CheckpointIndex, int]:
     """The checkpoint's index with its MoE layers registered, and the engine's reader threads."""
-    with Engine(model_dir, EngineConfig(mode="on-demand")) as engine:
+    with Engine(model_dir, EngineConfig(mode="on-demand", refuse_over_plan=False)) as engine:
         return engine.loaded.index, engine.config.reader_threads
 
 
@@ -75,19 +78,40 @@ def _evict(index: CheckpointIndex, ranges, faults: Faults) -> None:
                 f.seek(offset)
                 f.read(length)
         return
-    if CAN_EVICT_RANGES:
-        for shard in index.shards:
+    for shard in index.shards:
+        if CAN_EVICT_RANGES:
             evict_file(shard)
+        else:
+            _invalidate(shard)
+
+
+# msync's flag, the same on Linux and macOS (<sys/mman.h>).
+MS_INVALIDATE = 2
+
+
+def _invalidate(path: Path) -> None:
+    """macOS: drop a file's clean cached pages with msync(MS_INVALIDATE) over a shared mapping
+    (mincore, asked next, says whether it did)."""
+    size = os.path.getsize(path)
+    if size == 0:
+        return
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        address = LIBC.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+    finally:
+        os.close(fd)
+    if address in (None, ctypes.c_void_p(-1).value):
+        return
+    LIBC.msync.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    LIBC.msync(address, size, MS_INVALIDATE)
+    LIBC.munmap(address, size)
 
 
 def _how_proven(resident: int, total: int) -> str:
-    if CAN_EVICT_RANGES:
-        return (
-            f"evicted by posix_fadvise(DONTNEED), then mincore found {format_bytes(resident)} "
-            f"of {format_bytes(total)} resident"
-        )
+    how = "posix_fadvise(DONTNEED)" if CAN_EVICT_RANGES else "msync(MS_INVALIDATE)"
     return (
-        f"F_NOCACHE reads; mincore found {format_bytes(resident)} of {format_bytes(total)} cached"
+        f"evicted by {how}, then mincore found {format_bytes(resident)} of {format_bytes(total)} "
+        "resident"
     )
 
 
@@ -123,10 +147,10 @@ def check_cold_reads(model_dir: Path, faults: Faults = NO_FAULTS) -> tuple[Check
         f"{cold / read:.0%} of the bytes cold when read; {_how_proven(resident, total)}"
     )
     if resident > (1 - COLD_SHARE) * total:
-        if not CAN_EVICT_RANGES:  # macOS: pages cached before the doctor ran stay cached
+        if not CAN_EVICT_RANGES:  # macOS: the pages could not be dropped
             cached = (
-                f"{_how_proven(resident, total)}: macOS cannot drop one file's pages (`sudo "
-                "purge` drops all of them), so the figure would be memory's"
+                f"{_how_proven(resident, total)}: the figure would be memory's; `sudo purge` "
+                "drops every cached page, then run it again"
             )
             return skipped("disk", title, cached), fixed
         why = (
@@ -165,7 +189,7 @@ def _fixed_cost(index: CheckpointIndex, ranges, faults: Faults) -> Check:
     if len(times) < len(pages) // 2 or not times:
         why = f"{warm} of {len(pages)} pages were cached before their read (mincore)"
         if not CAN_EVICT_RANGES:
-            return skipped("disk", title, why + ": macOS cannot drop one file's pages")
+            return skipped("disk", title, why + ": `sudo purge`, then run it again")
         return fail("disk", title, why + ": posix_fadvise(DONTNEED) did not drop them")
     latency = median(times)
     return ok(
@@ -198,7 +222,9 @@ def check_nocache(model_dir: Path) -> Check:
             "macOS only: Linux drops pages with posix_fadvise instead, proven in the cold-read line",
         )
     index, _ = _index(model_dir)
-    ranges = [r for r in _ranges(index, _sample(index)) if _resident([r]) == 0][:LATENCY_READS]
+    ranges = _ranges(index, _sample(index))
+    _evict(index, ranges, NO_FAULTS)
+    ranges = [r for r in ranges if _resident([r]) == 0][:LATENCY_READS]
     if not ranges:
         return skipped(
             "disk", title, "every sampled expert page is cached: `sudo purge`, then run it again"

@@ -45,7 +45,7 @@ def greedy(tokens: int) -> GenerationConfig:
 def evicting_budget(model_dir: Path) -> int:
     """An expert cache of one routed set a layer and one expert more: experts are evicted and
     read again every step. Reads the checkpoint's headers and builds the model (no weights)."""
-    with Engine(model_dir, EngineConfig(mode="on-demand")) as engine:
+    with Engine(model_dir, EngineConfig(mode="on-demand", refuse_over_plan=False)) as engine:
         one = max(engine.store.resident_expert_nbytes(n) for n in engine.store.index.layers)
         return (engine.loaded.top_k + 1) * one
 

@@ -71,10 +71,14 @@ def gemm_library() -> str | None:
     """The file whose `cblas_sgemm` MLX's calls bind to, by the dynamic linker's rule: the global
     scope first (the program, LD_PRELOAD, libraries loaded RTLD_GLOBAL), then MLX's library and
     its own dependencies. None when it cannot be told (no MLX library found, no symbol)."""
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or None)
-    address = _symbol(ctypes.CDLL(None), GEMM_SYMBOL)
-    if address is None and (mlx_library := _mlx_library()) is not None:
-        address = _symbol(ctypes.CDLL(mlx_library, mode=getattr(os, "RTLD_NOLOAD", 0)), GEMM_SYMBOL)
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or None)
+        address = _symbol(ctypes.CDLL(None), GEMM_SYMBOL)
+        if address is None and (mlx_library := _mlx_library()) is not None:
+            loaded = ctypes.CDLL(mlx_library, mode=getattr(os, "RTLD_NOLOAD", 0))
+            address = _symbol(loaded, GEMM_SYMBOL)
+    except OSError:  # MLX's library not loaded under that name
+        return None
     if address is None:
         return None
     info = _DlInfo()

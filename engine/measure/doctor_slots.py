@@ -5,9 +5,8 @@ The stress run is prefetch mode with every guess read ahead (the lookahead's, an
 the model has them) on the reader threads, into slots of the MLX banks, while the layers already
 submitted compute (`mx.async_eval` at decode), with an expert cache of one routed set a layer and
 one expert more: experts are evicted and read again every step. The reference is on-demand with
-one reader thread and a cache that holds every expert read: a layer's experts are read only once
-its router has synchronised every layer before it, so no read lands while compute that could see
-it runs. Both runs are fed the same random tokens (teacher forcing) for a few hundred steps, and
+one reader thread and the same cache: a layer's experts are read only once its router has
+synchronised every layer before it, so no read lands while compute that could see it runs. Both runs are fed the same random tokens (teacher forcing) for a few hundred steps, and
 every step's logits must be bit for bit the same. This is the check Metal needs most: unified
 memory, command buffers in flight while the readers write.
 """
@@ -61,12 +60,11 @@ def _write_into_slots_in_use(engine: Engine) -> None:
 def check_slot_writes(
     model_dir: Path, steps: int, budget: int, faults: Faults = NO_FAULTS
 ) -> Check:
-    with Engine(model_dir, EngineConfig(mode="on-demand")) as engine:
+    with Engine(model_dir, EngineConfig(mode="on-demand", expert_cache_bytes=budget)) as engine:
         vocab = engine.vocab_size  # the logits' width: every id below it has an embedding
     forced = np.random.default_rng(0).integers(0, vocab, steps).tolist()
-    reference, calm = _run(
-        model_dir, EngineConfig(mode="on-demand", reader_threads=1), forced, Faults()
-    )
+    calm_config = EngineConfig(mode="on-demand", expert_cache_bytes=budget, reader_threads=1)
+    reference, calm = _run(model_dir, calm_config, forced, NO_FAULTS)
     stress_config = EngineConfig(
         mode="prefetch", expert_cache_bytes=budget, prefetch_min_expert_bytes=0
     )
