@@ -17,10 +17,11 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/edge0 chat demo
 
+# After the suite, `edge0 doctor --quick`: every check's Linux path as a user runs it (a FAIL
+# exits 1 and fails the target).
 test: $(STAMP)
 	$(BIN)/ruff check engine edge0_tui tests
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS)
-	# Every check's Linux path, as a user runs it (exit status 1 on a FAIL).
 	$(BIN)/edge0 doctor --quick
 
 lint: $(STAMP)
