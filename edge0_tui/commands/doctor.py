@@ -45,7 +45,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--quick",
         action="store_true",
-        help="a shorter slot-write stress run (48 steps instead of 200); every check still runs",
+        help="a shorter slot-write stress run (32 steps instead of 200); every check still runs",
     )
 
 

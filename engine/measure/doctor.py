@@ -106,7 +106,7 @@ class DoctorConfig:
     def stress_steps(self) -> int:
         """Decode steps of the slot-write stress run (a few hundred; --quick: enough for every
         layer's slots to be rewritten under compute many times over)."""
-        return 48 if self.quick else 200
+        return 32 if self.quick else 200
 
 
 def run_doctor(
