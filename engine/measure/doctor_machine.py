@@ -238,16 +238,30 @@ def check_memory_counters(machine: MachineMemory, rss: dict[str, int | None]) ->
 
 
 def check_metal_memory(plan_bytes: int | None, working_set: int | None = None) -> Check:
-    """macOS: the plan against the GPU's recommended working set (what Metal lets MLX wire)."""
+    """macOS: the plan against the GPU's recommended working set (what Metal lets MLX wire), and
+    the wired limit the system is set to (`iogpu.wired_limit_mb`, 0: macOS's default)."""
     title = "Metal working set"
     working_set = working_set if working_set is not None else metal_wired_limit_bytes()
     if working_set is None:
         return skipped("memory", title, "no Metal here: the plan above is the limit")
-    detail = f"recommended working set {format_bytes(working_set)}"
+    wired = _sysctl("iogpu.wired_limit_mb")
+    wired_text = {None: "unknown", 0: "macOS's default"}.get(wired, f"{wired} MiB")
+    detail = f"recommended working set {format_bytes(working_set)}, wired limit {wired_text}"
     if plan_bytes is not None and plan_bytes > working_set:
         return fail(
             "memory",
             title,
             f"{detail}, below the plan's {format_bytes(plan_bytes)}: lower --expert-cache",
         )
-    return ok("memory", title, detail, working_set_bytes=working_set)
+    return ok("memory", title, detail, working_set_bytes=working_set, wired_limit_mb=wired)
+
+
+def _sysctl(name: str) -> int | None:
+    """A numeric sysctl (macOS); None where it cannot be read."""
+    try:
+        out = subprocess.run(
+            ["/usr/sbin/sysctl", "-n", name], capture_output=True, text=True, timeout=5
+        ).stdout
+        return int(out.strip())
+    except (OSError, ValueError, subprocess.SubprocessError):
+        return None
