@@ -17,9 +17,12 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/edge0 chat demo
 
+# After the suite, `edge0 doctor --quick`: every check's Linux path as a user runs it (a FAIL
+# exits 1 and fails the target).
 test: $(STAMP)
 	$(BIN)/ruff check engine edge0_tui tests
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS)
+	$(BIN)/edge0 doctor --quick
 
 lint: $(STAMP)
 	$(BIN)/ruff format engine edge0_tui tests

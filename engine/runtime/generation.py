@@ -414,11 +414,13 @@ class Engine:
         on_token: TokenCallback | None = None,
         should_stop: Callable[[], bool] | None = None,
         forced_tokens: list[int] | None = None,
+        on_logits: Callable[[mx.array], None] | None = None,
     ) -> GenerationResult:
         """Generate a reply to `prompt_tokens`. With `forced_tokens`, feed those instead of sampling
         (teacher forcing): every benchmark arm then does exactly the same work. `should_stop` is
         asked before each prefill chunk and after each token; true ends the reply ("cancelled"),
-        with no token at all when it ends the prefill."""
+        with no token at all when it ends the prefill. `on_logits` gets each token's logits
+        (evaluated, before sampling): `edge0 doctor` compares them step by step between runs."""
         gen = gen or GenerationConfig()
         if forced_tokens is not None:
             gen = dataclasses.replace(gen, max_tokens=len(forced_tokens))
@@ -448,7 +450,15 @@ class Engine:
             self._following_compute = follow_compute(self.tracer)  # once: MLX's thread stays
         try:
             result = self._generate(
-                prompt_tokens, gen, sampler, cache, reused, on_token, should_stop, forced_tokens
+                prompt_tokens,
+                gen,
+                sampler,
+                cache,
+                reused,
+                on_token,
+                should_stop,
+                forced_tokens,
+                on_logits,
             )
             result.summary = summarize(
                 result.steps,
@@ -499,7 +509,7 @@ class Engine:
             self.routing.reset()
 
     def _generate(
-        self, prompt_tokens, gen, sampler, cache, reused, on_token, should_stop, forced
+        self, prompt_tokens, gen, sampler, cache, reused, on_token, should_stop, forced, on_logits
     ) -> GenerationResult:
         eos = set() if forced is not None or gen.ignore_eos else set(self.tokenizer.eos_token_ids)
         steps: list[StepMetrics] = []
@@ -518,6 +528,8 @@ class Engine:
         logits = self._forward(prompt_tokens[-1:], cache, "prefill", steps)
         self.last_prefill = merged(steps)  # the whole prompt's forwards, for live panels
         while True:
+            if on_logits is not None:
+                on_logits(logits)
             with self.tracer.span("sample", "step"):
                 token = (
                     self._sample(logits, sampler) if forced is None else forced[len(result.tokens)]
