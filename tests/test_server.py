@@ -405,7 +405,7 @@ def test_metrics_give_the_kernels_peak_rss_of_the_server(model_dir, tmp_path_fac
         stop_server(server)
 
 
-def test_k_and_mode_switch_between_requests(server):
+def test_k_and_mode_apply_to_their_request_only(server):
     client = server.client()
 
     def chat(**extra):
@@ -418,24 +418,66 @@ def test_k_and_mode_switch_between_requests(server):
         )
         return reply.model_extra["edge0"]
 
-    try:
-        figures = chat(k=2, mode="prefetch")
-        assert (figures["k"], figures["mode"]) == (2, "prefetch")
-        # The tiny model's experts are below prefetch_min_expert_bytes: no heads read ahead.
-        assert "prefetch_hit_rate" not in figures
-        info = next(k for k in server.metrics() if k.startswith("edge0_info{"))
-        assert 'k="2"' in info and 'mode="prefetch"' in info
-        figures = chat()  # the profile stays until another request changes it
-        assert (figures["k"], figures["mode"]) == (2, "prefetch")
-        figures = chat(mode="prerouter")
-        assert (figures["k"], figures["mode"]) == (2, "prerouter")
-        with pytest.raises(openai.BadRequestError) as refused:
-            chat(k=4)  # no heads for K=4: refused, and the profile stays
-        assert refused.value.body["param"] == "k"
-        assert (chat()["k"], chat()["mode"]) == (2, "prerouter")
-    finally:
-        figures = chat(k=4, mode="on-demand")
-    assert (figures["k"], figures["mode"]) == (4, "on-demand")
+    figures = chat(k=2, mode="prefetch")
+    assert (figures["k"], figures["mode"]) == (2, "prefetch")
+    # The tiny model's experts are below prefetch_min_expert_bytes: no heads read ahead.
+    assert "prefetch_hit_rate" not in figures
+    info = next(k for k in server.metrics() if k.startswith("edge0_info{"))
+    assert 'k="2"' in info and 'mode="prefetch"' in info  # the engine's profile, as it last ran
+    figures = chat()  # the next request without them runs the server's profile (its default)
+    assert (figures["k"], figures["mode"]) == (4, "prefetch")
+    figures = chat(mode="prerouter")  # K=4 has no heads: the mode's own K
+    assert (figures["k"], figures["mode"]) == (2, "prerouter")
+    with pytest.raises(openai.BadRequestError) as refused:
+        chat(k=4, mode="prerouter")  # no heads for K=4: refused
+    assert refused.value.body["param"] == "k"
+    assert (chat()["k"], chat()["mode"]) == (4, "prefetch")
+    card = client.models.retrieve("tiny-moe").model_extra["edge0"]
+    assert (card["k"], card["mode"]) == (4, "prefetch")
+    log = server.log.read_text()
+    assert re.search(r"K=2 prerouter \(asked\)", log) and re.search(r"K=4 prefetch,", log), log
+
+
+def test_two_interleaved_clients_keep_their_own_profile(server):
+    """One client asks for K=2 in prefetch mode, the other names no profile; their requests
+    alternate in the queue (both streaming at once). Each reply runs with its own profile, and
+    its text is that of the same request sent alone."""
+    client = server.client()
+    kwargs = dict(model="tiny-moe", max_tokens=6, temperature=0)
+
+    def reply(profile: dict, prompt: str) -> tuple[str, dict]:
+        stream = client.chat.completions.create(
+            messages=[{"role": "user", "content": prompt}], stream=True, extra_body=profile,
+            **kwargs,
+        )  # fmt: skip
+        text, figures = "", None
+        for chunk in stream:
+            if chunk.choices:
+                text += chunk.choices[0].delta.content or ""
+            figures = (chunk.model_extra or {}).get("edge0") or figures
+        return text, figures
+
+    alone = {name: reply(profile, name) for name, profile in PROFILES.items()}
+    got: dict[str, list] = {name: [] for name in PROFILES}
+
+    def client_loop(name: str) -> None:
+        for _ in range(3):
+            got[name].append(reply(PROFILES[name], name))
+
+    threads = [threading.Thread(target=client_loop, args=(name,)) for name in PROFILES]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    for name, replies in got.items():
+        assert len(replies) == 3, name
+        for text, figures in replies:
+            assert (figures["k"], figures["mode"]) == EXPECTED_PROFILE[name], (name, figures)
+            assert text == alone[name][0], name
+
+
+PROFILES = {"wide": {}, "narrow": {"k": 2, "mode": "on-demand"}}
+EXPECTED_PROFILE = {"wide": (4, "prefetch"), "narrow": (2, "on-demand")}
 
 
 def test_stop_sequences_cut_the_text_and_stop_generating(server):

@@ -143,6 +143,7 @@ class ReplyJob:
         mode: str | None = None,
         fit_context: bool = False,
         prompt_tokens: list[int] | None = None,
+        base_profile: tuple[int, str] | None = None,
     ) -> None:
         # A list of `role`/`content` dicts goes through the chat template; a string as it is.
         self.prompt = prompt
@@ -154,9 +155,13 @@ class ReplyJob:
         # NewText at most this often (0: after every token), so that a few hundred tokens a
         # second do not flood a UI, and the reply is decoded only as often.
         self.text_every_s = text_every_s
-        # Switched to before the prompt (and kept for later jobs); None: what stands.
+        # Switched to before the prompt; None: the base profile's (or what stands).
         self.k = k
         self.mode = mode
+        # (K, mode) this job runs with where it names neither: the server's configured profile,
+        # so one client's K never carries over to another's reply. None: what stands (the app,
+        # whose switches are the user's and stay).
+        self.base_profile = base_profile
         # The length was not asked for: never past the model's context.
         self.fit_context = fit_context
         self.stop_asked = threading.Event()

@@ -236,11 +236,13 @@ class GenerationResponse:
         self.stats.prompt_tokens += event.prompt_tokens
         self.stats.completion_tokens += event.completion_tokens
         f = event.figures
+        # The profile the reply ran with: the server's, or one the request asked for.
+        asked = " (asked)" if self.request.k is not None or self.request.mode is not None else ""
         self.log(
             f"edge0: {self.request.kind} {event.prompt_tokens}+{event.completion_tokens} tokens "
             f"({f['reused_prompt_tokens']} reused), {f['ttft_ms']:.0f} ms to first token, "
             f"{f['decode_tok_per_s']:.1f} tok/s, blocked {f['blocked_ms_per_step']:.1f} ms/step, "
-            f"cold {f['cold_fraction']:.0%}, K={f['k']} {f['mode']}, {event.finish_reason}"
+            f"cold {f['cold_fraction']:.0%}, K={f['k']} {f['mode']}{asked}, {event.finish_reason}"
         )
         return usage(event.prompt_tokens, event.completion_tokens)
 
@@ -379,10 +381,11 @@ def create_app(worker: EngineWorker, settings: ServerSettings) -> Starlette:
         return await generate(request, parse_completion)
 
     def card(model_id: str) -> dict:
+        k, mode = worker.configured or (None, None)
         details = {
             "state": worker.state,
-            "k": worker.live.k or None,
-            "mode": worker.live.mode or None,
+            "k": k,  # the server's profile: what a request that names none runs with
+            "mode": mode,
             "modes": worker.modes,
             "profiles": worker.profiles,
             **worker.info,

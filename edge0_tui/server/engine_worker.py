@@ -148,6 +148,9 @@ class EngineWorker:
         self._on_failed = on_failed
         self._log = log or (lambda line: print(escape_controls(line), file=sys.stderr, flush=True))
         self._token_chars: int | None = None  # the vocabulary's longest entry, once known
+        # The profile the server was started with (--k, --mode): every request that names no K
+        # or mode runs with it, whatever the one before asked for.
+        self.configured: tuple[int, str] | None = None
         self.service = EngineService(
             open_engine,  # runs on the engine thread; returns an Engine
             on_event=self._on_event,
@@ -157,6 +160,7 @@ class EngineWorker:
 
     def _on_event(self, event: ServiceEvent) -> None:  # the engine thread
         if isinstance(event, EngineOpened):
+            self.configured = (self.service.live.k, self.service.live.mode)
             if self._on_ready is not None:
                 self._on_ready(self)
         elif isinstance(event, OpenFailed) and self._on_failed is not None:
@@ -170,6 +174,7 @@ class EngineWorker:
     def submit(self, job: Job) -> None:
         """Queue a job, or raise ApiError: 503 while loading (or after a failed load), 429 when
         the queue is full."""
+        job.base_profile = self.configured
         try:
             self.service.submit(job)
         except EngineUnavailable as e:
