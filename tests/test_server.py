@@ -321,6 +321,7 @@ def test_models_health_and_metrics_parse(server):
         "edge0_requests_running",
         "edge0_requests_served_total",
         "edge0_requests_failed_total",
+        "edge0_requests_client_errors_total",
         "edge0_requests_cancelled_total",
         "edge0_requests_rejected_total",
     ):
@@ -330,12 +331,26 @@ def test_models_health_and_metrics_parse(server):
     client.chat.completions.create(
         model="edge0", messages=[{"role": "user", "content": "hi"}], max_tokens=3
     )
-    server.http("POST", "/v1/chat/completions", b"{")  # one failure
+    server.http("POST", "/v1/chat/completions", b"{")  # the client's mistake
+    server.http("GET", "/v1/nowhere")  # another (404, refused before any route)
     after = server.metrics()
     served = "edge0_requests_served_total"
     assert metric(after, served) == metric(before, served) + 1
-    failed = "edge0_requests_failed_total"
-    assert metric(after, failed) == metric(before, failed) + 1
+    client_errors = "edge0_requests_client_errors_total"
+    assert metric(after, client_errors) == metric(before, client_errors) + 2
+    failed = "edge0_requests_failed_total"  # the server's own failures only
+    assert metric(after, failed) == metric(before, failed)
+    log = server.log.read_text()
+    # The start-up text says what is offered: where, which model, its profile, the memory plan.
+    url = f"http://127.0.0.1:{server.port}"
+    assert "edge0: ready: tiny-moe (qwen3_moe), also answers to edge0" in log
+    assert f"OpenAI API     {url}/v1/chat/completions" in log
+    assert re.search(r"profile        K=4 prefetch; a request may name its own k \(2, 4", log)
+    assert re.search(r"edge0:   memory plan: \d", log) and f"metrics        {url}/metrics" in log
+    # every request has its line, refusals with their reason
+    assert re.search(r"edge0: POST /v1/chat/completions 400 \d+ ms: the body is not valid", log)
+    assert re.search(r"edge0: GET /v1/nowhere 404 \d+ ms: GET /v1/nowhere: Not Found", log)
+    assert re.search(r"edge0: POST /v1/chat/completions 200 \d+ ms: chat \d+\+3 tokens", log)
     tokens = "edge0_completion_tokens_total"
     assert metric(after, tokens) == metric(before, tokens) + 3
     assert metric(after, "edge0_mlx_active_bytes") > 0
@@ -753,6 +768,8 @@ def test_a_client_killed_mid_stream_frees_the_engine_at_once(server):
     assert freed_s < 1.0
     assert next_ttft < 2.0
     assert steps_after < 200  # ~3000 tokens were asked for
+    log = server.log.read_text()
+    assert re.search(r"POST /v1/chat/completions 499 \d+ ms: cancelled: the client went away", log)
 
 
 def test_503_while_loading_then_failed(tmp_path):
@@ -1017,6 +1034,16 @@ def test_worker_keeps_a_default_length_inside_the_context_and_stops_at_a_stop_se
     finally:
         worker.shutdown()
     assert worker.state == "closed"
+
+
+def test_serve_says_nothing_of_panels():
+    from edge0_tui.model_source import BUNDLED_NOTICE, DEMO_NOTICE
+    from edge0_tui.server.engine_worker import server_notice
+
+    for notice in (BUNDLED_NOTICE, DEMO_NOTICE):
+        said = server_notice(notice)
+        assert said.startswith("demo: ") and "panel" not in said and said.endswith("."), said
+    assert server_notice("other") == "other"
 
 
 def test_serve_demo_shows_the_wall_as_the_chat_does(monkeypatch):

@@ -1,6 +1,8 @@
 """`edge0 serve`: an OpenAI-compatible HTTP server with the memory wall as live metrics.
 
-    app.py            the ASGI app (Starlette) and `serve` (uvicorn, the listening socket)
+    app.py            the ASGI app (Starlette): routes, replies as SSE or one JSON body
+    serving.py        `serve`: the listening socket, uvicorn, the start-up text
+    access_log.py     one log line per request (status, time, what happened); client errors
     engine_worker.py  requests to the engine thread (../engine_service.py) and back
     stop_text.py      stop sequences over a growing reply, in linear work
     limits.py         time limits, the connection limit, Host/Origin checks, the log's flood guard
@@ -12,8 +14,9 @@ No MLX here: the engine thread calls the `engine` surface, nothing else does.
 
 from __future__ import annotations
 
-from .app import ServerSettings, create_app, serve
+from .app import ServerSettings, create_app
 from .engine_worker import EngineWorker, model_name, open_engine_for
+from .serving import serve
 
 __all__ = [
     "EngineWorker",

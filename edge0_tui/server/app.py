@@ -18,12 +18,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import ipaddress
 import json
-import signal
-import socket
 import sys
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -36,21 +32,15 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from engine import Edge0Error
-
 from ..sanitize import escape_controls
 from . import metrics as prometheus
+from .access_log import CLIENT_CLOSED, AccessLog, note
 from .engine_worker import EngineWorker, Failed, Finished, Job, Text, not_ready
 from .limits import (
     CLIENT_TIMEOUT_S,
-    KEEP_ALIVE_S,
     LOOPBACK_NAMES,
     MAX_CONNECTIONS,
-    ConnectionLimits,
     RequestGuard,
-    allowed_hosts,
-    fd_limit,
-    limit_repeated_logs,
 )
 from .openai_shapes import (
     ApiError,
@@ -87,16 +77,17 @@ class ServerSettings:
     created: int = 0  # the model's `created`, set when the app is made
     # The Host names answered (None: any); `serve` sets them from the address it binds.
     hosts: frozenset[str] | None = LOOPBACK_NAMES
-    origins: tuple[str, ...] = ()  # browser origins allowed (--allow-origin); "*": any
+    origins: tuple[str, ...] = ()  # browser origins allowed (--cors); "*": any
     client_timeout_s: float = CLIENT_TIMEOUT_S  # for a request's headers, and for its body
     max_connections: int = MAX_CONNECTIONS
 
 
 def error_response(error: ApiError, stats: prometheus.ServerStats | None = None) -> JSONResponse:
+    # Client errors (4xx) are counted by the access log, which sees every refusal.
     if stats is not None:
         if error.status == 429:
             stats.rejected += 1
-        else:
+        elif error.status >= 500:
             stats.failed += 1
     headers = {"Retry-After": "1"} if error.status in (429, 503) else None
     if error.status == 408:  # the rest of a body that came too slowly must not be read as a request
@@ -217,7 +208,7 @@ class GenerationResponse:
                 await self._whole(send)
         except OSError:  # the client went away while we were sending
             self.job.cancel()
-            self.stats.cancelled += 1
+            self._client_left()
         finally:
             watcher.cancel()
             self.job.cancel()  # a no-op once finished; an error above must not leave it running
@@ -225,8 +216,12 @@ class GenerationResponse:
     async def _first(self):
         event = await self.events.get()
         if event is CLIENT_GONE:
-            self.stats.cancelled += 1
+            self._client_left()
         return event
+
+    def _client_left(self) -> None:
+        self.stats.cancelled += 1
+        note(self.scope, "cancelled: the client went away", CLIENT_CLOSED)
 
     async def _error(self, send, error: ApiError) -> None:
         await error_response(error, self.stats)(self.scope, _no_receive, send)
@@ -238,11 +233,12 @@ class GenerationResponse:
         f = event.figures
         # The profile the reply ran with: the server's, or one the request asked for.
         asked = " (asked)" if self.request.k is not None or self.request.mode is not None else ""
-        self.log(
-            f"edge0: {self.request.kind} {event.prompt_tokens}+{event.completion_tokens} tokens "
+        note(
+            self.scope,
+            f"{self.request.kind} {event.prompt_tokens}+{event.completion_tokens} tokens "
             f"({f['reused_prompt_tokens']} reused), {f['ttft_ms']:.0f} ms to first token, "
             f"{f['decode_tok_per_s']:.1f} tok/s, blocked {f['blocked_ms_per_step']:.1f} ms/step, "
-            f"cold {f['cold_fraction']:.0%}, K={f['k']} {f['mode']}{asked}, {event.finish_reason}"
+            f"cold {f['cold_fraction']:.0%}, K={f['k']} {f['mode']}{asked}, {event.finish_reason}",
         )
         return usage(event.prompt_tokens, event.completion_tokens)
 
@@ -351,7 +347,8 @@ def create_app(worker: EngineWorker, settings: ServerSettings) -> Starlette:
                 return await handler(request)
             except ApiError as e:
                 return error_response(e, stats)
-            except ClientGone:  # nothing to log, nobody to answer
+            except ClientGone:  # nobody to answer
+                note(request.scope, "the client went away before its body arrived", CLIENT_CLOSED)
                 return Response(status_code=400)
 
         return endpoint
@@ -448,17 +445,21 @@ def create_app(worker: EngineWorker, settings: ServerSettings) -> Starlette:
         ],
         exception_handlers={HTTPException: http_error, Exception: server_error},
         lifespan=lifespan,
-        middleware=_middleware(settings),
+        middleware=_middleware(settings, stats),
     )
     app.state.stats = stats
     app.state.worker = worker
     return app
 
 
-def _middleware(settings: ServerSettings) -> list[Middleware]:
-    """The Host and Origin checks first; then, for the origins allowed, CORS (preflights
-    answered, and the headers that let the page read the reply)."""
-    middleware = [Middleware(RequestGuard, hosts=settings.hosts, origins=settings.origins)]
+def _middleware(settings: ServerSettings, stats: prometheus.ServerStats) -> list[Middleware]:
+    """The access log around everything; the Host and Origin checks first; then, for the
+    origins allowed (--cors), CORS (preflights answered, and the headers that let the page read
+    the reply)."""
+    middleware = [
+        Middleware(AccessLog, log=settings.log, stats=stats),
+        Middleware(RequestGuard, hosts=settings.hosts, origins=settings.origins),
+    ]
     if settings.origins:
         middleware.append(
             Middleware(
@@ -469,115 +470,3 @@ def _middleware(settings: ServerSettings) -> list[Middleware]:
             )
         )
     return middleware
-
-
-# -- serve: the `edge0 serve` command's body ---------------------------------------------------
-
-
-def bind(host: str, port: int) -> socket.socket:
-    """A listening socket on host:port (port 0: a free one). Raises Edge0Error."""
-    try:
-        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-        sock = socket.socket(family, kind, proto)
-    except OSError as e:
-        raise Edge0Error(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(address)
-        sock.listen(128)
-    except OSError as e:
-        sock.close()
-        raise Edge0Error(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
-    return sock
-
-
-def is_loopback(sock: socket.socket) -> bool:
-    return ipaddress.ip_address(sock.getsockname()[0]).is_loopback
-
-
-def url_of(sock: socket.socket) -> str:
-    host, port = sock.getsockname()[:2]
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-
-
-def serve(
-    open_engine: Callable[[], object],
-    settings: ServerSettings,
-    host: str = "127.0.0.1",
-    port: int = 8080,
-    queue_limit: int = 16,
-) -> None:
-    """Listen, load the model on the engine thread, answer until SIGINT/SIGTERM. Raises
-    Edge0Error when the address cannot be used or the model cannot be loaded."""
-    import uvicorn
-
-    sock = bind(host, port)
-    url = url_of(sock)
-    log = settings.log
-    server: uvicorn.Server | None = None
-    settings.hosts = allowed_hosts(host, sock.getsockname()[0])
-    limits = ConnectionLimits(settings.max_connections, settings.client_timeout_s, log)
-    sock = limits.listener(sock)  # refuses past the limit in accept(): before it holds a socket
-
-    def on_ready(worker: EngineWorker) -> None:
-        # The model's files are open now (and loading it may have raised the open-file limit).
-        if limits.measure() < settings.max_connections:
-            log(
-                f"edge0: at most {limits.max_connections} connections at a time: the open-file "
-                f"limit ({fd_limit()}) leaves no room for --max-connections "
-                f"{settings.max_connections}"
-            )
-        log(
-            f"edge0: ready: {settings.model_ids[0]} ({worker.info.get('family')}, "
-            f"K={worker.live.k}, {worker.live.mode}); OpenAI API at {url}/v1"
-        )
-
-    def on_failed(message: str) -> None:
-        if server is not None:
-            server.should_exit = True
-
-    worker = EngineWorker(open_engine, queue_limit, on_ready, on_failed, log)
-    app = create_app(worker, settings)
-
-    class Server(uvicorn.Server):
-        def handle_exit(self, sig, frame) -> None:
-            worker.cancel_all()  # streams end now, not after the graceful-shutdown timeout
-            super().handle_exit(sig, frame)
-
-        @contextlib.contextmanager
-        def capture_signals(self):
-            """uvicorn's, without raising the signal again once shut down: a stop by SIGINT or
-            SIGTERM is the server's normal end (exit status 0), not a kill."""
-            if threading.current_thread() is not threading.main_thread():
-                yield
-                return
-            stops = (signal.SIGINT, signal.SIGTERM)
-            original = {sig: signal.signal(sig, self.handle_exit) for sig in stops}
-            try:
-                yield
-            finally:
-                for sig, handler in original.items():
-                    signal.signal(sig, handler)
-
-    config = uvicorn.Config(
-        app,
-        log_level="warning",
-        access_log=False,
-        lifespan="on",
-        timeout_graceful_shutdown=5,
-        # The server's own lines only; uvicorn's stay at warnings.
-        server_header=False,
-        http=limits.protocol(),  # the header deadline
-        timeout_keep_alive=min(KEEP_ALIVE_S, settings.client_timeout_s),
-    )
-    limit_repeated_logs()  # after Config, which sets up uvicorn's loggers
-    server = Server(config)
-    if not is_loopback(sock) and settings.api_key is None:
-        log(f"edge0: warning: {url} is reachable from other machines and no --api-key is set")
-    log(f"edge0: serving {settings.model_ids[0]} at {url} (loading the model...)")
-    try:
-        server.run(sockets=[sock])
-    finally:
-        sock.close()
-    if worker.error:
-        raise Edge0Error(worker.error)

@@ -338,13 +338,24 @@ def open_engine_for(spec: str, config, cache_dir: Path) -> Callable[[], object]:
         source = resolve_model(spec, cache_dir, on_progress)
         adapter_dirs = tuple(resolve_adapters(str(a), on_progress) for a in config.adapter_dirs)
         engine = Engine(source.path, replace(config, adapter_dirs=adapter_dirs))
-        print(f"edge0: {engine.memory_plan.line()}", file=sys.stderr, flush=True)
-        for note in (source.notice, engine.quality_note(), *engine.warnings):
+        # The memory plan is in the start-up text, once the server is ready (serving.py).
+        for note in (server_notice(source.notice), engine.quality_note(), *engine.warnings):
             if note:
                 print(f"edge0: note: {escape_controls(note, False)}", file=sys.stderr, flush=True)
         return engine
 
     return open_engine
+
+
+def server_notice(notice: str | None) -> str | None:
+    """A model's notice as a server says it: without what only the app's panels show."""
+    from ..model_source import BUNDLED_NOTICE, DEMO_NOTICE, PANELS_NOTE
+
+    if notice == BUNDLED_NOTICE:
+        return notice.removesuffix(PANELS_NOTE).rstrip()
+    if notice == DEMO_NOTICE:
+        return notice.partition(";")[0] + "."  # "... Replies are noise."
+    return notice
 
 
 def model_name(spec: str) -> str:
