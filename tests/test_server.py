@@ -495,6 +495,41 @@ PROFILES = {"wide": {}, "narrow": {"k": 2, "mode": "on-demand"}}
 EXPECTED_PROFILE = {"wide": (4, "prefetch"), "narrow": (2, "on-demand")}
 
 
+def test_logprobs_and_sampling_options_reach_the_engine(server):
+    client = server.client()
+    common = dict(model="tiny-moe", messages=[{"role": "user", "content": "Sea."}], max_tokens=6)
+    reply = client.chat.completions.create(
+        **common, temperature=0, logprobs=True, top_logprobs=2, extra_body={"k": 4}
+    )
+    entries = reply.choices[0].logprobs.content
+    assert len(entries) == reply.usage.completion_tokens
+    for entry in entries:  # greedy: each token is the likeliest of its alternatives
+        assert entry.logprob <= 0 and len(entry.top_logprobs) == 2
+        assert entry.top_logprobs[0].token == entry.token
+    streamed = client.chat.completions.create(**common, temperature=0, logprobs=True, stream=True)
+    tokens = [e.token for c in streamed if c.choices and c.choices[0].logprobs
+              for e in c.choices[0].logprobs.content]  # fmt: skip
+    assert tokens == [e.token for e in entries]
+    # A first token banned by logit_bias never comes; penalties are taken (not refused).
+    first = reply.choices[0].logprobs.content[0]
+    token_id = server_token_id(server, first.token)
+    banned = client.chat.completions.create(
+        **common, temperature=0, logprobs=True, logit_bias={str(token_id): -100},
+        frequency_penalty=0.5, presence_penalty=0.5, extra_body={"min_p": 0.05,
+        "repetition_penalty": 1.2},
+    )  # fmt: skip
+    assert banned.choices[0].logprobs.content[0].token != first.token
+
+
+def server_token_id(server: Server, token: str) -> int:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(server.model))
+    ids = tokenizer.encode(token, add_special_tokens=False)
+    assert len(ids) == 1, (token, ids)
+    return ids[0]
+
+
 def test_stop_sequences_cut_the_text_and_stop_generating(server):
     client = server.client()
     messages = [{"role": "user", "content": "Count."}]
@@ -555,7 +590,7 @@ BAD_INPUTS = [
     ("messages a string", "/v1/chat/completions", chat_body(messages="hi"), {}, 400, "messages"),
     ("messages empty", "/v1/chat/completions", chat_body(messages=[]), {}, 400, "messages"),
     ("bad role", "/v1/chat/completions",
-     chat_body(messages=[{"role": "tool", "content": "x"}]), {}, 400, "messages[0].role"),
+     chat_body(messages=[{"role": "robot", "content": "x"}]), {}, 400, "messages[0].role"),
     ("content a number", "/v1/chat/completions",
      chat_body(messages=[{"role": "user", "content": 5}]), {}, 400, "messages[0].content"),
     ("max_tokens negative", "/v1/chat/completions", chat_body(max_tokens=-5), {}, 400, "max_tokens"),
@@ -578,8 +613,29 @@ BAD_INPUTS = [
     ("unknown mode", "/v1/chat/completions", chat_body(mode="fast"), {}, 400, "mode"),
     ("resident by request", "/v1/chat/completions", chat_body(mode="resident"), {}, 400, "mode"),
     ("n of 2", "/v1/chat/completions", chat_body(n=2), {}, 400, "n"),
-    ("logprobs", "/v1/chat/completions", chat_body(logprobs=True), {}, 400, "logprobs"),
-    ("tools", "/v1/chat/completions", chat_body(tools=[{"type": "function"}]), {}, 400, "tools"),
+    ("logprobs a string", "/v1/chat/completions", chat_body(logprobs="yes"), {}, 400, "logprobs"),
+    ("top_logprobs alone", "/v1/chat/completions", chat_body(top_logprobs=2), {}, 400, "top_logprobs"),
+    ("top_logprobs over 20", "/v1/chat/completions",
+     chat_body(logprobs=True, top_logprobs=21), {}, 400, "top_logprobs"),
+    ("min_p over 1", "/v1/chat/completions", chat_body(min_p=2), {}, 400, "min_p"),
+    ("frequency_penalty over 2", "/v1/chat/completions",
+     chat_body(frequency_penalty=3), {}, 400, "frequency_penalty"),
+    ("logit_bias by word", "/v1/chat/completions",
+     chat_body(logit_bias={"hello": 1}), {}, 400, "logit_bias"),
+    ("logit_bias past the vocabulary", "/v1/chat/completions",
+     chat_body(logit_bias={"999999": 1}), {}, 400, "logit_bias"),
+    ("json_schema", "/v1/chat/completions",
+     chat_body(response_format={"type": "json_schema", "json_schema": {}}), {}, 400, "response_format"),
+    ("tool without a function", "/v1/chat/completions",
+     chat_body(tools=[{"type": "function"}]), {}, 400, "tools"),
+    ("tool_choice required", "/v1/chat/completions",
+     chat_body(tool_choice="required"), {}, 400, "tool_choice"),
+    ("tool_choice named", "/v1/chat/completions",
+     chat_body(tool_choice={"type": "function", "function": {"name": "f"}}), {}, 400, "tool_choice"),
+    ("history call not JSON", "/v1/chat/completions",
+     chat_body(messages=[{"role": "assistant", "tool_calls": [
+         {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{"}}]}]),
+     {}, 400, "messages[0].tool_calls"),
     ("prompt missing", "/v1/completions", b'{"model": "tiny-moe"}', {}, 400, "prompt"),
     ("prompt tokens", "/v1/completions", b'{"prompt": [1, 2]}', {}, 400, "prompt"),
     ("unknown model", "/v1/chat/completions", chat_body(model="gpt-4"), {}, 404, "model_not_found"),
@@ -915,7 +971,7 @@ class FakeEngine:
     """The Engine surface the worker uses, without a model: token t is the letter 'a' + t."""
 
     context_limit = 12
-    k, mode, last_prefill = 4, "on-demand", None
+    k, mode, last_prefill, tokenizer = 4, "on-demand", None, None
 
     def __init__(self) -> None:
         from types import SimpleNamespace

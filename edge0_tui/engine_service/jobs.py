@@ -58,6 +58,9 @@ class ServiceClosed(Exception):
 @dataclass(frozen=True)
 class NewText:
     text: str  # new reply text, never taken back
+    # The log-probabilities (engine TokenLogprobs) of the tokens since the last event, when the
+    # job's GenerationConfig asks for them.
+    logprobs: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -71,6 +74,7 @@ class ReplyDone:
     summary: dict  # the engine's summary of the request's steps
     figures: dict  # the request's own measurements (`request_figures`)
     nonfinite_repaired: int  # hidden values the numerical guard repaired (NaN, inf)
+    logprobs: tuple = ()  # as NewText's: the tokens' not sent yet
 
 
 @dataclass(frozen=True)

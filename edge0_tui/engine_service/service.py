@@ -383,6 +383,7 @@ class _ReplyRun:
         self.tokens: list[int] = []
         self.prompt_tokens = 0
         self.nonfinite_repaired = 0  # over the steps seen so far
+        self.logprobs: list = []  # tokens' log-probabilities not sent yet (when asked for)
         self.last_text_at = time.perf_counter()
         self.last_token_at: float | None = None
         previous = service.live
@@ -431,6 +432,8 @@ class _ReplyRun:
     def _on_token(self, token: int, step: StepMetrics) -> None:
         now = time.perf_counter()
         self.tokens.append(token)
+        if self.job.generation.logprobs is not None and self.engine.last_logprobs is not None:
+            self.logprobs.append(self.engine.last_logprobs)
         self.nonfinite_repaired += step.nonfinite_repaired
         if step.phase == "decode" and self.last_token_at is not None:
             self.steps.append(step)
@@ -442,7 +445,8 @@ class _ReplyRun:
             # Decoding the whole reply (not token by token) keeps multi-token characters whole.
             new = self.job.text.update(self.engine.reply_text(self.tokens))
             if new:
-                self.job.post(NewText(new))
+                self.job.post(NewText(new, tuple(self.logprobs)))
+                self.logprobs.clear()
 
     def _publish(self, step: StepMetrics) -> None:
         service = self.service
@@ -483,6 +487,7 @@ class _ReplyRun:
             summary=result.summary,
             figures=request_figures(result, engine.k, engine.mode),
             nonfinite_repaired=repaired,
+            logprobs=tuple(self.logprobs),
         )
 
 

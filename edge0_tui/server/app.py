@@ -42,23 +42,14 @@ from .limits import (
     MAX_CONNECTIONS,
     RequestGuard,
 )
-from .openai_shapes import (
-    ApiError,
-    GenerationRequest,
-    ReplyShapes,
-    error_body,
-    model_card,
-    parse_chat,
-    parse_completion,
-    usage,
-)
+from .openai_replies import OpenAIWriter, model_card, usage
+from .openai_shapes import ApiError, GenerationRequest, error_body, parse_chat, parse_completion
+from .reply_parts import ReplyParts
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
 # A body over the limit is still read (and dropped) up to this size, so that the client, still
 # sending, reads the 413 instead of a reset connection; past it the connection is closed.
 DRAIN_BYTES = 64 * 1024 * 1024
-# What an SSE client sees after the last chunk.
-DONE = b"data: [DONE]\n\n"
 
 Log = Callable[[str], None]
 
@@ -173,7 +164,9 @@ CLIENT_GONE = _ClientGone()
 
 
 class GenerationResponse:
-    """One reply: waits for the engine thread's events and sends them (SSE or one JSON body)."""
+    """One reply: waits for the engine thread's events and sends them (SSE or one JSON body),
+    in the shapes of the API asked (`writer`: openai_replies.OpenAIWriter or
+    anthropic_shapes.AnthropicWriter); `parts` splits reasoning and tool calls out of the text."""
 
     def __init__(
         self,
@@ -181,14 +174,17 @@ class GenerationResponse:
         job: Job,
         events: asyncio.Queue,
         stats: prometheus.ServerStats,
-        log: Log,
+        writer,
+        parts: ReplyParts,
+        error_body=lambda error: error.body(),
     ) -> None:
         self.request = request
         self.job = job
         self.events = events
         self.stats = stats
-        self.log = log
-        self.shapes = ReplyShapes(request)
+        self.writer = writer
+        self.parts = parts
+        self.error_body = error_body  # an ApiError in the API's shape
 
     async def __call__(self, scope, receive, send) -> None:
         async def watch() -> None:
@@ -224,32 +220,43 @@ class GenerationResponse:
         note(self.scope, "cancelled: the client went away", CLIENT_CLOSED)
 
     async def _error(self, send, error: ApiError) -> None:
-        await error_response(error, self.stats)(self.scope, _no_receive, send)
+        if error.status == 429:
+            self.stats.rejected += 1
+        elif error.status >= 500:
+            self.stats.failed += 1
+        headers = {"Retry-After": "1"} if error.status in (429, 503) else None
+        response = JSONResponse(self.error_body(error), status_code=error.status, headers=headers)
+        await response(self.scope, _no_receive, send)
 
-    def _finished(self, event: Finished) -> dict:
+    def _finished(self, event: Finished, calls: list) -> tuple[str, dict]:
+        """The reply's finish reason (tool_calls when it called one) and usage; logged."""
         self.stats.served += 1
         self.stats.prompt_tokens += event.prompt_tokens
         self.stats.completion_tokens += event.completion_tokens
+        reason = "tool_calls" if calls and event.finish_reason == "stop" else event.finish_reason
         f = event.figures
         # The profile the reply ran with: the server's, or one the request asked for.
         asked = " (asked)" if self.request.k is not None or self.request.mode is not None else ""
+        called = f", called {', '.join(c.name for c in calls)}" if calls else ""
         note(
             self.scope,
             f"{self.request.kind} {event.prompt_tokens}+{event.completion_tokens} tokens "
             f"({f['reused_prompt_tokens']} reused), {f['ttft_ms']:.0f} ms to first token, "
             f"{f['decode_tok_per_s']:.1f} tok/s, blocked {f['blocked_ms_per_step']:.1f} ms/step, "
-            f"cold {f['cold_fraction']:.0%}, K={f['k']} {f['mode']}{asked}, {event.finish_reason}",
+            f"cold {f['cold_fraction']:.0%}, K={f['k']} {f['mode']}{asked}, {reason}{called}",
         )
-        return usage(event.prompt_tokens, event.completion_tokens)
+        return reason, usage(event.prompt_tokens, event.completion_tokens)
 
     async def _whole(self, send) -> None:
-        parts: list[str] = []
+        pieces: list[tuple[str, str]] = []
+        logprobs: list[dict] = []
         while True:
             event = await self._first()
             if event is CLIENT_GONE:
                 return
             if isinstance(event, Text):
-                parts.append(event.text)
+                pieces += self.parts.feed(event.text)
+                logprobs += event.logprobs
                 continue
             if isinstance(event, Failed):
                 await self._error(send, event.error)
@@ -258,9 +265,22 @@ class GenerationResponse:
                 self.stats.cancelled += 1
                 await self._error(send, not_ready("closed", None))
                 return
-            parts.append(event.text)
-            used = self._finished(event)
-            body = self.shapes.whole("".join(parts), event.finish_reason, used, event.figures)
+            pieces += self.parts.feed(event.text)
+            logprobs += event.logprobs
+            last, calls = self.parts.finish()
+            pieces += last
+            content = "".join(text for kind, text in pieces if kind == "content")
+            reasoning = "".join(text for kind, text in pieces if kind == "reasoning")
+            reason, used = self._finished(event, calls)
+            body = self.writer.whole(
+                content,
+                reasoning if self.parts.thinks else None,
+                calls,
+                reason,
+                used,
+                event.figures,
+                logprobs,
+            )
             await JSONResponse(body)(self.scope, _no_receive, send)
             return
 
@@ -282,43 +302,43 @@ class GenerationResponse:
                 ],
             }
         )
-        shapes = self.shapes
-        if shapes.chat:
-            await self._send(send, shapes.chunk(role=True))
+        await self._send(send, self.writer.start())
+        await self._stream_events(send, event)
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _stream_events(self, send, event) -> None:
+        writer = self.writer
+        logprobs: tuple = ()  # waiting for a piece of text to go with
         while True:
             if event is CLIENT_GONE:
                 return
-            if isinstance(event, Text):
-                await self._send(send, shapes.chunk(event.text))
-            elif isinstance(event, Failed):  # after text: an error event ends the stream
+            if isinstance(event, Failed):  # after text: an error event ends the stream
                 self.stats.failed += 1
-                await self._send(send, event.error.body())
-                break
-            elif event.finish_reason == "cancelled":  # the server is shutting down
-                self.stats.cancelled += 1
-                await self._send(send, not_ready("closed", None).body())
-                break
-            else:
-                if event.text:
-                    await self._send(send, shapes.chunk(event.text))
-                used = self._finished(event)
-                await self._send(
-                    send, shapes.chunk(finish_reason=event.finish_reason, figures=event.figures)
-                )
-                if self.request.include_usage:
-                    await self._send(send, shapes.usage_chunk(used, event.figures))
-                break
+                await self._send(send, writer.error_event(event.error))
+                return
+            if event.finish_reason == "cancelled" if isinstance(event, Finished) else False:
+                self.stats.cancelled += 1  # the server is shutting down
+                await self._send(send, writer.error_event(not_ready("closed", None)))
+                return
+            logprobs += event.logprobs
+            pieces = self.parts.feed(event.text)
+            calls = []
+            if isinstance(event, Finished):
+                last, calls = self.parts.finish()
+                pieces += last
+            for kind, text in pieces:
+                await self._send(send, writer.delta(kind, text, logprobs))
+                logprobs = ()
+            if isinstance(event, Finished):
+                reason, used = self._finished(event, calls)
+                await self._send(send, writer.end(reason, calls, used, event.figures))
+                return
             event = await self._first()
-        await send({"type": "http.response.body", "body": DONE, "more_body": False})
 
     @staticmethod
-    async def _send(send, payload: dict) -> None:
-        data = (
-            b"data: "
-            + json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode()
-            + b"\n\n"
-        )
-        await send({"type": "http.response.body", "body": data, "more_body": True})
+    async def _send(send, chunks: list[bytes]) -> None:
+        for data in chunks:
+            await send({"type": "http.response.body", "body": data, "more_body": True})
 
 
 def create_app(worker: EngineWorker, settings: ServerSettings) -> Starlette:
@@ -369,7 +389,8 @@ def create_app(worker: EngineWorker, settings: ServerSettings) -> Starlette:
 
         job = Job(parsed, post, tokens)
         worker.submit(job)  # ApiError: 503 loading, 429 queue full
-        return GenerationResponse(parsed, job, events, stats, settings.log)
+        parts = ReplyParts(worker.template_facts, worker.opens_thinking(tokens), bool(parsed.tools))
+        return GenerationResponse(parsed, job, events, stats, OpenAIWriter(parsed), parts)
 
     async def chat_completions(request: Request):
         return await generate(request, parse_chat)
