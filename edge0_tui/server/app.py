@@ -35,6 +35,8 @@ from starlette.routing import Route
 from ..sanitize import escape_controls
 from . import metrics as prometheus
 from .access_log import CLIENT_CLOSED, AccessLog, note
+from .anthropic_shapes import AnthropicWriter, parse_messages
+from .anthropic_shapes import error_body as anthropic_error
 from .engine_worker import EngineWorker, Failed, Finished, Job, Text, not_ready
 from .limits import (
     CLIENT_TIMEOUT_S,
@@ -73,7 +75,10 @@ class ServerSettings:
     max_connections: int = MAX_CONNECTIONS
 
 
-def error_response(error: ApiError, stats: prometheus.ServerStats | None = None) -> JSONResponse:
+def error_response(
+    error: ApiError, stats: prometheus.ServerStats | None = None, shape=None
+) -> JSONResponse:
+    """The error as a response (`shape`: ApiError -> body, for another API than OpenAI's)."""
     # Client errors (4xx) are counted by the access log, which sees every refusal.
     if stats is not None:
         if error.status == 429:
@@ -83,7 +88,8 @@ def error_response(error: ApiError, stats: prometheus.ServerStats | None = None)
     headers = {"Retry-After": "1"} if error.status in (429, 503) else None
     if error.status == 408:  # the rest of a body that came too slowly must not be read as a request
         headers = {"Connection": "close"}
-    return JSONResponse(error.body(), status_code=error.status, headers=headers)
+    body = shape(error) if shape is not None else error.body()
+    return JSONResponse(body, status_code=error.status, headers=headers)
 
 
 class ClientGone(Exception):
@@ -348,32 +354,36 @@ def create_app(worker: EngineWorker, settings: ServerSettings) -> Starlette:
     settings.created = settings.created or int(time.time())
 
     def check_key(request: Request) -> None:
+        """`Authorization: Bearer KEY` (OpenAI's clients) or `x-api-key: KEY` (Anthropic's)."""
         if settings.api_key is None:
             return
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(
-            token.strip().encode(), settings.api_key.encode()
-        ):
+        if scheme.lower() != "bearer":
+            token = request.headers.get("x-api-key", "")
+        if not hmac.compare_digest(token.strip().encode(), settings.api_key.encode()):
             raise ApiError(
                 401,
-                "missing or wrong API key (send `Authorization: Bearer KEY`)",
+                "missing or wrong API key (send `Authorization: Bearer KEY` or `x-api-key: KEY`)",
                 code="invalid_api_key",
             )
 
-    def guarded(handler):
+    def guarded(handler, shape=None):
+        """`handler` behind the key check, its refusals in the API's error shape (`shape`:
+        ApiError -> body; OpenAI's by default)."""
+
         async def endpoint(request: Request):
             try:
                 check_key(request)
                 return await handler(request)
             except ApiError as e:
-                return error_response(e, stats)
+                return error_response(e, stats, shape)
             except ClientGone:  # nobody to answer
                 note(request.scope, "the client went away before its body arrived", CLIENT_CLOSED)
                 return Response(status_code=400)
 
         return endpoint
 
-    async def generate(request: Request, parse) -> Response | GenerationResponse:
+    async def generate(request: Request, parse, anthropic: bool = False):
         body = await read_json(request, settings.max_body_bytes, settings.client_timeout_s)
         parsed: GenerationRequest = parse(body, settings.model_ids)
         async with encoding:  # one prompt at a time: each may take seconds and much memory
@@ -390,6 +400,9 @@ def create_app(worker: EngineWorker, settings: ServerSettings) -> Starlette:
         job = Job(parsed, post, tokens)
         worker.submit(job)  # ApiError: 503 loading, 429 queue full
         parts = ReplyParts(worker.template_facts, worker.opens_thinking(tokens), bool(parsed.tools))
+        if anthropic:
+            writer = AnthropicWriter(parsed, lambda: job.text.stopped)
+            return GenerationResponse(parsed, job, events, stats, writer, parts, anthropic_error)
         return GenerationResponse(parsed, job, events, stats, OpenAIWriter(parsed), parts)
 
     async def chat_completions(request: Request):
@@ -397,6 +410,9 @@ def create_app(worker: EngineWorker, settings: ServerSettings) -> Starlette:
 
     async def completions(request: Request):
         return await generate(request, parse_completion)
+
+    async def messages(request: Request):
+        return await generate(request, parse_messages, anthropic=True)
 
     def card(model_id: str) -> dict:
         k, mode = worker.configured or (None, None)
@@ -459,6 +475,7 @@ def create_app(worker: EngineWorker, settings: ServerSettings) -> Starlette:
         routes=[
             Route("/v1/chat/completions", guarded(chat_completions), methods=["POST"]),
             Route("/v1/completions", guarded(completions), methods=["POST"]),
+            Route("/v1/messages", guarded(messages, anthropic_error), methods=["POST"]),
             Route("/v1/models", guarded(models), methods=["GET"]),
             Route("/v1/models/{model:path}", guarded(model), methods=["GET"]),
             Route("/metrics", guarded(metrics), methods=["GET"]),
@@ -487,7 +504,7 @@ def _middleware(settings: ServerSettings, stats: prometheus.ServerStats) -> list
                 CORSMiddleware,
                 allow_origins=list(settings.origins),
                 allow_methods=["GET", "POST"],
-                allow_headers=["authorization", "content-type"],
+                allow_headers=["authorization", "content-type", "x-api-key", "anthropic-version"],
             )
         )
     return middleware
