@@ -345,6 +345,7 @@ def test_models_health_and_metrics_parse(server):
     url = f"http://127.0.0.1:{server.port}"
     assert "edge0: ready: tiny-moe (qwen3_moe), also answers to edge0" in log
     assert f"OpenAI API     {url}/v1/chat/completions" in log
+    assert f"Anthropic API  {url}/v1/messages" in log
     assert re.search(r"profile        K=4 prefetch; a request may name its own k \(2, 4", log)
     assert re.search(r"edge0:   memory plan: \d", log) and f"metrics        {url}/metrics" in log
     # every request has its line, refusals with their reason

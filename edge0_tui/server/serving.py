@@ -139,6 +139,7 @@ def startup_lines(settings: ServerSettings, worker: EngineWorker, url: str) -> l
     lines = [
         f"edge0: ready: {name} ({worker.info.get('family')}){also}",
         f"edge0:   OpenAI API     {url}/v1/chat/completions, /v1/completions, /v1/models",
+        f"edge0:   Anthropic API  {url}/v1/messages",
         f"edge0:   profile        K={k} {mode}; a request may name its own k ({ks}) and mode "
         f"({', '.join(worker.modes)}), for itself only",
         f"edge0:   {plan.line() if plan is not None else 'memory plan: none (resident)'}",
