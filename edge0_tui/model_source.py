@@ -32,9 +32,10 @@ from engine import Edge0Error
 
 DEMO = "demo"
 BUNDLED_DEMO = Path(__file__).resolve().parent.parent / "assets" / "demo"
+PANELS_NOTE = "The panels show the real memory wall."  # the app's; `edge0 serve` leaves it out
 BUNDLED_NOTICE = (
     "demo: a 24 M-parameter MoE (6 layers x 32 experts, 4-bit) trained on a CPU on Shakespeare; "
-    "expect Elizabethan-flavoured, not wise, replies. The panels show the real memory wall."
+    "expect Elizabethan-flavoured, not wise, replies. " + PANELS_NOTE
 )
 DEMO_FAMILY, DEMO_PRESET = "qwen3_moe", "small"
 DEMO_NOTICE = (

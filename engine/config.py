@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import Edge0Error
@@ -197,6 +197,19 @@ class GenerationConfig:
     seed: int | None = None
     # Keep going past the end-of-sequence token (soak tests, fixed-length benchmarks).
     ignore_eos: bool = False
+    # Drop tokens less likely than min_p times the likeliest (0 turns it off).
+    min_p: float = 0.0
+    # Penalties over the last `penalty_context` tokens (prompt and reply), as mlx-lm applies
+    # them: repetition divides a seen token's positive logit (multiplies a negative one), 1 is
+    # off; presence subtracts once per seen token, frequency once per occurrence, 0 is off.
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    penalty_context: int = 20
+    # Added to the logits of these token ids before sampling (-100 bans, 100 forces).
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    # Record each token's log-probability and this many likeliest alternatives (None: none).
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         _check_int("max_tokens", self.max_tokens, 1, "at least 1")
@@ -210,6 +223,23 @@ class GenerationConfig:
             )
         if not _is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise Edge0Error(f"top_p={self.top_p!r} must be in (0, 1] (1 turns it off)")
+        if not _is_real(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise Edge0Error(f"min_p={self.min_p!r} must be in [0, 1] (0 turns it off)")
+        if not _is_real(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= 10.0:
+            raise Edge0Error(
+                f"repetition_penalty={self.repetition_penalty!r} must be in (0, 10] (1 turns it off)"
+            )
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_real(value) or not -2.0 <= value <= 2.0:
+                raise Edge0Error(f"{name}={value!r} must be in [-2, 2] (0 turns it off)")
+        _check_int("penalty_context", self.penalty_context, 1, "at least 1")
+        for token, bias in self.logit_bias.items():
+            _check_int("logit_bias", token, 0, "token id of 0 or more")
+            if not _is_real(bias) or not -100.0 <= bias <= 100.0:
+                raise Edge0Error(f"logit_bias={bias!r} for token {token} must be in [-100, 100]")
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, 0, "between 0 and 20", 20)
 
 
 def _is_real(value: object) -> bool:

@@ -321,6 +321,7 @@ def test_models_health_and_metrics_parse(server):
         "edge0_requests_running",
         "edge0_requests_served_total",
         "edge0_requests_failed_total",
+        "edge0_requests_client_errors_total",
         "edge0_requests_cancelled_total",
         "edge0_requests_rejected_total",
     ):
@@ -330,12 +331,27 @@ def test_models_health_and_metrics_parse(server):
     client.chat.completions.create(
         model="edge0", messages=[{"role": "user", "content": "hi"}], max_tokens=3
     )
-    server.http("POST", "/v1/chat/completions", b"{")  # one failure
+    server.http("POST", "/v1/chat/completions", b"{")  # the client's mistake
+    server.http("GET", "/v1/nowhere")  # another (404, refused before any route)
     after = server.metrics()
     served = "edge0_requests_served_total"
     assert metric(after, served) == metric(before, served) + 1
-    failed = "edge0_requests_failed_total"
-    assert metric(after, failed) == metric(before, failed) + 1
+    client_errors = "edge0_requests_client_errors_total"
+    assert metric(after, client_errors) == metric(before, client_errors) + 2
+    failed = "edge0_requests_failed_total"  # the server's own failures only
+    assert metric(after, failed) == metric(before, failed)
+    log = server.log.read_text()
+    # The start-up text says what is offered: where, which model, its profile, the memory plan.
+    url = f"http://127.0.0.1:{server.port}"
+    assert "edge0: ready: tiny-moe (qwen3_moe), also answers to edge0" in log
+    assert f"OpenAI API     {url}/v1/chat/completions" in log
+    assert f"Anthropic API  {url}/v1/messages" in log
+    assert re.search(r"profile        K=4 prefetch; a request may name its own k \(2, 4", log)
+    assert re.search(r"edge0:   memory plan: \d", log) and f"metrics        {url}/metrics" in log
+    # every request has its line, refusals with their reason
+    assert re.search(r"edge0: POST /v1/chat/completions 400 \d+ ms: the body is not valid", log)
+    assert re.search(r"edge0: GET /v1/nowhere 404 \d+ ms: GET /v1/nowhere: Not Found", log)
+    assert re.search(r"edge0: POST /v1/chat/completions 200 \d+ ms: chat \d+\+3 tokens", log)
     tokens = "edge0_completion_tokens_total"
     assert metric(after, tokens) == metric(before, tokens) + 3
     assert metric(after, "edge0_mlx_active_bytes") > 0
@@ -405,7 +421,7 @@ def test_metrics_give_the_kernels_peak_rss_of_the_server(model_dir, tmp_path_fac
         stop_server(server)
 
 
-def test_k_and_mode_switch_between_requests(server):
+def test_k_and_mode_apply_to_their_request_only(server):
     client = server.client()
 
     def chat(**extra):
@@ -418,24 +434,101 @@ def test_k_and_mode_switch_between_requests(server):
         )
         return reply.model_extra["edge0"]
 
-    try:
-        figures = chat(k=2, mode="prefetch")
-        assert (figures["k"], figures["mode"]) == (2, "prefetch")
-        # The tiny model's experts are below prefetch_min_expert_bytes: no heads read ahead.
-        assert "prefetch_hit_rate" not in figures
-        info = next(k for k in server.metrics() if k.startswith("edge0_info{"))
-        assert 'k="2"' in info and 'mode="prefetch"' in info
-        figures = chat()  # the profile stays until another request changes it
-        assert (figures["k"], figures["mode"]) == (2, "prefetch")
-        figures = chat(mode="prerouter")
-        assert (figures["k"], figures["mode"]) == (2, "prerouter")
-        with pytest.raises(openai.BadRequestError) as refused:
-            chat(k=4)  # no heads for K=4: refused, and the profile stays
-        assert refused.value.body["param"] == "k"
-        assert (chat()["k"], chat()["mode"]) == (2, "prerouter")
-    finally:
-        figures = chat(k=4, mode="on-demand")
-    assert (figures["k"], figures["mode"]) == (4, "on-demand")
+    figures = chat(k=2, mode="prefetch")
+    assert (figures["k"], figures["mode"]) == (2, "prefetch")
+    # The tiny model's experts are below prefetch_min_expert_bytes: no heads read ahead.
+    assert "prefetch_hit_rate" not in figures
+    info = next(k for k in server.metrics() if k.startswith("edge0_info{"))
+    assert 'k="2"' in info and 'mode="prefetch"' in info  # the engine's profile, as it last ran
+    figures = chat()  # the next request without them runs the server's profile (its default)
+    assert (figures["k"], figures["mode"]) == (4, "prefetch")
+    figures = chat(mode="prerouter")  # K=4 has no heads: the mode's own K
+    assert (figures["k"], figures["mode"]) == (2, "prerouter")
+    with pytest.raises(openai.BadRequestError) as refused:
+        chat(k=4, mode="prerouter")  # no heads for K=4: refused
+    assert refused.value.body["param"] == "k"
+    assert (chat()["k"], chat()["mode"]) == (4, "prefetch")
+    card = client.models.retrieve("tiny-moe").model_extra["edge0"]
+    assert (card["k"], card["mode"]) == (4, "prefetch")
+    log = server.log.read_text()
+    assert re.search(r"K=2 prerouter \(asked\)", log) and re.search(r"K=4 prefetch,", log), log
+
+
+def test_two_interleaved_clients_keep_their_own_profile(server):
+    """One client asks for K=2 in prefetch mode, the other names no profile; their requests
+    alternate in the queue (both streaming at once). Each reply runs with its own profile, and
+    its text is that of the same request sent alone."""
+    client = server.client()
+    kwargs = dict(model="tiny-moe", max_tokens=6, temperature=0)
+
+    def reply(profile: dict, prompt: str) -> tuple[str, dict]:
+        stream = client.chat.completions.create(
+            messages=[{"role": "user", "content": prompt}], stream=True, extra_body=profile,
+            **kwargs,
+        )  # fmt: skip
+        text, figures = "", None
+        for chunk in stream:
+            if chunk.choices:
+                text += chunk.choices[0].delta.content or ""
+            figures = (chunk.model_extra or {}).get("edge0") or figures
+        return text, figures
+
+    alone = {name: reply(profile, name) for name, profile in PROFILES.items()}
+    got: dict[str, list] = {name: [] for name in PROFILES}
+
+    def client_loop(name: str) -> None:
+        for _ in range(3):
+            got[name].append(reply(PROFILES[name], name))
+
+    threads = [threading.Thread(target=client_loop, args=(name,)) for name in PROFILES]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    for name, replies in got.items():
+        assert len(replies) == 3, name
+        for text, figures in replies:
+            assert (figures["k"], figures["mode"]) == EXPECTED_PROFILE[name], (name, figures)
+            assert text == alone[name][0], name
+
+
+PROFILES = {"wide": {}, "narrow": {"k": 2, "mode": "on-demand"}}
+EXPECTED_PROFILE = {"wide": (4, "prefetch"), "narrow": (2, "on-demand")}
+
+
+def test_logprobs_and_sampling_options_reach_the_engine(server):
+    client = server.client()
+    common = dict(model="tiny-moe", messages=[{"role": "user", "content": "Sea."}], max_tokens=6)
+    reply = client.chat.completions.create(
+        **common, temperature=0, logprobs=True, top_logprobs=2, extra_body={"k": 4}
+    )
+    entries = reply.choices[0].logprobs.content
+    assert len(entries) == reply.usage.completion_tokens
+    for entry in entries:  # greedy: each token is the likeliest of its alternatives
+        assert entry.logprob <= 0 and len(entry.top_logprobs) == 2
+        assert entry.top_logprobs[0].token == entry.token
+    streamed = client.chat.completions.create(**common, temperature=0, logprobs=True, stream=True)
+    tokens = [e.token for c in streamed if c.choices and c.choices[0].logprobs
+              for e in c.choices[0].logprobs.content]  # fmt: skip
+    assert tokens == [e.token for e in entries]
+    # A first token banned by logit_bias never comes; penalties are taken (not refused).
+    first = reply.choices[0].logprobs.content[0]
+    token_id = server_token_id(server, first.token)
+    banned = client.chat.completions.create(
+        **common, temperature=0, logprobs=True, logit_bias={str(token_id): -100},
+        frequency_penalty=0.5, presence_penalty=0.5, extra_body={"min_p": 0.05,
+        "repetition_penalty": 1.2},
+    )  # fmt: skip
+    assert banned.choices[0].logprobs.content[0].token != first.token
+
+
+def server_token_id(server: Server, token: str) -> int:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(server.model))
+    ids = tokenizer.encode(token, add_special_tokens=False)
+    assert len(ids) == 1, (token, ids)
+    return ids[0]
 
 
 def test_stop_sequences_cut_the_text_and_stop_generating(server):
@@ -498,7 +591,7 @@ BAD_INPUTS = [
     ("messages a string", "/v1/chat/completions", chat_body(messages="hi"), {}, 400, "messages"),
     ("messages empty", "/v1/chat/completions", chat_body(messages=[]), {}, 400, "messages"),
     ("bad role", "/v1/chat/completions",
-     chat_body(messages=[{"role": "tool", "content": "x"}]), {}, 400, "messages[0].role"),
+     chat_body(messages=[{"role": "robot", "content": "x"}]), {}, 400, "messages[0].role"),
     ("content a number", "/v1/chat/completions",
      chat_body(messages=[{"role": "user", "content": 5}]), {}, 400, "messages[0].content"),
     ("max_tokens negative", "/v1/chat/completions", chat_body(max_tokens=-5), {}, 400, "max_tokens"),
@@ -521,8 +614,29 @@ BAD_INPUTS = [
     ("unknown mode", "/v1/chat/completions", chat_body(mode="fast"), {}, 400, "mode"),
     ("resident by request", "/v1/chat/completions", chat_body(mode="resident"), {}, 400, "mode"),
     ("n of 2", "/v1/chat/completions", chat_body(n=2), {}, 400, "n"),
-    ("logprobs", "/v1/chat/completions", chat_body(logprobs=True), {}, 400, "logprobs"),
-    ("tools", "/v1/chat/completions", chat_body(tools=[{"type": "function"}]), {}, 400, "tools"),
+    ("logprobs a string", "/v1/chat/completions", chat_body(logprobs="yes"), {}, 400, "logprobs"),
+    ("top_logprobs alone", "/v1/chat/completions", chat_body(top_logprobs=2), {}, 400, "top_logprobs"),
+    ("top_logprobs over 20", "/v1/chat/completions",
+     chat_body(logprobs=True, top_logprobs=21), {}, 400, "top_logprobs"),
+    ("min_p over 1", "/v1/chat/completions", chat_body(min_p=2), {}, 400, "min_p"),
+    ("frequency_penalty over 2", "/v1/chat/completions",
+     chat_body(frequency_penalty=3), {}, 400, "frequency_penalty"),
+    ("logit_bias by word", "/v1/chat/completions",
+     chat_body(logit_bias={"hello": 1}), {}, 400, "logit_bias"),
+    ("logit_bias past the vocabulary", "/v1/chat/completions",
+     chat_body(logit_bias={"999999": 1}), {}, 400, "logit_bias"),
+    ("json_schema", "/v1/chat/completions",
+     chat_body(response_format={"type": "json_schema", "json_schema": {}}), {}, 400, "response_format"),
+    ("tool without a function", "/v1/chat/completions",
+     chat_body(tools=[{"type": "function"}]), {}, 400, "tools"),
+    ("tool_choice required", "/v1/chat/completions",
+     chat_body(tool_choice="required"), {}, 400, "tool_choice"),
+    ("tool_choice named", "/v1/chat/completions",
+     chat_body(tool_choice={"type": "function", "function": {"name": "f"}}), {}, 400, "tool_choice"),
+    ("history call not JSON", "/v1/chat/completions",
+     chat_body(messages=[{"role": "assistant", "tool_calls": [
+         {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{"}}]}]),
+     {}, 400, "messages[0].tool_calls"),
     ("prompt missing", "/v1/completions", b'{"model": "tiny-moe"}', {}, 400, "prompt"),
     ("prompt tokens", "/v1/completions", b'{"prompt": [1, 2]}', {}, 400, "prompt"),
     ("unknown model", "/v1/chat/completions", chat_body(model="gpt-4"), {}, 404, "model_not_found"),
@@ -711,6 +825,8 @@ def test_a_client_killed_mid_stream_frees_the_engine_at_once(server):
     assert freed_s < 1.0
     assert next_ttft < 2.0
     assert steps_after < 200  # ~3000 tokens were asked for
+    log = server.log.read_text()
+    assert re.search(r"POST /v1/chat/completions 499 \d+ ms: cancelled: the client went away", log)
 
 
 def test_503_while_loading_then_failed(tmp_path):
@@ -856,7 +972,7 @@ class FakeEngine:
     """The Engine surface the worker uses, without a model: token t is the letter 'a' + t."""
 
     context_limit = 12
-    k, mode, last_prefill = 4, "on-demand", None
+    k, mode, last_prefill, tokenizer = 4, "on-demand", None, None
 
     def __init__(self) -> None:
         from types import SimpleNamespace
@@ -975,6 +1091,16 @@ def test_worker_keeps_a_default_length_inside_the_context_and_stops_at_a_stop_se
     finally:
         worker.shutdown()
     assert worker.state == "closed"
+
+
+def test_serve_says_nothing_of_panels():
+    from edge0_tui.model_source import BUNDLED_NOTICE, DEMO_NOTICE
+    from edge0_tui.server.engine_worker import server_notice
+
+    for notice in (BUNDLED_NOTICE, DEMO_NOTICE):
+        said = server_notice(notice)
+        assert said.startswith("demo: ") and "panel" not in said and said.endswith("."), said
+    assert server_notice("other") == "other"
 
 
 def test_serve_demo_shows_the_wall_as_the_chat_does(monkeypatch):

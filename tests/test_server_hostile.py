@@ -50,7 +50,7 @@ def tight(model_dir, tmp_path_factory):
         "--api-key", API_KEY,
         "--client-timeout", str(TIGHT_TIMEOUT_S),
         "--max-connections", str(TIGHT_CONNECTIONS),
-        "--allow-origin", ALLOWED_ORIGIN,
+        "--cors", ALLOWED_ORIGIN,
     )  # fmt: skip
     yield server
     stop_server(server)

@@ -57,13 +57,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="requests that may wait behind the one generating; more get 429 (default 16)",
     )
     parser.add_argument(
+        "--cors",
         "--allow-origin",
+        dest="allow_origin",
         action="append",
         default=[],
         type=origin,
         metavar="ORIGIN",
         help="let web pages at ORIGIN (e.g. http://localhost:3000) call the API, with CORS "
-        "headers; * allows any; repeatable. Requests from other pages are refused (403)",
+        "headers; * allows any; repeatable (off by default). Requests from other pages are "
+        "refused (403)",
     )
     parser.add_argument(
         "--max-connections",

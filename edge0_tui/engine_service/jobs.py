@@ -58,6 +58,9 @@ class ServiceClosed(Exception):
 @dataclass(frozen=True)
 class NewText:
     text: str  # new reply text, never taken back
+    # The log-probabilities (engine TokenLogprobs) of the tokens since the last event, when the
+    # job's GenerationConfig asks for them.
+    logprobs: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -71,6 +74,7 @@ class ReplyDone:
     summary: dict  # the engine's summary of the request's steps
     figures: dict  # the request's own measurements (`request_figures`)
     nonfinite_repaired: int  # hidden values the numerical guard repaired (NaN, inf)
+    logprobs: tuple = ()  # as NewText's: the tokens' not sent yet
 
 
 @dataclass(frozen=True)
@@ -143,6 +147,7 @@ class ReplyJob:
         mode: str | None = None,
         fit_context: bool = False,
         prompt_tokens: list[int] | None = None,
+        base_profile: tuple[int, str] | None = None,
     ) -> None:
         # A list of `role`/`content` dicts goes through the chat template; a string as it is.
         self.prompt = prompt
@@ -154,9 +159,13 @@ class ReplyJob:
         # NewText at most this often (0: after every token), so that a few hundred tokens a
         # second do not flood a UI, and the reply is decoded only as often.
         self.text_every_s = text_every_s
-        # Switched to before the prompt (and kept for later jobs); None: what stands.
+        # Switched to before the prompt; None: the base profile's (or what stands).
         self.k = k
         self.mode = mode
+        # (K, mode) this job runs with where it names neither: the server's configured profile,
+        # so one client's K never carries over to another's reply. None: what stands (the app,
+        # whose switches are the user's and stay).
+        self.base_profile = base_profile
         # The length was not asked for: never past the model's context.
         self.fit_context = fit_context
         self.stop_asked = threading.Event()

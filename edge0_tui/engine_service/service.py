@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from engine import Edge0Error
+from engine import HEAD_MODES, Edge0Error
 
 from ..live_metrics import HISTORY_STEPS, LiveMetrics
 from .jobs import (
@@ -325,22 +325,26 @@ class EngineService:
         answer(tokens)
 
     def _switch_for(self, engine: Engine, job: ReplyJob) -> None:
-        """The job's K and mode, applied before its prompt (they stay for later jobs)."""
-        if job.mode is None and job.k is None:
-            return
+        """The profile the job runs with, applied on this thread before its prompt: its own K
+        and mode where it names them, else its base profile's (the server's configured one), so
+        a switch one request asks for lasts for that request only. Without a base profile (the
+        app), what the job names stays for later jobs."""
+        k, mode = self._profile_for(engine, job)
+        if k in (None, engine.k) and mode in (None, engine.mode):
+            return  # the profile that stands
         param = "mode"
         try:
-            if job.mode is not None and job.mode != engine.mode:
-                if job.mode not in engine.modes():
+            if mode is not None and mode != engine.mode:
+                if mode not in engine.modes():
                     why = " (resident is chosen at start: --mode resident)"
                     raise Edge0Error(
-                        f"mode {job.mode!r} is not available here (choose "
-                        f"{', '.join(engine.modes())}){why if job.mode == 'resident' else ''}"
+                        f"mode {mode!r} is not available here (choose "
+                        f"{', '.join(engine.modes())}){why if mode == 'resident' else ''}"
                     )
-                engine.request_mode(job.mode)
+                engine.request_mode(mode)  # picks a K with heads where the mode needs one
             param = "k"
-            if job.k is not None:
-                engine.request_k(job.k)
+            if k is not None:
+                engine.request_k(k)
         except Edge0Error as e:
             # Undo half a switch (a mode, then a K refused for it): ask for what stands.
             engine.request_mode(engine.mode)
@@ -349,6 +353,24 @@ class EngineService:
             raise SwitchRefused(str(e), param) from None
         engine.apply_requests()  # Edge0Error (a file that cannot be read): the old profile stays
         self._publish_facts(engine)
+
+    def _profile_for(self, engine: Engine, job: ReplyJob) -> tuple[int | None, str | None]:
+        """(K, mode) to ask for; None for what need not change. A job naming only a mode keeps
+        the base K where that mode can use it, else the K with heads nearest the native K (as
+        the engine picks at start), whatever an earlier job left."""
+        if job.base_profile is None:
+            return job.k, job.mode
+        base_k, base_mode = job.base_profile
+        mode = job.mode or base_mode
+        if job.k is not None:
+            return job.k, mode
+        if job.mode is None:
+            return base_k, mode
+        heads = [p.k for p in engine.profiles() if p.prerouter]
+        if mode not in HEAD_MODES or base_k in heads or not heads:
+            return base_k, mode  # no heads at all: the engine's refusal names the mode
+        native = self.info.get("native_k", base_k)
+        return min(heads, key=lambda k: (abs(k - native), k)), mode
 
 
 class _ReplyRun:
@@ -361,6 +383,7 @@ class _ReplyRun:
         self.tokens: list[int] = []
         self.prompt_tokens = 0
         self.nonfinite_repaired = 0  # over the steps seen so far
+        self.logprobs: list = []  # tokens' log-probabilities not sent yet (when asked for)
         self.last_text_at = time.perf_counter()
         self.last_token_at: float | None = None
         previous = service.live
@@ -409,6 +432,8 @@ class _ReplyRun:
     def _on_token(self, token: int, step: StepMetrics) -> None:
         now = time.perf_counter()
         self.tokens.append(token)
+        if self.job.generation.logprobs is not None and self.engine.last_logprobs is not None:
+            self.logprobs.append(self.engine.last_logprobs)
         self.nonfinite_repaired += step.nonfinite_repaired
         if step.phase == "decode" and self.last_token_at is not None:
             self.steps.append(step)
@@ -420,7 +445,8 @@ class _ReplyRun:
             # Decoding the whole reply (not token by token) keeps multi-token characters whole.
             new = self.job.text.update(self.engine.reply_text(self.tokens))
             if new:
-                self.job.post(NewText(new))
+                self.job.post(NewText(new, tuple(self.logprobs)))
+                self.logprobs.clear()
 
     def _publish(self, step: StepMetrics) -> None:
         service = self.service
@@ -461,6 +487,7 @@ class _ReplyRun:
             summary=result.summary,
             figures=request_figures(result, engine.k, engine.mode),
             nonfinite_repaired=repaired,
+            logprobs=tuple(self.logprobs),
         )
 
 

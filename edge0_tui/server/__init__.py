@@ -1,10 +1,16 @@
-"""`edge0 serve`: an OpenAI-compatible HTTP server with the memory wall as live metrics.
+"""`edge0 serve`: an OpenAI- and Anthropic-compatible HTTP server with the memory wall as live metrics.
 
-    app.py            the ASGI app (Starlette) and `serve` (uvicorn, the listening socket)
+    app.py            the ASGI app (Starlette): routes, replies as SSE or one JSON body
+    serving.py        `serve`: the listening socket, uvicorn, the start-up text
+    access_log.py     one log line per request (status, time, what happened); client errors
     engine_worker.py  requests to the engine thread (../engine_service.py) and back
     stop_text.py      stop sequences over a growing reply, in linear work
     limits.py         time limits, the connection limit, Host/Origin checks, the log's flood guard
-    openai_shapes.py  request checks and reply/error JSON in the OpenAI API's shapes
+    openai_shapes.py  request checks in the OpenAI API's shapes (and its error JSON)
+    openai_replies.py replies in OpenAI's shapes, whole or as SSE chunks
+    anthropic_shapes.py  Anthropic's Messages API (/v1/messages): requests, replies, errors
+    reply_parts.py    a reply's text split as it streams: reasoning, content, tool calls
+    tool_calls.py     the tool-call dialects, one parser each, read from the chat template
     metrics.py        GET /metrics in Prometheus's text format
 
 No MLX here: the engine thread calls the `engine` surface, nothing else does.
@@ -12,8 +18,9 @@ No MLX here: the engine thread calls the `engine` surface, nothing else does.
 
 from __future__ import annotations
 
-from .app import ServerSettings, create_app, serve
+from .app import ServerSettings, create_app
 from .engine_worker import EngineWorker, model_name, open_engine_for
+from .serving import serve
 
 __all__ = [
     "EngineWorker",

@@ -18,12 +18,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import ipaddress
 import json
-import signal
-import socket
 import sys
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -36,39 +32,26 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from engine import Edge0Error
-
 from ..sanitize import escape_controls
 from . import metrics as prometheus
+from .access_log import CLIENT_CLOSED, AccessLog, note
+from .anthropic_shapes import AnthropicWriter, parse_messages
+from .anthropic_shapes import error_body as anthropic_error
 from .engine_worker import EngineWorker, Failed, Finished, Job, Text, not_ready
 from .limits import (
     CLIENT_TIMEOUT_S,
-    KEEP_ALIVE_S,
     LOOPBACK_NAMES,
     MAX_CONNECTIONS,
-    ConnectionLimits,
     RequestGuard,
-    allowed_hosts,
-    fd_limit,
-    limit_repeated_logs,
 )
-from .openai_shapes import (
-    ApiError,
-    GenerationRequest,
-    ReplyShapes,
-    error_body,
-    model_card,
-    parse_chat,
-    parse_completion,
-    usage,
-)
+from .openai_replies import OpenAIWriter, model_card, usage
+from .openai_shapes import ApiError, GenerationRequest, error_body, parse_chat, parse_completion
+from .reply_parts import ReplyParts
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
 # A body over the limit is still read (and dropped) up to this size, so that the client, still
 # sending, reads the 413 instead of a reset connection; past it the connection is closed.
 DRAIN_BYTES = 64 * 1024 * 1024
-# What an SSE client sees after the last chunk.
-DONE = b"data: [DONE]\n\n"
 
 Log = Callable[[str], None]
 
@@ -87,21 +70,26 @@ class ServerSettings:
     created: int = 0  # the model's `created`, set when the app is made
     # The Host names answered (None: any); `serve` sets them from the address it binds.
     hosts: frozenset[str] | None = LOOPBACK_NAMES
-    origins: tuple[str, ...] = ()  # browser origins allowed (--allow-origin); "*": any
+    origins: tuple[str, ...] = ()  # browser origins allowed (--cors); "*": any
     client_timeout_s: float = CLIENT_TIMEOUT_S  # for a request's headers, and for its body
     max_connections: int = MAX_CONNECTIONS
 
 
-def error_response(error: ApiError, stats: prometheus.ServerStats | None = None) -> JSONResponse:
+def error_response(
+    error: ApiError, stats: prometheus.ServerStats | None = None, shape=None
+) -> JSONResponse:
+    """The error as a response (`shape`: ApiError -> body, for another API than OpenAI's)."""
+    # Client errors (4xx) are counted by the access log, which sees every refusal.
     if stats is not None:
         if error.status == 429:
             stats.rejected += 1
-        else:
+        elif error.status >= 500:
             stats.failed += 1
     headers = {"Retry-After": "1"} if error.status in (429, 503) else None
     if error.status == 408:  # the rest of a body that came too slowly must not be read as a request
         headers = {"Connection": "close"}
-    return JSONResponse(error.body(), status_code=error.status, headers=headers)
+    body = shape(error) if shape is not None else error.body()
+    return JSONResponse(body, status_code=error.status, headers=headers)
 
 
 class ClientGone(Exception):
@@ -182,7 +170,9 @@ CLIENT_GONE = _ClientGone()
 
 
 class GenerationResponse:
-    """One reply: waits for the engine thread's events and sends them (SSE or one JSON body)."""
+    """One reply: waits for the engine thread's events and sends them (SSE or one JSON body),
+    in the shapes of the API asked (`writer`: openai_replies.OpenAIWriter or
+    anthropic_shapes.AnthropicWriter); `parts` splits reasoning and tool calls out of the text."""
 
     def __init__(
         self,
@@ -190,14 +180,17 @@ class GenerationResponse:
         job: Job,
         events: asyncio.Queue,
         stats: prometheus.ServerStats,
-        log: Log,
+        writer,
+        parts: ReplyParts,
+        error_body=lambda error: error.body(),
     ) -> None:
         self.request = request
         self.job = job
         self.events = events
         self.stats = stats
-        self.log = log
-        self.shapes = ReplyShapes(request)
+        self.writer = writer
+        self.parts = parts
+        self.error_body = error_body  # an ApiError in the API's shape
 
     async def __call__(self, scope, receive, send) -> None:
         async def watch() -> None:
@@ -217,7 +210,7 @@ class GenerationResponse:
                 await self._whole(send)
         except OSError:  # the client went away while we were sending
             self.job.cancel()
-            self.stats.cancelled += 1
+            self._client_left()
         finally:
             watcher.cancel()
             self.job.cancel()  # a no-op once finished; an error above must not leave it running
@@ -225,33 +218,51 @@ class GenerationResponse:
     async def _first(self):
         event = await self.events.get()
         if event is CLIENT_GONE:
-            self.stats.cancelled += 1
+            self._client_left()
         return event
 
-    async def _error(self, send, error: ApiError) -> None:
-        await error_response(error, self.stats)(self.scope, _no_receive, send)
+    def _client_left(self) -> None:
+        self.stats.cancelled += 1
+        note(self.scope, "cancelled: the client went away", CLIENT_CLOSED)
 
-    def _finished(self, event: Finished) -> dict:
+    async def _error(self, send, error: ApiError) -> None:
+        if error.status == 429:
+            self.stats.rejected += 1
+        elif error.status >= 500:
+            self.stats.failed += 1
+        headers = {"Retry-After": "1"} if error.status in (429, 503) else None
+        response = JSONResponse(self.error_body(error), status_code=error.status, headers=headers)
+        await response(self.scope, _no_receive, send)
+
+    def _finished(self, event: Finished, calls: list) -> tuple[str, dict]:
+        """The reply's finish reason (tool_calls when it called one) and usage; logged."""
         self.stats.served += 1
         self.stats.prompt_tokens += event.prompt_tokens
         self.stats.completion_tokens += event.completion_tokens
+        reason = "tool_calls" if calls and event.finish_reason == "stop" else event.finish_reason
         f = event.figures
-        self.log(
-            f"edge0: {self.request.kind} {event.prompt_tokens}+{event.completion_tokens} tokens "
+        # The profile the reply ran with: the server's, or one the request asked for.
+        asked = " (asked)" if self.request.k is not None or self.request.mode is not None else ""
+        called = f", called {', '.join(c.name for c in calls)}" if calls else ""
+        note(
+            self.scope,
+            f"{self.request.kind} {event.prompt_tokens}+{event.completion_tokens} tokens "
             f"({f['reused_prompt_tokens']} reused), {f['ttft_ms']:.0f} ms to first token, "
             f"{f['decode_tok_per_s']:.1f} tok/s, blocked {f['blocked_ms_per_step']:.1f} ms/step, "
-            f"cold {f['cold_fraction']:.0%}, K={f['k']} {f['mode']}, {event.finish_reason}"
+            f"cold {f['cold_fraction']:.0%}, K={f['k']} {f['mode']}{asked}, {reason}{called}",
         )
-        return usage(event.prompt_tokens, event.completion_tokens)
+        return reason, usage(event.prompt_tokens, event.completion_tokens)
 
     async def _whole(self, send) -> None:
-        parts: list[str] = []
+        pieces: list[tuple[str, str]] = []
+        logprobs: list[dict] = []
         while True:
             event = await self._first()
             if event is CLIENT_GONE:
                 return
             if isinstance(event, Text):
-                parts.append(event.text)
+                pieces += self.parts.feed(event.text)
+                logprobs += event.logprobs
                 continue
             if isinstance(event, Failed):
                 await self._error(send, event.error)
@@ -260,9 +271,22 @@ class GenerationResponse:
                 self.stats.cancelled += 1
                 await self._error(send, not_ready("closed", None))
                 return
-            parts.append(event.text)
-            used = self._finished(event)
-            body = self.shapes.whole("".join(parts), event.finish_reason, used, event.figures)
+            pieces += self.parts.feed(event.text)
+            logprobs += event.logprobs
+            last, calls = self.parts.finish()
+            pieces += last
+            content = "".join(text for kind, text in pieces if kind == "content")
+            reasoning = "".join(text for kind, text in pieces if kind == "reasoning")
+            reason, used = self._finished(event, calls)
+            body = self.writer.whole(
+                content,
+                reasoning if self.parts.thinks else None,
+                calls,
+                reason,
+                used,
+                event.figures,
+                logprobs,
+            )
             await JSONResponse(body)(self.scope, _no_receive, send)
             return
 
@@ -284,43 +308,43 @@ class GenerationResponse:
                 ],
             }
         )
-        shapes = self.shapes
-        if shapes.chat:
-            await self._send(send, shapes.chunk(role=True))
+        await self._send(send, self.writer.start())
+        await self._stream_events(send, event)
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _stream_events(self, send, event) -> None:
+        writer = self.writer
+        logprobs: tuple = ()  # waiting for a piece of text to go with
         while True:
             if event is CLIENT_GONE:
                 return
-            if isinstance(event, Text):
-                await self._send(send, shapes.chunk(event.text))
-            elif isinstance(event, Failed):  # after text: an error event ends the stream
+            if isinstance(event, Failed):  # after text: an error event ends the stream
                 self.stats.failed += 1
-                await self._send(send, event.error.body())
-                break
-            elif event.finish_reason == "cancelled":  # the server is shutting down
-                self.stats.cancelled += 1
-                await self._send(send, not_ready("closed", None).body())
-                break
-            else:
-                if event.text:
-                    await self._send(send, shapes.chunk(event.text))
-                used = self._finished(event)
-                await self._send(
-                    send, shapes.chunk(finish_reason=event.finish_reason, figures=event.figures)
-                )
-                if self.request.include_usage:
-                    await self._send(send, shapes.usage_chunk(used, event.figures))
-                break
+                await self._send(send, writer.error_event(event.error))
+                return
+            if event.finish_reason == "cancelled" if isinstance(event, Finished) else False:
+                self.stats.cancelled += 1  # the server is shutting down
+                await self._send(send, writer.error_event(not_ready("closed", None)))
+                return
+            logprobs += event.logprobs
+            pieces = self.parts.feed(event.text)
+            calls = []
+            if isinstance(event, Finished):
+                last, calls = self.parts.finish()
+                pieces += last
+            for kind, text in pieces:
+                await self._send(send, writer.delta(kind, text, logprobs))
+                logprobs = ()
+            if isinstance(event, Finished):
+                reason, used = self._finished(event, calls)
+                await self._send(send, writer.end(reason, calls, used, event.figures))
+                return
             event = await self._first()
-        await send({"type": "http.response.body", "body": DONE, "more_body": False})
 
     @staticmethod
-    async def _send(send, payload: dict) -> None:
-        data = (
-            b"data: "
-            + json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode()
-            + b"\n\n"
-        )
-        await send({"type": "http.response.body", "body": data, "more_body": True})
+    async def _send(send, chunks: list[bytes]) -> None:
+        for data in chunks:
+            await send({"type": "http.response.body", "body": data, "more_body": True})
 
 
 def create_app(worker: EngineWorker, settings: ServerSettings) -> Starlette:
@@ -330,31 +354,36 @@ def create_app(worker: EngineWorker, settings: ServerSettings) -> Starlette:
     settings.created = settings.created or int(time.time())
 
     def check_key(request: Request) -> None:
+        """`Authorization: Bearer KEY` (OpenAI's clients) or `x-api-key: KEY` (Anthropic's)."""
         if settings.api_key is None:
             return
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(
-            token.strip().encode(), settings.api_key.encode()
-        ):
+        if scheme.lower() != "bearer":
+            token = request.headers.get("x-api-key", "")
+        if not hmac.compare_digest(token.strip().encode(), settings.api_key.encode()):
             raise ApiError(
                 401,
-                "missing or wrong API key (send `Authorization: Bearer KEY`)",
+                "missing or wrong API key (send `Authorization: Bearer KEY` or `x-api-key: KEY`)",
                 code="invalid_api_key",
             )
 
-    def guarded(handler):
+    def guarded(handler, shape=None):
+        """`handler` behind the key check, its refusals in the API's error shape (`shape`:
+        ApiError -> body; OpenAI's by default)."""
+
         async def endpoint(request: Request):
             try:
                 check_key(request)
                 return await handler(request)
             except ApiError as e:
-                return error_response(e, stats)
-            except ClientGone:  # nothing to log, nobody to answer
+                return error_response(e, stats, shape)
+            except ClientGone:  # nobody to answer
+                note(request.scope, "the client went away before its body arrived", CLIENT_CLOSED)
                 return Response(status_code=400)
 
         return endpoint
 
-    async def generate(request: Request, parse) -> Response | GenerationResponse:
+    async def generate(request: Request, parse, anthropic: bool = False):
         body = await read_json(request, settings.max_body_bytes, settings.client_timeout_s)
         parsed: GenerationRequest = parse(body, settings.model_ids)
         async with encoding:  # one prompt at a time: each may take seconds and much memory
@@ -370,7 +399,11 @@ def create_app(worker: EngineWorker, settings: ServerSettings) -> Starlette:
 
         job = Job(parsed, post, tokens)
         worker.submit(job)  # ApiError: 503 loading, 429 queue full
-        return GenerationResponse(parsed, job, events, stats, settings.log)
+        parts = ReplyParts(worker.template_facts, worker.opens_thinking(tokens), bool(parsed.tools))
+        if anthropic:
+            writer = AnthropicWriter(parsed, lambda: job.text.stopped)
+            return GenerationResponse(parsed, job, events, stats, writer, parts, anthropic_error)
+        return GenerationResponse(parsed, job, events, stats, OpenAIWriter(parsed), parts)
 
     async def chat_completions(request: Request):
         return await generate(request, parse_chat)
@@ -378,11 +411,15 @@ def create_app(worker: EngineWorker, settings: ServerSettings) -> Starlette:
     async def completions(request: Request):
         return await generate(request, parse_completion)
 
+    async def messages(request: Request):
+        return await generate(request, parse_messages, anthropic=True)
+
     def card(model_id: str) -> dict:
+        k, mode = worker.configured or (None, None)
         details = {
             "state": worker.state,
-            "k": worker.live.k or None,
-            "mode": worker.live.mode or None,
+            "k": k,  # the server's profile: what a request that names none runs with
+            "mode": mode,
             "modes": worker.modes,
             "profiles": worker.profiles,
             **worker.info,
@@ -438,6 +475,7 @@ def create_app(worker: EngineWorker, settings: ServerSettings) -> Starlette:
         routes=[
             Route("/v1/chat/completions", guarded(chat_completions), methods=["POST"]),
             Route("/v1/completions", guarded(completions), methods=["POST"]),
+            Route("/v1/messages", guarded(messages, anthropic_error), methods=["POST"]),
             Route("/v1/models", guarded(models), methods=["GET"]),
             Route("/v1/models/{model:path}", guarded(model), methods=["GET"]),
             Route("/metrics", guarded(metrics), methods=["GET"]),
@@ -445,136 +483,28 @@ def create_app(worker: EngineWorker, settings: ServerSettings) -> Starlette:
         ],
         exception_handlers={HTTPException: http_error, Exception: server_error},
         lifespan=lifespan,
-        middleware=_middleware(settings),
+        middleware=_middleware(settings, stats),
     )
     app.state.stats = stats
     app.state.worker = worker
     return app
 
 
-def _middleware(settings: ServerSettings) -> list[Middleware]:
-    """The Host and Origin checks first; then, for the origins allowed, CORS (preflights
-    answered, and the headers that let the page read the reply)."""
-    middleware = [Middleware(RequestGuard, hosts=settings.hosts, origins=settings.origins)]
+def _middleware(settings: ServerSettings, stats: prometheus.ServerStats) -> list[Middleware]:
+    """The access log around everything; the Host and Origin checks first; then, for the
+    origins allowed (--cors), CORS (preflights answered, and the headers that let the page read
+    the reply)."""
+    middleware = [
+        Middleware(AccessLog, log=settings.log, stats=stats),
+        Middleware(RequestGuard, hosts=settings.hosts, origins=settings.origins),
+    ]
     if settings.origins:
         middleware.append(
             Middleware(
                 CORSMiddleware,
                 allow_origins=list(settings.origins),
                 allow_methods=["GET", "POST"],
-                allow_headers=["authorization", "content-type"],
+                allow_headers=["authorization", "content-type", "x-api-key", "anthropic-version"],
             )
         )
     return middleware
-
-
-# -- serve: the `edge0 serve` command's body ---------------------------------------------------
-
-
-def bind(host: str, port: int) -> socket.socket:
-    """A listening socket on host:port (port 0: a free one). Raises Edge0Error."""
-    try:
-        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-        sock = socket.socket(family, kind, proto)
-    except OSError as e:
-        raise Edge0Error(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(address)
-        sock.listen(128)
-    except OSError as e:
-        sock.close()
-        raise Edge0Error(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
-    return sock
-
-
-def is_loopback(sock: socket.socket) -> bool:
-    return ipaddress.ip_address(sock.getsockname()[0]).is_loopback
-
-
-def url_of(sock: socket.socket) -> str:
-    host, port = sock.getsockname()[:2]
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-
-
-def serve(
-    open_engine: Callable[[], object],
-    settings: ServerSettings,
-    host: str = "127.0.0.1",
-    port: int = 8080,
-    queue_limit: int = 16,
-) -> None:
-    """Listen, load the model on the engine thread, answer until SIGINT/SIGTERM. Raises
-    Edge0Error when the address cannot be used or the model cannot be loaded."""
-    import uvicorn
-
-    sock = bind(host, port)
-    url = url_of(sock)
-    log = settings.log
-    server: uvicorn.Server | None = None
-    settings.hosts = allowed_hosts(host, sock.getsockname()[0])
-    limits = ConnectionLimits(settings.max_connections, settings.client_timeout_s, log)
-    sock = limits.listener(sock)  # refuses past the limit in accept(): before it holds a socket
-
-    def on_ready(worker: EngineWorker) -> None:
-        # The model's files are open now (and loading it may have raised the open-file limit).
-        if limits.measure() < settings.max_connections:
-            log(
-                f"edge0: at most {limits.max_connections} connections at a time: the open-file "
-                f"limit ({fd_limit()}) leaves no room for --max-connections "
-                f"{settings.max_connections}"
-            )
-        log(
-            f"edge0: ready: {settings.model_ids[0]} ({worker.info.get('family')}, "
-            f"K={worker.live.k}, {worker.live.mode}); OpenAI API at {url}/v1"
-        )
-
-    def on_failed(message: str) -> None:
-        if server is not None:
-            server.should_exit = True
-
-    worker = EngineWorker(open_engine, queue_limit, on_ready, on_failed, log)
-    app = create_app(worker, settings)
-
-    class Server(uvicorn.Server):
-        def handle_exit(self, sig, frame) -> None:
-            worker.cancel_all()  # streams end now, not after the graceful-shutdown timeout
-            super().handle_exit(sig, frame)
-
-        @contextlib.contextmanager
-        def capture_signals(self):
-            """uvicorn's, without raising the signal again once shut down: a stop by SIGINT or
-            SIGTERM is the server's normal end (exit status 0), not a kill."""
-            if threading.current_thread() is not threading.main_thread():
-                yield
-                return
-            stops = (signal.SIGINT, signal.SIGTERM)
-            original = {sig: signal.signal(sig, self.handle_exit) for sig in stops}
-            try:
-                yield
-            finally:
-                for sig, handler in original.items():
-                    signal.signal(sig, handler)
-
-    config = uvicorn.Config(
-        app,
-        log_level="warning",
-        access_log=False,
-        lifespan="on",
-        timeout_graceful_shutdown=5,
-        # The server's own lines only; uvicorn's stay at warnings.
-        server_header=False,
-        http=limits.protocol(),  # the header deadline
-        timeout_keep_alive=min(KEEP_ALIVE_S, settings.client_timeout_s),
-    )
-    limit_repeated_logs()  # after Config, which sets up uvicorn's loggers
-    server = Server(config)
-    if not is_loopback(sock) and settings.api_key is None:
-        log(f"edge0: warning: {url} is reachable from other machines and no --api-key is set")
-    log(f"edge0: serving {settings.model_ids[0]} at {url} (loading the model...)")
-    try:
-        server.run(sockets=[sock])
-    finally:
-        sock.close()
-    if worker.error:
-        raise Edge0Error(worker.error)

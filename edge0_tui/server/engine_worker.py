@@ -16,6 +16,7 @@ on a thread of its own. This adapter turns what the event loop needs into the se
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 from collections.abc import Callable
@@ -40,10 +41,12 @@ from ..engine_service import (
 from ..live_metrics import LiveMetrics
 from ..sanitize import escape_controls
 from .openai_shapes import ApiError, GenerationRequest
+from .reply_parts import THINK_CLOSE, THINK_OPEN, TemplateFacts
 from .stop_text import StopText
+from .tool_calls import dialect_of
 
 # The request fields an engine-side check names at the start of its message (`top_k=...`).
-SAMPLING_FIELD = re.compile(r"(top_k|top_p|temperature|seed|max_tokens)=")
+SAMPLING_FIELD = re.compile(r"(top_k|top_p|temperature|seed|max_tokens|logit_bias)=")
 
 # How often an idle engine thread re-reads MLX and page-cache memory for /metrics.
 IDLE_REFRESH_S = 1.0
@@ -52,6 +55,7 @@ IDLE_REFRESH_S = 1.0
 @dataclass(frozen=True)
 class Text:
     text: str  # new reply text, never taken back
+    logprobs: tuple[dict, ...] = ()  # OpenAI's entries for the tokens since the last event
 
 
 @dataclass(frozen=True)
@@ -61,6 +65,7 @@ class Finished:
     prompt_tokens: int
     completion_tokens: int
     figures: dict  # the request's own measurements: the reply's `edge0` object
+    logprobs: tuple[dict, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -96,7 +101,7 @@ class Job(ReplyJob):
 
     def _translate(self, event: JobEvent) -> None:
         if isinstance(event, NewText):
-            self._post_http(Text(event.text))
+            self._post_http(Text(event.text, self._entries(event.logprobs)))
         elif isinstance(event, ReplyDone):
             if event.stopped_at_text or event.stopped_by == "eos":
                 reason = "stop"
@@ -106,12 +111,36 @@ class Job(ReplyJob):
                 reason = "cancelled"
             self._post_http(
                 Finished(
-                    event.rest, reason, event.prompt_tokens, event.completion_tokens, event.figures
+                    event.rest,
+                    reason,
+                    event.prompt_tokens,
+                    event.completion_tokens,
+                    event.figures,
+                    self._entries(event.logprobs),
                 )
             )
         else:
             started = event.completion_tokens > 0  # text may have been sent
             self._post_http(Failed(api_error(event.error, event.completion_tokens), started))
+
+    def _entries(self, logprobs: tuple) -> tuple[dict, ...]:
+        """OpenAI's logprobs entries ({token, logprob, bytes, top_logprobs}) of engine
+        TokenLogprobs, the tokens' text decoded here, on the engine thread."""
+        if not logprobs:
+            return ()
+        tokenizer = self.service.engine.tokenizer
+
+        def entry(token: int, logprob: float) -> dict:
+            text = tokenizer.decode([token])
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+        return tuple(
+            {
+                **entry(item.token, item.logprob),
+                "top_logprobs": [entry(token, logprob) for token, logprob in item.top],
+            }
+            for item in logprobs
+        )
 
 
 def api_error(error: Exception, generated: int) -> ApiError:
@@ -148,6 +177,11 @@ class EngineWorker:
         self._on_failed = on_failed
         self._log = log or (lambda line: print(escape_controls(line), file=sys.stderr, flush=True))
         self._token_chars: int | None = None  # the vocabulary's longest entry, once known
+        # The profile the server was started with (--k, --mode): every request that names no K
+        # or mode runs with it, whatever the one before asked for.
+        self.configured: tuple[int, str] | None = None
+        # What the model's chat template says of replies: think tags, its tool-call dialect.
+        self.template_facts = TemplateFacts(thinks=False, dialect=None)
         self.service = EngineService(
             open_engine,  # runs on the engine thread; returns an Engine
             on_event=self._on_event,
@@ -157,6 +191,8 @@ class EngineWorker:
 
     def _on_event(self, event: ServiceEvent) -> None:  # the engine thread
         if isinstance(event, EngineOpened):
+            self.configured = (self.service.live.k, self.service.live.mode)
+            self.template_facts = template_facts(self.service.engine)
             if self._on_ready is not None:
                 self._on_ready(self)
         elif isinstance(event, OpenFailed) and self._on_failed is not None:
@@ -170,6 +206,7 @@ class EngineWorker:
     def submit(self, job: Job) -> None:
         """Queue a job, or raise ApiError: 503 while loading (or after a failed load), 429 when
         the queue is full."""
+        job.base_profile = self.configured
         try:
             self.service.submit(job)
         except EngineUnavailable as e:
@@ -205,7 +242,9 @@ class EngineWorker:
             )
         try:
             if request.kind == "chat":
-                tokens = engine.encode_chat(list(request.messages))
+                tokens = engine.encode_chat(
+                    list(request.messages), request.tools, request.template_kwargs
+                )
             else:
                 tokens = engine.encode(request.prompt)
         except Edge0Error as e:  # a chat template that fails: the model's, said as the engine says
@@ -220,6 +259,14 @@ class EngineWorker:
                 code="context_length_exceeded",
             )
         return tokens
+
+    def opens_thinking(self, tokens: list[int] | None) -> bool:
+        """Whether the prompt ends inside an open think tag (the template's generation prompt
+        opened it): the reply then starts with reasoning."""
+        engine = self.service.engine
+        if not tokens or engine is None or not self.template_facts.thinks:
+            return False
+        return engine.tokenizer.decode(tokens[-8:]).rstrip().endswith(THINK_OPEN)
 
     def _longest_token(self, engine) -> int:
         """The most characters one token of the model's vocabulary stands for (its longest
@@ -293,10 +340,20 @@ class EngineWorker:
         return self.service.last_figures
 
 
+def template_facts(engine) -> TemplateFacts:
+    """Think tags and the tool-call dialect, read from the model's chat template."""
+    template = getattr(engine.tokenizer, "chat_template", None)
+    if isinstance(template, dict):  # named templates: the default, or all of them
+        template = template.get("default") or "\n".join(map(str, template.values()))
+    template = template if isinstance(template, str) else ""
+    return TemplateFacts(thinks=THINK_CLOSE in template, dialect=dialect_of(template))
+
+
 def prompt_chars(request: GenerationRequest) -> int:
     """The characters of text a request brings (the chat template adds more, never fewer)."""
     if request.kind == "chat":
-        return sum(len(m["content"]) for m in request.messages)
+        tools = len(json.dumps(request.tools)) if request.tools else 0
+        return tools + sum(len(m.get("content") or "") for m in request.messages)
     return len(request.prompt)
 
 
@@ -333,13 +390,24 @@ def open_engine_for(spec: str, config, cache_dir: Path) -> Callable[[], object]:
         source = resolve_model(spec, cache_dir, on_progress)
         adapter_dirs = tuple(resolve_adapters(str(a), on_progress) for a in config.adapter_dirs)
         engine = Engine(source.path, replace(config, adapter_dirs=adapter_dirs))
-        print(f"edge0: {engine.memory_plan.line()}", file=sys.stderr, flush=True)
-        for note in (source.notice, engine.quality_note(), *engine.warnings):
+        # The memory plan is in the start-up text, once the server is ready (serving.py).
+        for note in (server_notice(source.notice), engine.quality_note(), *engine.warnings):
             if note:
                 print(f"edge0: note: {escape_controls(note, False)}", file=sys.stderr, flush=True)
         return engine
 
     return open_engine
+
+
+def server_notice(notice: str | None) -> str | None:
+    """A model's notice as a server says it: without what only the app's panels show."""
+    from ..model_source import BUNDLED_NOTICE, DEMO_NOTICE, PANELS_NOTE
+
+    if notice == BUNDLED_NOTICE:
+        return notice.removesuffix(PANELS_NOTE).rstrip()
+    if notice == DEMO_NOTICE:
+        return notice.partition(";")[0] + "."  # "... Replies are noise."
+    return notice
 
 
 def model_name(spec: str) -> str:

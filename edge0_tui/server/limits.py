@@ -11,7 +11,7 @@ checks, and a log that cannot be flooded.
   use up the file descriptors.
 - `connection_cap`: `--max-connections`, lowered to what the open-file limit leaves.
 - `RequestGuard` (ASGI middleware): the Host header must name this server (DNS rebinding) and a
-  browser's Origin must be allowed (`--allow-origin`); see `allowed_hosts` for which hosts.
+  browser's Origin must be allowed (`--cors`); see `allowed_hosts` for which hosts.
 - `RepeatFilter`: a line logged again and again (uvicorn's "Invalid HTTP request", asyncio's
   "accept() out of system resource" with its traceback) is written at most once per window,
   then once more with the count of those left out.
@@ -322,7 +322,7 @@ class RequestGuard:
                 return ApiError(
                     403,
                     f"requests from web pages at {_shorten(shown)} are not allowed "
-                    "(edge0 serve --allow-origin ORIGIN allows one)",
+                    "(edge0 serve --cors ORIGIN allows one)",
                     code="origin_not_allowed",
                 )
         return None

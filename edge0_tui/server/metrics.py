@@ -21,7 +21,8 @@ class ServerStats:
     """Request counters; changed and read on the event loop's thread only."""
 
     served: int = 0  # replies finished (stop or length)
-    failed: int = 0  # answered with an error status (429 apart)
+    failed: int = 0  # the server's own failures: 5xx, or an error event mid-stream
+    client_errors: int = 0  # refused for the client's mistake: 4xx but 429 (access_log.py)
     rejected: int = 0  # 429: the queue was full
     cancelled: int = 0  # the client went away before its reply was finished
     prompt_tokens: int = 0
@@ -198,7 +199,12 @@ def render(worker: EngineWorker, stats: ServerStats, model_id: str) -> str:
     w.metric("edge0_requests_running", "gauge", "Requests generating now (0 or 1).", worker.running)
     for name, value, help in (
         ("served", stats.served, "Replies finished."),
-        ("failed", stats.failed, "Requests answered with an error status (429 counted apart)."),
+        ("failed", stats.failed, "Requests the server failed (5xx, or an error mid-stream)."),
+        (
+            "client_errors",
+            stats.client_errors,
+            "Requests refused for the client's mistake (4xx; 429 counted apart).",
+        ),
         ("rejected", stats.rejected, "Requests refused with 429 because the queue was full."),
         ("cancelled", stats.cancelled, "Requests whose client went away before the reply ended."),
     ):

@@ -9,10 +9,9 @@ penalties, log-probabilities) is refused rather than silently ignored. Fields th
 
 from __future__ import annotations
 
+import json
 import re
-import time
-import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from engine import MODES, Edge0Error, GenerationConfig
 
@@ -26,7 +25,13 @@ MAX_STOP_CHARS = 1000
 # A lone surrogate (a JSON "\ud800" escape without its pair) is not text: no tokenizer encodes
 # it and no reply can carry it back.
 LONE_SURROGATE = re.compile("[\ud800-\udfff]")
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+ROLES = {
+    "system": "system",
+    "developer": "system",
+    "user": "user",
+    "assistant": "assistant",
+    "tool": "tool",
+}
 
 
 class ApiError(Exception):
@@ -73,6 +78,10 @@ class GenerationRequest:
     include_usage: bool
     k: int | None
     mode: str | None
+    # Chat: the tools the model may call (OpenAI's `tools`, handed to the chat template), and
+    # the template's own switches (`enable_thinking`, `chat_template_kwargs`).
+    tools: tuple[dict, ...] | None = None
+    template_kwargs: dict | None = None
     # No max_tokens in the request: DEFAULT_MAX_TOKENS, or what the context has left after the
     # prompt when that is less (the engine thread knows the prompt's length).
     default_max_tokens: bool = False
@@ -151,7 +160,7 @@ def check_model(body: dict, model_ids: tuple[str, ...]) -> str:
     return model
 
 
-def _generation(body: dict, max_tokens_field: tuple[str, ...]) -> GenerationConfig:
+def _generation(body: dict, max_tokens_field: tuple[str, ...], chat: bool) -> GenerationConfig:
     max_tokens = None
     for name in max_tokens_field:
         value = _optional(body, name, _is_int, "an integer")
@@ -160,22 +169,56 @@ def _generation(body: dict, max_tokens_field: tuple[str, ...]) -> GenerationConf
                 raise bad(f"{name}={value} must be at least 1", name)
             max_tokens = value
             break
-    temperature = _optional(body, "temperature", _is_number, "a number")
-    top_p = _optional(body, "top_p", _is_number, "a number")
+    numbers = {
+        name: _optional(body, name, _is_number, "a number")
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty")
+        + ("presence_penalty", "frequency_penalty")
+    }
+    given = {name: value for name, value in numbers.items() if value is not None}
     top_k = _optional(body, "top_k", _is_int, "an integer")
     seed = _optional(body, "seed", _is_int, "an integer")
     try:
         return GenerationConfig(
+            **{"temperature": 1.0, **given},
             max_tokens=max_tokens or DEFAULT_MAX_TOKENS,
-            temperature=1.0 if temperature is None else temperature,
-            top_p=1.0 if top_p is None else top_p,
             top_k=top_k or 0,
             seed=seed,
+            logit_bias=_logit_bias(body),
+            logprobs=_logprobs(body, chat),
         )
     except Edge0Error as e:  # the check the CLI and the app share; it names the field
         message = str(e)
         field = re.match(r"(\w+)=", message)
         raise bad(message, field.group(1) if field else None) from None
+
+
+def _logit_bias(body: dict) -> dict[int, float]:
+    """OpenAI's logit_bias: an object from token ids (as strings) to a bias in [-100, 100]."""
+    bias = _optional(body, "logit_bias", lambda v: isinstance(v, dict), "an object")
+    out = {}
+    for key, value in (bias or {}).items():
+        if not key.isdigit() or not _is_number(value):
+            raise bad(
+                f"logit_bias maps token ids (decimal strings) to numbers, not {_shown(key)}: "
+                f"{_json_type(value)}",
+                "logit_bias",
+            )
+        out[int(key)] = value
+    return out
+
+
+def _logprobs(body: dict, chat: bool) -> int | None:
+    """How many alternatives each token's log-probability comes with (None: no log-probs).
+    Chat: `logprobs` true and `top_logprobs` N; completions: `logprobs` N."""
+    if not chat:
+        return _optional(body, "logprobs", _is_int, "an integer (the alternatives per token)")
+    wanted = _optional(body, "logprobs", lambda v: isinstance(v, bool), "a boolean")
+    top = _optional(body, "top_logprobs", _is_int, "an integer")
+    if top is not None and not wanted:
+        raise bad("top_logprobs needs logprobs: true", "top_logprobs")
+    if top is not None and not 0 <= top <= 20:
+        raise bad(f"top_logprobs={top} must be between 0 and 20", "top_logprobs")
+    return (top or 0) if wanted else None
 
 
 def _no_max_tokens(body: dict, fields: tuple[str, ...]) -> bool:
@@ -231,22 +274,14 @@ def _unsupported(body: dict) -> None:
     """Refuse what would change the reply but the engine does not do."""
     _refuse_unless(body, "n", lambda v: v == 1, "one choice per request (n=1)")
     _refuse_unless(body, "best_of", lambda v: v == 1, "one choice per request")
-    _refuse_unless(
-        body, "logprobs", lambda v: v is False, "edge0 does not return log-probabilities"
-    )
-    _refuse_unless(body, "top_logprobs", lambda v: False, "edge0 does not return log-probabilities")
     _refuse_unless(body, "echo", lambda v: v is False, "the prompt is not echoed")
     _refuse_unless(body, "suffix", lambda v: False, "no insertion")
-    for penalty in ("presence_penalty", "frequency_penalty"):
-        _refuse_unless(body, penalty, lambda v: v == 0, "edge0 samples without penalties")
-    _refuse_unless(body, "logit_bias", lambda v: v == {}, "edge0 samples without logit bias")
-    _refuse_unless(body, "tools", lambda v: v == [], "edge0 does not call tools")
-    _refuse_unless(body, "functions", lambda v: v == [], "edge0 does not call functions")
+    _refuse_unless(body, "functions", lambda v: v == [], "send them as tools")
     _refuse_unless(
         body,
         "response_format",
         lambda v: isinstance(v, dict) and v.get("type") == "text",
-        "only plain text replies",
+        'edge0 has no constrained decoding: only {"type": "text"} replies',
     )
 
 
@@ -287,14 +322,94 @@ def _messages(body: dict) -> tuple[dict, ...]:
                 f"messages[{i}].role must be one of {', '.join(ROLES)}, not {_shown(role)}",
                 f"messages[{i}].role",
             )
-        out.append({"role": ROLES[role], "content": _content(message, i)})
+        entry = {"role": ROLES[role], "content": _content(message, i)}
+        if role == "assistant" and message.get("tool_calls"):
+            entry["tool_calls"] = _history_calls(message["tool_calls"], i)
+        if role == "tool":
+            for field in ("tool_call_id", "name"):
+                if isinstance(message.get(field), str):
+                    entry[field] = message[field]
+        out.append(entry)
     return tuple(out)
+
+
+def _history_calls(calls: object, index: int) -> list[dict]:
+    """An assistant turn's tool_calls as chat templates read them: arguments as an object."""
+    where = f"messages[{index}].tool_calls"
+    if not isinstance(calls, list):
+        raise bad(f"{where} must be an array", where)
+    out = []
+    for call in calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise bad(f"{where}: each call needs a function with a name", where)
+        arguments = function.get("arguments", "{}")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments or "{}")
+            except ValueError:
+                raise bad(
+                    f"{where}: arguments of {function['name']!r} are not JSON", where
+                ) from None
+        call_id = call.get("id") if isinstance(call.get("id"), str) else ""
+        out.append(
+            {
+                "id": call_id,
+                "type": "function",
+                "function": {"name": function["name"], "arguments": arguments},
+            }
+        )
+    return out
+
+
+def _tools(body: dict) -> tuple[dict, ...] | None:
+    """`tools` as the chat template reads them; None when the model may call none
+    (`tool_choice: "none"`). A required or named tool is refused: edge0 cannot force a call."""
+    tools = body.get("tools")
+    choice = body.get("tool_choice")
+    if choice is not None and choice not in ("auto", "none"):
+        raise bad(
+            'tool_choice is not supported beyond "auto" and "none": edge0 has no '
+            "constrained decoding to force a call",
+            "tool_choice",
+        )
+    if tools is None or tools == []:
+        return None
+    if not isinstance(tools, list):
+        raise bad("tools must be an array", "tools")
+    for i, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if tool.get("type") != "function" or not isinstance(function, dict):
+            raise bad(f'tools[{i}] must be {{"type": "function", "function": {{...}}}}', "tools")
+        if not isinstance(function.get("name"), str) or not function["name"]:
+            raise bad(f"tools[{i}].function needs a name", "tools")
+    return None if choice == "none" else tuple(tools)
+
+
+def _template_kwargs(body: dict) -> dict:
+    """What the chat template is given besides the messages: `chat_template_kwargs` (an
+    object), and `enable_thinking` (a boolean, as vLLM and mlx-lm take it)."""
+    kwargs = _optional(body, "chat_template_kwargs", lambda v: isinstance(v, dict), "an object")
+    out = dict(kwargs or {})
+    thinking = _optional(body, "enable_thinking", lambda v: isinstance(v, bool), "a boolean")
+    if thinking is not None:
+        out["enable_thinking"] = thinking
+    reserved = {"messages", "tools", "add_generation_prompt", "tokenize"} & set(out)
+    if reserved:
+        raise bad(
+            f"chat_template_kwargs may not set {', '.join(sorted(reserved))}",
+            "chat_template_kwargs",
+        )
+    return out
 
 
 def parse_chat(body: dict, model_ids: tuple[str, ...]) -> GenerationRequest:
     model = check_model(body, model_ids)
     messages = _messages(body)
-    return _request(body, "chat", model, ("max_completion_tokens", "max_tokens"), messages=messages)
+    request = _request(
+        body, "chat", model, ("max_completion_tokens", "max_tokens"), messages=messages
+    )
+    return replace(request, tools=_tools(body), template_kwargs=_template_kwargs(body))
 
 
 def parse_completion(body: dict, model_ids: tuple[str, ...]) -> GenerationRequest:
@@ -328,7 +443,7 @@ def _request(
         model=model,
         messages=messages,
         prompt=prompt,
-        generation=_generation(body, max_token_fields),
+        generation=_generation(body, max_token_fields, kind == "chat"),
         default_max_tokens=_no_max_tokens(body, max_token_fields),
         stop=_stop(body),
         stream=stream,
@@ -336,89 +451,3 @@ def _request(
         k=k,
         mode=mode,
     )
-
-
-# -- replies -----------------------------------------------------------------------------------
-
-
-class ReplyShapes:
-    """The JSON of one reply, streamed chunk by chunk or whole, in the request's kind."""
-
-    def __init__(self, request: GenerationRequest) -> None:
-        self.request = request
-        chat = request.kind == "chat"
-        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        self.created = int(time.time())
-        self.chat = chat
-
-    def _head(self, object_name: str) -> dict:
-        return {
-            "id": self.id,
-            "object": object_name,
-            "created": self.created,
-            "model": self.request.model,
-        }
-
-    def _usage_field(self) -> dict:
-        return {"usage": None} if self.request.include_usage else {}
-
-    def chunk(
-        self,
-        text: str = "",
-        finish_reason: str | None = None,
-        role: bool = False,
-        figures: dict | None = None,
-    ) -> dict:
-        """A streamed chunk: the role first (chat), then text, then an empty one that finishes,
-        with the request's figures in `edge0`."""
-        if self.chat:
-            delta: dict = {}
-            if role:
-                delta["role"] = "assistant"
-            if text or role:
-                delta["content"] = text
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-            out = {**self._head("chat.completion.chunk"), "choices": [choice]}
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-            out = {**self._head("text_completion"), "choices": [choice]}
-        out.update(self._usage_field())
-        if figures is not None:
-            out["edge0"] = figures
-        return out
-
-    def usage_chunk(self, usage: dict, figures: dict) -> dict:
-        head = self._head("chat.completion.chunk" if self.chat else "text_completion")
-        return {**head, "choices": [], "usage": usage, "edge0": figures}
-
-    def whole(self, text: str, finish_reason: str, usage: dict, figures: dict) -> dict:
-        if self.chat:
-            choice = {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": None,
-                "finish_reason": finish_reason,
-            }
-            head = self._head("chat.completion")
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-            head = self._head("text_completion")
-        return {**head, "choices": [choice], "usage": usage, "edge0": figures}
-
-
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-    }
-
-
-def model_card(model_id: str, created: int, details: dict) -> dict:
-    return {
-        "id": model_id,
-        "object": "model",
-        "created": created,
-        "owned_by": "edge0",
-        "edge0": details,
-    }

@@ -24,7 +24,6 @@ from pathlib import Path
 
 import mlx.core as mx
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
-from mlx_lm.sample_utils import make_sampler
 
 from ..adapters.lora import AppliedLoRA, load_lora
 from ..adapters.profiles import AdapterFiles, ProfileSearch, search_profiles
@@ -51,6 +50,7 @@ from .metrics import (
     summarize,
 )
 from .numerics import HiddenGuard, guard_layers
+from .sampling import Sampler, TokenLogprobs
 
 TokenCallback = Callable[[int, StepMetrics], None]
 
@@ -89,6 +89,8 @@ class GenerationResult:
     steps: list[StepMetrics]
     summary: dict = field(default_factory=dict)
     stopped_by: str = "max_tokens"  # "eos", "max_tokens" or "cancelled"
+    # One per token, when GenerationConfig.logprobs asks for them.
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
 
 
 class Engine:
@@ -144,6 +146,9 @@ class Engine:
         self._requested: dict[str, object] = {}
         self._prompt_cache = None  # (KV cache, tokens it holds, (K, mode)) of the last reply
         self.last_prefill: StepMetrics | None = None  # the latest prompt's forwards as one
+        # The latest sampled token's log-probabilities when the reply asks for them (read from
+        # `on_token`, on the engine's thread).
+        self.last_logprobs: TokenLogprobs | None = None
         # Whether the tracer samples MLX's compute thread (Linux CPU); None: not tried yet.
         self._following_compute: bool | None = None
         if self.routing is not None:
@@ -351,11 +356,16 @@ class Engine:
             return self.encode_chat([{"role": "user", "content": text}])
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
-        """Token ids of a conversation (`role`/`content` dicts), ready for the assistant's turn.
-        The checkpoint's chat template renders sandboxed and bounded in time and size; a template
-        that fails is reported as the model's fault."""
-        return render_chat_template(self.tokenizer, messages, self.model_dir)
+    def encode_chat(
+        self, messages: list[dict], tools: list[dict] | None = None, template_kwargs=None
+    ) -> list[int]:
+        """Token ids of a conversation (`role`/`content` dicts), ready for the assistant's turn,
+        with the tools it may call and the template's own switches (`enable_thinking`) passed
+        to the template as mlx-lm does. The checkpoint's chat template renders sandboxed and
+        bounded in time and size; a template that fails is reported as the model's fault."""
+        return render_chat_template(
+            self.tokenizer, messages, self.model_dir, tools, template_kwargs or {}
+        )
 
     def reply_text(self, tokens: list[int]) -> str:
         """The text of generated tokens, without end-of-sequence tokens."""
@@ -437,11 +447,16 @@ class Engine:
                 f"top_k={gen.top_k} must be below the vocabulary size of {self.vocab_size} "
                 "(0 turns top-k off)"
             )
+        outside = [t for t in gen.logit_bias if t >= self.vocab_size]
+        if outside:
+            raise Edge0Error(
+                f"logit_bias=names token {outside[0]}, outside the vocabulary of {self.vocab_size}"
+            )
         # The request's peaks, MLX's and the kernel's RSS high-water mark, start here.
         peak_rss_scope = reset_request_peaks()
         if gen.seed is not None:
             mx.random.seed(gen.seed)
-        sampler = make_sampler(gen.temperature, top_p=gen.top_p, top_k=gen.top_k)
+        sampler = Sampler(gen, prompt_tokens)
         self.apply_requests()
         profile = (self.k, self.mode)
         cache, reused = self._take_prompt_cache(prompt_tokens, profile)
@@ -535,6 +550,9 @@ class Engine:
                     self._sample(logits, sampler) if forced is None else forced[len(result.tokens)]
                 )
             result.tokens.append(token)
+            if forced is None and gen.logprobs is not None:
+                self.last_logprobs = sampler.last
+                result.logprobs.append(sampler.last)
             if on_token is not None:
                 on_token(token, steps[-1])
             if token in eos:
@@ -626,9 +644,8 @@ class Engine:
             self.store.look_ahead(guess.layer, guess.likely, guess.less_likely)
 
     @staticmethod
-    def _sample(logits: mx.array, sampler) -> int:
-        logprobs = logits - mx.logsumexp(logits, keepdims=True)
-        return int(sampler(logprobs).item())
+    def _sample(logits: mx.array, sampler: Sampler) -> int:
+        return sampler(logits)
 
     def close(self) -> None:
         if self.store is not None:

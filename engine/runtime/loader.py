@@ -674,7 +674,11 @@ class _TemplateBudget:
 
 
 def render_chat_template(
-    tokenizer: TokenizerWrapper, messages: list[dict], where: Path
+    tokenizer: TokenizerWrapper,
+    messages: list[dict],
+    where: Path,
+    tools: list[dict] | None = None,
+    template_kwargs: dict | None = None,
 ) -> list[int]:
     """Token ids of a conversation (`role`/`content` dicts) in the tokenizer's chat template,
     ready for the assistant's turn; any failure is an Edge0Error naming `where`.
@@ -688,7 +692,11 @@ def render_chat_template(
     with _bounded_templates():
         sys.settrace(budget)
         try:
-            return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+            return list(
+                tokenizer.apply_chat_template(
+                    messages, add_generation_prompt=True, tools=tools, **(template_kwargs or {})
+                )
+            )
         except ChatTemplateBudgetError as e:
             raise Edge0Error(f"{where}: the chat template {e}; refused") from None
         except Exception as e:  # jinja2 raises SecurityError, TemplateError, UndefinedError...

@@ -1,0 +1,273 @@
+"""Anthropic's Messages API (`POST /v1/messages`): requests checked, replies and errors shaped.
+
+A request is turned into the same `GenerationRequest` an OpenAI chat request makes (the
+conversation for the chat template, tools as the template reads them), so the engine, the stop
+sequences, the reasoning split and the tool-call parsers are the same; only the shapes differ:
+- `system` (a string or text blocks) becomes the system message; content blocks are `text`,
+  `tool_use` (an assistant's call) and `tool_result` (the tool's answer, a `tool` message);
+- `tools` ({name, description, input_schema}) are handed to the template as functions;
+  `tool_choice` auto or none, `any` or a named tool refused (no constrained decoding);
+- `thinking: {"type": "enabled"}` turns the template's thinking on, and reasoning comes back as
+  `thinking` blocks;
+- replies stream as message_start, content_block_start/delta/stop, message_delta, message_stop;
+- errors are `{"type": "error", "error": {"type": ..., "message": ...}}`.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import replace
+
+from .openai_replies import sse
+from .openai_shapes import ApiError, GenerationRequest, bad, parse_chat
+from .tool_calls import ToolCall
+
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    408: "timeout_error",
+    413: "request_too_large",
+    415: "invalid_request_error",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
+STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
+
+
+def error_body(error: ApiError) -> dict:
+    kind = ERROR_TYPES.get(
+        error.status, "api_error" if error.status >= 500 else "invalid_request_error"
+    )
+    message = error.message if error.param is None else f"{error.message} ({error.param})"
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def _text_of(blocks: object, where: str) -> str:
+    """A string, or text blocks joined."""
+    if isinstance(blocks, str):
+        return blocks
+    if not isinstance(blocks, list):
+        raise bad(f"{where} must be a string or an array of content blocks", where)
+    parts = []
+    for block in blocks:
+        if not isinstance(block, dict) or block.get("type") != "text":
+            raise bad(f"{where}: only text blocks are supported here", where)
+        if not isinstance(block.get("text"), str):
+            raise bad(f"{where}: a text block needs a string `text`", where)
+        parts.append(block["text"])
+    return "".join(parts)
+
+
+def _turns(message: dict, i: int) -> list[dict]:
+    """One Anthropic message as OpenAI-style messages (a user turn with tool results becomes
+    one `tool` message per result, then the text)."""
+    where = f"messages[{i}]"
+    role = message.get("role")
+    if role not in ("user", "assistant"):
+        raise bad(f"{where}.role must be user or assistant", f"{where}.role")
+    content = message.get("content")
+    if isinstance(content, str):
+        return [{"role": role, "content": content}]
+    if not isinstance(content, list):
+        raise bad(f"{where}.content must be a string or an array of blocks", f"{where}.content")
+    texts, calls, results = [], [], []
+    for block in content:
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind == "text" and isinstance(block.get("text"), str):
+            texts.append(block["text"])
+        elif kind == "tool_use" and role == "assistant" and isinstance(block.get("name"), str):
+            calls.append(
+                {
+                    "id": str(block.get("id", "")),
+                    "type": "function",
+                    "function": {"name": block["name"], "arguments": block.get("input") or {}},
+                }
+            )
+        elif kind == "tool_result" and role == "user":
+            result = block.get("content", "")
+            results.append(
+                {
+                    "role": "tool",
+                    "tool_call_id": str(block.get("tool_use_id", "")),
+                    "content": _text_of(result, f"{where}.content"),
+                }
+            )
+        elif kind in ("thinking", "redacted_thinking") and role == "assistant":
+            continue  # earlier reasoning: chat templates drop it from the history
+        else:
+            raise bad(
+                f"{where}.content: a {kind!r} block is not supported here (text, tool_use in "
+                "assistant turns, tool_result in user turns)",
+                f"{where}.content",
+            )
+    turn = {"role": role, "content": "".join(texts)}
+    if calls:
+        turn["tool_calls"] = calls
+    return results + ([turn] if texts or calls or not results else [])
+
+
+def _tools(body: dict) -> list[dict] | None:
+    tools = body.get("tools")
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise bad("tools must be an array", "tools")
+    out = []
+    for i, tool in enumerate(tools):
+        if not isinstance(tool, dict) or not isinstance(tool.get("name"), str):
+            raise bad(f"tools[{i}] needs a name", "tools")
+        function = {"name": tool["name"], "parameters": tool.get("input_schema") or {}}
+        if isinstance(tool.get("description"), str):
+            function["description"] = tool["description"]
+        out.append({"type": "function", "function": function})
+    return out
+
+
+def parse_messages(body: dict, model_ids: tuple[str, ...]) -> GenerationRequest:
+    """An Anthropic Messages request as a chat request, checked field by field."""
+    if not isinstance(body.get("max_tokens"), int) or isinstance(body.get("max_tokens"), bool):
+        raise bad("max_tokens is required: an integer", "max_tokens")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad("messages must be a non-empty array", "messages")
+    turns = []
+    if body.get("system") is not None:
+        turns.append({"role": "system", "content": _text_of(body["system"], "system")})
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise bad(f"messages[{i}] must be an object", f"messages[{i}]")
+        turns += _turns(message, i)
+    choice = body.get("tool_choice")
+    kind = choice.get("type") if isinstance(choice, dict) else choice
+    if kind not in (None, "auto", "none"):
+        raise bad(
+            f"tool_choice {kind!r} is not supported: edge0 has no constrained decoding to force "
+            "a call (auto and none are)",
+            "tool_choice",
+        )
+    thinking = body.get("thinking")
+    stop = body.get("stop_sequences")
+    chat = {
+        "model": body.get("model"),
+        "messages": turns,
+        "max_tokens": body["max_tokens"],
+        "stream": body.get("stream"),
+        "stop": stop,
+        "temperature": body.get("temperature"),
+        "top_p": body.get("top_p"),
+        "top_k": body.get("top_k"),
+        "tools": _tools(body),
+        "tool_choice": "none" if kind == "none" else None,
+    }
+    if isinstance(thinking, dict):
+        chat["enable_thinking"] = thinking.get("type") == "enabled"
+    request = parse_chat({k: v for k, v in chat.items() if v is not None}, model_ids)
+    return replace(request, include_usage=False)
+
+
+class AnthropicWriter:
+    """A reply in Anthropic's shapes, for app.GenerationResponse: SSE events or one body."""
+
+    def __init__(self, request: GenerationRequest, stopped_at_text) -> None:
+        self.request = request
+        self.id = "msg_" + uuid.uuid4().hex
+        self.stopped_at_text = stopped_at_text  # () -> bool: a stop sequence ended the reply
+        self.block: str | None = None  # the open block's kind
+        self.index = -1
+
+    def _message(self, content: list, stop_reason, used: dict) -> dict:
+        return {
+            "id": self.id,
+            "type": "message",
+            "role": "assistant",
+            "model": self.request.model,
+            "content": content,
+            "stop_reason": stop_reason,
+            "stop_sequence": self._stop_sequence(stop_reason),
+            "usage": {
+                "input_tokens": used["prompt_tokens"],
+                "output_tokens": used["completion_tokens"],
+            },
+        }
+
+    def _stop_reason(self, finish_reason: str) -> str:
+        if finish_reason == "stop" and self.stopped_at_text():
+            return "stop_sequence"
+        return STOP_REASONS.get(finish_reason, "end_turn")
+
+    def _stop_sequence(self, stop_reason) -> str | None:
+        # Which sequence matched is not kept; the one stop sequence asked for is it.
+        stops = self.request.stop
+        return stops[0] if stop_reason == "stop_sequence" and len(stops) == 1 else None
+
+    def start(self) -> list[bytes]:
+        empty = {"prompt_tokens": 0, "completion_tokens": 0}
+        message = self._message([], None, empty)
+        return [sse({"type": "message_start", "message": message}, "message_start")]
+
+    def _open(self, kind: str, block: dict) -> list[bytes]:
+        out = self._close()
+        self.block, self.index = kind, self.index + 1
+        event = {"type": "content_block_start", "index": self.index, "content_block": block}
+        return out + [sse(event, "content_block_start")]
+
+    def _close(self) -> list[bytes]:
+        if self.block is None:
+            return []
+        self.block = None
+        event = {"type": "content_block_stop", "index": self.index}
+        return [sse(event, "content_block_stop")]
+
+    def _delta(self, delta: dict) -> bytes:
+        event = {"type": "content_block_delta", "index": self.index, "delta": delta}
+        return sse(event, "content_block_delta")
+
+    def delta(self, kind: str, text: str, logprobs) -> list[bytes]:
+        out = []
+        if kind == "reasoning":
+            if self.block != "thinking":
+                out += self._open("thinking", {"type": "thinking", "thinking": ""})
+            return out + [self._delta({"type": "thinking_delta", "thinking": text})]
+        if self.block != "text":
+            out += self._open("text", {"type": "text", "text": ""})
+        return out + [self._delta({"type": "text_delta", "text": text})]
+
+    def end(self, finish_reason: str, calls: list[ToolCall], used: dict, figures: dict) -> list:
+        out = []
+        for call in calls:
+            out += self._open(
+                "tool_use", {"type": "tool_use", "id": call.id, "name": call.name, "input": {}}
+            )
+            out.append(
+                self._delta({"type": "input_json_delta", "partial_json": call.arguments_json()})
+            )
+        out += self._close()
+        stop_reason = self._stop_reason(finish_reason)
+        delta = {
+            "type": "message_delta",
+            "delta": {
+                "stop_reason": stop_reason,
+                "stop_sequence": self._stop_sequence(stop_reason),
+            },
+            "usage": {"output_tokens": used["completion_tokens"]},
+            "edge0": figures,
+        }
+        return out + [sse(delta, "message_delta"), sse({"type": "message_stop"}, "message_stop")]
+
+    def error_event(self, error: ApiError) -> list[bytes]:
+        return [sse(error_body(error), "error")]
+
+    def whole(self, content, reasoning, calls, finish_reason, used, figures, logprobs) -> dict:
+        blocks: list[dict] = []
+        if reasoning:
+            blocks.append({"type": "thinking", "thinking": reasoning, "signature": ""})
+        if content:
+            blocks.append({"type": "text", "text": content})
+        blocks += [
+            {"type": "tool_use", "id": call.id, "name": call.name, "input": call.arguments}
+            for call in calls
+        ]
+        message = self._message(blocks, self._stop_reason(finish_reason), used)
+        return {**message, "edge0": figures}

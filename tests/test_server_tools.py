@@ -1,0 +1,205 @@
+"""`edge0 serve` for agents: tools and thinking through the chat template, and Anthropic's
+Messages API driven by the official `anthropic` client, against a real server process.
+
+The tiny checkpoint gets a Qwen3-style chat template (tools listed in the system turn, calls as
+`<tool_call>` JSON, results as `<tool_response>`, `enable_thinking` opening `<think>`), so what
+the requests carry reaches a real template and a real engine.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import anthropic
+import pytest
+from test_server import API_KEY, model_dir, private_env, start_server, stop_server
+
+__all__ = ["model_dir"]  # a fixture, used here by name
+
+QWEN_LIKE_TEMPLATE = (
+    "{%- if tools %}{{- '<|im_start|>system\\n# Tools\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
+    '{{- \'\\n</tools>\\nCall one as <tool_call>{"name": ..., "arguments": ...}</tool_call>'
+    "<|im_end|>\\n' }}{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'tool' %}"
+    "{{- '<|im_start|>user\\n<tool_response>\\n' + message.content + '\\n</tool_response>"
+    "<|im_end|>\\n' }}"
+    "{%- else %}{{- '<|im_start|>' + message.role + '\\n' + (message.content or '') }}"
+    "{%- for call in message.tool_calls or [] %}"
+    '{{- \'<tool_call>\\n{"name": "\' + call.function.name + \'", "arguments": \' + '
+    "(call.function.arguments | tojson) + '}\\n</tool_call>' }}{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking %}{{- '<think>\\n' }}"
+    "{%- else %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}{%- endif %}"
+)
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def agent_model(model_dir, tmp_path_factory):
+    model = tmp_path_factory.mktemp("agent") / "tiny-agent"
+    shutil.copytree(model_dir, model)
+    config_path = model / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["chat_template"] = QWEN_LIKE_TEMPLATE
+    config_path.write_text(json.dumps(config))
+    return model
+
+
+@pytest.fixture(scope="module")
+def server(agent_model, tmp_path_factory):
+    log = tmp_path_factory.mktemp("agent-log") / "server.log"
+    server = start_server(agent_model, log, private_env(tmp_path_factory), "--api-key", API_KEY)
+    yield server
+    stop_server(server)
+
+
+def test_tools_and_a_tool_turn_reach_the_template(server):
+    client = server.client()
+    question = [{"role": "user", "content": "Weather in Paris?"}]
+    plain = client.chat.completions.create(model="tiny-agent", messages=question, max_tokens=2)
+    with_tools = client.chat.completions.create(
+        model="tiny-agent", messages=question, max_tokens=2, tools=[WEATHER_TOOL]
+    )
+    assert with_tools.usage.prompt_tokens > plain.usage.prompt_tokens + 10  # the tools' text
+    none = client.chat.completions.create(
+        model="tiny-agent", messages=question, max_tokens=2, tools=[WEATHER_TOOL],
+        tool_choice="none",
+    )  # fmt: skip
+    assert none.usage.prompt_tokens == plain.usage.prompt_tokens  # tool_choice none: no tools
+    history = [
+        *question,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 24 C"},
+    ]
+    answer = client.chat.completions.create(
+        model="tiny-agent", messages=history, max_tokens=3, tools=[WEATHER_TOOL]
+    )
+    # The call and its result are in the prompt: the tokens of both, as the template wrote them.
+    assert answer.usage.prompt_tokens > with_tools.usage.prompt_tokens + 15
+    assert answer.choices[0].finish_reason in ("length", "stop")
+
+
+def test_thinking_is_split_into_reasoning_content(server):
+    client = server.client()
+    common = dict(model="tiny-agent", messages=[{"role": "user", "content": "Why?"}], max_tokens=8)
+    thinking = client.chat.completions.create(
+        **common, temperature=0, extra_body={"enable_thinking": True}
+    )
+    message = thinking.choices[0].message
+    # The template opened <think>; a random model never closes it: all of it is reasoning.
+    assert message.model_extra["reasoning_content"] and message.content == ""
+    off = client.chat.completions.create(
+        **common, temperature=0, extra_body={"chat_template_kwargs": {"enable_thinking": False}}
+    )
+    assert (
+        off.choices[0].message.content
+        and off.choices[0].message.model_extra["reasoning_content"] == ""
+    )
+    streamed = client.chat.completions.create(
+        **common, temperature=0, stream=True, extra_body={"enable_thinking": True}
+    )
+    reasoning = "".join(
+        (c.choices[0].delta.model_extra or {}).get("reasoning_content") or ""
+        for c in streamed
+        if c.choices
+    )
+    assert reasoning == message.model_extra["reasoning_content"]
+
+
+def anthropic_client(server, key: str = API_KEY) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=server.url, api_key=key, max_retries=0, timeout=60)
+
+
+def test_the_anthropic_client_gets_messages_whole_and_streamed(server):
+    client = anthropic_client(server)
+    common = dict(
+        model="tiny-agent",
+        max_tokens=6,
+        system="You are terse.",
+        messages=[{"role": "user", "content": "Tell me about the sea."}],
+        extra_body={"temperature": 0},  # greedy: the same text whole and streamed
+    )
+    whole = client.messages.create(**common)
+    assert whole.type == "message" and whole.role == "assistant"
+    assert whole.stop_reason in ("max_tokens", "end_turn")
+    assert whole.usage.output_tokens == 6 or whole.stop_reason == "end_turn"
+    text = "".join(b.text for b in whole.content if b.type == "text")
+    with client.messages.stream(**common) as stream:
+        streamed = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert streamed == text and final.usage.output_tokens == whole.usage.output_tokens
+    # A stop sequence taken from the reply cuts it there.
+    stop = text[3:6]
+    if stop.strip():
+        cut = client.messages.create(**common, stop_sequences=[stop])
+        assert cut.stop_reason == "stop_sequence" and cut.stop_sequence == stop
+        assert "".join(b.text for b in cut.content if b.type == "text") == text[: text.index(stop)]
+
+
+def test_the_anthropic_client_sends_tools_and_tool_results(server):
+    client = anthropic_client(server)
+    tools = [
+        {
+            "name": "get_weather",
+            "description": "The weather in a city.",
+            "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}},
+        }
+    ]
+    ask = [{"role": "user", "content": "Weather in Paris?"}]
+    first = client.messages.create(model="tiny-agent", max_tokens=2, messages=ask, tools=tools)
+    history = [
+        *ask,
+        {
+            "role": "assistant",
+            "content": [{"type": "tool_use", "id": "toolu_1", "name": "get_weather",
+                         "input": {"city": "Paris"}}],
+        },
+        {
+            "role": "user",
+            "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "Sunny"}],
+        },
+    ]  # fmt: skip
+    second = client.messages.create(model="tiny-agent", max_tokens=2, messages=history, tools=tools)
+    assert second.usage.input_tokens > first.usage.input_tokens + 10
+
+
+def test_anthropic_errors_are_in_anthropics_shape(server):
+    with pytest.raises(anthropic.AuthenticationError) as wrong:
+        anthropic_client(server, key="wrong").messages.create(
+            model="tiny-agent", max_tokens=2, messages=[{"role": "user", "content": "hi"}]
+        )
+    assert wrong.value.body["error"]["type"] == "authentication_error"
+    client = anthropic_client(server)
+    with pytest.raises(anthropic.BadRequestError) as forced:
+        client.messages.create(
+            model="tiny-agent", max_tokens=2, messages=[{"role": "user", "content": "hi"}],
+            tools=[{"name": "f", "input_schema": {"type": "object"}}], tool_choice={"type": "any"},
+        )  # fmt: skip
+    assert forced.value.body["type"] == "error"
+    assert "tool_choice" in forced.value.body["error"]["message"]
+    with pytest.raises(anthropic.NotFoundError):
+        client.messages.create(
+            model="claude-x", max_tokens=2, messages=[{"role": "user", "content": "hi"}]
+        )
