@@ -6,9 +6,10 @@ attention, shared experts): the routed experts are frozen, and a gradient needs 
 them only to their input. `gather_qmm` gives that gradient on the packed 4-bit weights, so the
 experts can stay on disk and go through the streaming engine's expert cache as in inference:
 
-- **Forward.** The checkpoint is loaded as the streaming engine loads it (`on-demand`, today's
-  4-bit kernels: `exact_kernels`), and each MoE layer runs the student's routing (`StudentMoE`:
-  the gate, or the heads' predictions) over the whole batch. A layer routed to more experts than
+- **Forward.** The checkpoint is loaded as the streaming engine loads it (`on-demand`, on the
+  prefill kernels the config asks for: dense fp32 products for experts with many rows on a CPU
+  with a fast BLAS, the 4-bit kernel for the rest), and each MoE layer runs the student's routing
+  (`StudentMoE`: the gate, or the heads' predictions) over the whole batch. A layer routed to more experts than
   the cache holds computes them a bankful at a time (`StreamingSwitchGLU._by_expert_groups`).
 - **Backward.** Each layer's routed experts are one `mx.custom_function` (`TrainableExperts`)
   whose VJP reads that layer's experts again, a bankful at a time, and accumulates the input's
@@ -32,7 +33,13 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
-from ..experts.switch_glu import StreamingSwitchGLU, _sorted_glu, gather_activation_tokens
+from ..experts.switch_glu import (
+    StreamingSwitchGLU,
+    _dense_expert_glu,
+    _sorted_glu,
+    gather_activation_tokens,
+    goes_dense,
+)
 from ..runtime.loader import LoadedModel
 
 
@@ -81,28 +88,45 @@ def expert_input_grad(
     experts = routed.reshape(-1)
     distinct = np.unique(experts)
     group_size = store.pool.capacity(layer)
+    # The forward's kernels: dense fp32 products for experts with enough rows where the chunk
+    # goes dense (`mixed_glu`), the 4-bit kernel for the rest.
+    dense = switch._dense_rows is not None and goes_dense(routed.size, switch._num_experts, switch)
     grad = mx.zeros_like(flat_x)
     for start in range(0, len(distinct), group_size):
         group = distinct[start : start + group_size].tolist()
         slot_of = np.zeros(switch._num_experts, dtype=np.uint32)
         slot_of[group] = store.fetch(layer, group)
         bank = store.bank(layer).arrays
-        ids = np.flatnonzero(np.isin(experts, group))
-        ids = ids[np.argsort(experts[ids], kind="stable")]  # grouped by expert, as the kernel sorts
+        small: list[np.ndarray] = []
+        for expert in group:
+            ids = np.flatnonzero(experts == expert)
+            if not dense or len(ids) < switch._dense_rows:
+                small.append(ids)
+                continue
+            glu = partial(_dense_expert_glu, switch, bank=bank, slot=int(slot_of[expert]))
+            grad = _add_row_grads(grad, glu, flat_x, flat_cotangent, ids, k, expand=False)
+        ids = np.concatenate(small) if small else np.zeros(0, dtype=np.int64)
         width = bank["up_proj.weight"].shape[-2]
         block = gather_activation_tokens(1, width, x.dtype.size)
-        for first in range(0, len(ids), block):
+        for first in range(0, len(ids), block):  # grouped by expert, as the kernel sorts
             part = ids[first : first + block]
-            rows = mx.array((part // k).astype(np.uint32))  # the token each assignment is of
-            slots = mx.array(slot_of[experts[part]])
-
-            glu = partial(_rows_glu, switch, slots, bank)
-            part_cotangent = flat_cotangent[mx.array(part)][:, None, :]
-            _, (row_grads,) = mx.vjp(glu, [flat_x[rows]], [part_cotangent])
-            grad = grad.at[rows].add(row_grads)
-            mx.eval(grad)
+            glu = partial(_rows_glu, switch, mx.array(slot_of[experts[part]]), bank)
+            grad = _add_row_grads(grad, glu, flat_x, flat_cotangent, part, k, expand=True)
         store.layer_computed(layer)  # the group's slots may take the next group
     return grad.reshape(x.shape)
+
+
+def _add_row_grads(grad, glu, flat_x, flat_cotangent, assignments, k, expand: bool) -> mx.array:
+    """`grad` plus the gradient of the rows of `assignments` through `glu` (one output row per
+    assignment; `expand`: the kernel's `[n, 1, H]`), evaluated."""
+    rows = mx.array((assignments // k).astype(np.uint32))  # the token each assignment is of
+    cotangent = flat_cotangent[mx.array(assignments)]
+    if expand:
+        cotangent = cotangent[:, None, :]
+    _, (row_grads,) = mx.vjp(glu, [flat_x[rows]], [cotangent])
+    grad = grad.at[rows].add(row_grads)
+    mx.eval(grad)
+    return grad
 
 
 def _rows_glu(
@@ -123,9 +147,9 @@ def make_experts_trainable(loaded: LoadedModel) -> None:
 
 
 def streaming_config(engine_config):
-    """The engine config a streamed student loads with: streamed experts on today's 4-bit
-    kernels (the dense prefill path has no gradient rule here)."""
-    return replace(engine_config, mode="on-demand", exact_kernels=True)
+    """The engine config a streamed student loads with: streamed experts, on the kernels the
+    config asks for (on a CPU with a fast BLAS, dense fp32 products for experts with many rows)."""
+    return replace(engine_config, mode="on-demand")
 
 
 # -- the training step, a layer at a time ------------------------------------------------------------
