@@ -6,6 +6,8 @@ pre-scaled expert inputs, routed by the heads' predictions."""
 from __future__ import annotations
 
 import shutil
+import subprocess
+import sys
 
 import mlx.core as mx
 import numpy as np
@@ -15,7 +17,7 @@ from mlx.utils import tree_flatten
 
 from engine.config import EngineConfig
 from engine.train.data import masked_mean
-from engine.train.lora import forward_kl
+from engine.train.lora import TrainLoRAConfig, forward_kl, train_lora
 from engine.train.streamed_student import LayerwiseGrad
 from engine.train.student import LoRAInit, load_student
 from engine.train.synth import FAMILIES
@@ -135,3 +137,96 @@ def test_streamed_backward_reads_each_layers_experts_again_once(checkpoint_dir, 
     for layer, (inds, _, _) in executed.items():
         routed = np.unique(np.array(inds)).tolist()
         assert sorted(fetched[layer]) == sorted(routed * 3), layer
+
+
+KILLED_RUN = """
+import sys, time
+from pathlib import Path
+from engine.config import EngineConfig
+from engine.train.lora import TrainLoRAConfig, train_lora
+
+def log(line):
+    print(line, flush=True)
+    if line.startswith("step 2/"):  # the step-2 checkpoint is written: wait to be killed
+        time.sleep(120)
+
+model, out, out_dir, rows, text = sys.argv[1:6]
+config = TrainLoRAConfig(**eval(sys.argv[6]))
+train_lora(model, None, Path(text).read_text(), config, out=Path(out), out_dir=Path(out_dir),
+           log=log, rows_path=Path(rows), engine_config=EngineConfig(expert_cache_bytes=40_000),
+           streamed=True)
+"""
+
+
+def test_a_killed_streamed_run_resumes_to_the_lora_of_one_that_never_stopped(
+    checkpoint_dir, tmp_path
+):
+    model_dir = tmp_path / "qwen3_moe"
+    shutil.copytree(checkpoint_dir("qwen3_moe"), model_dir)
+    write_random_profile(model_dir, 2)
+    text = tmp_path / "text.txt"
+    text.write_text(" ".join(f"word{i % 97} and line {i}." for i in range(3000)))
+    settings = dict(
+        k=2,
+        rows=24,
+        holdout_rows=4,
+        prompt_tokens=8,
+        gen_tokens=16,
+        gen_batch=8,
+        steps=6,
+        batch=4,
+        r=4,
+        checkpoint_every=2,
+        log_every=1,
+    )
+    rows = tmp_path / "rows.npz"
+    script = [
+        sys.executable,
+        "-c",
+        KILLED_RUN,
+        str(model_dir),
+        str(tmp_path / "killed.safetensors"),
+    ]
+    script += [str(tmp_path / "run"), str(rows), str(text), repr(settings)]
+    child = subprocess.Popen(script, stdout=subprocess.PIPE, text=True)
+    try:
+        for line in child.stdout:
+            if line.startswith("step 2/"):
+                child.kill()  # SIGKILL, mid-run, after the step-2 checkpoint
+                break
+    finally:
+        child.kill()
+        child.wait()
+    assert child.returncode == -9
+    assert not (tmp_path / "killed.safetensors").exists()
+
+    config = TrainLoRAConfig(**settings)
+    kwargs = dict(
+        log=lambda _: None,
+        rows_path=rows,
+        engine_config=EngineConfig(expert_cache_bytes=40_000),
+        streamed=True,
+    )
+    lines: list[str] = []
+    resumed, _ = train_lora(
+        model_dir,
+        None,
+        text.read_text(),
+        config,
+        out=tmp_path / "resumed.safetensors",
+        out_dir=tmp_path / "run",
+        **{**kwargs, "log": lines.append},
+    )
+    assert any("resuming" in line and "at step 2" in line for line in lines)
+    straight, _ = train_lora(
+        model_dir,
+        None,
+        text.read_text(),
+        config,
+        out=tmp_path / "straight.safetensors",
+        out_dir=tmp_path / "straight",
+        **kwargs,
+    )
+    one, other = mx.load(str(straight)), mx.load(str(resumed))
+    assert one.keys() == other.keys()
+    assert all(mx.array_equal(one[name], other[name]) for name in one)

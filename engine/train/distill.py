@@ -120,7 +120,7 @@ def train_distill(
         streamed,
     )
     lora_path = student.lora.path
-    log(student.describe())
+    log(student.describe(config.prompts_per_step, config.prompt_tokens + config.gen_tokens - 1))
     out_dir = Path(out_dir or student.adapter_folder / "train" / f"distill_k{config.k}")
     out = Path(out or lora_path)
     check_outputs(out, out_dir)  # before the rollouts and the steps, not after them

@@ -112,7 +112,7 @@ def train_lora(
         teacher_bytes(teacher_dir, engine_config),
         streamed,
     )
-    log(student.describe())
+    log(student.describe(config.batch, config.prompt_tokens + config.gen_tokens - 1))
     folder = student.adapter_folder
     out_dir = Path(out_dir or folder / "train" / f"lora_k{config.k}")
     out = Path(out or folder / f"lora_k{config.k}.safetensors")
@@ -152,7 +152,14 @@ def train_lora(
         return x, target, weights[rows]
 
     def heldout_loss() -> float:
-        return loss_fn(*batch(mx.arange(held))).item()
+        """The held-out rows' loss, `config.batch` rows at a time: no larger than a step."""
+        total = count = 0.0
+        for first in range(0, held, config.batch):
+            rows = mx.arange(first, min(first + config.batch, held))
+            part = weights[rows].sum().item()
+            total += loss_fn(*batch(rows)).item() * max(part, 1.0)
+            count += max(part, 1.0)
+        return total / count
 
     run = TrainingRun(out_dir, student, config, loss_fn, heldout_loss, log)
     with training_progress(bar) as progress:

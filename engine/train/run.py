@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import time
 import zipfile
 import zlib
 from collections.abc import Callable
@@ -208,6 +209,24 @@ def changed_settings(saved: dict, config, free: tuple[str, ...] = ("steps",)) ->
 # -- phases 2 and 3 ------------------------------------------------------------------------------------
 
 
+def cost_line(step_s: float, tokens: int, steps_left: int) -> str:
+    """Time a step took, per 1k tokens, and what the steps left will take (with the ETA)."""
+    left = step_s * steps_left
+    eta = time.strftime("%H:%M", time.localtime(time.time() + left))
+    return (
+        f"a step took {step_s:.1f} s ({step_s / tokens * 1000:.2f} s per 1k tokens): the "
+        f"{steps_left} steps left take about {_duration(left)} (until about {eta})"
+    )
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
 class TrainingRun:
     """What phases 2 and 3 share around their loops: AdamW on the LoRA (clipped gradients), the
     log, a held-out measure at step 0 and at every checkpoint, and the state in `out_dir`
@@ -220,6 +239,7 @@ class TrainingRun:
         self.heldout, self.log = heldout, log
         self.loss_and_grad = student.value_and_grad(loss_fn)
         self.optimizer = optim.AdamW(learning_rate=config.lr, weight_decay=config.weight_decay)
+        self._timed = False
         self.state = self._resume()
         if self.state is None:
             self.state = {"config": asdict(config), "fingerprint": student.fingerprint, "step": 0}
@@ -240,11 +260,15 @@ class TrainingRun:
     def step(self, step: int, *batch) -> float:
         """One optimizer step on `batch` (the loss function's arguments); returns the loss."""
         config = self.config
+        started = time.perf_counter()
         loss, grads = self.loss_and_grad(*batch)
         grads, _ = optim.clip_grad_norm(grads, config.grad_clip)
         self.optimizer.update(self.student.model, grads)
         mx.eval(self.student.model.trainable_parameters(), self.optimizer.state, loss)
         entry = {"step": step, "loss": round(loss.item(), 6)}
+        if not self._timed:  # the first step of this process: what the run will cost
+            self._timed = True
+            self.log(cost_line(time.perf_counter() - started, batch[0].size, config.steps - step))
         self.history.append(entry)
         self.state["step"] = step
         if step % config.checkpoint_every == 0 or step == config.steps:

@@ -218,16 +218,36 @@ class Student:
             for module, scale in zip(lora_modules, scales):
                 module.scale = scale
 
-    def describe(self) -> str:
-        """One line for a training run's start: which student, and what it holds."""
+    def describe(self, rows: int, length: int) -> str:
+        """One line for a training run's start: which student, and (streamed) what a step of
+        `rows` sequences of `length` tokens holds beside the memory plan."""
         if not self.streamed:
             return "student: in memory (the base dequantized; the faster path where it fits)"
-        cache = self.loaded.engine_config.expert_cache_bytes
+        plan = self.loaded.memory_plan
+        training = self.step_bytes(rows, length)
+        total = plan.total_bytes + sum(training.values())
+        limit = f" of {format_bytes(plan.limit_bytes)}" if plan.limit_bytes is not None else ""
+        terms = ", ".join(f"{name} {format_bytes(n)}" for name, n in training.items())
         return (
-            "student: streamed (the dequantized base does not fit; routed experts stay 4-bit, "
-            f"read through a {format_bytes(cache)} expert cache, again in backward); "
-            + self.loaded.memory_plan.line()
+            "student: streamed (routed experts stay 4-bit, read through a {format_bytes(plan.expert_cache_bytes)} expert cache, again in "
+            f"backward); a step holds about {format_bytes(total)}{limit}: the model's plan "
+            f"{format_bytes(plan.total_bytes)}, {terms}"
         )
+
+    def step_bytes(self, rows: int, length: int) -> dict[str, int]:
+        """What one streamed training step holds beyond the model's memory plan: each layer's
+        input kept for the backward, the logits (student, teacher and their gradient), and the
+        LoRA with its gradient and AdamW's two moments; one layer's activations are in the
+        plan's prefill term."""
+        itemsize = 4  # float32 on the CPU; an upper bound elsewhere
+        tokens = rows * length
+        vocab = int(self.loaded.config.get("text_config", self.loaded.config).get("vocab_size", 0))
+        lora = sum(a.size + b.size for a, b in self.lora_weights().values())
+        return {
+            "layer inputs": self.loaded.num_layers * tokens * self.loaded.hidden * itemsize,
+            "logits": 3 * tokens * vocab * itemsize,
+            "LoRA and AdamW": 4 * lora * itemsize,
+        }
 
     def value_and_grad(self, loss_fn):
         """`loss_fn`'s value and its LoRA gradients: by autograd over the whole model in memory;
