@@ -19,17 +19,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 # Linux's readers (/proc/meminfo, the memory cgroup) are the engine's: training reads them too.
-from engine import cgroup_memory, read_meminfo
-
 # macOS's parsers are the engine's too: the memory plan reads what the Mac has available.
-from engine.runtime.macos_memory import (
+from engine import (
     MACOS_SYSCTLS,
     SYSCTL,
     VM_STAT,
+    cgroup_memory,
     command_output,
     mac_counters,
     parse_sysctl,
     parse_vm_stat,
+    read_meminfo,
 )
 
 

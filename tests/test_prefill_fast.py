@@ -48,13 +48,13 @@ def dense_calls(monkeypatch):
     # minimum for every expert (the threshold itself: test_mxfp4_goes_dense_later_than_affine).
     monkeypatch.setattr(switch_glu, "_rows_worth_dequantizing", lambda specs: 0)
     calls = []
-    original = switch_glu._dense_expert_glu
+    original = switch_glu.dense_expert_glu
 
     def counted(*args, **kwargs):
         calls.append(1)
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(switch_glu, "_dense_expert_glu", counted)
+    monkeypatch.setattr(switch_glu, "dense_expert_glu", counted)
     return calls
 
 

@@ -27,6 +27,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--samples", type=options.count(1), default=8, help="continuations for distinct-4"
     )
+    parser.add_argument(
+        "--profiles",
+        action="store_true",
+        help="one table of every K profile (heads only, and with its LoRA) against the 4-bit "
+        "model at its native K, kept for `edge0 info` and the app",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
 
 
@@ -47,6 +53,12 @@ def run(args: argparse.Namespace) -> int:
     from engine.train.data import CHARS_PER_TOKEN
 
     text = read_text(args.text, max_chars=CHARS_PER_TOKEN * args.max_tokens)  # what is encoded
+    if args.profiles:
+        from engine.measure.eval_profiles import evaluate_profiles, format_table
+
+        table = evaluate_profiles(args.model, text, config, log=log)
+        print(json.dumps(table) if args.json else format_table(table))
+        return 0
     report = evaluate(args.model, text, config, log=log)
     print(json.dumps(report) if args.json else format_report(report))
     return 0

@@ -192,7 +192,7 @@ class StreamingSwitchGLU(nn.Module):
                     routed_part = experts[part][:, None]
                     y = mixed_glu(self, rows, routed_part, bank, slot_of[routed_part])
                 else:
-                    y = _sorted_glu(self, rows[:, None, :], mx.array(slot_of[experts[part]]), bank)
+                    y = sorted_glu(self, rows[:, None, :], mx.array(slot_of[experts[part]]), bank)
                 y = y.reshape(len(part), -1)
                 mx.eval(y)
                 outputs.append(y)
@@ -330,7 +330,7 @@ def mixed_glu(
             small.append(ids)
             continue
         rows = flat_x[mx.array((ids // k).astype(np.uint32))]
-        outputs.append(_dense_expert_glu(glu, rows, bank, int(slots[ids[0]])))
+        outputs.append(dense_expert_glu(glu, rows, bank, int(slots[ids[0]])))
         done.append(ids)
         # Computed in groups of DENSE_EVAL_BYTES of fp32 copies: left to one evaluation at the
         # end, every copy of the layer could be alive at once (every expert's copy, on the wall);
@@ -344,7 +344,7 @@ def mixed_glu(
         ids = np.concatenate(small)  # still grouped by expert: sorted slots
         rows = flat_x[mx.array((ids // k).astype(np.uint32))][:, None, :]
         idx = mx.array(slots[ids].astype(np.uint32))
-        outputs.append(_sorted_glu(glu, rows, idx, bank).squeeze(-2))
+        outputs.append(sorted_glu(glu, rows, idx, bank).squeeze(-2))
         done.append(ids)
     return _in_routing_order(outputs, done, routed)
 
@@ -361,7 +361,7 @@ def _in_routing_order(
     return y.reshape(*routed.shape, y.shape[-1])
 
 
-def _sorted_glu(
+def sorted_glu(
     glu: StreamingSwitchGLU | DensePrefillSwitchGLU,
     rows: mx.array,
     idx: mx.array,
@@ -410,7 +410,7 @@ def _expert_weights(specs) -> int:
     return sum(spec.weights for spec in specs)
 
 
-def _dense_expert_glu(
+def dense_expert_glu(
     glu: StreamingSwitchGLU | DensePrefillSwitchGLU,
     rows: mx.array,
     bank: dict[str, mx.array],

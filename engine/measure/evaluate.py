@@ -194,7 +194,7 @@ def weight_retention(student: Student, merges: dict[str, Merge]) -> dict[str, di
 
 
 @contextlib.contextmanager
-def _lora_as(student: Student, how: str, merges: dict[str, Merge] | None = None):
+def lora_as(student: Student, how: str, merges: dict[str, Merge] | None = None):
     """The student with its LoRA `unmerged` (as served), `off` (the base), or `merged`."""
     saved = [(p, m, m.base.weight, m.scale) for p, m in student.lora_modules().items()]
     try:
@@ -213,7 +213,7 @@ def logits_retention(student: Student, merges: dict[str, Merge], windows: mx.arr
     """`retention` on the logits of held-out windows through the student path."""
     logits = {}
     for how in ("unmerged", "merged", "off"):
-        with _lora_as(student, how, merges):
+        with lora_as(student, how, merges):
             logits[how] = student(windows)
             mx.eval(logits[how])
     return retention(logits["unmerged"], logits["merged"], logits["off"])

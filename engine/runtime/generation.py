@@ -27,6 +27,7 @@ from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_p
 
 from ..adapters.lora import AppliedLoRA, load_lora
 from ..adapters.profiles import AdapterFiles, ProfileSearch, search_profiles
+from ..adapters.quality import kept_quality
 from ..checkpoint.index import base_fingerprint
 from ..config import HEAD_MODES, EngineConfig, GenerationConfig, format_bytes
 from ..errors import Edge0Error
@@ -399,6 +400,8 @@ class Engine:
             "prefill_kernels": prefill_kernels(self.config),
             "fingerprint": self.fingerprint,
             "profiles": [p.__dict__ for p in self.profiles()],
+            # Perplexity over the native model's, per K and routing (`edge0 eval --profiles`).
+            "profile_quality": kept_quality(self.fingerprint, self.config.data_dir),
             "warnings": self.warnings,
         }
 

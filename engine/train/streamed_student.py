@@ -35,10 +35,10 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from ..experts.switch_glu import (
     StreamingSwitchGLU,
-    _dense_expert_glu,
-    _sorted_glu,
+    dense_expert_glu,
     gather_activation_tokens,
     goes_dense,
+    sorted_glu,
 )
 from ..runtime.loader import LoadedModel
 
@@ -75,7 +75,7 @@ def expert_input_grad(
     switch: StreamingSwitchGLU, x: mx.array, indices: mx.array, cotangent: mx.array
 ) -> mx.array:
     """d(loss)/dx of the experts' outputs, the layer's experts read again a bankful at a time:
-    each group's rows are differentiated through the 4-bit kernel (`_sorted_glu`, the forward's
+    each group's rows are differentiated through the 4-bit kernel (`sorted_glu`, the forward's
     kernel for a chunk) and their gradients added into the rows they came from, evaluated before
     the next group takes the slots."""
     store, layer = switch._store, switch._layer
@@ -103,7 +103,7 @@ def expert_input_grad(
             if not dense or len(ids) < switch._dense_rows:
                 small.append(ids)
                 continue
-            glu = partial(_dense_expert_glu, switch, bank=bank, slot=int(slot_of[expert]))
+            glu = partial(dense_expert_glu, switch, bank=bank, slot=int(slot_of[expert]))
             grad = _add_row_grads(grad, glu, flat_x, flat_cotangent, ids, k, expand=False)
         ids = np.concatenate(small) if small else np.zeros(0, dtype=np.int64)
         width = bank["up_proj.weight"].shape[-2]
@@ -133,7 +133,7 @@ def _rows_glu(
     switch: StreamingSwitchGLU, slots: mx.array, bank: dict[str, mx.array], rows: mx.array
 ) -> mx.array:
     """Row i of `rows` `[n, H]` through the bank's expert in `slots[i]` (sorted): `[n, 1, H]`."""
-    return _sorted_glu(switch, rows[:, None, :], slots, bank)
+    return sorted_glu(switch, rows[:, None, :], slots, bank)
 
 
 def make_experts_trainable(loaded: LoadedModel) -> None:
