@@ -62,7 +62,8 @@ class ChatScreen(Screen):
     # Below 110 columns the side panel narrows, so an 80-column terminal still has room to chat.
     # Below 100 columns or 30 rows the side panels do not fit beside a readable chat: the compact
     # layout shows the wall in one line above the prompt, and F6 swaps the chat for the panels.
-    HORIZONTAL_BREAKPOINTS = [(0, "-cramped"), (100, "-narrow"), (110, "-wide")]
+    # From 150 columns the side panel takes a share of the width (app.tcss, -widest).
+    HORIZONTAL_BREAKPOINTS = [(0, "-cramped"), (100, "-narrow"), (110, "-wide"), (150, "-widest")]
     VERTICAL_BREAKPOINTS = [(0, "-short"), (30, "-tall")]
     BINDINGS = [
         # F4/F5 work while typing (the prompt consumes letters and digits); k, m and 2/4/8 work
@@ -415,8 +416,10 @@ class ChatScreen(Screen):
                 title="settings saved",
             )
 
-        running_cache = self.session.engine_config.expert_cache_bytes
-        self.app.push_screen(SettingsScreen(current, running_cache), saved)
+        running = self.session.engine_config
+        self.app.push_screen(
+            SettingsScreen(current, running.expert_cache_bytes, running.page_cache_bytes), saved
+        )
 
     def _set_page_cache(self, page_cache: int | str) -> None:
         try:
@@ -601,9 +604,12 @@ class ChatScreen(Screen):
 
     def refresh_panels(self) -> None:
         """The one timer's callback: read the engine's latest snapshot and show it."""
-        self.show_panels(self.session.metrics, read_system_memory())
+        engine = self.session.engine  # its plan follows K (a K switch plans its expert cache)
+        plan = engine.memory_plan.line() if self.ready and engine is not None else ""
+        self.show_panels(self.session.metrics, read_system_memory(), plan)
 
-    def show_panels(self, metrics: LiveMetrics, memory: SystemMemory) -> None:
+    def show_panels(self, metrics: LiveMetrics, memory: SystemMemory, plan: str = "") -> None:
+        """`plan`: the memory plan's line, as `generate` and `serve` print it at start."""
         if self.pending_k == metrics.k:
             self.pending_k = None
         if self.pending_mode is not None and self.pending_mode == metrics.mode:
@@ -611,7 +617,9 @@ class ChatScreen(Screen):
             # A mode switch may bring its own K (prerouter mode needs a K with trained heads).
             self.query_one(RoutingSelector).select(k=metrics.k)
         breakdown = MemoryBreakdown.of(metrics, memory, self.wired_limit_bytes)
-        self.query_one(MetricsPanel).show(metrics, breakdown)
+        panel = self.query_one(MetricsPanel)
+        panel.show(metrics, breakdown)
+        panel.show_plan(plan)
         self.query_one(WallStrip).show(metrics)
         if self.ready:
             self.query_one(RoutingSelector).show_pending(

@@ -36,6 +36,8 @@ class MetricsPanel(VerticalScroll):
         yield Label("", id="prefill", classes="panel-note")
         yield Label("edge0's memory", classes="panel-title")
         yield MemoryBar(id="memory")
+        # What the engine planned to hold, as `generate` and `serve` print it at start.
+        yield Label("", id="memory-plan", classes="panel-note", markup=False)
 
     def show(self, metrics: LiveMetrics, memory: MemoryBreakdown) -> None:
         speed = metrics.tok_per_s_history
@@ -61,6 +63,12 @@ class MetricsPanel(VerticalScroll):
         self.query_one("#routed-from", Label).update(routed_line(metrics))
         self.query_one("#prefill", Label).update(prefill_line(metrics))
         self.query_one("#memory", MemoryBar).show(memory)
+
+    def show_plan(self, line: str) -> None:
+        """The engine's memory plan (`MemoryPlan.line()`); "" before a model is loaded."""
+        label = self.query_one("#memory-plan", Label)
+        if str(label.content) != line:
+            label.update(line)
 
 
 def routed_line(metrics: LiveMetrics) -> str:
