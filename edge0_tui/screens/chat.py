@@ -220,7 +220,7 @@ class ChatScreen(Screen):
                 self.choose_mode(wanted.mode, remember=False)
             else:
                 self.notify(f"the {wanted.mode} mode kept for this model is not available now")
-        if wanted.k and wanted.k != event.info["k"]:
+        if wanted.k and not kept.k_from_command_line and wanted.k != event.info["k"]:
             if wanted.k in self._k_choices():
                 self.choose_k(wanted.k, remember=False)
             else:
