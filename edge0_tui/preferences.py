@@ -24,7 +24,7 @@ from pathlib import Path
 from engine import MODES, Edge0Error, GenerationConfig
 
 from .chat_store import PRIVATE_DIR, PRIVATE_FILE
-from .model_source import BUNDLED_DEMO, DEMO
+from .model_source import DEMO, is_bundled_demo
 from .sanitize import sanitize
 
 FILE_NAME = "models.json"
@@ -205,9 +205,9 @@ def model_key(model: str) -> str:
     local = Path(model).expanduser()
     if not local.is_dir():
         return model
-    path = local.resolve()
-    if path == BUNDLED_DEMO.resolve():
+    if is_bundled_demo(local):
         return DEMO
+    path = local.resolve()
     if path.parent.name == "snapshots" and path.parent.parent.name.startswith("models--"):
         owner_name = path.parent.parent.name.removeprefix("models--").split("--")
         if len(owner_name) == 2:

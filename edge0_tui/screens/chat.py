@@ -576,11 +576,12 @@ class ChatScreen(Screen):
         if remember:
             self.app.remember(k=k)
         if not profile.recovered:
-            self.notify(
-                f"quality not recovered at K={k}: no trained adapter for it, so the model's own "
-                "router is narrowed or widened",
-                severity="warning",
+            why = (
+                "prerouter heads but no recovery LoRA for it"
+                if profile.prerouter and not profile.lora
+                else "no trained adapter for it, so the model's own router is narrowed or widened"
             )
+            self.notify(f"quality not recovered at K={k}: {why}", severity="warning")
         self.refresh_panels()
 
     def choose_mode(self, mode: str, remember: bool = True) -> None:
