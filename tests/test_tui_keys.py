@@ -378,3 +378,20 @@ async def test_a_bracketed_paste_keeps_its_line_breaks_when_sent_as_cr(model, tm
     store = ChatStore(tmp_path)
     assert store.messages(chat_id)[0].content == expected
     store.close()
+
+
+async def test_quit_is_in_the_footer_at_80_columns_and_keeps_the_unsent_text(model, tmp_path):
+    from test_bad_inputs_app import shown
+
+    app = make_app(model, tmp_path)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await ready(app, pilot)
+        footer = shown(app).splitlines()[-1]
+        assert "^q Quit" in footer, footer
+        app.chat_screen.query_one(PromptInput).insert("not sent yet")
+        await pilot.press("ctrl+q")  # from the focused message box
+        await pilot.pause()
+    assert not app.is_running
+    from edge0_tui.last_session import LastSessionFile
+
+    assert LastSessionFile(tmp_path).load().draft == "not sent yet"

@@ -24,6 +24,7 @@ from engine import HEAD_MODES, Edge0Error, GenerationConfig, format_bytes
 
 from ..chat_store import ChatHandle, ChatMessage, ChatStore, chat_title
 from ..engine_session import EngineSession, ReplyRequest
+from ..last_session import LastSession
 from ..live_metrics import LiveMetrics
 from ..messages import (
     ContextCounted,
@@ -54,8 +55,9 @@ PANEL_REFRESH_HZ = 6
 # How long the notices shown once the model is loaded stay: toasts sit over the side panel's
 # K and mode selectors, so not for long (the demo's notice is one sentence).
 STARTUP_NOTICE_S = 8
-# The switch keys, listed before every other key in the footer and the keys panel (F1).
-SWITCH_BINDING_IDS = ("chat.next_k", "chat.next_mode", "chat.panels")
+# The switch keys and Quit, listed before every other key in the footer and the keys panel (F1):
+# at 80 columns the footer cuts what comes after.
+SWITCH_BINDING_IDS = ("chat.next_k", "chat.next_mode", "chat.panels", "app.quit")
 
 
 class ChatScreen(Screen):
@@ -105,14 +107,17 @@ class ChatScreen(Screen):
         self.pending_k: int | None = None
         self.pending_mode: str | None = None
         self.panel_timer: Timer | None = None
+        # The chat and unsent text to start on (the app's `reopen`); None: a new chat.
+        self.reopen: LastSession | None = None
 
     def compose(self) -> ComposeResult:
+        self.prompt_input = PromptInput(id="prompt")
         yield Header()
         with Horizontal(id="main"):
             with Vertical(id="chat"):
                 yield Conversation(id="conversation")
                 yield WallStrip(id="wall-strip")
-                yield PromptInput(id="prompt")
+                yield self.prompt_input
             with Vertical(id="side"):
                 yield MetricsPanel(id="metrics")
                 yield RoutingSelector(id="routing")
@@ -151,6 +156,27 @@ class ChatScreen(Screen):
         self.panel_timer = self.set_interval(1 / PANEL_REFRESH_HZ, self.refresh_panels)
         self.query_one(PromptInput).focus()
         self.refresh_panels()
+        if self.reopen is not None:
+            self.call_later(self._reopen, self.reopen)
+
+    async def _reopen(self, last: LastSession) -> None:
+        """The chat shown at the last quit, with its unsent text back in the prompt. A chat
+        deleted since (another edge0) leaves a new chat, the text still kept."""
+        if last.draft:
+            self.prompt_input.give_back(last.draft)
+        if last.chat_id is not None and self._exists(last.chat_id):
+            await self.open_chat(last.chat_id)
+
+    def _exists(self, chat_id: int) -> bool:
+        try:
+            return any(c.id == chat_id for c in self.store.chats())
+        except sqlite3.Error:
+            return False
+
+    def session_to_keep(self) -> LastSession:
+        """What the next start reopens: this chat and the prompt's unsent text."""
+        # The widget, not a query: at the app's unmount the screen's children are already gone.
+        return LastSession(self.chat_id, self.prompt_input.text)
 
     # -- the engine thread -------------------------------------------------------------------------
 
@@ -195,6 +221,8 @@ class ChatScreen(Screen):
         for notice in event.notices:
             self.notify(notice, severity="warning", timeout=STARTUP_NOTICE_S)
         self._apply_kept_choices(event)
+        if self.chat is not None and self.chat.id is not None and self.context_tokens is None:
+            self.session.count_context(self.chat.id, self._prompt())  # a chat reopened at start
         self.refresh_panels()
 
     def _apply_kept_choices(self, event: EngineReady) -> None:
