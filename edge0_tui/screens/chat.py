@@ -221,6 +221,7 @@ class ChatScreen(Screen):
         for notice in event.notices:
             self.notify(notice, severity="warning", timeout=STARTUP_NOTICE_S)
         self._apply_kept_choices(event)
+        self.refresh_bindings()  # F4/F5 are offered again (hidden while the model (re)loaded)
         if self.chat is not None and self.chat.id is not None and self.context_tokens is None:
             self.session.count_context(self.chat.id, self._prompt())  # a chat reopened at start
         self.refresh_panels()
@@ -662,12 +663,20 @@ class ChatScreen(Screen):
                 pending_k=self.pending_k,
                 mode=metrics.mode if self.ready else None,
                 pending_mode=self.pending_mode,
-                context_tokens=metrics.context_tokens if self.reply else self.context_tokens,
+                context_tokens=self._shown_context(metrics),
                 peak_memory_bytes=metrics.peak_memory_bytes,
                 peak_rss_bytes=metrics.peak_rss_bytes,
                 unsaved=self.store.unsaved,
             )
         )
+
+    def _shown_context(self, metrics: LiveMetrics) -> int | None:
+        """The context size: while a reply is written, the engine's count as it goes, unknown
+        (None) until its first step (a regenerate's prefill, right after a load, took 1.6 s and
+        showed "context 0 tokens"); otherwise the chat's last count."""
+        if self.reply is None:
+            return self.context_tokens
+        return metrics.context_tokens or None
 
 
 def offered_modes(event: EngineReady) -> list[str]:
