@@ -62,7 +62,9 @@ async def test_text_typed_in_a_new_chat_comes_back_in_a_new_chat(model, tmp_path
     first = make_app(model, tmp_path)
     async with first.run_test(size=SIZE) as pilot:
         await wait_until(pilot, lambda: turns(first) == ["an older chat"], "the latest chat")
+        await ready(first, pilot)  # the loading dialog takes the keys until then
         await pilot.press("ctrl+n")
+        await wait_until(pilot, lambda: first.chat_screen.chat is None, "the new chat")
         first.chat_screen.query_one(PromptInput).insert("a new thought \x1b]0;title\x07")
         await pilot.press("ctrl+q")
     second = make_app(model, tmp_path)

@@ -64,7 +64,7 @@ def build_app(args: argparse.Namespace) -> Edge0App:
     # Imported here so that the other commands never import Textual.
     from platformdirs import user_config_path
 
-    from edge0_tui.app import DEFAULT_SETTINGS, Edge0App
+    from edge0_tui.app import DEFAULT_SETTINGS, DEMO_SETTINGS, Edge0App
     from edge0_tui.model_source import DEMO, check_model
     from edge0_tui.preferences import KeptPreferences, PreferenceStore, model_key
 
@@ -77,7 +77,7 @@ def build_app(args: argparse.Namespace) -> Edge0App:
     kept = KeptPreferences(
         store,
         key,
-        store.load(key, DEFAULT_SETTINGS),
+        store.load(key, DEMO_SETTINGS if key == DEMO else DEFAULT_SETTINGS),
         mode_from_command_line=args.mode is not None,
         k_from_command_line=args.k is not None,
     )

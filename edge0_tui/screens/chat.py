@@ -36,9 +36,11 @@ from ..messages import (
     ReplyText,
     SwitchFailed,
 )
+from ..model_source import DEMO
 from ..preferences import ModelPreferences, fit_to_model
 from ..system_memory import SystemMemory, read_system_memory
 from ..widgets.conversation import AssistantTurn, Conversation
+from ..widgets.first_steps import DEMO_PROMPTS, FirstSteps
 from ..widgets.memory_bar import MemoryBreakdown
 from ..widgets.metrics_panel import MetricsPanel
 from ..widgets.prompt import PromptInput
@@ -115,6 +117,7 @@ class ChatScreen(Screen):
         yield Header()
         with Horizontal(id="main"):
             with Vertical(id="chat"):
+                yield FirstSteps(id="first-steps")
                 yield Conversation(id="conversation")
                 yield WallStrip(id="wall-strip")
                 yield self.prompt_input
@@ -156,6 +159,7 @@ class ChatScreen(Screen):
         self.panel_timer = self.set_interval(1 / PANEL_REFRESH_HZ, self.refresh_panels)
         self.query_one(PromptInput).focus()
         self.refresh_panels()
+        self.show_first_steps()
         if self.reopen is not None:
             self.call_later(self._reopen, self.reopen)
 
@@ -172,6 +176,21 @@ class ChatScreen(Screen):
             return any(c.id == chat_id for c in self.store.chats())
         except sqlite3.Error:
             return False
+
+    def show_first_steps(self) -> None:
+        """The empty chat's hints (for the demo, what it is and prompts to try); hidden once the
+        chat has a message."""
+        steps = self.query_one(FirstSteps)
+        steps.display = not self.messages
+        if steps.display:
+            steps.show_for(self.model_name == DEMO)
+
+    def action_suggest(self, index: int) -> None:
+        """Put suggested prompt `index` in the message box (from a click on it, or the palette)."""
+        prompt = self.prompt_input
+        prompt.text = DEMO_PROMPTS[index % len(DEMO_PROMPTS)]
+        prompt.move_cursor(prompt.document.end)
+        prompt.focus()
 
     def session_to_keep(self) -> LastSession:
         """What the next start reopens: this chat and the prompt's unsent text."""
@@ -216,6 +235,7 @@ class ChatScreen(Screen):
         # Only now: the panel timer shows the selector's state once `ready`.
         self.ready = True
         self.model_name = event.model_name
+        self.show_first_steps()  # the demo's own hints, now that the model is known
         self.state = "ready"
         self._dismiss_loading()
         for notice in event.notices:
@@ -319,6 +339,7 @@ class ChatScreen(Screen):
         Returns the message as kept: cleaned of terminal control sequences."""
         message = message.cleaned()
         self.messages.append(message)
+        self.show_first_steps()
         if self.chat is None:
             self.chat = ChatHandle(chat_title(message.content), self.model_name)
             self.sub_title = self.chat.title
@@ -370,6 +391,7 @@ class ChatScreen(Screen):
             return
         self.chat, self.messages, self.context_tokens = None, [], 0
         self.sub_title = "new chat"
+        self.show_first_steps()
         await self.query_one(Conversation).show([])
         self.query_one(PromptInput).focus()
 
@@ -402,6 +424,7 @@ class ChatScreen(Screen):
         first_user = next((m.content for m in self.messages if m.role == "user"), "")
         self.chat = ChatHandle(chat_title(first_user), self.model_name, chat_id)
         self.sub_title = self.chat.title
+        self.show_first_steps()
         await self.query_one(Conversation).show(self.messages)
         self.query_one(PromptInput).focus()
         # The footer's bindings depend on the messages (Regenerate: the last is a finished
