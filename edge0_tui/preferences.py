@@ -75,6 +75,10 @@ class PreferenceStore:
             return ModelPreferences(generation=defaults)
         return self._parse(stored, defaults)
 
+    def models(self) -> list[str]:
+        """The models settings are kept for, by key (`model_key`), in the file's order."""
+        return list(self._read_all())
+
     def save(self, model: str, preferences: ModelPreferences) -> None:
         """Store `model`'s preferences (others kept). Raises Edge0Error when the file cannot be
         written; the app shows it and carries on."""

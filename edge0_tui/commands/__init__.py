@@ -1,7 +1,18 @@
 """The `edge0` commands, one module each: `NAME`, `add_parser(subparsers)` for its arguments and
 `run(args) -> int` for its work. `edge0_tui.cli` dispatches to them."""
 
-from edge0_tui.commands import bench, chat, eval, generate, info, serve, soak, synth, train
+from edge0_tui.commands import (
+    bench,
+    chat,
+    eval,
+    generate,
+    info,
+    list_models,
+    serve,
+    soak,
+    synth,
+    train,
+)
 
 # In the order `edge0 --help` lists them.
-COMMANDS = (generate, bench, soak, info, train, eval, synth, chat, serve)
+COMMANDS = (generate, bench, soak, info, list_models, train, eval, synth, chat, serve)
