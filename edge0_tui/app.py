@@ -26,6 +26,7 @@ from .model_source import DEMO
 from .preferences import KeptPreferences
 from .sanitize import sanitize
 from .screens.chat import ChatScreen, mode_unavailable
+from .series_export import FORMATS, write_series
 from .widgets.first_steps import DEMO_PROMPTS
 from .widgets.routing_selector import RoutingSelector
 
@@ -214,8 +215,25 @@ class Edge0App(App[None]):
                     "Put it in the message box (the demo writes longer replies to these)",
                     partial(chat.action_suggest, i),
                 )
+        for fmt in FORMATS:
+            yield SystemCommand(
+                f"Export the steps as {fmt.upper()}",
+                "The live series (tok/s, blocked ms, cold share, memory, hit rates per step) "
+                "to a file",
+                partial(self.export_series, fmt),
+            )
         yield from self._switch_commands(chat)
         yield from self._engine_commands(chat)
+
+    def export_series(self, fmt: str) -> None:
+        """Save the steps the panels show, next to screenshots (Downloads, or the data folder)."""
+        folder = screenshot_folder(self.store.path.parent)
+        try:
+            path, rows = write_series(self.session.metrics, folder, fmt)
+        except Edge0Error as e:
+            self.chat_screen.notify(str(e), title="export", severity="warning")
+            return
+        self.chat_screen.notify(f"{rows} steps saved to {path}", title="export")
 
     def _engine_commands(self, chat: ChatScreen) -> Iterable[SystemCommand]:
         """What multiplies the matrices: the BLAS in use and how prefill computes the experts."""
