@@ -21,13 +21,22 @@ from engine import MODES, Edge0Error, EngineConfig, GenerationConfig
 
 from .chat_store import ChatStore
 from .engine_session import EngineSession
+from .last_session import LastSession, LastSessionFile
 from .model_source import DEMO
 from .preferences import KeptPreferences
 from .sanitize import sanitize
 from .screens.chat import ChatScreen, mode_unavailable
+from .series_export import FORMATS, write_series
+from .widgets.first_steps import DEMO_PROMPTS
 from .widgets.routing_selector import RoutingSelector
 
 DEFAULT_SETTINGS = GenerationConfig(max_tokens=512, temperature=0.7, top_p=0.9)
+# The demo samples from its own distribution, untrimmed: it learned to answer a speech with one
+# speech, and at 0.7 / top-p 0.9 its replies ended after a median of 8 tokens, too soon to watch
+# the wall or the stop key; at 1.0 / 1.0 the median is 28.5 on its suggested prompts (4 prompts x
+# 4 seeds, tests/test_demo_first_screen.py), with replies of 60-120 tokens among them. The model
+# is unchanged.
+DEMO_SETTINGS = GenerationConfig(max_tokens=512, temperature=1.0, top_p=1.0)
 
 
 def screenshot_folder(data_dir: Path) -> Path:
@@ -40,7 +49,11 @@ def screenshot_folder(data_dir: Path) -> Path:
 class Edge0App(App[None]):
     CSS_PATH = "app.tcss"
     TITLE = "edge0"
-    BINDINGS = [Binding("f1", "toggle_keys", "Keys", id="app.keys")]
+    BINDINGS = [
+        Binding("f1", "toggle_keys", "Keys", id="app.keys"),
+        # Textual's own Ctrl+Q, shown: a new user looks for how to quit in the footer.
+        Binding("ctrl+q", "quit", "Quit", id="app.quit", priority=True),
+    ]
 
     def __init__(
         self,
@@ -51,12 +64,18 @@ class Edge0App(App[None]):
         settings: GenerationConfig | None = None,
         offline: bool = False,
         preferences: KeptPreferences | None = None,
+        reopen: bool = True,
     ) -> None:
         """`model`: "demo", a checkpoint directory or a Hugging Face repo id. `data_dir` holds the
         chat database (default: the platform's user data directory); `cache_dir` the demo model.
-        `preferences`: the model's stored choices, saved as they change (None: nothing kept)."""
+        `preferences`: the model's stored choices, saved as they change (None: nothing kept).
+        `reopen`: start on the chat shown at the last quit, its unsent text in the prompt (else
+        the latest chat); False: on a new chat."""
         super().__init__()
-        self.store = ChatStore(Path(data_dir) if data_dir else user_data_path("edge0"))
+        data_dir = Path(data_dir) if data_dir else user_data_path("edge0")
+        self.store = ChatStore(data_dir)
+        self.last_session = LastSessionFile(data_dir)
+        self._session_kept = False
         self.session = EngineSession(
             model,
             engine_config or EngineConfig(),
@@ -67,6 +86,8 @@ class Edge0App(App[None]):
         if preferences is not None and settings is None:
             settings = preferences.current.generation
         self.chat_screen = ChatScreen(self.session, self.store, settings or DEFAULT_SETTINGS)
+        if reopen:
+            self.chat_screen.reopen = self.last_session.load() or self._latest_chat()
         if preferences is not None:
             self.chat_screen.system_prompt = preferences.current.system_prompt
         self._warned_unsaved = False
@@ -80,6 +101,14 @@ class Edge0App(App[None]):
         except Edge0Error as e:  # kept for this run; said once per failure
             self.chat_screen.notify(str(e), title="settings not kept", severity="warning")
 
+    def _latest_chat(self) -> LastSession | None:
+        """The chat written to last, when no session was kept (a first start, a crash)."""
+        try:
+            chats = self.store.chats()
+        except sqlite3.Error:
+            return None
+        return LastSession(chats[0].id) if chats else None
+
     def get_default_screen(self) -> Screen:
         return self.chat_screen
 
@@ -89,7 +118,18 @@ class Edge0App(App[None]):
         # The engine thread stops its reply within one step, closes the engine and returns; the
         # process does not wait for a reply to finish.
         self.session.shutdown()
+        try:
+            self._keep_session()
+        except Edge0Error as e:  # said once the terminal is back: the app is closing
+            self.exit(message=f"edge0: {e}")
+            return
         self.exit()
+
+    def _keep_session(self) -> None:
+        """The chat on screen and the prompt's unsent text, for the next start."""
+        if not self._session_kept and self.chat_screen.is_mounted:
+            self._session_kept = True
+            self.last_session.save(self.chat_screen.session_to_keep())
 
     def _unsaved_on_quit(self) -> bool:
         """True when messages the database refused still cannot be written: the user is told
@@ -113,6 +153,10 @@ class Edge0App(App[None]):
 
     def on_unmount(self) -> None:
         self.session.shutdown()  # whatever way the app ends
+        try:
+            self._keep_session()  # when it ends other than by quitting
+        except Edge0Error:
+            pass  # the terminal is being handed back: nowhere left to say it
         self.store.close()  # a last try at writing messages the database refused
 
     def notify(
@@ -164,8 +208,32 @@ class Edge0App(App[None]):
             yield SystemCommand("Stop the reply", "Stop writing (escape)", chat.action_stop_reply)
         yield SystemCommand("Settings", "Temperature, top-p, max tokens (f2)", chat.action_settings)
         yield SystemCommand("Copy the last reply", "To the clipboard (f3)", chat.action_copy_reply)
+        if chat.model_name == DEMO:
+            for i, prompt in enumerate(DEMO_PROMPTS):
+                yield SystemCommand(
+                    f"Suggested prompt: {prompt}",
+                    "Put it in the message box (the demo writes longer replies to these)",
+                    partial(chat.action_suggest, i),
+                )
+        for fmt in FORMATS:
+            yield SystemCommand(
+                f"Export the steps as {fmt.upper()}",
+                "The live series (tok/s, blocked ms, cold share, memory, hit rates per step) "
+                "to a file",
+                partial(self.export_series, fmt),
+            )
         yield from self._switch_commands(chat)
         yield from self._engine_commands(chat)
+
+    def export_series(self, fmt: str) -> None:
+        """Save the steps the panels show, next to screenshots (Downloads, or the data folder)."""
+        folder = screenshot_folder(self.store.path.parent)
+        try:
+            path, rows = write_series(self.session.metrics, folder, fmt)
+        except Edge0Error as e:
+            self.chat_screen.notify(str(e), title="export", severity="warning")
+            return
+        self.chat_screen.notify(f"{rows} steps saved to {path}", title="export")
 
     def _engine_commands(self, chat: ChatScreen) -> Iterable[SystemCommand]:
         """What multiplies the matrices: the BLAS in use and how prefill computes the experts."""

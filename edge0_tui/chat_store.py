@@ -60,6 +60,8 @@ class ChatSummary:
     model: str
     updated_at: float
     message_count: int
+    # With a search: the first message that holds it (None: only the title does).
+    match: str | None = None
 
 
 @dataclass(frozen=True)
@@ -206,7 +208,7 @@ class ChatStore:
     def chats(self, matching: str = "") -> list[ChatSummary]:
         """Every chat, most recently updated first; with `matching`, those whose title or any
         message holds it (case-insensitive for ASCII letters, as SQLite's LIKE)."""
-        where, args = "", ()
+        where, args, hit = "", (), "NULL"
         if matching:
             pattern = (
                 "%" + matching.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
@@ -216,16 +218,22 @@ class ChatStore:
                 "s.chat_id = c.id AND s.content LIKE ?1 ESCAPE '\\') "
             )
             args = (pattern,)
+            hit = (
+                "(SELECT s.content FROM messages s WHERE s.chat_id = c.id AND s.content LIKE ?1 "
+                "ESCAPE '\\' ORDER BY s.id LIMIT 1)"
+            )
         rows = self._db.execute(
-            "SELECT c.id, c.title, c.model, c.updated_at, COUNT(m.id) FROM chats c "
+            f"SELECT c.id, c.title, c.model, c.updated_at, COUNT(m.id), {hit} FROM chats c "
             f"LEFT JOIN messages m ON m.chat_id = c.id {where}GROUP BY c.id "
             "ORDER BY c.updated_at DESC, c.id DESC",
             args,
         ).fetchall()
         # Cleaned on the way out too: a database written by an older edge0 may hold raw text.
         return [
-            ChatSummary(id, sanitize(title), sanitize(model), updated, count)
-            for id, title, model, updated, count in rows
+            ChatSummary(
+                id, sanitize(title), sanitize(model), updated, count, match and sanitize(match)
+            )
+            for id, title, model, updated, count, match in rows
         ]
 
     def messages(self, chat_id: int) -> list[ChatMessage]:

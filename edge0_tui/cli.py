@@ -14,7 +14,7 @@ from edge0_tui.checked_stdout import (
     discard_stdout,
     run_checked,
 )
-from edge0_tui.commands import COMMANDS, chat
+from edge0_tui.commands import COMMANDS, chat, options
 from edge0_tui.sanitize import escape_controls
 from engine import Edge0Error
 
@@ -86,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if command is chat:
             return chat.run(args)  # the app draws on the terminal itself
+        if getattr(args, "resolve_model", False):  # demo, a folder or a Hub id, as chat says
+            args.model = options.model_path(args.model)
         return run_checked(command.run, args)
     except StdoutError as e:
         discard_stdout()

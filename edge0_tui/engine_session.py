@@ -158,8 +158,13 @@ class EngineSession:
         return self.service.request_mode(mode)
 
     def request_page_cache(self, budget_bytes: int | None) -> None:
-        """Set the experts' page-cache budget (None: off); applied at once when idle."""
+        """Set the experts' page-cache budget (None: off); applied at once when idle. Kept in
+        `engine_config`, so a reload (resident and back) and the settings dialog see it."""
         self.service.request_page_cache(budget_bytes)
+        if self.engine_config.mode != "resident":
+            self.engine_config = dataclasses.replace(
+                self.engine_config, page_cache_bytes=budget_bytes
+            )
 
     def reload(self, mode: str) -> None:
         """Load the model again in `mode` (resident <-> streaming); answered with EngineReady,

@@ -102,6 +102,13 @@ def _check_repo_id(spec: str, local: Path) -> None:
         )
 
 
+def is_bundled_demo(path: str | Path) -> bool:
+    """True for the bundled demo's folder, however it is named (`assets/demo`, an absolute path,
+    a link to it)."""
+    local = Path(path).expanduser()
+    return local.is_dir() and local.resolve() == BUNDLED_DEMO.resolve()
+
+
 def check_model(spec: str, offline: bool = False) -> None:
     """Raise Edge0Error when MODEL cannot be opened, before the app starts: a local folder that
     holds no checkpoint, a path that does not exist, a name that is no repo id, or a Hub repo

@@ -1,7 +1,8 @@
 """What the user chose, kept per model: sampling, system prompt, K, mode, cache budgets.
 
 One JSON file in the user config folder (`platformdirs.user_config_path("edge0")/models.json`),
-keyed by the model as the user named it (a resolved local path, a Hugging Face repo id, "demo").
+keyed by the model's identity (`model_key`): "demo" however the bundled model is named, a Hugging
+Face repo id (its cached snapshot folder too), else the local folder's resolved path.
 Options given on the command line win over stored ones for that run.
 
 The file is the user's, and treated as hostile like every file: one that is too big, not a regular
@@ -23,7 +24,7 @@ from pathlib import Path
 from engine import MODES, Edge0Error, GenerationConfig
 
 from .chat_store import PRIVATE_DIR, PRIVATE_FILE
-from .model_source import DEMO
+from .model_source import DEMO, is_bundled_demo
 from .sanitize import sanitize
 
 FILE_NAME = "models.json"
@@ -73,6 +74,10 @@ class PreferenceStore:
             self._warn(f"the entry for {model!r} is not an object")
             return ModelPreferences(generation=defaults)
         return self._parse(stored, defaults)
+
+    def models(self) -> list[str]:
+        """The models settings are kept for, by key (`model_key`), in the file's order."""
+        return list(self._read_all())
 
     def save(self, model: str, preferences: ModelPreferences) -> None:
         """Store `model`'s preferences (others kept). Raises Edge0Error when the file cannot be
@@ -195,12 +200,23 @@ def _is_int(value: object) -> bool:
 
 
 def model_key(model: str) -> str:
-    """The name preferences are stored under: a local folder by its absolute path (the same
-    model named two ways shares them), anything else as given."""
+    """The name preferences are stored under: the model's identity, so that the same model named
+    two ways shares them. `demo` and the bundled folder (`assets/demo`) are "demo"; a Hugging Face
+    repo id and its snapshot folder in the HF cache (`.../models--owner--name/snapshots/REV`) are
+    "owner/name"; another local folder is its absolute path; anything else as given."""
     if model == DEMO:
         return DEMO
     local = Path(model).expanduser()
-    return str(local.resolve()) if local.is_dir() else model
+    if not local.is_dir():
+        return model
+    if is_bundled_demo(local):
+        return DEMO
+    path = local.resolve()
+    if path.parent.name == "snapshots" and path.parent.parent.name.startswith("models--"):
+        owner_name = path.parent.parent.name.removeprefix("models--").split("--")
+        if len(owner_name) == 2:
+            return "/".join(owner_name)
+    return str(path)
 
 
 @dataclass
@@ -212,6 +228,7 @@ class KeptPreferences:
     current: ModelPreferences
     # Chosen on the command line for this run: the stored K and mode are not applied over them.
     mode_from_command_line: bool = False
+    k_from_command_line: bool = False
 
     def update(self, **changes) -> None:
         """Change and save. Raises Edge0Error when the file cannot be written (kept in memory)."""

@@ -110,9 +110,9 @@ def test_synth_into_a_file_is_one_line(tmp_path):
 
 def test_bench_on_a_missing_model_says_so(capsys, tmp_path):
     assert main(["bench", str(tmp_path / "nothing")]) == 2
-    assert (
-        capsys.readouterr().err
-        == f"edge0: error: {tmp_path / 'nothing'}: no such model directory\n"
+    assert capsys.readouterr().err == (
+        f"edge0: error: {tmp_path / 'nothing'}: no such local directory "
+        f"({tmp_path / 'nothing'} does not exist)\n"
     )
 
 

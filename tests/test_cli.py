@@ -88,7 +88,7 @@ def test_raw_and_chat_together_are_one_line_error(checkpoint_dir):
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["generate", "/nonexistent/model", "--prompt", "x"], "no such model directory"),
+        (["generate", "/nonexistent/model", "--prompt", "x"], "no such local directory"),
         (["generate", "{model}", "--prompt", "x", "--expert-cache", "1K"], "minimum is"),
         (["generate", "{model}", "--prompt", "x", "--expert-cache", "lots"], "cannot read size"),
         (["synth", "{tmp}/out", "--family", "llama"], "llama"),

@@ -201,3 +201,18 @@ def test_tracing_leaves_a_seeded_reply_as_it_is():
         with Engine(DEMO, config, tracer=tracer) as engine:
             replies.append(engine.generate(engine.encode("Where is the duke?"), gen).tokens)
     assert replies[0] == replies[1]
+
+
+def test_the_docs_describe_the_trace_the_file_holds():
+    """README and docs name the compute counter track the trace writes (issue 35 item 8: the
+    README once described an "MLX compute (sampled)" track with `computing` spans)."""
+    from pathlib import Path
+
+    from engine.runtime.compute_activity import COMPUTE_TRACK
+
+    root = Path(__file__).resolve().parents[1]
+    docs = {name: (root / name).read_text() for name in ("README.md", "docs/design.md")}
+    assert f'"{COMPUTE_TRACK}"' in docs["docs/design.md"]
+    for name, text in docs.items():
+        assert "MLX compute (sampled)" not in text and "`computing`" not in text, name
+    assert "Ctrl+Q quits" in docs["README.md"]

@@ -33,6 +33,7 @@ from edge0_tui.widgets.prompt import PromptInput
 from edge0_tui.widgets.routing_selector import RoutingSelector
 from edge0_tui.widgets.status_line import StatusLine
 from engine.config import EngineConfig, GenerationConfig, format_bytes
+from engine.runtime.memory_plan import MemoryPlan
 from engine.runtime.metrics import StepMetrics
 
 SIZE = (120, 40)
@@ -530,6 +531,22 @@ def fixed_metrics() -> LiveMetrics:
     )
 
 
+# A plan with fixed figures: the engine's own reads this machine's memory.
+FIXED_PLAN = MemoryPlan(
+    runtime_bytes=300 << 20,
+    resident_bytes=1 << 30,
+    expert_cache_bytes=512 << 20,
+    prefill_bytes=64 << 20,
+    kv_cache_bytes=256 << 20,
+    working_bytes=128 << 20,
+    whole_layer_prefill=False,
+    context_tokens=8192,
+    k=4,
+    limit_bytes=32 << 30,
+    limit_source="RAM",
+).line()
+
+
 @pytest.mark.parametrize(
     "size, snapshot, panels",
     [
@@ -569,7 +586,7 @@ async def test_main_screen_snapshot(model, tmp_path, size, snapshot, panels):
         prompt.cursor_blink = False
         if panels:
             await pilot.press("f6")
-        screen.show_panels(fixed_metrics(), SystemMemory(32 << 30, 12 << 30, "RAM"))
+        screen.show_panels(fixed_metrics(), SystemMemory(32 << 30, 12 << 30, "RAM"), FIXED_PLAN)
 
         def prompt_focused() -> bool:
             # The cursor is drawn only with focus, and a focus request made while the prompt

@@ -353,3 +353,45 @@ async def test_resident_is_chosen_in_the_app_after_a_confirmation_and_left_again
             "back to on-demand",
         )
         assert len(screen.messages) == 2  # the chat stayed
+
+
+async def test_a_bracketed_paste_keeps_its_line_breaks_when_sent_as_cr(model, tmp_path):
+    """xterm, VTE and tmux send a pasted newline as CR inside the bracketed paste; Windows text
+    brings CRLF. Each is a line break in the box, in the message sent and in the saved chat."""
+    app = make_app(model, tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(app, pilot)
+        prompt = app.chat_screen.query_one(PromptInput)
+        prompt.focus()
+        await pilot.pause()
+        paste = events.Paste("Line one\rLine two\r\nLine three\r\rLine five")
+        paste.set_sender(app)
+        app._driver.send_message(paste)  # as the terminal's bracketed paste arrives
+        expected = "Line one\nLine two\nLine three\n\nLine five"
+        await wait_until(pilot, lambda: prompt.text == expected, "the paste in the box")
+        assert prompt.document.line_count == 5
+        await pilot.press("enter")
+        await wait_until(pilot, lambda: app.chat_screen.messages, "the message to be sent")
+        await reply_done(app, pilot)
+        chat_id = app.chat_screen.chat_id
+        assert app.chat_screen.messages[0].content == expected
+    store = ChatStore(tmp_path)
+    assert store.messages(chat_id)[0].content == expected
+    store.close()
+
+
+async def test_quit_is_in_the_footer_at_80_columns_and_keeps_the_unsent_text(model, tmp_path):
+    from test_bad_inputs_app import shown
+
+    app = make_app(model, tmp_path)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await ready(app, pilot)
+        footer = shown(app).splitlines()[-1]
+        assert "^q Quit" in footer, footer
+        app.chat_screen.query_one(PromptInput).insert("not sent yet")
+        await pilot.press("ctrl+q")  # from the focused message box
+        await pilot.pause()
+    assert not app.is_running
+    from edge0_tui.last_session import LastSessionFile
+
+    assert LastSessionFile(tmp_path).load().draft == "not sent yet"

@@ -8,6 +8,7 @@ from edge0_tui.commands import (
     eval,
     generate,
     info,
+    list_models,
     serve,
     soak,
     synth,
@@ -15,4 +16,4 @@ from edge0_tui.commands import (
 )
 
 # In the order `edge0 --help` lists them.
-COMMANDS = (generate, bench, soak, info, train, eval, synth, chat, serve, doctor)
+COMMANDS = (generate, bench, soak, info, list_models, train, eval, synth, chat, serve, doctor)

@@ -5,9 +5,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from edge0_tui.commands import options
 from engine import EngineConfig, parse_size
+
+if TYPE_CHECKING:
+    from edge0_tui.app import Edge0App
 
 NAME = "chat"
 
@@ -38,6 +42,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help=f"default: the last one used, else {options.DEFAULT_MODE} (the demo: on-demand)",
     )
+    options.add_k(parser, help="routing width (default: the last one used, else the model's)")
     options.add_exact(parser)
     options.add_adapters(parser)
     parser.add_argument(
@@ -50,11 +55,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    build_app(args).run()
+    return 0
+
+
+def build_app(args: argparse.Namespace) -> Edge0App:
+    """The app these options ask for, not yet running (tests drive it with Pilot)."""
     # Imported here so that the other commands never import Textual.
     from platformdirs import user_config_path
 
-    from edge0_tui.app import DEFAULT_SETTINGS, Edge0App
-    from edge0_tui.model_source import check_model
+    from edge0_tui.app import DEFAULT_SETTINGS, DEMO_SETTINGS, Edge0App
+    from edge0_tui.model_source import DEMO, check_model
     from edge0_tui.preferences import KeptPreferences, PreferenceStore, model_key
 
     # A model that cannot be opened is a one-line error here, not a notification in an app.
@@ -66,13 +77,14 @@ def run(args: argparse.Namespace) -> int:
     kept = KeptPreferences(
         store,
         key,
-        store.load(key, DEFAULT_SETTINGS),
+        store.load(key, DEMO_SETTINGS if key == DEMO else DEFAULT_SETTINGS),
         mode_from_command_line=args.mode is not None,
+        k_from_command_line=args.k is not None,
     )
     stored = kept.current
     # The demo model's experts are small and its file fits any page cache: a 4 MB expert cache
     # and a 4 MB page-cache budget make the memory wall visible (cold reads every step).
-    demo = args.model == "demo"
+    demo = key == DEMO  # `demo` or the bundled folder by its path
     # A kept mode is applied once the model is loaded. The demo starts on-demand: its experts are
     # small and its page cache tiny, so each step's misses (the wall it shows) are plain to see,
     # and reading ahead saves it little (docs/benchmarks.md, "Exact lookahead").
@@ -90,6 +102,7 @@ def run(args: argparse.Namespace) -> int:
     data_dir = args.data_dir or options.data_dir()  # one folder for chats and trained adapters
     config = EngineConfig(
         mode=mode,
+        k=args.k,
         **options.expert_cache_config(expert_cache),
         page_cache_bytes=options.page_cache_bytes(page_cache),
         exact_kernels=args.exact,
@@ -103,5 +116,4 @@ def run(args: argparse.Namespace) -> int:
             dataclasses.replace(config, **options.expert_cache_config(default)),
             f"{store.path}: expert_cache_bytes={stored.expert_cache_bytes}",
         )
-    app.run()
-    return 0
+    return app

@@ -135,10 +135,46 @@ port = int_between(0, 65535)  # 0: a free one
 # -- shared options ------------------------------------------------------------------------------
 
 
+MODEL_HELP = "checkpoint directory, Hugging Face repo id (owner/name), or demo"
+
+
 def add_model(parser: argparse.ArgumentParser, help: str | None = None) -> None:
-    """The local checkpoint folder a command runs (chat and serve also take a Hub repo id or
-    demo, so they define their own)."""
-    parser.add_argument("model", type=Path, help=help)
+    """MODEL as every command names it: a checkpoint folder, a Hub repo id or demo. The command
+    line (`edge0_tui.cli`) turns it into the checkpoint folder (`model_path`) before the command
+    runs, so `args.model` is a Path there. Chat and serve take the name as text (the app and the
+    server resolve it on their engine thread, with progress)."""
+    parser.add_argument("model", type=utf8, help=help or MODEL_HELP)
+    parser.set_defaults(resolve_model=True)
+
+
+def model_path(spec: str) -> Path:
+    """The checkpoint folder MODEL names, as chat and serve resolve it (`resolve_model`): demo,
+    a local folder, or a Hub repo (downloaded once into the Hugging Face cache, progress on
+    stderr; offline (HF_HUB_OFFLINE), the cached copy). Raises Edge0Error with chat's words."""
+    from platformdirs import user_cache_path
+
+    from edge0_tui.model_source import is_hub_id, resolve_model
+
+    offline = False
+    if is_hub_id(spec) and not Path(spec).expanduser().exists():
+        from huggingface_hub import constants  # imported only for a repo id: it is slow
+
+        offline = constants.HF_HUB_OFFLINE
+
+    source = resolve_model(spec, user_cache_path("edge0"), _stderr_progress, offline=offline)
+    _end_progress()
+    return source.path
+
+
+def _stderr_progress(what: str, done: float, total: float | None) -> None:
+    if sys.stderr.isatty():
+        shown = f"{format_bytes(done)} / {format_bytes(total)}" if total else ""
+        print(f"\r\x1b[2Kedge0: {what} {shown}", end="", file=sys.stderr, flush=True)
+
+
+def _end_progress() -> None:
+    if sys.stderr.isatty():
+        print("\r\x1b[2K", end="", file=sys.stderr, flush=True)
 
 
 # Where the user has not chosen a mode: prefetch, exact (the true router routes) and reading ahead
@@ -239,12 +275,7 @@ def adapter_dirs(specs: list[str]) -> tuple[Path, ...]:
     """The folders `--adapters` names, Hub repos downloaded first (progress on stderr)."""
     from edge0_tui.model_source import resolve_adapters
 
-    def on_progress(what: str, done: float, total: float | None) -> None:
-        if sys.stderr.isatty():
-            shown = f"{format_bytes(done)} / {format_bytes(total)}" if total else ""
-            print(f"\r\x1b[2Kedge0: {what} {shown}", end="", file=sys.stderr, flush=True)
-
-    dirs = tuple(resolve_adapters(spec, on_progress) for spec in specs)
-    if specs and sys.stderr.isatty():
-        print("\r\x1b[2K", end="", file=sys.stderr, flush=True)
+    dirs = tuple(resolve_adapters(spec, _stderr_progress) for spec in specs)
+    if specs:
+        _end_progress()
     return dirs

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from edge0_tui.commands import options
 from edge0_tui.commands.common import read_text
+from edge0_tui.model_source import is_bundled_demo
 from engine import EngineConfig
 
 NAME = "train"
@@ -32,7 +33,8 @@ def _add_heads(phases: argparse._SubParsersAction) -> None:
         "--text",
         type=Path,
         default=None,
-        help="UTF-8 text to run the model over (default: Python's own documentation, in every "
+        help="UTF-8 text to run the model over (default: for the demo, its own corpus, the train "
+        "split of Shakespeare's works; for another model, Python's own documentation, in every "
         "Python install, as chat exchanges in the model's chat template: role tokens and "
         "assistant turns as in a chat, explanatory English with code; no download)",
     )
@@ -196,6 +198,13 @@ def run_heads(args: argparse.Namespace) -> int:
     # Only what is encoded is read (the first CHARS_PER_TOKEN x --max-tokens characters).
     limit = CHARS_PER_TOKEN * args.max_tokens
     text = read_text(args.text, max_chars=limit) if args.text is not None else None
+    text_name = str(args.text) if args.text is not None else None
+    if text is None and is_bundled_demo(args.model):
+        # The demo knows Shakespeare, not Python's documentation: heads trained on the latter
+        # beat the shipped ones on it and are no better where the demo is used.
+        from engine.train.corpus import DEMO_HEADS_CORPUS, train_split_text
+
+        text, text_name = train_split_text()[:limit], DEMO_HEADS_CORPUS
     config = TrainHeadsConfig(
         k=args.k,
         start_layer=args.start_layer,
@@ -215,6 +224,7 @@ def run_heads(args: argparse.Namespace) -> int:
         engine_config=engine_config,
         adapters_dir=args.adapters,
         bar=sys.stderr.isatty(),
+        text_name=text_name,
     )
     return 0
 

@@ -24,6 +24,7 @@ from engine import HEAD_MODES, Edge0Error, GenerationConfig, format_bytes
 
 from ..chat_store import ChatHandle, ChatMessage, ChatStore, chat_title
 from ..engine_session import EngineSession, ReplyRequest
+from ..last_session import LastSession
 from ..live_metrics import LiveMetrics
 from ..messages import (
     ContextCounted,
@@ -35,9 +36,11 @@ from ..messages import (
     ReplyText,
     SwitchFailed,
 )
+from ..model_source import DEMO
 from ..preferences import ModelPreferences, fit_to_model
 from ..system_memory import SystemMemory, read_system_memory
 from ..widgets.conversation import AssistantTurn, Conversation
+from ..widgets.first_steps import DEMO_PROMPTS, FirstSteps
 from ..widgets.memory_bar import MemoryBreakdown
 from ..widgets.metrics_panel import MetricsPanel
 from ..widgets.prompt import PromptInput
@@ -54,15 +57,17 @@ PANEL_REFRESH_HZ = 6
 # How long the notices shown once the model is loaded stay: toasts sit over the side panel's
 # K and mode selectors, so not for long (the demo's notice is one sentence).
 STARTUP_NOTICE_S = 8
-# The switch keys, listed before every other key in the footer and the keys panel (F1).
-SWITCH_BINDING_IDS = ("chat.next_k", "chat.next_mode", "chat.panels")
+# The switch keys and Quit, listed before every other key in the footer and the keys panel (F1):
+# at 80 columns the footer cuts what comes after.
+SWITCH_BINDING_IDS = ("chat.next_k", "chat.next_mode", "chat.panels", "app.quit")
 
 
 class ChatScreen(Screen):
     # Below 110 columns the side panel narrows, so an 80-column terminal still has room to chat.
     # Below 100 columns or 30 rows the side panels do not fit beside a readable chat: the compact
     # layout shows the wall in one line above the prompt, and F6 swaps the chat for the panels.
-    HORIZONTAL_BREAKPOINTS = [(0, "-cramped"), (100, "-narrow"), (110, "-wide")]
+    # From 150 columns the side panel takes a share of the width (app.tcss, -widest).
+    HORIZONTAL_BREAKPOINTS = [(0, "-cramped"), (100, "-narrow"), (110, "-wide"), (150, "-widest")]
     VERTICAL_BREAKPOINTS = [(0, "-short"), (30, "-tall")]
     BINDINGS = [
         # F4/F5 work while typing (the prompt consumes letters and digits); k, m and 2/4/8 work
@@ -104,14 +109,18 @@ class ChatScreen(Screen):
         self.pending_k: int | None = None
         self.pending_mode: str | None = None
         self.panel_timer: Timer | None = None
+        # The chat and unsent text to start on (the app's `reopen`); None: a new chat.
+        self.reopen: LastSession | None = None
 
     def compose(self) -> ComposeResult:
+        self.prompt_input = PromptInput(id="prompt")
         yield Header()
         with Horizontal(id="main"):
             with Vertical(id="chat"):
+                yield FirstSteps(id="first-steps")
                 yield Conversation(id="conversation")
                 yield WallStrip(id="wall-strip")
-                yield PromptInput(id="prompt")
+                yield self.prompt_input
             with Vertical(id="side"):
                 yield MetricsPanel(id="metrics")
                 yield RoutingSelector(id="routing")
@@ -150,6 +159,43 @@ class ChatScreen(Screen):
         self.panel_timer = self.set_interval(1 / PANEL_REFRESH_HZ, self.refresh_panels)
         self.query_one(PromptInput).focus()
         self.refresh_panels()
+        self.show_first_steps()
+        if self.reopen is not None:
+            self.call_later(self._reopen, self.reopen)
+
+    async def _reopen(self, last: LastSession) -> None:
+        """The chat shown at the last quit, with its unsent text back in the prompt. A chat
+        deleted since (another edge0) leaves a new chat, the text still kept."""
+        if last.draft:
+            self.prompt_input.give_back(last.draft)
+        if last.chat_id is not None and self._exists(last.chat_id):
+            await self.open_chat(last.chat_id)
+
+    def _exists(self, chat_id: int) -> bool:
+        try:
+            return any(c.id == chat_id for c in self.store.chats())
+        except sqlite3.Error:
+            return False
+
+    def show_first_steps(self) -> None:
+        """The empty chat's hints (for the demo, what it is and prompts to try); hidden once the
+        chat has a message."""
+        steps = self.query_one(FirstSteps)
+        steps.display = not self.messages
+        if steps.display:
+            steps.show_for(self.model_name == DEMO)
+
+    def action_suggest(self, index: int) -> None:
+        """Put suggested prompt `index` in the message box (from a click on it, or the palette)."""
+        prompt = self.prompt_input
+        prompt.text = DEMO_PROMPTS[index % len(DEMO_PROMPTS)]
+        prompt.move_cursor(prompt.document.end)
+        prompt.focus()
+
+    def session_to_keep(self) -> LastSession:
+        """What the next start reopens: this chat and the prompt's unsent text."""
+        # The widget, not a query: at the app's unmount the screen's children are already gone.
+        return LastSession(self.chat_id, self.prompt_input.text)
 
     # -- the engine thread -------------------------------------------------------------------------
 
@@ -189,11 +235,15 @@ class ChatScreen(Screen):
         # Only now: the panel timer shows the selector's state once `ready`.
         self.ready = True
         self.model_name = event.model_name
+        self.show_first_steps()  # the demo's own hints, now that the model is known
         self.state = "ready"
         self._dismiss_loading()
         for notice in event.notices:
             self.notify(notice, severity="warning", timeout=STARTUP_NOTICE_S)
         self._apply_kept_choices(event)
+        self.refresh_bindings()  # F4/F5 are offered again (hidden while the model (re)loaded)
+        if self.chat is not None and self.chat.id is not None and self.context_tokens is None:
+            self.session.count_context(self.chat.id, self._prompt())  # a chat reopened at start
         self.refresh_panels()
 
     def _apply_kept_choices(self, event: EngineReady) -> None:
@@ -219,7 +269,7 @@ class ChatScreen(Screen):
                 self.choose_mode(wanted.mode, remember=False)
             else:
                 self.notify(f"the {wanted.mode} mode kept for this model is not available now")
-        if wanted.k and wanted.k != event.info["k"]:
+        if wanted.k and not kept.k_from_command_line and wanted.k != event.info["k"]:
             if wanted.k in self._k_choices():
                 self.choose_k(wanted.k, remember=False)
             else:
@@ -289,6 +339,7 @@ class ChatScreen(Screen):
         Returns the message as kept: cleaned of terminal control sequences."""
         message = message.cleaned()
         self.messages.append(message)
+        self.show_first_steps()
         if self.chat is None:
             self.chat = ChatHandle(chat_title(message.content), self.model_name)
             self.sub_title = self.chat.title
@@ -340,6 +391,7 @@ class ChatScreen(Screen):
             return
         self.chat, self.messages, self.context_tokens = None, [], 0
         self.sub_title = "new chat"
+        self.show_first_steps()
         await self.query_one(Conversation).show([])
         self.query_one(PromptInput).focus()
 
@@ -372,6 +424,7 @@ class ChatScreen(Screen):
         first_user = next((m.content for m in self.messages if m.role == "user"), "")
         self.chat = ChatHandle(chat_title(first_user), self.model_name, chat_id)
         self.sub_title = self.chat.title
+        self.show_first_steps()
         await self.query_one(Conversation).show(self.messages)
         self.query_one(PromptInput).focus()
         # The footer's bindings depend on the messages (Regenerate: the last is a finished
@@ -415,8 +468,10 @@ class ChatScreen(Screen):
                 title="settings saved",
             )
 
-        running_cache = self.session.engine_config.expert_cache_bytes
-        self.app.push_screen(SettingsScreen(current, running_cache), saved)
+        running = self.session.engine_config
+        self.app.push_screen(
+            SettingsScreen(current, running.expert_cache_bytes, running.page_cache_bytes), saved
+        )
 
     def _set_page_cache(self, page_cache: int | str) -> None:
         try:
@@ -573,11 +628,12 @@ class ChatScreen(Screen):
         if remember:
             self.app.remember(k=k)
         if not profile.recovered:
-            self.notify(
-                f"quality not recovered at K={k}: no trained adapter for it, so the model's own "
-                "router is narrowed or widened",
-                severity="warning",
+            why = (
+                "prerouter heads but no recovery LoRA for it"
+                if profile.prerouter and not profile.lora
+                else "no trained adapter for it, so the model's own router is narrowed or widened"
             )
+            self.notify(f"quality not recovered at K={k}: {why}", severity="warning")
         self.refresh_panels()
 
     def choose_mode(self, mode: str, remember: bool = True) -> None:
@@ -601,9 +657,12 @@ class ChatScreen(Screen):
 
     def refresh_panels(self) -> None:
         """The one timer's callback: read the engine's latest snapshot and show it."""
-        self.show_panels(self.session.metrics, read_system_memory())
+        engine = self.session.engine  # its plan follows K (a K switch plans its expert cache)
+        plan = engine.memory_plan.line() if self.ready and engine is not None else ""
+        self.show_panels(self.session.metrics, read_system_memory(), plan)
 
-    def show_panels(self, metrics: LiveMetrics, memory: SystemMemory) -> None:
+    def show_panels(self, metrics: LiveMetrics, memory: SystemMemory, plan: str = "") -> None:
+        """`plan`: the memory plan's line, as `generate` and `serve` print it at start."""
         if self.pending_k == metrics.k:
             self.pending_k = None
         if self.pending_mode is not None and self.pending_mode == metrics.mode:
@@ -611,7 +670,9 @@ class ChatScreen(Screen):
             # A mode switch may bring its own K (prerouter mode needs a K with trained heads).
             self.query_one(RoutingSelector).select(k=metrics.k)
         breakdown = MemoryBreakdown.of(metrics, memory, self.wired_limit_bytes)
-        self.query_one(MetricsPanel).show(metrics, breakdown)
+        panel = self.query_one(MetricsPanel)
+        panel.show(metrics, breakdown)
+        panel.show_plan(plan)
         self.query_one(WallStrip).show(metrics)
         if self.ready:
             self.query_one(RoutingSelector).show_pending(
@@ -625,12 +686,20 @@ class ChatScreen(Screen):
                 pending_k=self.pending_k,
                 mode=metrics.mode if self.ready else None,
                 pending_mode=self.pending_mode,
-                context_tokens=metrics.context_tokens if self.reply else self.context_tokens,
+                context_tokens=self._shown_context(metrics),
                 peak_memory_bytes=metrics.peak_memory_bytes,
                 peak_rss_bytes=metrics.peak_rss_bytes,
                 unsaved=self.store.unsaved,
             )
         )
+
+    def _shown_context(self, metrics: LiveMetrics) -> int | None:
+        """The context size: while a reply is written, the engine's count as it goes, unknown
+        (None) until its first step (a regenerate's prefill, right after a load, took 1.6 s and
+        showed "context 0 tokens"); otherwise the chat's last count."""
+        if self.reply is None:
+            return self.context_tokens
+        return metrics.context_tokens or None
 
 
 def offered_modes(event: EngineReady) -> list[str]:

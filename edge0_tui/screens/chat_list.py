@@ -57,7 +57,7 @@ class ChatListScreen(ModalScreen[int | None]):
         options = self.query_one(OptionList)
         options.clear_options()
         # Text, not a str: a chat's title is what the user typed, never markup.
-        options.add_options([Option(Text(_describe(chat)), id=str(chat.id)) for chat in self.chats])
+        options.add_options([Option(describe(chat, query), id=str(chat.id)) for chat in self.chats])
         if self.chats:
             options.highlighted = 0
         elif query:
@@ -113,6 +113,8 @@ class ChatListScreen(ModalScreen[int | None]):
             return
 
         def renamed(title: str | None) -> None:
+            options = self.query_one(OptionList)
+            options.focus()  # back on the list: Up and Down move at once, not after a Tab
             if not title:
                 return
             try:
@@ -121,6 +123,9 @@ class ChatListScreen(ModalScreen[int | None]):
                 self._note(f"could not rename the chat: {e}")
                 return
             self.show_chats()
+            index = next((i for i, c in enumerate(self.chats) if c.id == chat.id), None)
+            if index is not None:
+                options.highlighted = index  # the renamed chat stays the chosen one
 
         self.app.push_screen(RenameScreen(chat.title), renamed)
 
@@ -155,7 +160,39 @@ class RenameScreen(ModalScreen[str | None]):
         self.dismiss(sanitize(self.query_one("#new-title", Input).value.strip()) or None)
 
 
-def _describe(chat: ChatSummary) -> str:
+# Characters of a matching message shown on each side of the match.
+MATCH_CONTEXT = 30
+
+
+def describe(chat: ChatSummary, query: str = "") -> Text:
+    """A chat as the list shows it: its title, when and how long; when searching, where the
+    search matched, the match highlighted."""
     when = time.strftime("%Y-%m-%d %H:%M", time.localtime(chat.updated_at))
     # The title is what the user (or a file someone sent them) wrote: shown cleaned.
-    return sanitize(f"{chat.title}\n  {when} · {chat.message_count} messages · {chat.model}")
+    text = Text(sanitize(f"{chat.title}\n  {when} · {chat.message_count} messages · {chat.model}"))
+    if query and chat.match:
+        text.append("\n  ")
+        text.append_text(match_snippet(chat.match, query))
+    return text
+
+
+def match_snippet(content: str, query: str, context: int = MATCH_CONTEXT) -> Text:
+    """One line of `content` around its first match of `query` (ASCII case-insensitive, as the
+    search), the match in reverse video."""
+    flat = " ".join(sanitize(content).split())
+    at = _ascii_lower(flat).find(_ascii_lower(" ".join(query.split())))
+    if at < 0:  # matched in the title, or across a line break the flattening moved
+        return Text(flat[: 2 * context] + ("…" if len(flat) > 2 * context else ""), style="dim")
+    end = at + len(" ".join(query.split()))
+    start, stop = max(0, at - context), min(len(flat), end + context)
+    snippet = Text("…" if start else "", style="dim")
+    snippet.append(flat[start:at], style="dim")
+    snippet.append(flat[at:end], style="reverse")
+    snippet.append(flat[end:stop], style="dim")
+    snippet.append("…" if stop < len(flat) else "", style="dim")
+    return snippet
+
+
+def _ascii_lower(text: str) -> str:
+    """Lower case for ASCII letters only (SQLite's LIKE), so positions stay those of `text`."""
+    return text.translate({c: c + 32 for c in range(ord("A"), ord("Z") + 1)})

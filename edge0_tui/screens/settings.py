@@ -58,22 +58,37 @@ class SettingsScreen(ModalScreen[ModelPreferences | None]):
     """Dismissed with the new preferences, or None when cancelled."""
 
     BINDINGS = [Binding("escape", "dismiss(None)", "Cancel", id="settings.cancel")]
+    AUTO_FOCUS = "#temperature"  # the first field: typing changes it at once
 
-    def __init__(self, preferences: ModelPreferences, expert_cache_bytes: int = 0) -> None:
-        """`expert_cache_bytes`: the budget running now, shown when none is stored."""
+    def __init__(
+        self,
+        preferences: ModelPreferences,
+        expert_cache_bytes: int = 0,
+        page_cache_bytes: int | None = None,
+    ) -> None:
+        """`expert_cache_bytes`: the budget running now, shown when none is stored.
+        `page_cache_bytes`: the page-cache budget running now (None: off), which an empty
+        page-cache field keeps."""
         super().__init__()
         self.preferences = preferences
         self.settings = preferences.generation
         self.expert_cache_bytes = preferences.expert_cache_bytes or expert_cache_bytes
+        self.page_cache_bytes = page_cache_bytes
 
     def compose(self) -> ComposeResult:
-        with Vertical(id="dialog"):
+        with Vertical(id="dialog", classes="settings-dialog"):
             yield Label("Settings", classes="dialog-title")
             yield from self._field_widgets()
             yield Label("", id="error", classes="dialog-error", markup=False)
             with Horizontal(classes="dialog-buttons"):
                 yield Button("Save", variant="primary", id="save")
                 yield Button("Cancel", id="cancel")
+
+    def on_mount(self) -> None:
+        # Focusing the first field scrolls it into view before the layout settles, hiding its
+        # label on a short terminal: start at the top once it has.
+        fields = self.query_one("#settings-fields", VerticalScroll)
+        self.call_after_refresh(fields.scroll_home, animate=False)
 
     def _field_widgets(self) -> ComposeResult:
         # In a scroll of their own: on a short terminal the buttons stay in view.
@@ -100,11 +115,15 @@ class SettingsScreen(ModalScreen[ModelPreferences | None]):
             yield Label("page-cache budget for the experts, e.g. 4M, or off (applies now)")
             page_cache = self.preferences.page_cache
             shown = "" if page_cache is None else page_cache
-            yield Input(shown if isinstance(shown, str) else format_bytes(shown), id="page_cache")
-            yield Label("", id="error", classes="dialog-error", markup=False)
-            with Horizontal(classes="dialog-buttons"):
-                yield Button("Save", variant="primary", id="save")
-                yield Button("Cancel", id="cancel")
+            yield Input(
+                shown if isinstance(shown, str) else format_bytes(shown),
+                placeholder=f"empty: this model's default ({self._running_page_cache()} now)",
+                id="page_cache",
+            )
+
+    def _running_page_cache(self) -> str:
+        budget = self.page_cache_bytes
+        return "off" if budget is None else format_bytes(budget)
 
     @on(Button.Pressed, "#cancel")
     def cancel(self) -> None:

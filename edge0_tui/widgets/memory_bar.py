@@ -68,7 +68,7 @@ class MemoryBreakdown:
                 "MLX, not reclaimable",
                 active + cache,
                 "memory-bar--wired",
-                f"wired: active {format_bytes(active)}, cache {format_bytes(cache)}",
+                f"active {format_bytes(active)}, cache {format_bytes(cache)}",
             ),
             MemorySegment("checkpoint, reclaimable", checkpoint, "memory-bar--reclaimable"),
             MemorySegment("rest of edge0", rest, "memory-bar--rest"),
@@ -122,6 +122,9 @@ class MemoryBar(Widget):
     DEFAULT_CSS = """
     MemoryBar {
         height: auto;
+        /* A legend line longer than the panel is cut, never wrapped (a unit on its own line). */
+        text-wrap: nowrap;
+        text-overflow: ellipsis;
         & > .memory-bar--wired { color: $error; }
         & > .memory-bar--reclaimable { color: $success; }
         & > .memory-bar--rest { color: $primary; }

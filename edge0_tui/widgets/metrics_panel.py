@@ -36,6 +36,8 @@ class MetricsPanel(VerticalScroll):
         yield Label("", id="prefill", classes="panel-note")
         yield Label("edge0's memory", classes="panel-title")
         yield MemoryBar(id="memory")
+        # What the engine planned to hold, as `generate` and `serve` print it at start.
+        yield Label("", id="memory-plan", classes="panel-note", markup=False)
 
     def show(self, metrics: LiveMetrics, memory: MemoryBreakdown) -> None:
         speed = metrics.tok_per_s_history
@@ -62,6 +64,22 @@ class MetricsPanel(VerticalScroll):
         self.query_one("#prefill", Label).update(prefill_line(metrics))
         self.query_one("#memory", MemoryBar).show(memory)
 
+    def show_plan(self, line: str) -> None:
+        """The engine's memory plan (`MemoryPlan.line()`); "" before a model is loaded."""
+        label = self.query_one("#memory-plan", Label)
+        text = plan_lines(line)
+        if str(label.content) != text:
+            label.update(text)
+
+
+def plan_lines(line: str) -> str:
+    """`MemoryPlan.line()` (what generate and serve print) one term a line: wrapped at the
+    panel's width, a term's figure and unit came apart. The line's own text, only reflowed."""
+    head, sep, terms = line.rpartition(": ")
+    if not sep or ": " not in head:  # not the plan line's shape: as it is
+        return line
+    return head + ":\n" + "\n".join(f"  {term}" for term in terms.split(", "))
+
 
 def routed_line(metrics: LiveMetrics) -> str:
     """Where the routed experts came from, and the lookahead's recall layer by layer."""
@@ -81,9 +99,10 @@ def prefill_line(metrics: LiveMetrics) -> str:
     step = metrics.last_prefill
     if step is None:
         return "prefill: no prompt yet"
+    # Two lines, not one wrapped where the panel's width falls (a figure without its unit).
     return (
-        f"prefill, {step.tokens} tokens: {step.mib_read:.1f} MiB, "
-        f"{step.cold_fraction:.0%} cold, blocked {step.blocked_ms:.0f} ms"
+        f"prefill, {step.tokens} tokens: {step.mib_read:.1f} MiB read\n"
+        f"  {step.cold_fraction:.0%} cold, blocked {step.blocked_ms:.0f} ms"
     )
 
 

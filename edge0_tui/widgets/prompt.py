@@ -23,6 +23,13 @@ SUBMIT_KEYS = ("enter",)
 NEWLINE_KEYS = ("ctrl+j", "shift+enter")
 
 
+def pasted_lines(text: str) -> str:
+    """A bracketed paste's line breaks as newlines: xterm, VTE and tmux send each one as CR (the
+    Enter key's byte), and Windows text brings CRLF. `sanitize` would drop a bare CR, running
+    the lines together."""
+    return text.replace("\r\n", "\n").replace("\r", "\n")
+
+
 class PromptInput(TextArea):
     # For the footer and the keys panel only: the keys themselves are handled in `_on_key`.
     BINDINGS = [
@@ -55,7 +62,7 @@ class PromptInput(TextArea):
     def _on_paste(self, event: events.Paste) -> None:
         # Textual runs each class's handler, this one before TextArea's, which inserts the text:
         # pasted terminal control sequences are dropped before they are shown.
-        event.text = sanitize(event.text)
+        event.text = sanitize(pasted_lines(event.text))
 
     def action_submit(self) -> None:
         text = self.text.strip()

@@ -36,10 +36,14 @@ class Status:
             pending = f" → {self.pending_mode}" if self.pending_mode else ""
             parts.append((self.mode + pending, 9))
         parts.append((f"context {context} tokens", 2))
-        peak = f"peak MLX {format_bytes(self.peak_memory_bytes)}"
-        if self.peak_rss_bytes:
-            peak += f", RSS {format_bytes(self.peak_rss_bytes)}"
-        parts.append((peak, 1))
+        # A peak not measured yet (0: no step since the model loaded) is left out, not shown as 0 B.
+        peaks = [
+            f"{name} {format_bytes(n)}"
+            for name, n in (("MLX", self.peak_memory_bytes), ("RSS", self.peak_rss_bytes))
+            if n
+        ]
+        if peaks:
+            parts.append(("peak " + ", ".join(peaks), 1))
         if self.unsaved:
             parts.append((f"{self.unsaved} unsaved: database busy", 8))
         parts.append((self.state, 9))

