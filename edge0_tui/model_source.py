@@ -81,7 +81,8 @@ def resolve_model(
             return ModelSource(BUNDLED_DEMO, DEMO, BUNDLED_NOTICE)
         return ModelSource(demo_checkpoint(cache_dir, on_progress), DEMO, DEMO_NOTICE)
     local = Path(spec).expanduser()
-    if local.exists():
+    # (lexists: a broken link or a link loop is a path the user named, not a repo id)
+    if local.exists() or os.path.lexists(local):
         return ModelSource(local, local.name)  # the engine says what is wrong with a bad checkpoint
     _check_repo_id(spec, local)
     on_progress(f"no local directory {spec}; trying the Hugging Face Hub", 0, None)

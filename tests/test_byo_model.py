@@ -125,19 +125,23 @@ def test_dequantized_size_is_what_the_student_holds(checkpoint_dir):
     assert 0.95 * held <= estimate <= 1.05 * held, (estimate, held)
 
 
-def test_a_student_too_big_for_the_machine_is_refused_up_front(outside, monkeypatch, capsys):
+def test_a_student_too_big_for_memory_is_streamed_or_refused_up_front(outside, monkeypatch, capsys):
     model_dir, folder = outside
     need = dequantized_bytes(model_dir, 4)
     monkeypatch.setattr(engine.train.student, "available_memory_bytes", lambda: need // 2)
+    config = EngineConfig(adapter_dirs=(folder,))
+    # Where the dequantized base does not fit, the student streams its experts.
+    assert load_student(model_dir, 2, True, None, config).streamed
+    # An in-memory student asked for is refused before anything is read.
     loads = []
     monkeypatch.setattr(engine.train.student, "load", lambda *a: loads.append(a))
     with pytest.raises(Edge0Error, match="training the LoRA needs about .* is available"):
-        load_student(model_dir, 2, True, None, EngineConfig(adapter_dirs=(folder,)))
-    assert not loads  # refused before anything was read
+        load_student(model_dir, 2, True, None, config, streamed=False)
+    assert not loads
     text = model_dir.parent / "text.txt"
     text.write_text(TEXT)
     args = ["train", "lora", str(model_dir), "--k", "2", "--text", str(text)]
-    assert main([*args, "--adapters", str(folder)]) == 2
+    assert main([*args, "--adapters", str(folder), "--student", "memory"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and str(model_dir) in err and "phase 1" in err
 

@@ -58,3 +58,39 @@ def test_a_kept_table_that_is_not_ours_adds_nothing(tmp_path, content):
     folder.mkdir(parents=True)
     (folder / QUALITY_FILE).write_text(content)
     assert kept_quality("f" * 16, tmp_path) == {}
+
+
+async def test_the_k_selector_shows_each_profiles_measured_quality(checkpoint_dir, tmp_path):
+    from edge0_tui.app import Edge0App
+    from edge0_tui.widgets.routing_selector import RoutingSelector
+    from engine.adapters.quality import keep_quality
+    from engine.config import EngineConfig
+    from engine.runtime.generation import Engine
+
+    model_dir = tmp_path / "model"
+    shutil.copytree(checkpoint_dir("qwen3_moe"), model_dir)
+    write_random_profile(model_dir, 2)
+    data = tmp_path / "data"
+    engine = Engine(model_dir, EngineConfig(mode="on-demand"))
+    fingerprint = engine.fingerprint  # the one adapters are stamped with
+    engine.close()
+    rows = [{"k": 4, "variant": "int4 model (true router)", "vs_native": 1.0}]
+    rows.append({"k": 2, "variant": "heads + LoRA", "vs_native": 1.087})
+    keep_quality({"rows": rows}, fingerprint, data)
+    app = Edge0App(
+        model=str(model_dir),
+        engine_config=EngineConfig(expert_cache_bytes=200_000, data_dir=data),
+        data_dir=tmp_path / "chats",
+        cache_dir=tmp_path / "cache",
+        reopen=False,
+    )
+    async with app.run_test(size=(120, 40)) as pilot:
+        for _ in range(500):
+            if app.chat_screen.ready:
+                break
+            await pilot.pause(0.02)
+        selector = app.chat_screen.query_one(RoutingSelector)
+        labels = {b.id: str(b.label) for b in selector.query("RadioButton")}
+        assert labels["k-2"] == "2 +8.7% ppl"
+        assert labels["k-4"] == "4"  # the native K on its own router: no measured cost
+        await pilot.press("ctrl+q")

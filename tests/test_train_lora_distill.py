@@ -413,13 +413,15 @@ def test_cli_wires_the_training_phases(monkeypatch, tmp_path):
     )
     text = tmp_path / "text.txt"
     text.write_text("some text")
+    model = str(tmp_path / "M")  # a folder: MODEL is resolved before the command runs
+    (tmp_path / "M").mkdir()
     common = ["--k", "4", "--teacher", "T", "--text", str(text), "--steps", "7"]
-    assert main(["train", "lora", "M", *common, "--generate", "64", "--lr", "1e-3"]) == 0
-    assert main(["train", "distill", "M", *common, "--out-dir", "D", "--batch", "5"]) == 0
+    assert main(["train", "lora", model, *common, "--generate", "64", "--lr", "1e-3"]) == 0
+    assert main(["train", "distill", model, *common, "--out-dir", "D", "--batch", "5"]) == 0
     (lora_args, lora_kw), (distill_args, distill_kw) = calls
     assert lora_args[3].k == 4 and lora_args[3].rows == 64 and lora_args[3].steps == 7
     assert lora_args[3].lr == 1e-3 and lora_kw["rows_path"] is None
     assert distill_args[3].prompts_per_step == 5
     assert str(lora_args[1]) == "T" and lora_args[2] == "some text"
     assert distill_args[3].steps == 7 and str(distill_kw["out_dir"]) == "D"
-    assert main(["train", "lora", "M", *common[:4], "--text", str(tmp_path / "missing")]) == 2
+    assert main(["train", "lora", model, *common[:4], "--text", str(tmp_path / "missing")]) == 2

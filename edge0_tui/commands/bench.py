@@ -80,14 +80,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from edge0_tui.model_source import BUNDLED_DEMO
+    from edge0_tui.model_source import is_bundled_demo
     from engine import check_checkpoint, parse_size
     from engine.measure.bench import DEFAULT_PROMPT, BenchConfig, markdown, run_bench, terminal_plot
 
     check_checkpoint(args.model)  # in this process: the arms' processes would each say it again
     check_outputs(args)  # before the run: its results are written only at the end
     # The bundled demo fits any page cache: the chat's 4 MB budgets make its wall (cold reads).
-    demo = args.model.resolve() == BUNDLED_DEMO.resolve()
+    demo = is_bundled_demo(args.model)
     expert_cache = args.expert_cache or (parse_size("4M") if demo else options.AUTO)
     page_cache = args.page_cache or (parse_size("4M") if demo else "off")
     prompt = DEFAULT_PROMPT

@@ -230,7 +230,11 @@ class ChatScreen(Screen):
         self.wired_limit_bytes = info.get("wired_limit_bytes")
         self.engine_info = info  # the palette's "BLAS" entry shows its BLAS and prefill kernels
         await self.query_one(RoutingSelector).set_choices(
-            event.profiles, offered_modes(event), info["k"], info["mode"]
+            event.profiles,
+            offered_modes(event),
+            info["k"],
+            info["mode"],
+            info.get("profile_quality"),
         )
         # Only now: the panel timer shows the selector's state once `ready`.
         self.ready = True

@@ -32,6 +32,8 @@ class RoutingSelector(Vertical):
         super().__init__(id=id)
         self.profiles: list[KProfile] = []
         self.modes: list[str] = []
+        # Measured perplexity over the native model's, per K and routing (`edge0 eval --profiles`).
+        self.quality: dict[int, dict[str, float]] = {}
         # What the radio buttons show as chosen. Pressing a button from code posts the same
         # Changed message a click does; comparing with these tells the two apart.
         self._shown_k: int | None = None
@@ -43,7 +45,7 @@ class RoutingSelector(Vertical):
         yield RadioSet(
             *(
                 RadioButton(
-                    f"{p.k}{'' if p.recovered else '*'}", p.k == self._shown_k, id=f"k-{p.k}"
+                    _k_label(p, self.quality.get(p.k, {})), p.k == self._shown_k, id=f"k-{p.k}"
                 )
                 for p in self.profiles
             ),
@@ -51,9 +53,10 @@ class RoutingSelector(Vertical):
             compact=True,
         )
         unrecovered = not all(p.recovered for p in self.profiles)
-        yield Label(
-            "* quality not recovered at this K" if unrecovered else "", classes="panel-note"
-        )
+        notes = ["* quality not recovered at this K"] if unrecovered else []
+        if any(p.k in self.quality for p in self.profiles):
+            notes.append("ppl: prerouter's perplexity against the native model, measured")
+        yield Label("\n".join(notes), classes="panel-note")
         yield Label("expert loading", classes="panel-title")
         yield RadioSet(
             *(
@@ -65,9 +68,17 @@ class RoutingSelector(Vertical):
         )
         yield Label("", id="switch-note", classes="panel-note")
 
-    async def set_choices(self, profiles: list[KProfile], modes: list[str], k: int, mode: str):
-        """Offer the engine's K profiles and modes, `k` and `mode` chosen."""
-        self.profiles, self.modes = profiles, modes
+    async def set_choices(
+        self,
+        profiles: list[KProfile],
+        modes: list[str],
+        k: int,
+        mode: str,
+        quality: dict[int, dict[str, float]] | None = None,
+    ):
+        """Offer the engine's K profiles and modes, `k` and `mode` chosen; `quality`: each
+        profile's measured perplexity ratio, where an evaluation was kept."""
+        self.profiles, self.modes, self.quality = profiles, modes, quality or {}
         self._shown_k, self._shown_mode = k, mode
         await self.recompose()
 
@@ -108,3 +119,11 @@ class RoutingSelector(Vertical):
 def _mode_label(mode: str) -> str:
     """A mode as the switch shows it, saying whether its tokens are the model's own."""
     return f"{mode} · {'exact' if mode in EXACT_MODES else 'approx.'}"
+
+
+def _k_label(profile: KProfile, quality: dict[str, float]) -> str:
+    """ "4", "4*" (quality not recovered), or "4 +8.7% ppl": the profile as it routes in
+    prerouter mode (with its LoRA where it has one), measured by `edge0 eval --profiles`."""
+    label = f"{profile.k}{'' if profile.recovered else '*'}"
+    ratio = quality.get("heads + LoRA" if profile.lora else "heads only")
+    return label if ratio is None else f"{label} {ratio - 1:+.1%} ppl"

@@ -158,6 +158,9 @@ class _Trainee:
     model: nn.Module
     fingerprint: str
 
+    def value_and_grad(self, loss_fn):
+        return nn.value_and_grad(self.model, loss_fn)
+
 
 # -- mini-batches from the traces ---------------------------------------------------------------------
 
