@@ -118,9 +118,12 @@ def _tools(body: dict) -> list[dict] | None:
     for i, tool in enumerate(tools):
         if not isinstance(tool, dict) or not isinstance(tool.get("name"), str):
             raise bad(f"tools[{i}] needs a name", "tools")
-        function = {"name": tool["name"], "parameters": tool.get("input_schema") or {}}
+        # In the order OpenAI clients send a function (templates write tools as JSON): the same
+        # tool renders the same prompt through either API.
+        function = {"name": tool["name"]}
         if isinstance(tool.get("description"), str):
             function["description"] = tool["description"]
+        function["parameters"] = tool.get("input_schema") or {}
         out.append({"type": "function", "function": function})
     return out
 
@@ -228,7 +231,7 @@ class AnthropicWriter:
         out = []
         if kind == "reasoning":
             if self.block != "thinking":
-                out += self._open("thinking", {"type": "thinking", "thinking": ""})
+                out += self._open("thinking", {"type": "thinking", "thinking": "", "signature": ""})
             return out + [self._delta({"type": "thinking_delta", "thinking": text})]
         if self.block != "text":
             out += self._open("text", {"type": "text", "text": ""})
