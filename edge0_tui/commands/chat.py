@@ -40,6 +40,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     options.add_exact(parser)
     options.add_adapters(parser)
+    options.add_sampling(parser)  # for this run, over the kept settings
     parser.add_argument(
         "--data-dir",
         type=Path,
@@ -96,7 +97,14 @@ def run(args: argparse.Namespace) -> int:
         adapter_dirs=tuple(args.adapters),  # the session fetches Hub repos on its thread
         data_dir=data_dir,
     )
-    app = Edge0App(model=args.model, engine_config=config, data_dir=data_dir, preferences=kept)
+    settings = dataclasses.replace(stored.generation, **options.sampling(args))
+    app = Edge0App(
+        model=args.model,
+        engine_config=config,
+        data_dir=data_dir,
+        settings=settings,
+        preferences=kept,
+    )
     if not args.expert_cache and stored.expert_cache_bytes:  # the kept budget, checked at load
         default = parse_size("4M") if demo else options.AUTO
         app.session.fallback = (
