@@ -137,7 +137,7 @@ def test_anthropic_client_gets_tool_use_and_answers_from_the_tool_result(server)
     first = client.messages.create(messages=anthropic_ask(), **common)
     assert first.stop_reason == "tool_use"
     [use] = first.content
-    assert use.type == "tool_use" and use.id and use.name == "get_weather"
+    assert use.type == "tool_use" and use.id.startswith("toolu_") and use.name == "get_weather"
     assert use.input == CALL_ARGUMENTS
     # The same tool and question render the same prompt as through the OpenAI API.
     openai_prompt = server.client().chat.completions.create(
@@ -159,9 +159,12 @@ def test_anthropic_client_gets_tool_use_and_answers_from_the_tool_result(server)
     assert second.content[0].text == ANSWER
     # Streamed, the call arrives as a tool_use block filled by input_json_delta events.
     with client.messages.stream(messages=anthropic_ask(), **common) as stream:
-        events = [event.type for event in stream]
+        events = list(stream)
         streamed = stream.get_final_message()
-    assert "input_json" in events and streamed.stop_reason == "tool_use"
+    assert "input_json" in [event.type for event in events] and streamed.stop_reason == "tool_use"
+    # message_start counts the prompt already, as the whole reply does.
+    assert events[0].type == "message_start"
+    assert events[0].message.usage.input_tokens == first.usage.input_tokens
     [streamed_use] = streamed.content
     assert streamed_use.type == "tool_use" and streamed_use.name == "get_weather"
     assert streamed_use.input == CALL_ARGUMENTS
