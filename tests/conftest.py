@@ -56,3 +56,27 @@ def cores_given_back():
         from engine.experts.reader_core import unpin_all_threads
 
         unpin_all_threads(before)
+
+
+@pytest.fixture(scope="session")
+def tool_calling_checkpoint(tmp_path_factory) -> Path:
+    """The tiny checkpoint trained to call a tool (tests/agent_model.py), written once per session
+    by a process of its own: `edge0`'s fast BLAS is preloaded there (this one has MLX loaded
+    already), which makes the training about four times faster on Linux."""
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path_factory.mktemp("tool-calling") / "tiny-agent"
+    tests = Path(__file__).parent
+    script = (
+        "from engine import preload_fast_blas; preload_fast_blas()\n"
+        "import sys; from pathlib import Path; import agent_model\n"
+        "print(agent_model.write_agent_checkpoint(Path(sys.argv[1])))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join((str(tests.parent), str(tests)))}
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(out)], env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    return out

@@ -31,6 +31,11 @@ from engine import Edge0Error, GenerationConfig
         (["--top-p", "0"], "top_p=0.0 must be in (0, 1]"),
         (["--top-p", "1.5"], "top_p=1.5 must be in (0, 1]"),
         (["--top-p", "nan"], "top_p=nan must be in (0, 1]"),
+        (["--min-p", "1.5"], "min_p=1.5 must be in [0, 1]"),
+        (["--repetition-penalty", "0"], "repetition_penalty=0.0 must be in (0, 10]"),
+        (["--presence-penalty", "3"], "presence_penalty=3.0 must be in [-2, 2]"),
+        (["--frequency-penalty", "nan"], "frequency_penalty=nan must be in [-2, 2]"),
+        (["--min-p", "most"], "argument --min-p: invalid float value: 'most'"),
         (["--expert-cache", "1.2.3"], "argument --expert-cache: cannot read size '1.2.3'"),
         (["--max-tokens", "many"], "argument --max-tokens: invalid int value: 'many'"),
         (["--prompt", "a\udcff"], "argument --prompt: not valid UTF-8 (byte 0xff at character 1)"),
@@ -48,6 +53,15 @@ def test_bad_argument_is_one_line(checkpoint_dir, capsys, extra, message):
     assert captured.out == ""
     lines = captured.err.splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"edge0: error: {message}"), captured.err
+
+
+def test_chat_sampling_value_is_one_line(checkpoint_dir, capsys):
+    status = main(["chat", str(checkpoint_dir("qwen3_moe")), "--presence-penalty", "-3"])
+    captured = capsys.readouterr()
+    assert status == 2 and captured.out == ""
+    assert (
+        captured.err == "edge0: error: presence_penalty=-3.0 must be in [-2, 2] (0 turns it off)\n"
+    )
 
 
 @pytest.mark.parametrize(

@@ -63,6 +63,43 @@ def test_generate_is_seeded_and_resident_agrees(checkpoint_dir, capsys):
     assert outputs[0] == outputs[1] == outputs[2]
 
 
+def test_generate_takes_the_samplers_options(checkpoint_dir, capsys):
+    common = ["generate", str(checkpoint_dir("qwen3_moe")), "--prompt", "x = 1"]
+    common += ["--max-tokens", "16", "--json"]
+
+    def tokens(*extra: str) -> list[int]:
+        assert main(common + list(extra)) == 0
+        return json.loads(capsys.readouterr().out)["tokens"]
+
+    greedy = tokens()
+    repeated = [t for i, t in enumerate(greedy) if t in greedy[:i]]
+    assert repeated  # this checkpoint's greedy reply repeats a token: penalties have work to do
+    for flag, value in [
+        ("--repetition-penalty", "10"),
+        ("--presence-penalty", "2"),
+        ("--frequency-penalty", "2"),
+    ]:
+        penalized = tokens(flag, value)
+        assert penalized != greedy and penalized.count(repeated[0]) == 1, flag
+    # min-p 1 keeps only the likeliest token: a hot sampler gives the greedy reply.
+    assert tokens("--temp", "5", "--seed", "1") != greedy
+    assert tokens("--temp", "5", "--seed", "1", "--min-p", "1") == greedy
+
+
+def test_chat_hands_the_samplers_options_to_the_app(checkpoint_dir, monkeypatch):
+    from edge0_tui.app import DEFAULT_SETTINGS, Edge0App
+
+    seen = []
+    monkeypatch.setattr(Edge0App, "run", lambda app: seen.append(app.chat_screen.settings))
+    model = str(checkpoint_dir("qwen3_moe"))
+    assert main(["chat", model, "--min-p", "0.05", "--repetition-penalty", "1.2"]) == 0
+    assert main(["chat", model]) == 0
+    given, plain = seen
+    assert (given.min_p, given.repetition_penalty) == (0.05, 1.2)
+    assert given.temperature == DEFAULT_SETTINGS.temperature  # the rest as kept
+    assert plain == DEFAULT_SETTINGS
+
+
 def test_chat_template_applied_by_default_raw_on_request(checkpoint_dir, capsys):
     model = str(checkpoint_dir("qwen3_moe"))
     common = ["generate", model, "--prompt", "hi", "--max-tokens", "2", "--json"]

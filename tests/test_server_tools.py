@@ -1,9 +1,10 @@
 """`edge0 serve` for agents: tools and thinking through the chat template, and Anthropic's
 Messages API driven by the official `anthropic` client, against a real server process.
 
-The tiny checkpoint gets a Qwen3-style chat template (tools listed in the system turn, calls as
-`<tool_call>` JSON, results as `<tool_response>`, `enable_thinking` opening `<think>`), so what
-the requests carry reaches a real template and a real engine.
+The tiny random checkpoint gets the Qwen3-style chat template of tests/agent_model.py (tools
+listed in the system turn, calls as `<tool_call>` JSON, results as `<tool_response>`,
+`enable_thinking` opening `<think>`), so what the requests carry reaches a real template and a
+real engine; tests/test_server_agents.py runs the loop on a model trained to call the tool.
 """
 
 from __future__ import annotations
@@ -13,37 +14,10 @@ import shutil
 
 import anthropic
 import pytest
+from agent_model import QWEN_LIKE_TEMPLATE, WEATHER_TOOL
 from test_server import API_KEY, model_dir, private_env, start_server, stop_server
 
 __all__ = ["model_dir"]  # a fixture, used here by name
-
-QWEN_LIKE_TEMPLATE = (
-    "{%- if tools %}{{- '<|im_start|>system\\n# Tools\\n<tools>' }}"
-    "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
-    '{{- \'\\n</tools>\\nCall one as <tool_call>{"name": ..., "arguments": ...}</tool_call>'
-    "<|im_end|>\\n' }}{%- endif %}"
-    "{%- for message in messages %}"
-    "{%- if message.role == 'tool' %}"
-    "{{- '<|im_start|>user\\n<tool_response>\\n' + message.content + '\\n</tool_response>"
-    "<|im_end|>\\n' }}"
-    "{%- else %}{{- '<|im_start|>' + message.role + '\\n' + (message.content or '') }}"
-    "{%- for call in message.tool_calls or [] %}"
-    '{{- \'<tool_call>\\n{"name": "\' + call.function.name + \'", "arguments": \' + '
-    "(call.function.arguments | tojson) + '}\\n</tool_call>' }}{%- endfor %}"
-    "{{- '<|im_end|>\\n' }}{%- endif %}{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
-    "{%- if enable_thinking is defined and enable_thinking %}{{- '<think>\\n' }}"
-    "{%- else %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}{%- endif %}"
-)
-
-WEATHER_TOOL = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The weather in a city.",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
-    },
-}
 
 
 @pytest.fixture(scope="module")

@@ -45,6 +45,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     options.add_k(parser, help="routing width (default: the last one used, else the model's)")
     options.add_exact(parser)
     options.add_adapters(parser)
+    options.add_sampling(parser)  # for this run, over the kept settings
     parser.add_argument(
         "--data-dir",
         type=Path,
@@ -109,7 +110,14 @@ def build_app(args: argparse.Namespace) -> Edge0App:
         adapter_dirs=tuple(args.adapters),  # the session fetches Hub repos on its thread
         data_dir=data_dir,
     )
-    app = Edge0App(model=args.model, engine_config=config, data_dir=data_dir, preferences=kept)
+    settings = dataclasses.replace(stored.generation, **options.sampling(args))
+    app = Edge0App(
+        model=args.model,
+        engine_config=config,
+        data_dir=data_dir,
+        settings=settings,
+        preferences=kept,
+    )
     if not args.expert_cache and stored.expert_cache_bytes:  # the kept budget, checked at load
         default = parse_size("4M") if demo else options.AUTO
         app.session.fallback = (

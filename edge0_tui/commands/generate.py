@@ -38,6 +38,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--temp", type=float, default=0.0, help="0 is greedy")
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0)
+    options.add_sampling(parser)
     parser.add_argument("--seed", type=int, default=None)
     options.add_mode(parser)
     options.add_expert_cache(
@@ -89,6 +90,7 @@ def run(args: argparse.Namespace) -> int:
         top_p=args.top_p,
         top_k=args.top_k,
         seed=args.seed,
+        **options.sampling(args),
     )
     tracer = Tracer() if args.trace is not None else NO_TRACE
     with Engine(args.model, config, tracer=tracer) as engine:

@@ -1,5 +1,6 @@
 """Options that several commands share: argument types, the engine options (--mode, --k,
---expert-cache, --page-cache, --exact, --adapters), and their values as the engine takes them."""
+--expert-cache, --page-cache, --exact, --adapters), the sampler's (--min-p, the penalties), and
+their values as the engine takes them."""
 
 from __future__ import annotations
 
@@ -252,6 +253,43 @@ def add_adapters(parser: argparse.ArgumentParser, help: str = ADAPTERS_HELP) -> 
 
 
 # -- option values as the engine takes them ------------------------------------------------------
+
+
+# The sampler's options beyond temperature, top-p and top-k, as GenerationConfig names them: the
+# same fields as the server's requests, checked once there (their ranges are its).
+SAMPLING_OPTIONS: tuple[tuple[str, str, str], ...] = (
+    ("min_p", "P", "drop tokens less likely than P times the likeliest (0, the default: off)"),
+    (
+        "repetition_penalty",
+        "X",
+        "divide the logits of tokens among the last 20 (prompt and reply) by X, multiply if "
+        "negative (1, the default: off)",
+    ),
+    (
+        "presence_penalty",
+        "X",
+        "subtract X from the logits of tokens among the last 20, once (0, the default: off)",
+    ),
+    (
+        "frequency_penalty",
+        "X",
+        "subtract X from the logits of tokens among the last 20, once per occurrence (0, the "
+        "default: off)",
+    ),
+)
+
+
+def add_sampling(parser: argparse.ArgumentParser) -> None:
+    """--min-p, --repetition-penalty, --presence-penalty, --frequency-penalty (absent: None)."""
+    for field, metavar, help in SAMPLING_OPTIONS:
+        flag = "--" + field.replace("_", "-")
+        parser.add_argument(flag, type=float, default=None, metavar=metavar, help=help)
+
+
+def sampling(args: argparse.Namespace) -> dict:
+    """The sampling options given on the command line, as GenerationConfig fields."""
+    given = {field: getattr(args, field, None) for field, _, _ in SAMPLING_OPTIONS}
+    return {field: value for field, value in given.items() if value is not None}
 
 
 def page_cache_bytes(value: int | str | None) -> int | None:

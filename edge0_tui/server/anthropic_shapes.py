@@ -36,6 +36,11 @@ ERROR_TYPES = {
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 
 
+def use_id(call: ToolCall) -> str:
+    """A call's id as Anthropic writes a tool_use id (`toolu_...`, where OpenAI's are `call_`)."""
+    return "toolu_" + call.id.removeprefix("call_")
+
+
 def error_body(error: ApiError) -> dict:
     kind = ERROR_TYPES.get(
         error.status, "api_error" if error.status >= 500 else "invalid_request_error"
@@ -118,9 +123,12 @@ def _tools(body: dict) -> list[dict] | None:
     for i, tool in enumerate(tools):
         if not isinstance(tool, dict) or not isinstance(tool.get("name"), str):
             raise bad(f"tools[{i}] needs a name", "tools")
-        function = {"name": tool["name"], "parameters": tool.get("input_schema") or {}}
+        # In the order OpenAI clients send a function (templates write tools as JSON): the same
+        # tool renders the same prompt through either API.
+        function = {"name": tool["name"]}
         if isinstance(tool.get("description"), str):
             function["description"] = tool["description"]
+        function["parameters"] = tool.get("input_schema") or {}
         out.append({"type": "function", "function": function})
     return out
 
@@ -170,8 +178,9 @@ def parse_messages(body: dict, model_ids: tuple[str, ...]) -> GenerationRequest:
 class AnthropicWriter:
     """A reply in Anthropic's shapes, for app.GenerationResponse: SSE events or one body."""
 
-    def __init__(self, request: GenerationRequest, stopped_at_text) -> None:
+    def __init__(self, request: GenerationRequest, stopped_at_text, prompt_tokens: int = 0) -> None:
         self.request = request
+        self.prompt_tokens = prompt_tokens  # known before the first token: message_start says it
         self.id = "msg_" + uuid.uuid4().hex
         self.stopped_at_text = stopped_at_text  # () -> bool: a stop sequence ended the reply
         self.block: str | None = None  # the open block's kind
@@ -203,8 +212,8 @@ class AnthropicWriter:
         return stops[0] if stop_reason == "stop_sequence" and len(stops) == 1 else None
 
     def start(self) -> list[bytes]:
-        empty = {"prompt_tokens": 0, "completion_tokens": 0}
-        message = self._message([], None, empty)
+        used = {"prompt_tokens": self.prompt_tokens, "completion_tokens": 0}
+        message = self._message([], None, used)
         return [sse({"type": "message_start", "message": message}, "message_start")]
 
     def _open(self, kind: str, block: dict) -> list[bytes]:
@@ -228,7 +237,7 @@ class AnthropicWriter:
         out = []
         if kind == "reasoning":
             if self.block != "thinking":
-                out += self._open("thinking", {"type": "thinking", "thinking": ""})
+                out += self._open("thinking", {"type": "thinking", "thinking": "", "signature": ""})
             return out + [self._delta({"type": "thinking_delta", "thinking": text})]
         if self.block != "text":
             out += self._open("text", {"type": "text", "text": ""})
@@ -237,9 +246,8 @@ class AnthropicWriter:
     def end(self, finish_reason: str, calls: list[ToolCall], used: dict, figures: dict) -> list:
         out = []
         for call in calls:
-            out += self._open(
-                "tool_use", {"type": "tool_use", "id": call.id, "name": call.name, "input": {}}
-            )
+            block = {"type": "tool_use", "id": use_id(call), "name": call.name, "input": {}}
+            out += self._open("tool_use", block)
             out.append(
                 self._delta({"type": "input_json_delta", "partial_json": call.arguments_json()})
             )
@@ -266,7 +274,7 @@ class AnthropicWriter:
         if content:
             blocks.append({"type": "text", "text": content})
         blocks += [
-            {"type": "tool_use", "id": call.id, "name": call.name, "input": call.arguments}
+            {"type": "tool_use", "id": use_id(call), "name": call.name, "input": call.arguments}
             for call in calls
         ]
         message = self._message(blocks, self._stop_reason(finish_reason), used)

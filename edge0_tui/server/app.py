@@ -401,7 +401,7 @@ def create_app(worker: EngineWorker, settings: ServerSettings) -> Starlette:
         worker.submit(job)  # ApiError: 503 loading, 429 queue full
         parts = ReplyParts(worker.template_facts, worker.opens_thinking(tokens), bool(parsed.tools))
         if anthropic:
-            writer = AnthropicWriter(parsed, lambda: job.text.stopped)
+            writer = AnthropicWriter(parsed, lambda: job.text.stopped, len(tokens or ()))
             return GenerationResponse(parsed, job, events, stats, writer, parts, anthropic_error)
         return GenerationResponse(parsed, job, events, stats, OpenAIWriter(parsed), parts)
 

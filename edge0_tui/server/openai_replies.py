@@ -1,7 +1,7 @@
 """The OpenAI API's reply shapes: a chat completion or text completion, whole or streamed.
 
 A reply carries the text, and where the request asked or the model wrote them, the reasoning
-(`reasoning_content`, split out by thinking.py), tool calls (tool_calls.py) and the tokens'
+(`reasoning_content`, split out by reply_parts.py), tool calls (tool_calls.py) and the tokens'
 log-probabilities; `edge0` holds the request's own figures (tokens, speed, the profile).
 """
 

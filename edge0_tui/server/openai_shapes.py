@@ -2,8 +2,8 @@
 
 Every check here names the field it refuses (`param` in the error body), so a client sees which
 part of its request was wrong. Sampling values go through `GenerationConfig`, the one check the
-CLI and the app share; everything else the engine cannot honour (several choices, tools,
-penalties, log-probabilities) is refused rather than silently ignored. Fields that change nothing
+CLI and the app share; everything else the engine cannot honour (several choices, a forced
+tool call, constrained output formats) is refused rather than silently ignored. Fields that change nothing
 (`user`, `metadata`, `store`, ...) are accepted and ignored.
 """
 

@@ -5,7 +5,9 @@ Thinking models write their reasoning between the chat template's think tags (`<
 it. What follows the closing tag is the content. A tool call opens with its dialect's marker
 (tool_calls.py): from there on the text is held back and parsed once the reply has ended; text
 before it is content. Text that could still become a tag (`</thi` at the end) is held back
-until the next piece says. A dialect's parse that finds no call gives the text back as content.
+until the next piece says, and so are newlines in reasoning until what follows them shows whether
+they are the closing tag's (`\n</think>`: dropped, as the newlines after `<think>` are). A
+dialect's parse that finds no call gives the text back as content.
 """
 
 from __future__ import annotations
@@ -74,10 +76,13 @@ class ReplyParts:
                 end = self.pending.find(THINK_CLOSE)
                 if end < 0:
                     keep = 0 if final else _held(self.pending, (THINK_CLOSE,))
+                    if not final:  # newlines that may come right before the closing tag
+                        body = self.pending[: len(self.pending) - keep]
+                        keep += len(body) - len(body.rstrip("\n"))
                     self._give(pieces, "reasoning", self.pending[: len(self.pending) - keep])
                     self.pending = self.pending[len(self.pending) - keep :]
                     return pieces
-                self._give(pieces, "reasoning", self.pending[:end])
+                self._give(pieces, "reasoning", self.pending[:end].rstrip("\n"))
                 self.pending = self.pending[end + len(THINK_CLOSE) :].lstrip("\n")
                 self.reasoning = False
                 continue

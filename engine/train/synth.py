@@ -28,6 +28,7 @@ import contextlib
 import io
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path
 from pydoc_data.topics import topics
 
@@ -116,9 +117,16 @@ def _model_config(family: str, preset: str = "tiny") -> dict:
 
 
 def write_synthetic_checkpoint(
-    out_dir: str | Path, family: str, preset: str = "tiny", seed: int = 0
+    out_dir: str | Path,
+    family: str,
+    preset: str = "tiny",
+    seed: int = 0,
+    fit: Callable[[nn.Module], None] | None = None,
 ) -> Path:
-    """Write config.json, model*.safetensors (+ model.safetensors.index.json), tokenizer files into out_dir; return out_dir."""
+    """Write config.json, model*.safetensors (+ model.safetensors.index.json), tokenizer files into out_dir; return out_dir.
+
+    `fit(model)`, if given, trains the float32 model in place before it is cast and quantized:
+    a checkpoint that has learned something (tests/agent_model.py: one that calls a tool)."""
     config = _model_config(family, preset)
     out_dir = Path(out_dir)
     marker = out_dir / MARKER_FILE
@@ -127,15 +135,17 @@ def write_synthetic_checkpoint(
         raise Edge0Error(
             f"{out_dir} exists and is not a synthetic checkpoint; choose an empty directory"
         )
-    _write_checkpoint(out_dir, config, seed, MAX_SHARD_BYTES)
+    _write_checkpoint(out_dir, config, seed, MAX_SHARD_BYTES, fit)
     build_tokenizer(out_dir, SHAPES[preset]["vocab"])
     marker.write_text(json.dumps({"family": family, "preset": preset, "seed": seed}) + "\n")
     return out_dir
 
 
-def _write_checkpoint(out_dir: Path, config: dict, seed: int, max_shard_bytes: int) -> None:
+def _write_checkpoint(
+    out_dir: Path, config: dict, seed: int, max_shard_bytes: int, fit=None
+) -> None:
     """Build the model for `config` and write its weights and config.json."""
-    model, quantized_config = _build_model(config, seed)
+    model, quantized_config = _build_model(config, seed, fit)
     weights = dict(tree_flatten(model.parameters()))
     # Drop the model so that `weights` holds the only reference to each tensor and a
     # shard's memory is freed as soon as it is on disk.
@@ -145,12 +155,15 @@ def _write_checkpoint(out_dir: Path, config: dict, seed: int, max_shard_bytes: i
     save_config(quantized_config, out_dir / "config.json")
 
 
-def _build_model(config: dict, seed: int = 0) -> tuple[nn.Module, dict]:
-    """The quantized random model of `config` (lazy), and its config with quantization."""
+def _build_model(config: dict, seed: int = 0, fit=None) -> tuple[nn.Module, dict]:
+    """The quantized random model of `config` (lazy; trained by `fit` first if given), and its
+    config with quantization."""
     model_class, args_class = _get_classes(config)
     mx.random.seed(seed)
     model = model_class(args_class.from_dict(config))
     _shape_init(model)
+    if fit is not None:
+        fit(model)
     _cast(model, mx.bfloat16)
     # quantize_model prints a bits-per-weight line; keep test and benchmark output clean.
     with contextlib.redirect_stdout(io.StringIO()):
