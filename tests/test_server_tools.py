@@ -177,3 +177,20 @@ def test_anthropic_errors_are_in_anthropics_shape(server):
         client.messages.create(
             model="claude-x", max_tokens=2, messages=[{"role": "user", "content": "hi"}]
         )
+    # A field edge0 cannot honour is refused, naming it, never ignored; edge0's own per-request
+    # profile is taken as through the OpenAI API.
+    hi = [{"role": "user", "content": "hi"}]
+    with pytest.raises(anthropic.BadRequestError) as unknown:
+        client.messages.create(
+            model="tiny-agent", max_tokens=2, messages=hi, extra_body={"mcp_servers": []}
+        )
+    assert "mcp_servers is not supported" in unknown.value.body["error"]["message"]
+    with pytest.raises(anthropic.BadRequestError) as bad_mode:
+        client.messages.create(
+            model="tiny-agent", max_tokens=2, messages=hi, extra_body={"mode": "sideways"}
+        )
+    assert "unknown mode 'sideways'" in bad_mode.value.body["error"]["message"]
+    reply = client.messages.create(
+        model="tiny-agent", max_tokens=2, messages=hi, metadata={"user_id": "u1"}
+    )
+    assert reply.type == "message"

@@ -133,8 +133,24 @@ def _tools(body: dict) -> list[dict] | None:
     return out
 
 
+# The Messages API's fields edge0 honours, those that change nothing here (`metadata`: a user id
+# for the provider's abuse checks; `service_tier`: the provider's capacity), and edge0's own
+# per-request profile (`k`, `mode`). Any other field (`mcp_servers`, `container`, a field of a
+# newer API) would change the reply in a way edge0 cannot: refused, naming it, never ignored.
+MESSAGES_FIELDS = frozenset(
+    {
+        "model", "messages", "max_tokens", "system", "stop_sequences", "stream", "temperature",
+        "top_p", "top_k", "tools", "tool_choice", "thinking", "metadata", "service_tier", "k",
+        "mode",
+    }
+)  # fmt: skip
+
+
 def parse_messages(body: dict, model_ids: tuple[str, ...]) -> GenerationRequest:
     """An Anthropic Messages request as a chat request, checked field by field."""
+    for name in body:
+        if name not in MESSAGES_FIELDS:
+            raise bad(f"{name} is not supported by edge0's Messages API", str(name))
     if not isinstance(body.get("max_tokens"), int) or isinstance(body.get("max_tokens"), bool):
         raise bad("max_tokens is required: an integer", "max_tokens")
     messages = body.get("messages")
@@ -168,6 +184,8 @@ def parse_messages(body: dict, model_ids: tuple[str, ...]) -> GenerationRequest:
         "top_k": body.get("top_k"),
         "tools": _tools(body),
         "tool_choice": "none" if kind == "none" else None,
+        "k": body.get("k"),  # edge0's per-request profile, checked as the OpenAI API checks it
+        "mode": body.get("mode"),
     }
     if isinstance(thinking, dict):
         chat["enable_thinking"] = thinking.get("type") == "enabled"
