@@ -230,3 +230,34 @@ def test_a_killed_streamed_run_resumes_to_the_lora_of_one_that_never_stopped(
     one, other = mx.load(str(straight)), mx.load(str(resumed))
     assert one.keys() == other.keys()
     assert all(mx.array_equal(one[name], other[name]) for name in one)
+
+
+def test_phase_3_on_the_streamed_student_takes_the_in_memory_steps(checkpoint_dir, tmp_path):
+    from engine.train.distill import TrainDistillConfig, train_distill
+
+    model_dir = tmp_path / "qwen3_moe"
+    shutil.copytree(checkpoint_dir("qwen3_moe"), model_dir)
+    write_random_profile(model_dir, 2)
+    text = " ".join(f"word{i % 97} and line {i}." for i in range(3000))
+    config = TrainDistillConfig(
+        k=2, steps=3, prompts_per_step=4, prompt_tokens=8, gen_tokens=12, heldout_prompts=2,
+        lr=1e-3, log_every=1,
+    )  # fmt: skip
+    histories = {}
+    for streamed in (False, True):
+        lines: list[str] = []
+        out = tmp_path / f"distill-{streamed}.safetensors"
+        _, histories[streamed] = train_distill(
+            model_dir, None, text, config, out=out, out_dir=tmp_path / f"run-{streamed}",
+            log=lines.append, engine_config=EngineConfig(expert_cache_bytes=40_000),
+            streamed=streamed,
+        )  # fmt: skip
+        assert any(line.startswith("student: streamed" if streamed else "student: in memory")
+                   for line in lines)  # fmt: skip
+    # The same rollouts (the engine samples them, seeded by the step) and the same losses.
+    memory, streamed = histories[False], histories[True]
+    assert [e["step"] for e in memory] == [e["step"] for e in streamed]
+    for a, b in zip(memory, streamed, strict=True):
+        for key in ("loss", "heldout"):
+            if key in a:
+                assert b[key] == pytest.approx(a[key], rel=1e-3, abs=1e-5), (key, a, b)
