@@ -75,9 +75,10 @@ def expert_input_grad(
     switch: StreamingSwitchGLU, x: mx.array, indices: mx.array, cotangent: mx.array
 ) -> mx.array:
     """d(loss)/dx of the experts' outputs, the layer's experts read again a bankful at a time:
-    each group's rows are differentiated through the 4-bit kernel (`sorted_glu`, the forward's
-    kernel for a chunk) and their gradients added into the rows they came from, evaluated before
-    the next group takes the slots."""
+    each group's rows are differentiated through the kernels the forward used (an expert's
+    dequantized GEMMs where the chunk went dense and it has enough rows, else the sorted 4-bit
+    kernel) and their gradients added into the rows they came from, evaluated before the next
+    group takes the slots."""
     store, layer = switch._store, switch._layer
     mx.eval(x, indices, cotangent)
     routed = np.array(indices)
