@@ -52,9 +52,11 @@ async def test_the_demo_opens_on_what_it_is_and_prompts_to_try(tmp_path):
         await wait_until(pilot, lambda: app.chat_screen.ready, "the demo", timeout=30)
         await wait_until(
             pilot,
-            lambda: steps.display
-            and "Shakespeare" in shown(app)
-            and all(prompt in shown(app) for prompt in DEMO_PROMPTS),
+            lambda: (
+                steps.display
+                and "Shakespeare" in shown(app)
+                and all(prompt in shown(app) for prompt in DEMO_PROMPTS)
+            ),
             "the hints and every suggested prompt",
         )
         await app.chat_screen.run_action("suggest(2)")  # what a click on the third one runs

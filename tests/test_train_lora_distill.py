@@ -291,6 +291,38 @@ def test_sft_lowers_its_loss_and_serves(phase2):
         engine.close()
 
 
+def test_sft_on_kept_top_k_teacher_targets_lowers_its_loss(phase2):
+    """teacher_top_k: the teacher's top-k tokens per position computed once, kept beside the
+    rows (the same cached rows) and trained on; a second run reuses them."""
+    model_dir, teacher, config, _, _, root = phase2
+    top_k = TrainLoRAConfig(**{**config.__dict__, "teacher_top_k": 64})
+    lines: list[str] = []
+    _, own = train_lora(
+        model_dir,
+        teacher,
+        TEXT,
+        top_k,
+        out=root / "top-k.safetensors",
+        out_dir=root / "top-k",
+        log=lines.append,
+    )
+    assert any("teacher targets: the top 64 tokens of 28 x 24 positions" in line for line in lines)
+    assert (model_dir / "train" / "teacher_rows.targets" / "teacher_ids.npy").is_file()
+    heldout = [e["heldout"] for e in own if "heldout" in e]
+    assert heldout[-1] < 0.95 * heldout[0], heldout
+    lines.clear()
+    train_lora(
+        model_dir,
+        teacher,
+        TEXT,
+        TrainLoRAConfig(**{**top_k.__dict__, "steps": 1}),
+        out=root / "top-k-again.safetensors",
+        out_dir=root / "top-k-again",
+        log=lines.append,
+    )
+    assert not any("teacher targets:" in line for line in lines)  # kept: not made again
+
+
 def test_sft_on_the_sampled_tokens_lowers_its_loss(phase2):
     """targets="tokens": plain cross-entropy on the teacher's samples (the same cached rows)."""
     model_dir, teacher, config, _, history, root = phase2
