@@ -843,7 +843,7 @@ def test_503_while_loading_then_failed(tmp_path):
         release.wait(30)
         raise Edge0Error("no checkpoint here")
 
-    worker = EngineWorker(open_engine, queue_limit=2, log=lambda line: None)
+    worker = EngineWorker(open_engine, queue_limit=2)
     app = create_app(worker, ServerSettings(model_ids=("slow",), log=lambda line: None))
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
@@ -1054,7 +1054,7 @@ def test_worker_keeps_a_default_length_inside_the_context_and_stops_at_a_stop_se
     from edge0_tui.server.openai_shapes import parse_completion
 
     fake = FakeEngine()
-    worker = EngineWorker(lambda: fake, log=lambda line: None)
+    worker = EngineWorker(lambda: fake)
     worker.start()
     try:
         deadline = time.monotonic() + 10

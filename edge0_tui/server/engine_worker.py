@@ -171,11 +171,9 @@ class EngineWorker:
         queue_limit: int = 16,
         on_ready: Callable[[EngineWorker], None] | None = None,
         on_failed: Callable[[str], None] | None = None,
-        log: Callable[[str], None] | None = None,
     ) -> None:
         self._on_ready = on_ready
         self._on_failed = on_failed
-        self._log = log or (lambda line: print(escape_controls(line), file=sys.stderr, flush=True))
         self._token_chars: int | None = None  # the vocabulary's longest entry, once known
         # The profile the server was started with (--k, --mode): every request that names no K
         # or mode runs with it, whatever the one before asked for.
@@ -334,10 +332,6 @@ class EngineWorker:
     @property
     def modes(self) -> list[str]:
         return self.service.modes
-
-    @property
-    def last_figures(self) -> dict:
-        return self.service.last_figures
 
 
 def template_facts(engine) -> TemplateFacts:

@@ -79,7 +79,7 @@ def serve(
         if server is not None:
             server.should_exit = True
 
-    worker = EngineWorker(open_engine, queue_limit, on_ready, on_failed, log)
+    worker = EngineWorker(open_engine, queue_limit, on_ready, on_failed)
     app = create_app(worker, settings)
 
     class Server(uvicorn.Server):
