@@ -13,15 +13,8 @@ import pytest
 from edge0_tui.cli import main
 from engine import Edge0Error
 from engine.checkpoint.index import checkpoint_shards
-from engine.measure.bench import (
-    ArmRun,
-    BenchConfig,
-    ReadSpans,
-    _plan_note,
-    markdown,
-    plan_check,
-    run_bench,
-)
+from engine.measure.bench import ArmRun, BenchConfig, ReadSpans, plan_check, run_bench
+from engine.measure.bench_markdown import markdown, plan_note
 from engine.measure.memory_cgroup import MemoryCgroup
 from engine.measure.read_limit import ReadLimitCgroup, block_device, whole_disk
 
@@ -82,7 +75,7 @@ def test_a_run_over_its_memory_plan_is_named_under_the_table():
     assert within["over"] == [] and within["largest_ratio"] == pytest.approx(320 / 300)
     over = plan_check([run("on-demand", 0, 200, 300), run("prefetch", 1, 340, 300)])
     assert over["over"] == [{"arm": "prefetch", "round": 2, "peak_rss_mib": 340, "plan_mib": 300}]
-    assert "prefetch round 2: peak 340 MiB, plan 300 MiB" in _plan_note(over)
+    assert "prefetch round 2: peak 340 MiB, plan 300 MiB" in plan_note(over)
 
 
 def test_cold_evicts_and_memory_limit_failures_are_reported(checkpoint_dir):

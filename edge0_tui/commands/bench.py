@@ -82,7 +82,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from edge0_tui.model_source import is_bundled_demo
     from engine import check_checkpoint, parse_size
-    from engine.measure.bench import DEFAULT_PROMPT, BenchConfig, markdown, run_bench, terminal_plot
+    from engine.measure.bench import DEFAULT_PROMPT, BenchConfig, run_bench
+    from engine.measure.bench_markdown import markdown, terminal_plot
 
     check_checkpoint(args.model)  # in this process: the arms' processes would each say it again
     check_outputs(args)  # before the run: its results are written only at the end
