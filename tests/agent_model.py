@@ -32,7 +32,7 @@ from mlx.utils import tree_map_with_path
 
 from edge0_tui.server.anthropic_shapes import parse_messages
 from edge0_tui.server.openai_shapes import parse_chat
-from engine.runtime.loader import render_chat_template
+from engine.runtime.chat_template import render_chat_template
 from engine.train.synth import EOS_TOKEN_ID, GROUP_SIZE, build_tokenizer, write_synthetic_checkpoint
 
 MODEL_ID = "tiny-agent"

@@ -33,7 +33,7 @@ from test_bad_inputs import (
 
 from engine import Edge0Error, EngineConfig
 from engine.checkpoint.index import checkpoint_shards
-from engine.runtime import loader
+from engine.runtime import chat_template as template_bound
 from engine.runtime.generation import Engine
 
 NORM = "model.norm.weight"
@@ -459,7 +459,7 @@ def _copy(source: Path, tmp_path: Path) -> Path:
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_bad_input_is_one_clear_line(case, checkpoint_dir, profiled_source, tmp_path, monkeypatch):
     if case.template_seconds is not None:
-        monkeypatch.setattr(loader, "CHAT_TEMPLATE_SECONDS", case.template_seconds)
+        monkeypatch.setattr(template_bound, "CHAT_TEMPLATE_SECONDS", case.template_seconds)
     source = profiled_source if case.adapters else checkpoint_dir(case.family)
     model = _copy(source, tmp_path)
     case.breaks(model)

@@ -1,4 +1,4 @@
-"""The chat template's bound (loader.render_chat_template): it holds in any thread, leaves a
+"""The chat template's bound (chat_template.render_chat_template): it holds in any thread, leaves a
 tracer as it was, keeps `*` and `**` computing what templates use them for, and is edge0's alone:
 jinja2 and transformers behave as stock for other code in the process. The bound's refusals, one
 line each, are cases of test_bad_checkpoints.py."""
@@ -16,7 +16,7 @@ from test_bad_checkpoints import LOOPS, _copy, chat_template
 from transformers.utils import chat_template_utils
 
 from engine import Edge0Error, EngineConfig
-from engine.runtime import loader
+from engine.runtime import chat_template as chat_template_module
 from engine.runtime.generation import Engine
 
 # Past the bound's CHAT_TEMPLATE_POWER_BITS: stock jinja2 computes it, edge0's rendering refuses it.
@@ -28,7 +28,7 @@ BIG_POWER = "{% set n = 70000 %}{{ (2 ** n).bit_length() }}"  # a name: jinja2 f
 def test_chat_template_bound_in_a_worker_thread(checkpoint_dir, tmp_path, monkeypatch):
     model = _copy(checkpoint_dir("qwen3_moe"), tmp_path)
     chat_template(LOOPS)(model)
-    monkeypatch.setattr(loader, "CHAT_TEMPLATE_SECONDS", 0.5)
+    monkeypatch.setattr(chat_template_module, "CHAT_TEMPLATE_SECONDS", 0.5)
     errors = []
     with Engine(model, EngineConfig()) as engine:
 
@@ -79,8 +79,9 @@ from transformers.utils import chat_template_utils as ctu
 cls = sandbox.ImmutableSandboxedEnvironment
 before = (dict(vars(cls)), dict(vars(sandbox.SandboxedEnvironment)), ctu._compile_jinja_template)
 import engine.runtime.loader  # noqa: E402,F401
+import engine.runtime.chat_template  # noqa: E402,F401
 after = (dict(vars(cls)), dict(vars(sandbox.SandboxedEnvironment)), ctu._compile_jinja_template)
-assert before == after, "importing the loader changed jinja2 or transformers"
+assert before == after, "importing the loader or the template bound changed jinja2 or transformers"
 print(cls().from_string(BIG_POWER).render())
 """.replace("BIG_POWER", repr(BIG_POWER))
 

@@ -38,8 +38,9 @@ from ..routing.moe_block import set_top_k
 from ..routing.prerouter import PrerouterHeads
 from ..trace import NO_TRACE, Tracer
 from .blas import blas_in_use, prefill_kernels
+from .chat_template import render_chat_template
 from .compute_activity import follow_compute
-from .loader import LoadedModel, load, render_chat_template
+from .loader import LoadedModel, load
 from .memory_plan import wire_for_plan
 from .metrics import (
     MemorySampler,

@@ -203,7 +203,7 @@ def default_heads_tokens(tokenizer, max_tokens: int, where: Path) -> np.ndarray:
     order by a hash of their name, so the held-out windows (the first ones) are no one letter's."""
     from pydoc_data.topics import topics
 
-    from ..runtime.loader import render_chat_template  # MLX: not for `edge0 train corpus`
+    from ..runtime.chat_template import render_chat_template  # not for `edge0 train corpus`
 
     names = sorted(topics, key=lambda name: hashlib.sha256(name.encode()).hexdigest())
     eos = list(tokenizer.eos_token_ids)[:1]
