@@ -25,10 +25,10 @@ from .last_session import LastSession, LastSessionFile
 from .model_source import DEMO
 from .preferences import KeptPreferences
 from .sanitize import sanitize
-from .screens.chat import ChatScreen, mode_unavailable
+from .screens.chat import ChatScreen
 from .series_export import FORMATS, write_series
 from .widgets.first_steps import DEMO_PROMPTS
-from .widgets.routing_selector import RoutingSelector
+from .widgets.routing_selector import RoutingSelector, mode_unavailable
 
 DEFAULT_SETTINGS = GenerationConfig(max_tokens=512, temperature=0.7, top_p=0.9)
 # The demo samples from its own distribution, untrimmed: it learned to answer a speech with one

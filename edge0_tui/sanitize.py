@@ -54,3 +54,9 @@ def escape_controls(text: str, keep_newlines: bool = True) -> str:
     error lines, which say what a file holds. Character by character, so the escape of a prefix is a
     prefix of the escape of the whole (a reply escaped as it streams in)."""
     return (_ESCAPED if keep_newlines else _ESCAPED_ALL).sub(_escape, text)
+
+
+def error_line(error: BaseException | None) -> str:
+    """An exception as one line: its type and the first line of its message."""
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__

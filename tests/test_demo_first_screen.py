@@ -8,7 +8,6 @@ from __future__ import annotations
 import statistics
 from dataclasses import replace
 
-import pytest
 from test_bad_inputs_app import shown
 from test_one_name import _build
 from test_tui_app import make_app, ready, reply_done, send, wait_until
@@ -19,12 +18,7 @@ from edge0_tui.widgets.first_steps import DEMO_PROMPTS, FirstSteps
 from edge0_tui.widgets.prompt import PromptInput
 from engine import Engine, EngineConfig
 
-needs_demo = pytest.mark.skipif(
-    not (BUNDLED_DEMO / "config.json").exists(), reason="the bundled demo is not installed"
-)
 
-
-@needs_demo
 def test_the_demo_settings_and_prompts_give_longer_replies():
     """Token counts, seeded: the suggested prompts at the demo's settings against the app's
     general settings (what the demo used before)."""
@@ -41,7 +35,6 @@ def test_the_demo_settings_and_prompts_give_longer_replies():
     assert after >= 1.5 * before and after >= 15, (before, after)
 
 
-@needs_demo
 async def test_the_demo_opens_on_what_it_is_and_prompts_to_try(tmp_path):
     app = _build(["demo"], tmp_path)
     assert app.chat_screen.settings == DEMO_SETTINGS  # nothing kept yet

@@ -17,10 +17,6 @@ from edge0_tui.model_source import BUNDLED_DEMO
 from edge0_tui.preferences import ModelPreferences, PreferenceStore, model_key
 from engine import GenerationConfig
 
-pytestmark = pytest.mark.skipif(
-    not (BUNDLED_DEMO / "config.json").exists(), reason="the bundled demo is not installed"
-)
-
 
 def test_info_and_generate_open_the_demo_by_name():
     out = run_cli("info", "demo", "--json")

@@ -20,7 +20,7 @@ from textual.timer import Timer
 from textual.widgets import Footer, Header
 from textual.worker import Worker, WorkerState, get_current_worker
 
-from engine import HEAD_MODES, Edge0Error, GenerationConfig, format_bytes
+from engine import HEAD_MODES, Edge0Error, GenerationConfig
 
 from ..chat_store import ChatHandle, ChatMessage, ChatStore, chat_title
 from ..engine_session import EngineSession, ReplyRequest
@@ -38,17 +38,23 @@ from ..messages import (
 )
 from ..model_source import DEMO
 from ..preferences import ModelPreferences, fit_to_model
+from ..sanitize import error_line
 from ..system_memory import SystemMemory, read_system_memory
 from ..widgets.conversation import AssistantTurn, Conversation
 from ..widgets.first_steps import DEMO_PROMPTS, FirstSteps
 from ..widgets.memory_bar import MemoryBreakdown
 from ..widgets.metrics_panel import MetricsPanel
 from ..widgets.prompt import PromptInput
-from ..widgets.routing_selector import RoutingSelector
+from ..widgets.routing_selector import (
+    RoutingSelector,
+    mode_unavailable,
+    next_choice,
+    offered_modes,
+)
 from ..widgets.status_line import Status, StatusLine
 from ..widgets.wall_strip import WallStrip
 from .chat_list import ChatListScreen
-from .confirm import ConfirmScreen
+from .confirm import ConfirmScreen, resident_question
 from .model_loading import ModelLoadingScreen
 from .settings import SettingsScreen
 
@@ -212,7 +218,7 @@ class ChatScreen(Screen):
         # translate. Say so in one line, keep the conversation, and end the reply it interrupted.
         if not self.ready:
             # The model never loaded: that is the news, with the real reason, not "engine stopped".
-            self._load_failed(_one_line(event.worker.error))
+            self._load_failed(error_line(event.worker.error))
             return
         self.ready = False
         self.notify(f"the engine stopped on a bug: {event.worker.error!r}", severity="error")
@@ -544,7 +550,7 @@ class ChatScreen(Screen):
         """The next K after the one asked for, among those the mode that will run can use."""
         choices = self._k_choices()
         if choices:
-            self.choose_k(_after(choices, self.pending_k or self.session.metrics.k))
+            self.choose_k(next_choice(choices, self.pending_k or self.session.metrics.k))
 
     def action_pick_k(self, k: int) -> None:
         self.choose_k(k)
@@ -556,7 +562,7 @@ class ChatScreen(Screen):
         if self.session.metrics.mode == "resident":
             self.choose_mode("on-demand")
         elif len(modes) > 1:
-            self.choose_mode(_after(modes, self.pending_mode or self.session.metrics.mode))
+            self.choose_mode(next_choice(modes, self.pending_mode or self.session.metrics.mode))
         elif modes:
             other = "prerouter" if modes[0] == "on-demand" else "on-demand"
             self.notify(f"{modes[0]} is the only mode offered here: {mode_unavailable(other)}")
@@ -574,19 +580,7 @@ class ChatScreen(Screen):
             return
         engine = self.session.engine
         needs = engine.loaded.index.expert_nbytes if engine is not None else 0
-        memory = read_system_memory()
-        free = (
-            ""
-            if memory.used_bytes is None
-            else (
-                f"; {format_bytes(memory.total_bytes - memory.used_bytes)} of "
-                f"{format_bytes(memory.total_bytes)} {memory.source} is free now"
-            )
-        )
-        question = (
-            f"Resident mode reads every expert into memory: {format_bytes(needs)} more{free}. "
-            "Past what is free the system swaps or stops edge0. The chat stays."
-        )
+        question = resident_question(needs, read_system_memory())
 
         def answered(yes: bool | None) -> None:
             if yes:
@@ -704,35 +698,3 @@ class ChatScreen(Screen):
         if self.reply is None:
             return self.context_tokens
         return metrics.context_tokens or None
-
-
-def offered_modes(event: EngineReady) -> list[str]:
-    """The modes the selector offers: the engine's own, and the others it reloads into
-    (resident from a streaming mode; the streaming modes from resident)."""
-    if event.modes == ["resident"]:
-        has_heads = any(p.prerouter for p in event.profiles)
-        return ["resident", "on-demand", *(HEAD_MODES if has_heads else ()), "prefetch"]
-    return [*event.modes, "resident"]
-
-
-def mode_unavailable(mode: str) -> str:
-    """Why `mode` is not offered by the running engine, and what to do about it."""
-    if mode in HEAD_MODES:
-        return (
-            f"{mode} mode needs prerouter heads for this model: train them with "
-            "`edge0 train heads MODEL --k K`, or pass `--adapters DIR|REPO_ID`"
-        )
-    return f"{mode} mode is not available while the model runs resident: restart without --mode"
-
-
-def _after(choices: list, current: object) -> object:
-    """The choice after `current`, wrapping round (the first one when `current` is not offered)."""
-    if current not in choices:
-        return choices[0]
-    return choices[(choices.index(current) + 1) % len(choices)]
-
-
-def _one_line(error: BaseException | None) -> str:
-    """An exception as one line: its type and the first line of its message."""
-    lines = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__

@@ -9,6 +9,10 @@ from textual.containers import Horizontal, Vertical
 from textual.screen import ModalScreen
 from textual.widgets import Button, Label
 
+from engine import format_bytes
+
+from ..system_memory import SystemMemory
+
 
 class ConfirmScreen(ModalScreen[bool]):
     """Dismissed with True for the action, False for Cancel or Escape."""
@@ -35,3 +39,19 @@ class ConfirmScreen(ModalScreen[bool]):
     @on(Button.Pressed, "#cancel")
     def cancel(self) -> None:
         self.dismiss(False)
+
+
+def resident_question(expert_bytes: int, memory: SystemMemory) -> str:
+    """What loading every expert resident asks for, against what the machine has free now."""
+    free = (
+        ""
+        if memory.used_bytes is None
+        else (
+            f"; {format_bytes(memory.total_bytes - memory.used_bytes)} of "
+            f"{format_bytes(memory.total_bytes)} {memory.source} is free now"
+        )
+    )
+    return (
+        f"Resident mode reads every expert into memory: {format_bytes(expert_bytes)} more{free}. "
+        "Past what is free the system swaps or stops edge0. The chat stays."
+    )
