@@ -1,6 +1,6 @@
 """Training results that do not mislead (issue 35 item 5): the demo trains its heads on its own
-corpus by default, the comparison with the heads found before is on the same held-out windows of
-that text, heads written where another folder shadows them are said to be shadowed before the
+corpus by default (another model on the text it writes itself: test_train_heads_self_text.py), the
+comparison with the heads found before is on the same held-out windows of that text, heads written where another folder shadows them are said to be shadowed before the
 work starts, and heads without a LoRA are not called "without trained adapters"."""
 
 from __future__ import annotations
@@ -32,15 +32,18 @@ def test_train_heads_on_the_demo_uses_its_own_corpus_and_warns_first(
     assert main([*args, "--window", "64"]) == 0
     printed = capsys.readouterr().out.splitlines()
     assert read == [1]  # the fake works' train split, as `train.txt` holds it
-    (text,) = [line for line in printed if line.startswith("text: ")]
-    assert "the demo's own corpus" in text and "Python" not in text
+    (text,) = [line for line in printed if line.startswith("training text: ")]
+    assert "the demo's own corpus" in text and "the model wrote" not in text
+    assert not any(line.startswith("the model writes") for line in printed)
     # The demo's own K=2 heads come first in the adapter search: said before the work starts.
     (note,) = [i for i, line in enumerate(printed) if line.startswith("note: the heads will")]
     (collected,) = [i for i, line in enumerate(printed) if line.startswith("collected ")]
     assert note < collected and "--adapters" in printed[note]
     assert str(BUNDLED_DEMO / "prerouter_k2.safetensors") in printed[note]
     (found,) = [line for line in printed if line.startswith("the heads found before")]
-    assert "on the same" in found and "held-out windows of this text" in found
+    assert "on the same held-out text" in found
+    (held,) = [line for line in printed if line.startswith("held-out text: ")]
+    assert "its first" in held and "windows)" in held
 
 
 def test_heads_without_a_lora_are_named_as_such(checkpoint_dir, tmp_path, capsys):

@@ -186,7 +186,7 @@ def test_cli_train_heads_default_corpus_into_the_auto_folder(
     args = ["train", "heads", str(model_dir), "--k", "2", "--steps", "4", "--max-tokens", "1500"]
     assert main(args + ["--expert-cache", "256K"]) == 0
     printed = capsys.readouterr().out
-    assert "the default corpus" in printed and "held-out recall@2" in printed
+    assert "tokens the model wrote from" in printed and "held-out recall@2" in printed
     written = list(data.glob("adapters/*/prerouter_k2.safetensors"))
     assert len(written) == 1
     assert not list(model_dir.glob("prerouter_*")) and not (model_dir / "work").exists()
@@ -195,6 +195,7 @@ def test_cli_train_heads_default_corpus_into_the_auto_folder(
     assert main(args + ["--expert-cache", "256K"]) == 0
     again = capsys.readouterr()
     assert "resuming" in again.out
+    assert "written before" in again.out and "the first reply" not in again.out  # text kept
     assert main(["info", str(model_dir)]) == 0
     assert f"K=2: prerouter (quality not recovered, auto folder: {written[0]})" in (
         capsys.readouterr().out

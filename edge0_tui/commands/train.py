@@ -11,7 +11,7 @@ from pathlib import Path
 from edge0_tui.commands import options
 from edge0_tui.commands.common import read_text
 from edge0_tui.model_source import is_bundled_demo
-from engine import EngineConfig
+from engine import Edge0Error, EngineConfig
 
 NAME = "train"
 
@@ -33,10 +33,21 @@ def _add_heads(phases: argparse._SubParsersAction) -> None:
         "--text",
         type=Path,
         default=None,
-        help="UTF-8 text to run the model over (default: for the demo, its own corpus, the train "
-        "split of Shakespeare's works; for another model, Python's own documentation, in every "
-        "Python install, as chat exchanges in the model's chat template: role tokens and "
-        "assistant turns as in a chat, explanatory English with code; no download)",
+        help="UTF-8 text to run the model over, its first windows held out (default: for the "
+        "demo, its own corpus, the train split of Shakespeare's works; for another model, text "
+        "it writes itself: its replies to 56 built-in prompts of eight kinds (code, maths, chat, "
+        "facts, stories, instructions, other languages, reasoning) through its chat template, "
+        "the replies to 8 of them held out; no download; see --self-text-tokens)",
+    )
+    heads.add_argument(
+        "--self-text-tokens",
+        type=options.count(1),
+        default=None,
+        metavar="N",
+        help="without --text: how many tokens of text the model writes itself (default: "
+        "--max-tokens, all that phase 1 reads); written once at T=0.8 with a fixed seed into "
+        "ADAPTERS/work, kept reply by reply, a rerun goes on where it stopped; on the demo, "
+        "its own text instead of its corpus",
     )
     heads.add_argument(
         "--out",
@@ -204,14 +215,24 @@ def run_heads(args: argparse.Namespace) -> int:
 
     check_out(args, "prerouter")
     from engine.train.data import CHARS_PER_TOKEN
+    from engine.train.self_text import SelfTextConfig
 
+    self_text = None
+    if args.self_text_tokens is not None:
+        if args.text is not None:
+            raise Edge0Error("--self-text-tokens is for the model's own text: not with --text")
+        if args.self_text_tokens > args.max_tokens:
+            raise Edge0Error(
+                f"--self-text-tokens {args.self_text_tokens} is above --max-tokens "
+                f"{args.max_tokens}, all that phase 1 reads"
+            )
+        self_text = SelfTextConfig(tokens=args.self_text_tokens)
     # Only what is encoded is read (the first CHARS_PER_TOKEN x --max-tokens characters).
     limit = CHARS_PER_TOKEN * args.max_tokens
     text = read_text(args.text, max_chars=limit) if args.text is not None else None
     text_name = str(args.text) if args.text is not None else None
-    if text is None and is_bundled_demo(args.model):
-        # The demo knows Shakespeare, not Python's documentation: heads trained on the latter
-        # beat the shipped ones on it and are no better where the demo is used.
+    if text is None and self_text is None and is_bundled_demo(args.model):
+        # The demo knows Shakespeare and cannot chat: its own corpus is the text it is used on.
         from engine.train.corpus import DEMO_HEADS_CORPUS, train_split_text
 
         text, text_name = train_split_text()[:limit], DEMO_HEADS_CORPUS
@@ -235,6 +256,7 @@ def run_heads(args: argparse.Namespace) -> int:
         adapters_dir=args.adapters,
         bar=sys.stderr.isatty(),
         text_name=text_name,
+        self_text=self_text,
     )
     return 0
 

