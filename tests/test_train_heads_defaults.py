@@ -46,6 +46,22 @@ def test_train_heads_on_the_demo_uses_its_own_corpus_and_warns_first(
     assert "its first" in held and "windows)" in held
 
 
+def test_the_demo_asked_for_its_own_text_writes_it_and_reads_no_corpus(
+    tmp_path, monkeypatch, capsys
+):
+    def no_corpus(*args):
+        raise AssertionError("the corpus was read")
+
+    monkeypatch.setattr(corpus, "train_split_text", no_corpus)
+    args = ["train", "heads", "demo", "--k", "2", "--steps", "1", "--window", "64"]
+    args += ["--max-tokens", "600", "--self-text-tokens", "600", "--adapters", str(tmp_path)]
+    assert main(args) == 0
+    printed = capsys.readouterr().out.splitlines()
+    (text,) = [line for line in printed if line.startswith("training text: ")]
+    assert "tokens the model wrote from" in text and "through its chat template" in text
+    assert list(tmp_path.glob("work/self-text-*/samples.jsonl"))
+
+
 def test_heads_without_a_lora_are_named_as_such(checkpoint_dir, tmp_path, capsys):
     model_dir = checkpoint_dir("qwen3_moe")
     heads_only = tmp_path / "heads"
