@@ -2,6 +2,8 @@
 
     edge0 train heads MODEL --k K [--text FILE] [--out FILE] [--adapters DIR] [--expert-cache SIZE]
 
+0. Without `--text`, the model first writes its own text (`self_text.py`): its replies to built-in
+   prompts through its chat template, the replies to a few prompts held out.
 1. Collect (`collect.py`): run the model in on-demand mode, the experts streamed in bounded memory,
    over the text in fixed-length windows (teacher forcing), and record every MoE layer's input x
    and router logits into memory-mapped arrays on disk, window by window.
@@ -14,12 +16,14 @@
    cross-entropy between the routing distributions (what top-K ranking needs) plus a small logit
    MSE (the combine weights read absolute scores).
 3. Report held-out recall@K per owner (through the family's routing function; the first windows
-   are held out), and that of the heads the model already has for K, on the same windows; save.
+   are held out: of the model's own text, the held-out prompts' replies), and that of the heads
+   the model already has for K, on the same windows; save.
 
 Everything lands in the adapter folder: `--adapters DIR`, else the model's automatic folder
 (`adapters/locations.py`); the traces and the training state in its `work/` folder. Both stages
 resume: a rerun of the same command continues after the last complete window, and from the last
-saved training step. The traces do not depend on K: every K of the same text reuses them.
+saved training step, and the model's own text after its last written reply. The traces do not
+depend on K: every K of the same text reuses them.
 """
 
 from __future__ import annotations

@@ -194,7 +194,6 @@ def write_self_text(
     key = text_key(engine.fingerprint, rendered, config, held_out_tokens)
     folder = work / f"self-text-{key}"
     check_output_folder(folder, "the written text")
-    folder.mkdir(parents=True, exist_ok=True)
     settings = {
         "format": FORMAT_VERSION,
         "fingerprint": engine.fingerprint,
@@ -204,21 +203,21 @@ def write_self_text(
         **dataclasses.asdict(config),
         "held_out_tokens": held_out_tokens,
     }
-    (folder / SETTINGS).write_text(json.dumps(settings, indent=1) + "\n")
-    written = WrittenSamples(folder, engine.vocab_size)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / SETTINGS).write_text(json.dumps(settings, indent=1) + "\n")
+        written = WrittenSamples(folder, engine.vocab_size)
+    except OSError as e:
+        raise Edge0Error(f"{folder}: cannot keep the written text ({e.strerror or e})") from None
 
     held = held_out_prompts()
     train_prompts = [i for i in range(len(PROMPTS)) if i not in held]
+    # Each stream's prompts and tokens, with what was written of it before and which reply is next.
     streams = {
-        "held_out": (sorted(held), held_out_tokens),
-        "train": (train_prompts, config.tokens - held_out_tokens),
+        "held_out": _stream(sorted(held), held_out_tokens, config, written),
+        "train": _stream(train_prompts, config.tokens - held_out_tokens, config, written),
     }
-    # Which reply comes next in each stream, and each stream's tokens so far.
-    slots = {
-        name: _stream(prompts, budget, config, written)
-        for name, (prompts, budget) in streams.items()
-    }
-    had = sum(min(len(s.tokens), s.budget) for s in slots.values())
+    had = sum(min(len(s.tokens), s.budget) for s in streams.values())
     how = "through its chat template" if templated else "as plain text (it has no chat template)"
     if had >= config.tokens:
         log(f"the model's own text: {config.tokens:,} tokens, written before ({folder})")
@@ -229,12 +228,13 @@ def write_self_text(
             f"{config.seed}, at most {config.reply_tokens} tokens a reply), kept in {folder}"
             + (f"; {had:,} tokens written before, resuming" if had else "")
         )
-        _write(engine, rendered, slots, written, config, had, log, bar)
+        _write(engine, rendered, streams, written, config, had, log, bar)
+    train, held_out = streams["train"], streams["held_out"]
     return SelfText(
-        train=np.array(slots["train"].tokens[: slots["train"].budget], dtype=np.int64),
-        held_out=np.array(slots["held_out"].tokens[: slots["held_out"].budget], dtype=np.int64),
-        train_prompts=slots["train"].prompts_used,
-        held_out_prompts=slots["held_out"].prompts_used,
+        train=np.array(train.tokens[: train.budget], dtype=np.int64),
+        held_out=np.array(held_out.tokens[: held_out.budget], dtype=np.int64),
+        train_prompts=train.prompts_used,
+        held_out_prompts=held_out.prompts_used,
         templated=templated,
         config=config,
         folder=folder,
@@ -299,8 +299,9 @@ def _write(
         for stream in streams.values():
             while not stream.done:
                 round_, prompt = stream.slot()
+                room = engine.context_limit - len(rendered[prompt])  # the model's context
                 gen = GenerationConfig(
-                    max_tokens=stream.reply_cap(len(rendered[prompt])),
+                    max_tokens=max(1, min(stream.reply_cap(len(rendered[prompt])), room)),
                     temperature=config.temperature,
                     top_p=config.top_p,
                     seed=reply_seed(config.seed, round_, prompt),
@@ -318,7 +319,7 @@ def _write(
                 rate = (done - had) / max(elapsed, 1e-9)
                 bars.update(task, advance=counted, status=f"{rate:.0f} tok/s")
                 if first and left > 0:
-                    took = time.perf_counter() - reply_started
+                    took = max(time.perf_counter() - reply_started, 1e-9)
                     log(
                         f"the first reply: {len(sample):,} tokens in {took:.1f} s "
                         f"({len(sample) / took:.0f} tok/s, its prompt included): the "
