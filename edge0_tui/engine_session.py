@@ -31,6 +31,7 @@ from .engine_service import (
     JobEvent,
     NewText,
     OpenFailed,
+    QualityChanged,
     ReplyDone,
     ReplyJob,
     ServiceClosed,
@@ -43,6 +44,7 @@ from .messages import (
     EngineFailed,
     EngineReady,
     ModelProgress,
+    QualityKept,
     ReplyFailed,
     ReplyFinished,
     ReplyText,
@@ -198,6 +200,8 @@ class EngineSession:
             self._post(EngineFailed(event.message))
         elif isinstance(event, SwitchNotApplied):
             self._post(SwitchFailed(event.message))
+        elif isinstance(event, QualityChanged):
+            self._post(QualityKept(event.quality))
 
     def _on_reply_event(self, event: JobEvent) -> None:
         if isinstance(event, NewText):

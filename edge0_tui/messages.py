@@ -74,6 +74,13 @@ class SwitchFailed(Message, bubble=False):
 
 
 @dataclass
+class QualityKept(Message, bubble=False):
+    """`edge0 eval --profiles` kept a new table of the K profiles' perplexity while the app ran."""
+
+    quality: dict[int, dict[str, float]]
+
+
+@dataclass
 class ContextCounted(Message, bubble=False):
     """Tokens a reopened chat puts in the model's context (its messages through the template)."""
 

@@ -60,7 +60,11 @@ def test_a_kept_table_that_is_not_ours_adds_nothing(tmp_path, content):
     assert kept_quality("f" * 16, tmp_path) == {}
 
 
-async def test_the_k_selector_shows_each_profiles_measured_quality(checkpoint_dir, tmp_path):
+async def test_the_k_selector_shows_each_profiles_measured_quality(
+    checkpoint_dir, tmp_path, monkeypatch
+):
+    from textual.widgets import RadioButton
+
     from edge0_tui.app import Edge0App
     from edge0_tui.widgets.routing_selector import RoutingSelector
     from engine.adapters.quality import keep_quality
@@ -77,6 +81,7 @@ async def test_the_k_selector_shows_each_profiles_measured_quality(checkpoint_di
     rows = [{"k": 4, "variant": "int4 model (true router)", "vs_native": 1.0}]
     rows.append({"k": 2, "variant": "heads + LoRA", "vs_native": 1.087})
     keep_quality({"rows": rows}, fingerprint, data)
+    monkeypatch.setattr("edge0_tui.engine_service.service.QUALITY_POLL_S", 0.1)
     app = Edge0App(
         model=str(model_dir),
         engine_config=EngineConfig(expert_cache_bytes=200_000, data_dir=data),
@@ -93,4 +98,14 @@ async def test_the_k_selector_shows_each_profiles_measured_quality(checkpoint_di
         labels = {b.id: str(b.label) for b in selector.query("RadioButton")}
         assert labels["k-2"] == "2 +8.7% ppl"
         assert labels["k-4"] == "4"  # the native K on its own router: no measured cost
+        # An eval run beside the open app: its figures show without a reload, K as chosen.
+        rows[1] = {"k": 2, "variant": "heads + LoRA", "vs_native": 1.042}
+        keep_quality({"rows": rows}, fingerprint, data)
+        for _ in range(500):
+            labels = {b.id: str(b.label) for b in selector.query("RadioButton")}
+            if labels["k-2"] != "2 +8.7% ppl":
+                break
+            await pilot.pause(0.02)
+        assert labels["k-2"] == "2 +4.2% ppl"
+        assert selector.query_one("#k-4", RadioButton).value  # the native K, still chosen
         await pilot.press("ctrl+q")

@@ -109,7 +109,14 @@ class SwitchNotApplied:
     message: str  # a K, mode or page-cache change the engine accepted could not be applied
 
 
-ServiceEvent = EngineOpened | OpenFailed | SwitchNotApplied
+@dataclass(frozen=True)
+class QualityChanged:
+    """`edge0 eval --profiles` kept a new table while the engine was open."""
+
+    quality: dict[int, dict[str, float]]
+
+
+ServiceEvent = EngineOpened | OpenFailed | SwitchNotApplied | QualityChanged
 
 
 # -- jobs -----------------------------------------------------------------------------------------

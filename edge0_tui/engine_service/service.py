@@ -18,6 +18,7 @@ from .jobs import (
     EngineUnavailable,
     NewText,
     OpenFailed,
+    QualityChanged,
     QueueFull,
     ReplyDone,
     ReplyError,
@@ -33,6 +34,9 @@ if TYPE_CHECKING:
 
 # How often an idle engine thread looks at its quit flags (a caller's flag cannot wake it).
 POLL_S = 0.1
+# How often an idle engine thread looks for a profile-quality table kept since it loaded (an
+# `edge0 eval --profiles` run beside the app): one small file read.
+QUALITY_POLL_S = 5.0
 
 
 class EngineService:
@@ -236,7 +240,7 @@ class EngineService:
         return True
 
     def _serve(self) -> None:
-        last_refresh = time.monotonic()
+        last_refresh = last_quality = time.monotonic()
         while True:
             with self._cv:
                 while not self._queue and not self.quitting:
@@ -253,6 +257,9 @@ class EngineService:
                 ):
                     self._refresh_memory(self.engine)
                     last_refresh = time.monotonic()
+                if time.monotonic() - last_quality >= QUALITY_POLL_S:
+                    self._refresh_quality(self.engine)
+                    last_quality = time.monotonic()
             elif isinstance(item, ReplyJob):
                 self._serve_job(item)
             else:
@@ -283,6 +290,12 @@ class EngineService:
         self.profiles = engine.profiles()
         self.modes = engine.modes()
         self.live = replace(self.live, k=engine.k, mode=engine.mode)
+
+    def _refresh_quality(self, engine: Engine) -> None:
+        quality = engine.profile_quality()
+        if quality != self.info.get("profile_quality"):
+            self.info = {**self.info, "profile_quality": quality}
+            self._on_event(QualityChanged(quality))
 
     def _refresh_memory(self, engine: Engine) -> None:
         if self._memory_refresh_s is None:

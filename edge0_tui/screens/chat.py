@@ -31,6 +31,7 @@ from ..messages import (
     EngineFailed,
     EngineReady,
     ModelProgress,
+    QualityKept,
     ReplyFailed,
     ReplyFinished,
     ReplyText,
@@ -603,6 +604,11 @@ class ChatScreen(Screen):
         mode = self.pending_mode or self.session.metrics.mode
         profiles = self.query_one(RoutingSelector).profiles
         return [p.k for p in profiles if p.prerouter or mode not in HEAD_MODES]
+
+    @on(QualityKept)
+    async def quality_kept(self, event: QualityKept) -> None:
+        """An eval run beside the app: the K selector's labels show its figures now."""
+        await self.query_one(RoutingSelector).set_quality(event.quality)
 
     @on(SwitchFailed)
     def switch_failed(self, event: SwitchFailed) -> None:

@@ -84,6 +84,11 @@ class RoutingSelector(Vertical):
         self._shown_k, self._shown_mode = k, mode
         await self.recompose()
 
+    async def set_quality(self, quality: dict[int, dict[str, float]]) -> None:
+        """New measured figures for the K labels; the choices shown stay."""
+        self.quality = quality
+        await self.recompose()
+
     def select(self, k: int | None = None, mode: str | None = None) -> None:
         """Show `k` and/or `mode` as chosen."""
         # Record what is shown before pressing a button, so the Changed it posts is not taken

@@ -385,6 +385,11 @@ class Engine:
         eos = set(self.tokenizer.eos_token_ids)
         return self.tokenizer.decode([t for t in tokens if t not in eos])
 
+    def profile_quality(self) -> dict[int, dict[str, float]]:
+        """Each K profile's perplexity over the native model's, where `edge0 eval --profiles`
+        kept a table (read from disk each time: an eval may run while the engine is open)."""
+        return kept_quality(self.fingerprint, self.config.data_dir)
+
     def info(self) -> dict:
         """What a status line or `edge0 info` shows about this engine."""
         index = self.loaded.index
@@ -413,7 +418,7 @@ class Engine:
             "fingerprint": self.fingerprint,
             "profiles": [p.__dict__ for p in self.profiles()],
             # Perplexity over the native model's, per K and routing (`edge0 eval --profiles`).
-            "profile_quality": kept_quality(self.fingerprint, self.config.data_dir),
+            "profile_quality": self.profile_quality(),
             "warnings": self.warnings,
         }
 
