@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import IntEnum
+from typing import ClassVar
 
 import numpy as np
 
@@ -35,7 +36,8 @@ class ExpertEvent(IntEnum):
     READ_COLD = 5  # routed, read when the layer needed it, from disk (cold bytes)
 
 
-@dataclass(frozen=True)
+# eq=False: pictures compare by identity (a new one is a new step), never array by array.
+@dataclass(frozen=True, eq=False)
 class HeatPicture:
     """One step's picture, rows by MoE layer. Arrays are `[len(layers), max(experts)]`; a row's
     cells from its layer's expert count on are padding (NONE, not pooled, 0)."""
@@ -48,6 +50,7 @@ class HeatPicture:
     step: int  # the expert pool's step count at that step
     counted_steps: int  # one-token steps counted into `use` since the engine loaded
     blocked_ms: float  # the step's time waiting for expert bytes
+    half_life_steps: ClassVar[int] = HALF_LIFE_STEPS  # of the decay behind `use`
 
     def counts(self) -> np.ndarray:
         """`[layers, len(ExpertEvent)]`: how many experts of each layer had each event."""
