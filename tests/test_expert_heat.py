@@ -152,7 +152,9 @@ def test_the_picture_is_bounded_and_small_for_a_large_model():
     heat.routed(3, [0, 511])
     heat.used((3, 511), ExpertEvent.READ_COLD)
     heat.end_step()
-    picture = heat.picture([(3, 0), (93, 7)])
+    pooled = np.zeros((94, 512), bool)
+    pooled[3, 0] = pooled[93, 7] = True
+    picture = heat.picture(pooled)
     assert picture.events.nbytes + picture.pooled.nbytes + picture.use.nbytes == 3 * 94 * 512
     assert picture.routed(3) == {511}  # only `used` marks an event
     assert picture.in_pool(93) == {7} and picture.use[3, 0] == 255

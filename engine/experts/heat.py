@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import IntEnum
+from itertools import chain
 from typing import ClassVar
 
 import numpy as np
@@ -78,7 +79,8 @@ class ExpertHeat:
         self.counted_steps = 0
         self._events: dict[ExpertKey, ExpertEvent] = {}  # this step's
         self._ahead: dict[int, set[ExpertKey]] = {}  # reads ahead issued, by the step they serve
-        self._routed: list[tuple[int, int]] = []  # (row, expert) routed by this one-token step
+        # (row, experts) routed by this one-token step's layers
+        self._routed: list[tuple[int, list[int]]] = []
 
     def begin_step(self, step: int) -> None:
         """Step `step` starts: the last step's events go; reads ahead issued for it are its."""
@@ -93,8 +95,10 @@ class ExpertHeat:
         if not self._routed:
             return
         self._uses *= self._decay
-        rows, experts = zip(*self._routed)
-        self._uses[rows, experts] += 1.0
+        sizes = [len(experts) for _, experts in self._routed]
+        rows = np.repeat([row for row, _ in self._routed], sizes)
+        experts = np.fromiter(chain.from_iterable(e for _, e in self._routed), np.intp, sum(sizes))
+        self._uses[rows, experts] += 1.0  # (a layer routes each expert once)
         self.counted_steps += 1
         self._routed = []
 
@@ -115,26 +119,27 @@ class ExpertHeat:
 
     def routed(self, layer: int, experts: Iterable[int]) -> None:
         """A one-token forward's `layer` routed to `experts` (counted at the step's end)."""
-        row = self._row[layer]
-        self._routed.extend((row, e) for e in experts)
+        self._routed.append((self._row[layer], list(experts)))
 
-    def picture(self, pooled: Iterable[ExpertKey], blocked_ms: float = 0.0) -> HeatPicture:
-        """The latest step's picture, with `pooled` the experts in the cache now."""
+    def picture(self, pooled: np.ndarray, blocked_ms: float = 0.0) -> HeatPicture:
+        """The latest step's picture, with `pooled` the experts in the cache now (a bool mask
+        of the picture's shape, which the caller gives up: `ExpertPool.resident_mask`)."""
         shape = self._uses.shape
+        if pooled.shape != shape:
+            raise ValueError(f"a pool mask of {pooled.shape} for a picture of {shape}")
         events = np.zeros(shape, np.uint8)
         if self._events:
             keys = list(self._events)
             rows = [self._row[layer] for layer, _ in keys]
             events[rows, [e for _, e in keys]] = list(self._events.values())
-        in_pool = np.zeros(shape, bool)
-        pooled_keys = list(pooled)
-        if pooled_keys:
-            in_pool[[self._row[layer] for layer, _ in pooled_keys], [e for _, e in pooled_keys]] = 1
+        in_pool = pooled
         # Over the weights of the steps counted so far (1 / (1 - decay) once there are many):
         # an expert routed by every one of them has a share of 1 from the first step on.
         weights = (1 - self._decay**self.counted_steps) / (1 - self._decay)
         share = self._uses / weights if self.counted_steps else self._uses
         use = np.clip(np.rint(share * 255), 0, 255).astype(np.uint8)
+        for array in (events, in_pool, use):  # read on another thread: never changed after
+            array.flags.writeable = False
         return HeatPicture(
             self.layers,
             self.experts,

@@ -224,9 +224,9 @@ class ExpertStore:
 
     def heat_picture(self) -> HeatPicture:
         """The latest step's expert heat picture (`heat.py`), with the experts in the cache now.
-        Engine thread only; it costs a pass over the pool, so callers take one a few times a
+        Engine thread only; a few arrays of layers x experts, so callers take one a few times a
         second at most, never per step."""
-        return self.heat.picture(self.pool.keys(), self.counters.blocked_ms)
+        return self.heat.picture(self.pool.resident_mask(), self.counters.blocked_ms)
 
     # -- reads ahead (prerouter) -------------------------------------------------------------------
 
