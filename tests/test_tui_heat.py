@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from test_tui_app import (
     LONG,
+    SHORT,
     SIZE,
     SNAPSHOT,
     make_app,
@@ -38,7 +39,7 @@ from edge0_tui.widgets.expert_heat import (
     binned,
     heat_layout,
 )
-from engine import ExpertEvent, HeatPicture
+from engine import EngineConfig, ExpertEvent, HeatPicture
 from engine.train.synth_families import SHAPES
 
 USED_GLYPHS = {GLYPHS[e] for e in ExpertEvent if e >= ExpertEvent.HIT}
@@ -289,3 +290,21 @@ async def test_heat_view_snapshot(model, tmp_path):
             f"the heat view changed; new rendering at {tmp_path / snapshot.name}. "
             "If intended, rerun with EDGE0_UPDATE_SNAPSHOTS=1."
         )
+
+
+async def test_resident_mode_says_there_is_nothing_to_show(model, tmp_path):
+    app = Edge0App(
+        model=str(model),
+        engine_config=EngineConfig(mode="resident"),
+        data_dir=tmp_path,
+        cache_dir=tmp_path / "cache",
+        settings=SHORT,
+    )
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(app, pilot)
+        await send(app, pilot, "hi")
+        await reply_done(app, pilot)
+        rows = await open_heat(app, pilot)
+        assert rows.picture is None and app.session.metrics.expert_heat is None
+        summary = str(app.screen.query_one("#heat-summary", Static).render())
+        assert summary.startswith("Resident mode: every expert is in memory")
