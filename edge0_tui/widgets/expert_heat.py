@@ -229,7 +229,7 @@ class HeatRows(Widget):
                 kind = cell_kind(cells.events[row, cell], cells.pooled[row, cell])
                 shade = shade_styles[use_level(int(cells.use[row, cell]))]
                 text.append(GLYPHS[kind], glyph_styles[kind] + shade)
-                text.append(pad)
+                text.append(pad, shade)  # a two-column cell is shaded whole
             text.append(" ")
             for (name, _), count in zip(SUMMARY, counts):
                 text.append(f"{count:>{len(name) + 1}}")
@@ -261,17 +261,31 @@ class HeatHeader(Static):
         self.update(f"{label}{cells[:span]:<{span}} {names}")
 
 
-def legend_text(widget: Widget) -> Text:
-    """The glyphs and the shading, styled as the rows style them."""
-    text = Text()
+def legend_text(widget: Widget, width: int) -> Text:
+    """The glyphs and the shading, styled as the rows style them, in lines of at most `width`
+    that never split an entry."""
+    entries = []
     for kind, what in LEGEND:
         style = widget.get_component_rich_style(CLASSES[kind])
-        text.append(GLYPHS[kind], Style(color=style.color, bold=style.bold))
-        text.append(f" {what}  ")
-    text.append(f"use lately (half-life {HeatPicture.half_life_steps} tokens): rare ")
+        entries.append(
+            Text.assemble((GLYPHS[kind], Style(color=style.color, bold=style.bold)), f" {what}")
+        )
+    shading = Text(f"use lately (half-life {HeatPicture.half_life_steps} tokens): rare ")
     for name in USE_CLASSES:
-        text.append("  ", Style(bgcolor=widget.get_component_rich_style(name).bgcolor))
-    text.append(" often")
+        shading.append("  ", Style(bgcolor=widget.get_component_rich_style(name).bgcolor))
+    shading.append(" often")
+    entries.append(shading)
+    text = Text(no_wrap=True, overflow="crop")
+    line = 0
+    for entry in entries:
+        if line and line + 2 + len(entry) > width:
+            text.append("\n")
+            line = 0
+        elif line:
+            text.append("  ")
+            line += 2
+        text.append_text(entry)
+        line += len(entry)
     return text
 
 
@@ -294,13 +308,14 @@ class ExpertHeatView(Vertical):
         with VerticalScroll(id="heat-scroll"):
             yield HeatRows(id="heat-rows")
 
-    def on_mount(self) -> None:
-        rows = self.query_one(HeatRows)
-        self.query_one("#heat-legend", Static).update(legend_text(rows))
+    legend_width = 0  # the width the legend was packed for
 
     def show(self, metrics: LiveMetrics) -> None:
         rows = self.query_one(HeatRows)
         rows.show(metrics.expert_heat)
         width = rows.size.width or self.query_one("#heat-scroll").size.width
+        if self.size.width != self.legend_width:
+            self.legend_width = self.size.width
+            self.query_one("#heat-legend", Static).update(legend_text(rows, self.size.width))
         self.query_one("#heat-summary", Static).update(summary_line(metrics))
         self.query_one(HeatHeader).show(rows, width)
