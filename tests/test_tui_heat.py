@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from test_bad_inputs_app import shown
 from test_tui_app import (
     LONG,
     SHORT,
@@ -32,6 +33,7 @@ from edge0_tui.screens.chat import ChatScreen
 from edge0_tui.screens.expert_heat import ExpertHeatScreen
 from edge0_tui.widgets.expert_heat import (
     GLYPHS,
+    LEGEND,
     OUT,
     POOLED,
     HeatHeader,
@@ -232,14 +234,16 @@ def test_binning_keeps_the_most_telling_event_and_the_hottest_use():
     assert heat_layout(16, 31).cell_width == 1
 
 
-async def test_the_view_fits_80x24_120x40_and_160x48(wide_model, tmp_path):
+async def test_the_view_fits_from_80x24_to_200x60(wide_model, tmp_path):
+    """What the terminal shows (the compositor's lines) at each size: the summary, every legend
+    entry whole, the column titles, and the first rows with their counts."""
     app = make_app(wide_model, tmp_path)
     async with app.run_test(size=(80, 24)) as pilot:
         await ready(app, pilot)
         await send(app, pilot, "hi")
         await reply_done(app, pilot)
         rows = await open_heat(app, pilot)
-        for size in ((80, 24), (120, 40), (160, 48)):
+        for size in ((80, 24), (120, 40), (160, 48), (200, 60)):
             await pilot.resize_terminal(*size)
             await pilot.pause(0.3)  # a refresh of the view at the new width
             width = rows.size.width
@@ -249,7 +253,17 @@ async def test_the_view_fits_80x24_120x40_and_160x48(wide_model, tmp_path):
             header = str(app.screen.query_one(HeatHeader).render())
             assert len(header) <= width and header.split()[-4:] == ["hit", "ahead", "warm", "cold"]
             # The view's lines (summary, legend) never push the rows off the screen.
-            assert app.screen.query_one("#heat-scroll").size.height >= 5
+            scroll = app.screen.query_one("#heat-scroll")
+            assert scroll.size.height >= 5
+            screen = shown(app).split("\n")
+            assert any(line.startswith("step ") and "blocked" in line for line in screen)
+            for glyph, what in [(GLYPHS[kind], what) for kind, what in LEGEND]:
+                assert any(f"{glyph} {what}" in line for line in screen), (size, what)
+            assert any("use lately (half-life 16 tokens): rare" in line for line in screen)
+            assert any(line.startswith(header.rstrip()) for line in screen)
+            visible = min(24, scroll.size.height)
+            for line in drawn[:visible]:
+                assert any(s.startswith(line.rstrip()) for s in screen), line
 
 
 async def test_heat_view_snapshot(model, tmp_path):
