@@ -29,7 +29,7 @@ from .jobs import (
 )
 
 if TYPE_CHECKING:
-    from engine import Engine, GenerationResult, KProfile, StepMetrics
+    from engine import Engine, GenerationResult, HeatPicture, KProfile, StepMetrics
 
 # How often an idle engine thread looks at its quit flags (a caller's flag cannot wake it).
 POLL_S = 0.1
@@ -483,7 +483,7 @@ class _ReplyRun:
             "process_peak_rss_bytes": service.live.peak_rss_bytes,
         }
 
-    def _heat(self, last: bool = False):
+    def _heat(self, last: bool = False) -> HeatPicture | None:
         """The expert heat picture of the latest step when one is due (`heat_every_s`; always
         for the reply's `last` step), else the one published before."""
         every = self.service.heat_every_s
