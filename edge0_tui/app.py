@@ -26,6 +26,7 @@ from .model_source import DEMO
 from .preferences import KeptPreferences
 from .sanitize import sanitize
 from .screens.chat import ChatScreen
+from .screens.expert_heat import ExpertHeatScreen
 from .series_export import FORMATS, write_series
 from .widgets.first_steps import DEMO_PROMPTS
 from .widgets.routing_selector import RoutingSelector, mode_unavailable
@@ -51,6 +52,8 @@ class Edge0App(App[None]):
     TITLE = "edge0"
     BINDINGS = [
         Binding("f1", "toggle_keys", "Keys", id="app.keys"),
+        # priority: the prompt (a TextArea) binds F7 to "select all".
+        Binding("f7", "expert_heat", "Heat", id="app.heat", priority=True),
         # Textual's own Ctrl+Q, shown: a new user looks for how to quit in the footer.
         Binding("ctrl+q", "quit", "Quit", id="app.quit", priority=True),
     ]
@@ -197,6 +200,18 @@ class Edge0App(App[None]):
         else:
             self.action_show_help_panel()
 
+    def action_expert_heat(self) -> None:
+        """Every MoE layer's experts, live (F7); F7 again or Escape goes back to the chat."""
+        if isinstance(self.screen, ExpertHeatScreen):
+            self.pop_screen()
+        elif self.screen is self.chat_screen:
+            self.push_screen(ExpertHeatScreen(self.session))
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        if action == "expert_heat":  # from the chat, not over a dialog or the loading screen
+            return self.screen is self.chat_screen or isinstance(self.screen, ExpertHeatScreen)
+        return True
+
     def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
         yield from super().get_system_commands(screen)
         chat = self.chat_screen
@@ -208,6 +223,11 @@ class Edge0App(App[None]):
             yield SystemCommand("Stop the reply", "Stop writing (escape)", chat.action_stop_reply)
         yield SystemCommand("Settings", "Temperature, top-p, max tokens (f2)", chat.action_settings)
         yield SystemCommand("Copy the last reply", "To the clipboard (f3)", chat.action_copy_reply)
+        yield SystemCommand(
+            "Expert heat",
+            "Each MoE layer's experts: in the cache, used, read cold, read ahead (f7)",
+            self.action_expert_heat,
+        )
         if chat.model_name == DEMO:
             for i, prompt in enumerate(DEMO_PROMPTS):
                 yield SystemCommand(

@@ -38,7 +38,7 @@ from .engine_service import (
     ServiceEvent,
     SwitchNotApplied,
 )
-from .live_metrics import LiveMetrics
+from .live_metrics import HEAT_EVERY_S, LiveMetrics
 from .messages import (
     ContextCounted,
     EngineFailed,
@@ -103,7 +103,9 @@ class EngineSession:
         self.cache_dir = Path(cache_dir)
         self.offline = offline
         # A bug (not an Edge0Error) ends the engine thread: the chat screen says so.
-        self.service = EngineService(self._open, on_event=self._on_event, bugs_end_service=True)
+        self.service = EngineService(
+            self._open, on_event=self._on_event, bugs_end_service=True, heat_every_s=HEAT_EVERY_S
+        )
         # The streaming run's page-cache budget, restored when leaving resident mode.
         self._streaming_page_cache = engine_config.page_cache_bytes
         self._post: Post = lambda message: None

@@ -12,12 +12,15 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
-from engine import StepMetrics, routed_by_layer
+from engine import HeatPicture, StepMetrics, routed_by_layer
 
 # Steps kept for the sparklines, and the most recent of those averaged into the headline figures
 # (long enough to smooth single slow steps, short enough to show a K switch within a second).
 HISTORY_STEPS = 60
 FIGURE_STEPS = 16
+# The expert heat picture is built at most this often (the chat screen's panels refresh at 6 Hz:
+# screens/chat.py PANEL_REFRESH_HZ), and after every reply's last step.
+HEAT_EVERY_S = 1 / 6
 # Where a routed expert came from (`engine.experts.store.LayerRouted`'s fields).
 ROUTED_SOURCES = ("resident", "heads", "lookahead", "missed")
 
@@ -43,6 +46,9 @@ class LiveMetrics:
     # Wall time between consecutive decode tokens as the app saw them (forward, sampling and
     # streaming included), matching `recent_steps`.
     recent_token_ms: tuple[float, ...] = ()
+    # What each MoE layer's experts did in the latest step the picture was taken of, and which
+    # are in the expert cache (None: no reply yet, resident mode, or a service not asked for it).
+    expert_heat: HeatPicture | None = None
 
     @property
     def tok_per_s_history(self) -> list[float]:

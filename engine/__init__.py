@@ -40,6 +40,8 @@ _ON_FIRST_USE = {
     "GenerationResult": "engine.runtime.generation",
     "KProfile": "engine.runtime.generation",
     "release_thread_streams": "engine.runtime.generation",
+    "ExpertEvent": "engine.experts.heat",
+    "HeatPicture": "engine.experts.heat",
     "StepMetrics": "engine.runtime.metrics",
     "peak_memory_line": "engine.runtime.metrics",
     "process_lifetime_peaks": "engine.runtime.metrics",

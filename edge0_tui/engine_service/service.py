@@ -30,7 +30,7 @@ from .jobs import (
 )
 
 if TYPE_CHECKING:
-    from engine import Engine, GenerationResult, KProfile, StepMetrics
+    from engine import Engine, GenerationResult, HeatPicture, KProfile, StepMetrics
 
 # How often an idle engine thread looks at its quit flags (a caller's flag cannot wake it).
 POLL_S = 0.1
@@ -49,18 +49,22 @@ class EngineService:
         queue_limit: int | None = None,
         memory_refresh_s: float | None = None,
         bugs_end_service: bool = False,
+        heat_every_s: float | None = None,
     ) -> None:
         """`open_engine` runs on the engine thread and returns the loaded Engine (Edge0Error when
         it cannot; ServiceClosed to give up quietly). `queue_limit`: jobs that may wait (None: no
         limit). `memory_refresh_s`: when set, `memory` is re-read after every request and this
         often while idle. `bugs_end_service`: an exception other than Edge0Error ends the engine
         thread and leaves `run` (the app shows it); otherwise only the request it broke fails
-        (the server keeps serving)."""
+        (the server keeps serving). `heat_every_s`: publish the expert heat picture with the
+        live figures at most this often while a reply runs, and after its last step (None: never;
+        the server has no view of it)."""
         self._open_engine = open_engine
         self._on_event = on_event
         self.queue_limit = queue_limit
         self._memory_refresh_s = memory_refresh_s
         self._bugs_end_service = bugs_end_service
+        self.heat_every_s = heat_every_s
         self.state = "loading"  # "loading", "ready", "failed" or "closed"
         self.error: str | None = None
         # The loaded engine; other threads may call only its thread-safe request methods and
@@ -399,6 +403,7 @@ class _ReplyRun:
         self.logprobs: list = []  # tokens' log-probabilities not sent yet (when asked for)
         self.last_text_at = time.perf_counter()
         self.last_token_at: float | None = None
+        self.heat_at = -float("inf")  # when the last expert heat picture was taken
         previous = service.live
         self.steps: deque[StepMetrics] = deque(previous.recent_steps, maxlen=HISTORY_STEPS)
         self.token_ms: deque[float] = deque(previous.recent_token_ms, maxlen=HISTORY_STEPS)
@@ -418,7 +423,11 @@ class _ReplyRun:
             # The steps read the high-water mark as each ended; what came after the last is in it.
             peak_rss = max(service.live.peak_rss_bytes, _process_peak_rss())
             service.live = replace(
-                service.live, k=engine.k, mode=engine.mode, peak_rss_bytes=peak_rss
+                service.live,
+                k=engine.k,
+                mode=engine.mode,
+                peak_rss_bytes=peak_rss,
+                expert_heat=self._heat(last=True),
             )
         service.last_figures = done.figures
         job.post(done)
@@ -476,6 +485,7 @@ class _ReplyRun:
             last_prefill=self.engine.last_prefill,
             recent_steps=tuple(self.steps),
             recent_token_ms=tuple(self.token_ms),
+            expert_heat=self._heat(),
         )
         service.memory = {
             "mlx_active_bytes": step.mlx_active_bytes,
@@ -485,6 +495,16 @@ class _ReplyRun:
             "page_cache_expert_bytes": step.page_cache_expert_bytes,
             "process_peak_rss_bytes": service.live.peak_rss_bytes,
         }
+
+    def _heat(self, last: bool = False) -> HeatPicture | None:
+        """The expert heat picture of the latest step when one is due (`heat_every_s`; always
+        for the reply's `last` step), else the one published before."""
+        every = self.service.heat_every_s
+        now = time.perf_counter()
+        if every is None or (not last and now - self.heat_at < every):
+            return self.service.live.expert_heat
+        self.heat_at = now
+        return self.engine.expert_heat()
 
     def _done(self, result: GenerationResult) -> ReplyDone:
         engine = self.engine

@@ -64,9 +64,9 @@ PANEL_REFRESH_HZ = 6
 # How long the notices shown once the model is loaded stay: toasts sit over the side panel's
 # K and mode selectors, so not for long (the demo's notice is one sentence).
 STARTUP_NOTICE_S = 8
-# The switch keys and Quit, listed before every other key in the footer and the keys panel (F1):
-# at 80 columns the footer cuts what comes after.
-SWITCH_BINDING_IDS = ("chat.next_k", "chat.next_mode", "chat.panels", "app.quit")
+# The switch keys, the heat view and Quit, listed before every other key in the footer and the
+# keys panel (F1): at 80 columns the footer cuts what comes after.
+SWITCH_BINDING_IDS = ("chat.next_k", "chat.next_mode", "chat.panels", "app.heat", "app.quit")
 
 
 class ChatScreen(Screen):

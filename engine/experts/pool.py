@@ -62,6 +62,12 @@ class ExpertPool:
         # beyond it.
         self.reserved_bytes = 0
         self._slots: dict[ExpertKey, int] = {}  # resident expert -> its slot in its layer's bank
+        # The same, as a [layers (in order), experts] mask: read whole a few times a second (the
+        # app's heat view) where walking the keys of a large pool would cost milliseconds.
+        self._row = {layer: row for row, layer in enumerate(sorted(layouts))}
+        self._resident_mask = np.zeros(
+            (len(self._row), max(experts_per_layer.values(), default=0)), bool
+        )
         self._pinned: dict[ExpertKey, int] = {}  # -> the step that routes to it
         self._in_use: dict[ExpertKey, int] = {}  # -> the step whose layer computes with it
         self._reads_ahead: dict[ExpertKey, ReadAhead] = {}
@@ -93,6 +99,10 @@ class ExpertPool:
 
     def keys(self) -> list[ExpertKey]:
         return list(self._slots)
+
+    def resident_mask(self) -> np.ndarray:
+        """A copy of the residency mask: `[MoE layers in order, experts]`, True where resident."""
+        return self._resident_mask.copy()
 
     def slot_of(self, key: ExpertKey) -> int | None:
         """The slot `key` sits in (None: not resident), without counting a use."""
@@ -250,6 +260,7 @@ class ExpertPool:
         nbytes = self.expert_nbytes[key[0]]
         self._make_room(nbytes, protected)
         self._slots[key] = slot
+        self._resident_mask[self._row[key[0]], key[1]] = True
         self.resident_bytes += nbytes
         self.policy.touch(key, self.step)
 
@@ -370,6 +381,7 @@ class ExpertPool:
     def _drop(self, key: ExpertKey) -> None:
         """`key` leaves the pool: its slot is free for another expert."""
         slot = self._slots.pop(key)
+        self._resident_mask[self._row[key[0]], key[1]] = False
         self.resident_bytes -= self.expert_nbytes[key[0]]
         self.policy.remove(key)
         self.bank(key[0]).give(slot)

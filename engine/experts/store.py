@@ -29,6 +29,7 @@ from ..errors import Edge0Error
 from ..trace import NO_TRACE, Tracer
 from .eviction import ExpertKey
 from .freed_memory import release_freed_memory
+from .heat import ExpertEvent, ExpertHeat, HeatPicture
 from .page_cache_budget import CAN_EVICT_RANGES, PageCacheBudget
 from .pool import ExpertPool
 from .read_pacing import ReadPacer
@@ -130,6 +131,10 @@ class ExpertStore:
             config.eviction,
         )
         self.counters = LoadCounters()
+        # What each expert did in the latest step, for the app's heat view (`heat_picture`).
+        self.heat = ExpertHeat(
+            {layer: index.layers[layer].num_experts for layer in self._moe_layers}
+        )
         self._pending_layers: dict[int, Future[ReadResult]] = {}
         self._issued_for_next_step = 0  # reads ahead issued during this step for the next
         self._guessed: dict[int, set[int]] = {}  # layer -> the lookahead's guess, this step
@@ -186,6 +191,9 @@ class ExpertStore:
 
     def begin_step(self) -> None:
         started_again = self.pool.begin_step()  # (a wider K: every read ahead was dropped)
+        if started_again:
+            self.heat.forget_reads_ahead()
+        self.heat.begin_step(self.pool.step)
         issued = 0 if started_again else self._issued_for_next_step
         self.counters = LoadCounters(prefetch_issued=issued)
         self._issued_for_next_step = 0
@@ -197,6 +205,7 @@ class ExpertStore:
             if future.exception() is None:
                 self._account(future.result())  # a read already issued still cost its bytes
         self.pool.end_step()
+        self.heat.end_step()
         self.counters.prefetch_given_up += self.pool.pop_given_up(self.pool.step)
         pending = None  # (its buffers, for the cache clear below)
         if self.counters.whole_layer_reads:
@@ -210,7 +219,14 @@ class ExpertStore:
         """Forget per-request state; resident experts stay (they are still the checkpoint's)."""
         self.end_step()
         self.pool.forget_reads_ahead()  # reads in flight finish on their own; their bytes unused
+        self.heat.forget_reads_ahead()
         self._issued_for_next_step = 0
+
+    def heat_picture(self) -> HeatPicture:
+        """The latest step's expert heat picture (`heat.py`), with the experts in the cache now.
+        Engine thread only; a few arrays of layers x experts, so callers take one a few times a
+        second at most, never per step."""
+        return self.heat.picture(self.pool.resident_mask(), self.counters.blocked_ms)
 
     # -- reads ahead (prerouter) -------------------------------------------------------------------
 
@@ -251,6 +267,7 @@ class ExpertStore:
             )
             if self.pool.read_ahead(key, step, submit, source):
                 issued += 1
+                self.heat.read_ahead(key, step)
                 if self.page_cache is not None:  # in the cache once read, used or not
                     self.page_cache.note_read(layer, expert)
         return issued
@@ -260,6 +277,7 @@ class ExpertStore:
         experts are dropped now (a queued one is never read: the disk is the misses'), and the
         lookahead's guess of it is scored."""
         keys = {(layer, e) for e in experts}
+        self.heat.routed(layer, experts)
         self.counters.lookahead_dropped += self.pool.drop_unused_reads_ahead(layer, keys)
         guessed = self._guessed.pop(layer, None)
         if guessed is not None:
@@ -305,6 +323,8 @@ class ExpertStore:
             else:
                 slots[key] = slot
         self.counters.hits += len(slots)
+        for key in slots:
+            self.heat.used(key, ExpertEvent.HIT)
         routed = self._layer_counts(layer)
         routed.resident += len(slots)
         if missing:
@@ -326,6 +346,7 @@ class ExpertStore:
                     slots[key] = slot
                     self._account(result)
                     self.counters.loads += 1
+                    self.heat.used(key, _read_event(how, result))
             finally:
                 # A failed read (the error goes up): the reads not admitted are cancelled, and
                 # their slots come back once nothing writes into them.
@@ -438,6 +459,14 @@ def expert_layout(
         key = f"{tensor.projection}.{tensor.part}"
         parts.append(SlotPart(key, tuple(tensor.expert_shape), dtype, tensor.entry.dtype))
     return tuple(parts)
+
+
+def _read_event(how: str, result: ReadResult) -> ExpertEvent:
+    """A routed expert's read as the heat picture shows it: read ahead, or read when needed
+    from the page cache or (any cold bytes) from disk."""
+    if how != "on demand":
+        return ExpertEvent.AHEAD_USED
+    return ExpertEvent.READ_COLD if result.cold_bytes else ExpertEvent.READ_WARM
 
 
 def _result_or_error(future: Future[ReadResult], what: str) -> ReadResult:

@@ -31,6 +31,7 @@ from ..adapters.quality import kept_quality
 from ..checkpoint.index import base_fingerprint
 from ..config import HEAD_MODES, EngineConfig, GenerationConfig, format_bytes
 from ..errors import Edge0Error
+from ..experts.heat import HeatPicture
 from ..experts.store import LoadCounters
 from ..experts.switch_glu import projection_specs
 from ..routing.lookahead import Lookahead, attach_lookahead
@@ -289,6 +290,11 @@ class Engine:
         if self._prompt_cache is None:
             return 0
         return sum(c.nbytes for c in self._prompt_cache[0])
+
+    def expert_heat(self) -> HeatPicture | None:
+        """What every MoE layer's experts did in the latest step, and which are in the expert
+        cache now (None in resident mode: every expert is in memory). Engine thread only."""
+        return self.store.heat_picture() if self.store is not None else None
 
     @property
     def pending(self) -> tuple[int, str]:
