@@ -109,7 +109,12 @@ class SwitchNotApplied:
     message: str  # a K, mode or page-cache change the engine accepted could not be applied
 
 
-ServiceEvent = EngineOpened | OpenFailed | SwitchNotApplied
+@dataclass(frozen=True)
+class ReloadRefused:
+    message: str  # a reload's check failed before the engine was closed: it stays as it was
+
+
+ServiceEvent = EngineOpened | OpenFailed | SwitchNotApplied | ReloadRefused
 
 
 # -- jobs -----------------------------------------------------------------------------------------
