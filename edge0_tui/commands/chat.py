@@ -13,7 +13,7 @@ from engine import EngineConfig, parse_size
 
 if TYPE_CHECKING:
     from edge0_tui.app import Edge0App
-    from edge0_tui.preferences import KeptPreferences, PreferenceStore
+    from edge0_tui.preferences import KeptPreferences, ModelPreferences, PreferenceStore
 
 NAME = "chat"
 
@@ -91,7 +91,7 @@ def build_app(args: argparse.Namespace) -> Edge0App:
         expert_cache=args.expert_cache,
         page_cache=getattr(args, "page_cache", None),
     )
-    settings = dataclasses.replace(start.preferences.current.generation, **options.sampling(args))
+    settings = dataclasses.replace(start.stored.generation, **options.sampling(args))
     app = Edge0App(
         model=args.model,
         engine_config=start.engine_config,
@@ -108,6 +108,7 @@ class ModelStart:
     """How the app opens a model: its kept choices, and the engine config they make."""
 
     preferences: KeptPreferences | None  # None: nothing is kept (an app without a store)
+    stored: ModelPreferences  # the kept choices (sampling, system prompt), or the defaults
     engine_config: EngineConfig
     # The config to load with, and why, when the kept expert-cache budget breaks the load.
     fallback: tuple[EngineConfig, str] | None = None
@@ -169,4 +170,4 @@ def model_start(
             dataclasses.replace(config, **options.expert_cache_config(default_cache)),
             f"{store.path}: expert_cache_bytes={stored.expert_cache_bytes}",
         )
-    return ModelStart(kept, config, fallback)
+    return ModelStart(kept, stored, config, fallback)
