@@ -291,7 +291,10 @@ class Edge0App(App[None]):
         A reply being written is stopped first: the model was chosen in a dialog that said so,
         and the part written is kept, as Escape keeps it. Its kept settings apply once loaded."""
         chat = self.chat_screen
-        if not model or not chat.ready:
+        if not model:
+            return
+        if not chat.ready:  # something else began loading while the picker was open
+            chat.notify(f"cannot open {model} now: {chat.state}", severity="warning")
             return
         if model_key(model) == model_key(self.session.model):
             chat.notify(f"{model} is the model in use")

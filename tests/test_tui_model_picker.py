@@ -121,6 +121,11 @@ async def test_another_model_opens_in_place_and_the_chat_goes_on(models, tmp_pat
         assert "(inuse)" in text and "bailing_moe·" in text and "K4·profiles-·used" in text
         await pilot.press("escape")
         assert not isinstance(app.screen, ModelPickerScreen)
+        notices = record_notifications(app)
+        await pick(app, pilot, model_key(str(first)))  # the one in use: nothing reloads
+        await wait_until(pilot, lambda: notices, "a word about it")
+        assert "is the model in use" in notices[-1][0] and app.session.engine is first_engine
+        assert app.chat_screen.ready
 
         sent = []
         submit = app.session.submit
@@ -239,7 +244,10 @@ async def test_the_picker_and_the_note_fit(models, tmp_path, size):
     app = kept_app(first, second, tmp_path)
     async with app.run_test(size=size) as pilot:
         await ready(app, pilot)
-        assert any(c.title == "Open model..." for c in app.get_system_commands(app.screen))
+        (command,) = [c for c in app.get_system_commands(app.screen) if c.title == "Open model..."]
+        command.callback()  # the palette's way in
+        await wait_until(pilot, lambda: isinstance(app.screen, ModelPickerScreen), "the picker")
+        await pilot.press("escape")
         picker = await open_picker(app, pilot)
         dialog = picker.query_one("#dialog")
         assert picker.region.contains_region(dialog.region)
