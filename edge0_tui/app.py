@@ -6,10 +6,12 @@ app-wide keys and palette commands; the chat screen does the chatting. Run it wi
 
 from __future__ import annotations
 
+import dataclasses
 import sqlite3
 from collections.abc import Iterable
 from functools import partial
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from platformdirs import user_cache_path, user_data_path, user_downloads_path
 from textual.app import App, SystemCommand
@@ -22,14 +24,19 @@ from engine import MODES, Edge0Error, EngineConfig, GenerationConfig
 from .chat_store import ChatStore
 from .engine_session import EngineSession
 from .last_session import LastSession, LastSessionFile
+from .messages import EngineReady
 from .model_source import DEMO
-from .preferences import KeptPreferences
+from .preferences import KeptPreferences, ModelPreferences, fit_to_model, model_key
 from .sanitize import sanitize
 from .screens.chat import ChatScreen
 from .screens.expert_heat import ExpertHeatScreen
+from .screens.model_picker import ModelPickerScreen
 from .series_export import FORMATS, write_series
 from .widgets.first_steps import DEMO_PROMPTS
 from .widgets.routing_selector import RoutingSelector, mode_unavailable
+
+if TYPE_CHECKING:
+    from .commands.chat import ModelStart
 
 DEFAULT_SETTINGS = GenerationConfig(max_tokens=512, temperature=0.7, top_p=0.9)
 # The demo samples from its own distribution, untrimmed: it learned to answer a speech with one
@@ -54,6 +61,7 @@ class Edge0App(App[None]):
         Binding("f1", "toggle_keys", "Keys", id="app.keys"),
         # priority: the prompt (a TextArea) binds F7 to "select all".
         Binding("f7", "expert_heat", "Heat", id="app.heat", priority=True),
+        Binding("ctrl+l", "open_model", "Model", id="app.model"),
         # Textual's own Ctrl+Q, shown: a new user looks for how to quit in the footer.
         Binding("ctrl+q", "quit", "Quit", id="app.quit", priority=True),
     ]
@@ -94,6 +102,9 @@ class Edge0App(App[None]):
         if preferences is not None:
             self.chat_screen.system_prompt = preferences.current.system_prompt
         self._warned_unsaved = False
+        # Another model being opened in place of the running one (`open_model`): the model as
+        # named before, and how the new one starts; None when none is.
+        self.opening: tuple[str, ModelStart] | None = None
 
     def remember(self, **changes) -> None:
         """Keep what the user chose for this model (sampling, K, mode, budgets) for next time."""
@@ -103,6 +114,37 @@ class Edge0App(App[None]):
             self.preferences.update(**changes)
         except Edge0Error as e:  # kept for this run; said once per failure
             self.chat_screen.notify(str(e), title="settings not kept", severity="warning")
+
+    def apply_kept_choices(self, event: EngineReady) -> None:
+        """Once a model is loaded: the K and mode it ran with last time, unless the command line
+        chose them; a kept max tokens that does not fit its context falls back. A K or mode this
+        model no longer offers (its adapters moved) is said and skipped."""
+        kept, chat = self.preferences, self.chat_screen
+        if kept is None:
+            return
+        if kept.store.warning:
+            chat.notify(kept.store.warning, title="settings file", severity="warning")
+        engine = self.session.engine
+        if engine is not None:
+            fitted, warning = fit_to_model(
+                kept.current, engine.context_limit, GenerationConfig(), kept.store.path
+            )
+            if warning:
+                kept.current = fitted
+                max_tokens = fitted.generation.max_tokens
+                chat.settings = dataclasses.replace(chat.settings, max_tokens=max_tokens)
+                chat.notify(warning, title="settings file", severity="warning")
+        wanted = kept.current
+        if wanted.mode and not kept.mode_from_command_line and wanted.mode != event.info["mode"]:
+            if wanted.mode in event.modes:
+                chat.choose_mode(wanted.mode, remember=False)
+            else:
+                chat.notify(f"the {wanted.mode} mode kept for this model is not available now")
+        if wanted.k and not kept.k_from_command_line and wanted.k != event.info["k"]:
+            if wanted.k in chat.k_choices():
+                chat.choose_k(wanted.k, remember=False)
+            else:
+                chat.notify(f"K={wanted.k}, kept for this model, is not offered now")
 
     def _latest_chat(self) -> LastSession | None:
         """The chat written to last, when no session was kept (a first start, a crash)."""
@@ -221,6 +263,11 @@ class Edge0App(App[None]):
         yield SystemCommand("Open a saved chat", "List saved chats (ctrl+o)", chat.action_open_chat)
         if chat.reply is not None:
             yield SystemCommand("Stop the reply", "Stop writing (escape)", chat.action_stop_reply)
+        yield SystemCommand(
+            "Open model...",
+            "Another model in place of this one; the chat stays (ctrl+l)",
+            self.action_open_model,
+        )
         yield SystemCommand("Settings", "Temperature, top-p, max tokens (f2)", chat.action_settings)
         yield SystemCommand("Copy the last reply", "To the clipboard (f3)", chat.action_copy_reply)
         yield SystemCommand(
@@ -244,6 +291,53 @@ class Edge0App(App[None]):
             )
         yield from self._switch_commands(chat)
         yield from self._engine_commands(chat)
+
+    def action_open_model(self) -> None:
+        """The model picker; what is chosen is opened in place of the running model."""
+        chat = self.chat_screen
+        if self.screen is not chat:
+            return  # a dialog is open, or the model is loading
+        if not chat.ready:
+            chat.notify(f"cannot open another model now: {chat.state}", severity="warning")
+            return
+        store = self.preferences.store if self.preferences is not None else None
+        picker = ModelPickerScreen(
+            store, self.session.engine_config, self.session.model, chat.reply is not None
+        )
+        self.push_screen(picker, self.open_model)
+
+    def open_model(self, model: str | None) -> None:
+        """Load `model` (demo, a folder, a Hub id) in place of the running one, the chat kept.
+        A reply being written is stopped first: the model was chosen in a dialog that said so,
+        and the part written is kept, as Escape keeps it. Its kept settings apply once loaded."""
+        chat = self.chat_screen
+        if not model:
+            return
+        if not chat.ready:  # something else began loading while the picker was open
+            chat.notify(f"cannot open {model} now: {chat.state}", severity="warning")
+            return
+        if model_key(model) == model_key(self.session.model):
+            chat.notify(f"{model} is the model in use")
+            return
+        from .commands.chat import model_start  # (the command imports the app, at run time)
+
+        store = self.preferences.store if self.preferences is not None else None
+        # What holds for the run stays (exact kernels, the data folder); --adapters named the
+        # first model's, and its K, mode and budgets are its own.
+        running = dataclasses.replace(self.session.engine_config, adapter_dirs=())
+        start = model_start(model, store, running)
+        self.opening = (self.session.model, start)
+        chat.action_stop_reply()
+        chat.loading(f"opening {model}…")
+        self.session.open_model(model, start.engine_config, start.fallback)
+
+    def model_opened(self, model: str) -> tuple[str, ModelPreferences]:
+        """The model `open_model` asked for is loaded: its kept settings take over. Returns the
+        note the chat shows (which model answers from here) and the settings to chat with."""
+        before, start = self.opening
+        self.opening = None
+        self.preferences = start.preferences
+        return f"model: {before} -> {model}", start.stored
 
     def export_series(self, fmt: str) -> None:
         """Save the steps the panels show, next to screenshots (Downloads, or the data folder)."""

@@ -7,6 +7,7 @@ The UI thread talks to that thread only through this object (method calls down):
   writing, so a reply stops within one decode step;
 - `request_k` / `request_mode` / `request_page_cache` take effect before the engine's next step,
   mid-reply too, and at once when idle; `reload` loads the model again in another mode;
+  `open_model` opens another model in its place (the chat stays: it is the screen's);
 - `metrics` is the frozen snapshot the engine thread replaces after every token, and the UI reads.
 The engine thread answers with the messages in `edge0_tui.messages`, posted, never awaited
 (messages up): workers never touch widgets.
@@ -32,6 +33,7 @@ from .engine_service import (
     NewText,
     OpenFailed,
     QualityChanged,
+    ReloadRefused,
     ReplyDone,
     ReplyJob,
     ServiceClosed,
@@ -44,13 +46,14 @@ from .messages import (
     EngineFailed,
     EngineReady,
     ModelProgress,
+    ModelRefused,
     QualityKept,
     ReplyFailed,
     ReplyFinished,
     ReplyText,
     SwitchFailed,
 )
-from .model_source import resolve_adapters, resolve_model
+from .model_source import ModelSource, resolve_adapters, resolve_model
 from .sanitize import sanitize
 
 # Reply text reaches the UI at most this often: fast enough to read as live, slow enough that a
@@ -115,6 +118,10 @@ class EngineSession:
         # set when the config holds kept settings (models.json), so that a kept value that
         # breaks the load (an expert cache of 1 byte) does not break every start.
         self.fallback: tuple[EngineConfig, str] | None = None
+        # While another model is opened (`open_model`), on the engine thread: its checked
+        # source, and the model, config and fallback to load back should it fail to load.
+        self._found: ModelSource | None = None
+        self._back: tuple[str, EngineConfig, tuple[EngineConfig, str] | None] | None = None
 
     @property
     def engine(self) -> Engine | None:
@@ -175,6 +182,22 @@ class EngineSession:
         or SwitchFailed and the old mode loaded back."""
         self.service.reload(lambda: self._open_in(mode))
 
+    def open_model(
+        self,
+        model: str,
+        engine_config: EngineConfig,
+        fallback: tuple[EngineConfig, str] | None = None,
+    ) -> None:
+        """Close this model and open `model` with `engine_config` in its place (`fallback` as
+        the attribute). Answered with EngineReady; or ModelRefused with the one-line reason:
+        before anything is closed when `model` cannot be found or is no checkpoint edge0 runs
+        (the words `edge0 chat` says it in), else after, with the model before loaded back as it
+        ran (its K and mode) and its EngineReady."""
+        self.service.reload(
+            lambda: self._open_instead(model, engine_config, fallback),
+            check=lambda: self._find(model),
+        )
+
     def count_context(self, chat_id: int, messages: list[dict]) -> None:
         """Ask for a chat's context size; answered with `ContextCounted` (nothing on failure)."""
         self.service.count_tokens(messages, lambda n: self._post(ContextCounted(chat_id, n)))
@@ -204,6 +227,8 @@ class EngineSession:
             self._post(SwitchFailed(event.message))
         elif isinstance(event, QualityChanged):
             self._post(QualityKept(event.quality))
+        elif isinstance(event, ReloadRefused):
+            self._post(ModelRefused(event.message, reloading=False))
 
     def _on_reply_event(self, event: JobEvent) -> None:
         if isinstance(event, NewText):
@@ -217,16 +242,18 @@ class EngineSession:
             text = sanitize(event.text.rstrip("\ufffd"))  # as it was shown
             self._post(ReplyFailed(str(event.error), text, event.nonfinite_repaired))
 
-    def _open(self) -> Engine:
-        def on_progress(what: str, done: float, total: float | None) -> None:
-            if self.service.quitting:
-                raise ServiceClosed
-            self._post(ModelProgress(what, done, total))
+    def _progress(self, what: str, done: float, total: float | None) -> None:
+        if self.service.quitting:
+            raise ServiceClosed
+        self._post(ModelProgress(what, done, total))
 
-        source = resolve_model(self.model, self.cache_dir, on_progress, offline=self.offline)
+    def _open(self, source: ModelSource | None = None) -> Engine:
+        """Load `self.model` (`source`: already found) with `self.engine_config`."""
+        if source is None:
+            source = resolve_model(self.model, self.cache_dir, self._progress, self.offline)
         # `--adapters` may name Hub repos: their adapter files are fetched here, on this thread.
         adapter_dirs = tuple(
-            resolve_adapters(str(spec), on_progress, offline=self.offline)
+            resolve_adapters(str(spec), self._progress, offline=self.offline)
             for spec in self.engine_config.adapter_dirs
         )
         config = dataclasses.replace(self.engine_config, adapter_dirs=adapter_dirs)
@@ -259,4 +286,39 @@ class EngineSession:
         except Edge0Error as e:
             self._post(SwitchFailed(f"cannot load the model {mode}: {e}"))
             self.engine_config = previous
+            return self._open()
+
+    def _find(self, model: str) -> None:
+        """The engine thread, the engine still open: find `model` (downloading it when it is a
+        Hub repo not cached) and check its folder as `edge0 chat` does; Edge0Error when it
+        cannot be opened. Keeps the running model's K and mode to load it back with."""
+        from engine import check_checkpoint
+
+        engine = self.service.engine
+        config = self.engine_config
+        if engine is not None:
+            config = dataclasses.replace(config, k=engine.k, mode=engine.mode)
+        self._back = (self.model, config, self.fallback)
+        self._found = None
+        source = resolve_model(model, self.cache_dir, self._progress, self.offline)
+        check_checkpoint(source.path)  # "config.json: missing (not an ...)", before any close
+        self._found = source
+
+    def _open_instead(
+        self, model: str, config: EngineConfig, fallback: tuple[EngineConfig, str] | None
+    ) -> Engine:
+        """The engine thread, the old engine closed: `model`, or the model before, loaded back."""
+        source, self._found = self._found, None
+        back = self._back
+        self.model, self.engine_config, self.fallback = model, config, fallback
+        self._streaming_page_cache = config.page_cache_bytes
+        try:
+            return self._open(source)
+        except Edge0Error as e:
+            if back is None:
+                raise
+            self._post(ModelRefused(str(e), reloading=True))
+            self.model, self.engine_config, self.fallback = back
+            if self.engine_config.mode != "resident":
+                self._streaming_page_cache = self.engine_config.page_cache_bytes
             return self._open()

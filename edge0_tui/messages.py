@@ -81,6 +81,16 @@ class QualityKept(Message, bubble=False):
 
 
 @dataclass
+class ModelRefused(Message, bubble=False):
+    """Another model could not be opened; `error` is the one-line reason. `reloading`: the model
+    before was closed first and is being loaded back (its EngineReady follows); else it was never
+    closed and is ready as it was."""
+
+    error: str
+    reloading: bool
+
+
+@dataclass
 class ContextCounted(Message, bubble=False):
     """Tokens a reopened chat puts in the model's context (its messages through the template)."""
 

@@ -80,7 +80,7 @@ def resolve_model(
         if (BUNDLED_DEMO / "config.json").exists():
             return ModelSource(BUNDLED_DEMO, DEMO, BUNDLED_NOTICE)
         return ModelSource(demo_checkpoint(cache_dir, on_progress), DEMO, DEMO_NOTICE)
-    local = Path(spec).expanduser()
+    local = local_path(spec)
     # (lexists: a broken link or a link loop is a path the user named, not a repo id)
     if local.exists() or os.path.lexists(local):
         return ModelSource(local, local.name)  # the engine says what is wrong with a bad checkpoint
@@ -90,6 +90,15 @@ def resolve_model(
         return ModelSource(download_from_hub(spec, on_progress, offline=offline), spec)
     except Edge0Error as e:
         raise Edge0Error(f"no local directory {spec}; {e}") from None
+
+
+def local_path(spec: str | Path) -> Path:
+    """MODEL as a local path, `~` expanded. `~name` for a user this machine does not know stays as
+    written (pathlib raises RuntimeError there), so that it reads as a folder that is missing."""
+    try:
+        return Path(spec).expanduser()
+    except RuntimeError:
+        return Path(spec)
 
 
 def _check_repo_id(spec: str, local: Path) -> None:
@@ -106,7 +115,7 @@ def _check_repo_id(spec: str, local: Path) -> None:
 def is_bundled_demo(path: str | Path) -> bool:
     """True for the bundled demo's folder, however it is named (`assets/demo`, an absolute path,
     a link to it)."""
-    local = Path(path).expanduser()
+    local = local_path(path)
     return local.is_dir() and local.resolve() == BUNDLED_DEMO.resolve()
 
 
@@ -117,7 +126,7 @@ def check_model(spec: str, offline: bool = False) -> None:
     downloads nothing: the app downloads a repo it can reach, with progress."""
     if spec == DEMO:
         return
-    local = Path(spec).expanduser()
+    local = local_path(spec)
     if local.exists():
         from engine import check_checkpoint
 
@@ -141,7 +150,7 @@ def resolve_adapters(
 ) -> Path:
     """The adapter folder `--adapters SPEC` names: a local folder (the engine checks what is in
     it), or the adapter files of a Hub repo, downloaded (offline: from the cache)."""
-    local = Path(spec).expanduser()
+    local = local_path(spec)
     if local.exists() or _names_a_path(spec) or not is_hub_id(spec):
         return local  # a missing folder is reported by the engine, naming it
     try:

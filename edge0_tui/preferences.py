@@ -24,7 +24,7 @@ from pathlib import Path
 from engine import MODES, Edge0Error, GenerationConfig
 
 from .chat_store import PRIVATE_DIR, PRIVATE_FILE
-from .model_source import DEMO, is_bundled_demo
+from .model_source import DEMO, is_bundled_demo, local_path
 from .sanitize import sanitize
 
 FILE_NAME = "models.json"
@@ -206,7 +206,7 @@ def model_key(model: str) -> str:
     "owner/name"; another local folder is its absolute path; anything else as given."""
     if model == DEMO:
         return DEMO
-    local = Path(model).expanduser()
+    local = local_path(model)
     if not local.is_dir():
         return model
     if is_bundled_demo(local):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -12,6 +13,7 @@ from engine import EngineConfig, parse_size
 
 if TYPE_CHECKING:
     from edge0_tui.app import Edge0App
+    from edge0_tui.preferences import KeptPreferences, ModelPreferences, PreferenceStore
 
 NAME = "chat"
 
@@ -65,63 +67,107 @@ def build_app(args: argparse.Namespace) -> Edge0App:
     # Imported here so that the other commands never import Textual.
     from platformdirs import user_config_path
 
-    from edge0_tui.app import DEFAULT_SETTINGS, DEMO_SETTINGS, Edge0App
-    from edge0_tui.model_source import DEMO, check_model
-    from edge0_tui.preferences import KeptPreferences, PreferenceStore, model_key
+    from edge0_tui.app import Edge0App
+    from edge0_tui.model_source import check_model
+    from edge0_tui.preferences import PreferenceStore
 
     # A model that cannot be opened is a one-line error here, not a notification in an app.
     check_model(args.model)
 
     # What the user chose for this model last time; the command line wins for this run.
     store = PreferenceStore(options.config_dir() or user_config_path("edge0"))
-    key = model_key(args.model)
-    kept = KeptPreferences(
-        store,
-        key,
-        store.load(key, DEMO_SETTINGS if key == DEMO else DEFAULT_SETTINGS),
-        mode_from_command_line=args.mode is not None,
-        k_from_command_line=args.k is not None,
-    )
-    stored = kept.current
-    # The demo model's experts are small and its file fits any page cache: a 4 MB expert cache
-    # and a 4 MB page-cache budget make the memory wall visible (cold reads every step).
-    demo = key == DEMO  # `demo` or the bundled folder by its path
-    # A kept mode is applied once the model is loaded. The demo starts on-demand: its experts are
-    # small and its page cache tiny, so each step's misses (the wall it shows) are plain to see,
-    # and reading ahead saves it little (docs/benchmarks.md, "Exact lookahead").
-    mode = args.mode or ("on-demand" if demo else options.DEFAULT_MODE)
-    expert_cache = (
-        args.expert_cache
-        or stored.expert_cache_bytes
-        or (parse_size("4M") if demo else options.AUTO)
-    )
-    page_cache = getattr(args, "page_cache", stored.page_cache)
-    if mode == "resident" and not hasattr(args, "page_cache"):
-        page_cache = "off"  # every expert is read into memory at start: no page cache to budget
-    if page_cache is None:  # neither given nor kept
-        page_cache = parse_size("4M") if demo and mode != "resident" else "off"
     data_dir = args.data_dir or options.data_dir()  # one folder for chats and trained adapters
-    config = EngineConfig(
-        mode=mode,
-        k=args.k,
-        **options.expert_cache_config(expert_cache),
-        page_cache_bytes=options.page_cache_bytes(page_cache),
+    base = EngineConfig(
         exact_kernels=args.exact,
         adapter_dirs=tuple(args.adapters),  # the session fetches Hub repos on its thread
         data_dir=data_dir,
     )
-    settings = dataclasses.replace(stored.generation, **options.sampling(args))
+    start = model_start(
+        args.model,
+        store,
+        base,
+        mode=args.mode,
+        k=args.k,
+        expert_cache=args.expert_cache,
+        page_cache=getattr(args, "page_cache", None),
+    )
+    settings = dataclasses.replace(start.stored.generation, **options.sampling(args))
     app = Edge0App(
         model=args.model,
-        engine_config=config,
+        engine_config=start.engine_config,
         data_dir=data_dir,
         settings=settings,
-        preferences=kept,
+        preferences=start.preferences,
     )
-    if not args.expert_cache and stored.expert_cache_bytes:  # the kept budget, checked at load
-        default = parse_size("4M") if demo else options.AUTO
-        app.session.fallback = (
-            dataclasses.replace(config, **options.expert_cache_config(default)),
+    app.session.fallback = start.fallback
+    return app
+
+
+@dataclass(frozen=True)
+class ModelStart:
+    """How the app opens a model: its kept choices, and the engine config they make."""
+
+    preferences: KeptPreferences | None  # None: nothing is kept (an app without a store)
+    stored: ModelPreferences  # the kept choices (sampling, system prompt), or the defaults
+    engine_config: EngineConfig
+    # The config to load with, and why, when the kept expert-cache budget breaks the load.
+    fallback: tuple[EngineConfig, str] | None = None
+
+
+def model_start(
+    model: str,
+    store: PreferenceStore | None,
+    base: EngineConfig,
+    mode: str | None = None,
+    k: int | None = None,
+    expert_cache: int | str | None = None,
+    page_cache: int | str | None = None,
+) -> ModelStart:
+    """`model`'s kept choices (from `store`) over `base` (what holds for the whole run: exact
+    kernels, the data folder, adapters); `mode`, `k`, `expert_cache`, `page_cache` are the
+    command line's, None where not given. At start, and when the app opens another model."""
+    from edge0_tui.app import DEFAULT_SETTINGS, DEMO_SETTINGS
+    from edge0_tui.model_source import DEMO
+    from edge0_tui.preferences import KeptPreferences, ModelPreferences, model_key
+
+    key = model_key(model)
+    demo = key == DEMO  # `demo` or the bundled folder by its path
+    defaults = DEMO_SETTINGS if demo else DEFAULT_SETTINGS
+    kept = None
+    stored = ModelPreferences(generation=defaults)
+    if store is not None:
+        kept = KeptPreferences(
+            store,
+            key,
+            store.load(key, defaults),
+            mode_from_command_line=mode is not None,
+            k_from_command_line=k is not None,
+        )
+        stored = kept.current
+    # The demo model's experts are small and its file fits any page cache: a 4 MB expert cache
+    # and a 4 MB page-cache budget make the memory wall visible (cold reads every step).
+    # A kept mode is applied once the model is loaded. The demo starts on-demand: its experts are
+    # small and its page cache tiny, so each step's misses (the wall it shows) are plain to see,
+    # and reading ahead saves it little (docs/benchmarks.md, "Exact lookahead").
+    mode = mode or ("on-demand" if demo else options.DEFAULT_MODE)
+    default_cache = parse_size("4M") if demo else options.AUTO
+    budget = expert_cache or stored.expert_cache_bytes or default_cache
+    chosen_page_cache = stored.page_cache if page_cache is None else page_cache
+    if mode == "resident" and page_cache is None:
+        chosen_page_cache = "off"  # every expert is read into memory at start: nothing to budget
+    if chosen_page_cache is None:  # neither given nor kept
+        chosen_page_cache = parse_size("4M") if demo and mode != "resident" else "off"
+    config = dataclasses.replace(
+        base,
+        mode=mode,
+        k=k,
+        **options.expert_cache_config(budget),
+        page_cache_bytes=options.page_cache_bytes(chosen_page_cache),
+    )
+    fallback = None
+    if not expert_cache and stored.expert_cache_bytes:  # the kept budget, checked at load
+        fallback = (
+            dataclasses.replace(config, **options.expert_cache_config(default_cache)),
             f"{store.path}: expert_cache_bytes={stored.expert_cache_bytes}",
         )
-    return app
+    return ModelStart(kept, stored, config, fallback)

@@ -12,10 +12,11 @@ Other threads talk to the engine thread only through the service:
   and `ReplyJob.cancel` also drops a job that has not started;
 - `request_k`, `request_mode`, `request_page_cache` call the engine's thread-safe request methods
   (applied before its next step, mid-reply too) and queue a chore that applies them at once when
-  idle; `reload` closes the engine and opens another; `count_tokens` counts a chat's tokens;
+  idle; `reload` closes the engine and opens another (after an optional check that leaves
+  the engine as it was when it fails: `ReloadRefused`); `count_tokens` counts a chat's tokens;
 - the engine thread answers each job with `NewText`, then `ReplyDone` or `ReplyError`, handed to
   the job's `post`; loading and idle switches are reported to `on_event` (`EngineOpened`,
-  `OpenFailed`, `SwitchNotApplied`). Both callbacks run on the engine thread
+  `OpenFailed`, `SwitchNotApplied`, `ReloadRefused`). Both callbacks run on the engine thread
   (`cancel_all`'s on its caller's) and must not wait;
 - `live`, `memory`, `kv_cache_bytes`, `info`, `profiles`, `modes`, `last_figures`, `state` are
   snapshots the engine thread replaces (plain attribute swaps) and any thread reads.
@@ -37,6 +38,7 @@ from .jobs import (
     OpenFailed,
     QualityChanged,
     QueueFull,
+    ReloadRefused,
     ReplyDone,
     ReplyError,
     ReplyJob,
@@ -56,6 +58,7 @@ __all__ = [
     "NewText",
     "OpenFailed",
     "QueueFull",
+    "ReloadRefused",
     "ReplyDone",
     "ReplyError",
     "ReplyJob",

@@ -116,7 +116,12 @@ class QualityChanged:
     quality: dict[int, dict[str, float]]
 
 
-ServiceEvent = EngineOpened | OpenFailed | SwitchNotApplied | QualityChanged
+@dataclass(frozen=True)
+class ReloadRefused:
+    message: str  # a reload's check failed before the engine was closed: it stays as it was
+
+
+ServiceEvent = EngineOpened | OpenFailed | SwitchNotApplied | ReloadRefused | QualityChanged
 
 
 # -- jobs -----------------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from .jobs import (
     OpenFailed,
     QualityChanged,
     QueueFull,
+    ReloadRefused,
     ReplyDone,
     ReplyError,
     ReplyJob,
@@ -146,11 +147,16 @@ class EngineService:
         self._loaded().request_page_cache(budget_bytes)
         self._chore(self._apply_switch)
 
-    def reload(self, open_engine: Callable[[], Engine]) -> None:
+    def reload(
+        self, open_engine: Callable[[], Engine], check: Callable[[], object] | None = None
+    ) -> None:
         """Close the engine, then open the one `open_engine` returns (on the engine thread):
-        how the app moves between resident and streaming modes, which one engine cannot switch.
-        Answered with EngineOpened; an Edge0Error from `open_engine` ends the service."""
-        self._chore(lambda: self._reload(open_engine))
+        how the app moves between resident and streaming modes, which one engine cannot switch,
+        and opens another model. Answered with EngineOpened; an Edge0Error from `open_engine`
+        ends the service. `check` runs first, the engine still open (a model to open next is
+        found and validated there): an Edge0Error from it is answered with ReloadRefused, and
+        the engine stays as it was."""
+        self._chore(lambda: self._reload(open_engine, check))
 
     def count_tokens(self, messages: list[dict], answer: Callable[[int], object]) -> None:
         """Count a chat's tokens through the template, on the engine thread (bounded in time,
@@ -329,7 +335,15 @@ class EngineService:
         if error is not None:
             self._on_event(SwitchNotApplied(error))
 
-    def _reload(self, open_engine: Callable[[], Engine]) -> None:
+    def _reload(
+        self, open_engine: Callable[[], Engine], check: Callable[[], object] | None
+    ) -> None:
+        if check is not None:
+            try:
+                check()
+            except Edge0Error as e:
+                self._on_event(ReloadRefused(str(e)))
+                return
         engine, self.engine = self.engine, None
         engine.close()  # first: two copies of the experts (resident, streaming) never coexist
         self._open(open_engine)

@@ -31,6 +31,7 @@ from ..messages import (
     EngineFailed,
     EngineReady,
     ModelProgress,
+    ModelRefused,
     QualityKept,
     ReplyFailed,
     ReplyFinished,
@@ -38,7 +39,7 @@ from ..messages import (
     SwitchFailed,
 )
 from ..model_source import DEMO
-from ..preferences import ModelPreferences, fit_to_model
+from ..preferences import ModelPreferences
 from ..sanitize import error_line
 from ..system_memory import SystemMemory, read_system_memory
 from ..widgets.conversation import AssistantTurn, Conversation
@@ -243,6 +244,11 @@ class ChatScreen(Screen):
             info["mode"],
             info.get("profile_quality"),
         )
+        if self.app.opening is not None:  # opened in place of the model before: its settings
+            note, kept = self.app.model_opened(self.session.model)
+            self.settings, self.system_prompt = kept.generation, kept.system_prompt
+            self.context_tokens = None  # counted again below, through this model's template
+            await self.query_one(Conversation).add_note(note)
         # Only now: the panel timer shows the selector's state once `ready`.
         self.ready = True
         self.model_name = event.model_name
@@ -251,40 +257,27 @@ class ChatScreen(Screen):
         self._dismiss_loading()
         for notice in event.notices:
             self.notify(notice, severity="warning", timeout=STARTUP_NOTICE_S)
-        self._apply_kept_choices(event)
+        self.app.apply_kept_choices(event)
         self.refresh_bindings()  # F4/F5 are offered again (hidden while the model (re)loaded)
         if self.chat is not None and self.chat.id is not None and self.context_tokens is None:
             self.session.count_context(self.chat.id, self._prompt())  # a chat reopened at start
         self.refresh_panels()
 
-    def _apply_kept_choices(self, event: EngineReady) -> None:
-        """The K and mode this model ran with last time, unless the command line chose a mode.
-        One that this model no longer offers (its adapters moved) is said and skipped."""
-        kept = self.app.preferences
-        if kept is None:
-            return
-        if kept.store.warning:
-            self.notify(kept.store.warning, title="settings file", severity="warning")
-        engine = self.session.engine
-        if engine is not None:
-            fitted, warning = fit_to_model(
-                kept.current, engine.context_limit, GenerationConfig(), kept.store.path
-            )
-            if warning:
-                kept.current = fitted
-                self.settings = replace(self.settings, max_tokens=fitted.generation.max_tokens)
-                self.notify(warning, title="settings file", severity="warning")
-        wanted = kept.current
-        if wanted.mode and not kept.mode_from_command_line and wanted.mode != event.info["mode"]:
-            if wanted.mode in event.modes:
-                self.choose_mode(wanted.mode, remember=False)
-            else:
-                self.notify(f"the {wanted.mode} mode kept for this model is not available now")
-        if wanted.k and not kept.k_from_command_line and wanted.k != event.info["k"]:
-            if wanted.k in self._k_choices():
-                self.choose_k(wanted.k, remember=False)
-            else:
-                self.notify(f"K={wanted.k}, kept for this model, is not offered now")
+    def loading(self, what: str) -> None:
+        """Another model is loading: as at start-up, nothing is sent until it is ready."""
+        self.ready, self.state = False, what
+        self.pending_k = self.pending_mode = None  # asked of the model before
+        self.app.push_screen(ModelLoadingScreen())
+        self.refresh_bindings()
+        self.refresh_panels()
+
+    def on_model_refused(self, event: ModelRefused) -> None:
+        self.app.opening = None
+        self.notify(event.error, title="cannot open the model", severity="error", timeout=15)
+        if not event.reloading:  # never closed: ready as it was (else its EngineReady follows)
+            self.ready, self.state = True, "ready"
+            self._dismiss_loading()
+            self.refresh_bindings()
 
     def on_engine_failed(self, event: EngineFailed) -> None:
         self._load_failed(event.error)
@@ -339,7 +332,7 @@ class ChatScreen(Screen):
             return
         # The engine thread publishes its last snapshot before posting the message that ends a reply.
         self.context_tokens = self.session.metrics.context_tokens if text else None
-        self.state = "ready"
+        self.state = "ready" if self.ready else self.state  # (another model may be loading)
         if text:  # a partial reply is kept: it is part of what the model saw and said
             text = self._save(ChatMessage("assistant", text, stopped_by)).content
         self.refresh_bindings()
@@ -382,7 +375,7 @@ class ChatScreen(Screen):
         if action in ("next_k", "next_mode", "pick_k") and not self.ready:
             return False  # nothing to switch before the model is loaded
         if action == "pick_k":
-            return parameters[0] in self._k_choices()  # only the K this model offers
+            return parameters[0] in self.k_choices()  # only the K this model offers
         if action == "stop_reply":
             return self.reply is not None  # only shown while a reply is written
         if action == "regenerate":  # the last message is a finished reply
@@ -549,7 +542,7 @@ class ChatScreen(Screen):
 
     def action_next_k(self) -> None:
         """The next K after the one asked for, among those the mode that will run can use."""
-        choices = self._k_choices()
+        choices = self.k_choices()
         if choices:
             self.choose_k(next_choice(choices, self.pending_k or self.session.metrics.k))
 
@@ -599,7 +592,7 @@ class ChatScreen(Screen):
         self.refresh_bindings()
         self.refresh_panels()
 
-    def _k_choices(self) -> list[int]:
+    def k_choices(self) -> list[int]:
         """The K the mode that will run can use: those with prerouter heads in a head mode."""
         mode = self.pending_mode or self.session.metrics.mode
         profiles = self.query_one(RoutingSelector).profiles

@@ -54,6 +54,14 @@ class UserTurn(Static):
         super().__init__(sanitize(text), markup=False)
 
 
+class ChatNote(Label):
+    """A line about the chat itself, not a turn: which model answers from here. Shown, not saved
+    (the model is not part of what the next model reads)."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__(sanitize(text), markup=False)
+
+
 class AssistantTurn(Vertical):
     """One reply: Markdown that text streams into, and a line saying how the reply ended."""
 
@@ -114,6 +122,9 @@ class Conversation(VerticalScroll):
         reply = AssistantTurn()
         await self.mount(reply)
         return reply
+
+    async def add_note(self, text: str) -> None:
+        await self.mount(ChatNote(text))
 
     async def drop_last_reply(self) -> None:
         replies = self.query(AssistantTurn)

@@ -96,3 +96,41 @@ class MemoryCgroup:
                 return
             except OSError:
                 time.sleep(0.1)  # the arm's process may still be exiting
+
+
+def run_limited(limit_bytes: int, command: list[str], name: str = "edge0-limited") -> int:
+    """Run `command` in a memory cgroup of `limit_bytes` and print its kernel peaks on stderr:
+    the process tree's VmHWM (getrusage of the children: the largest RSS any of them reached)
+    and the group's own peak (anonymous memory plus page cache). Returns the command's status,
+    or 128+signal when it was killed (137: the OOM killer)."""
+    import resource
+    import subprocess
+    import sys
+
+    group = MemoryCgroup.create(limit_bytes, name)
+    try:
+        child = subprocess.Popen(command, preexec_fn=group.join)
+        status = child.wait()
+        group_peak = group.peak_bytes()
+    finally:
+        group.remove()
+    peak_rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+    code = status if status >= 0 else 128 - status
+    mib = 1024 * 1024
+    print(
+        f"memory cgroup {limit_bytes / mib:.0f} MiB: exit {code}, peak RSS (VmHWM) "
+        f"{peak_rss / mib:.1f} MiB, group peak with page cache {group_peak / mib:.1f} MiB",
+        file=sys.stderr,
+    )
+    return code
+
+
+if __name__ == "__main__":
+    # python -m engine.measure.memory_cgroup 360M -- edge0 train lora ...: the docs' cgroup runs.
+    import sys
+
+    from ..config import parse_size
+
+    if len(sys.argv) < 4 or sys.argv[2] != "--":
+        sys.exit("usage: python -m engine.measure.memory_cgroup LIMIT -- COMMAND [ARGS...]")
+    sys.exit(run_limited(parse_size(sys.argv[1]), sys.argv[3:]))
