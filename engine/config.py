@@ -89,6 +89,10 @@ class EngineConfig:
     # The context the memory plan counts the KV cache and attention for; None: the model's, at
     # most 8,192 tokens. Training sets its window.
     context_tokens: int | None = None
+    # Bytes the engine's caller holds beside it (a training step's layer inputs and logits): the
+    # memory plan counts them, so `expert_cache_auto` leaves room for them and a plan that cannot
+    # hold them is refused before loading.
+    held_bytes: int = 0
     eviction: str = "lfu-aging"
     # Threads doing pread for expert loads. Reads are I/O, so more threads than cores helps on SSDs.
     reader_threads: int = 4

@@ -261,3 +261,38 @@ def test_phase_3_on_the_streamed_student_takes_the_in_memory_steps(checkpoint_di
         for key in ("loss", "heldout"):
             if key in a:
                 assert b[key] == pytest.approx(a[key], rel=1e-3, abs=1e-5), (key, a, b)
+
+
+def test_the_plan_holds_a_training_step_and_the_expert_cache_leaves_room_for_it(
+    checkpoint_dir, tmp_path
+):
+    """The streamed student plans a step's layer inputs and logits beside the engine (with a
+    context of one row), so an automatic expert cache is smaller by what they take: a 395 MiB
+    wall in a 355 MiB cgroup was killed when they came on top of a cache sized without them."""
+    from dataclasses import replace
+
+    from engine.runtime.loader import read_config
+    from engine.runtime.memory_plan import expert_cache_auto
+    from engine.train.student import step_bytes
+
+    model_dir = tmp_path / "model"
+    shutil.copytree(checkpoint_dir("qwen3_moe"), model_dir)
+    write_random_profile(model_dir, profile_k("qwen3_moe"))
+    config = EngineConfig(expert_cache_auto=True)
+    plain = load_student(model_dir, profile_k("qwen3_moe"), True, LoRAInit(), config, 0, True)
+    planned = load_student(
+        model_dir, profile_k("qwen3_moe"), True, LoRAInit(), config, 0, True, step=(8, 127)
+    )
+    held = sum(step_bytes(read_config(model_dir), 8, 127).values())
+    before, after = plain.loaded.memory_plan, planned.loaded.memory_plan
+    assert after.held_bytes == held > 0 and before.held_bytes == 0
+    assert after.context_tokens == 127 and ("training step", held) in after.terms()
+    # `--expert-cache auto` takes what the plan leaves (less the page cache's share): the step's
+    # bytes are not left. (The tiny model's cache is all its experts either way.)
+    limited = replace(after, limit_bytes=after.total_bytes + (64 << 20))
+    unheld = replace(limited, held_bytes=0)
+    assert expert_cache_auto(unheld) - expert_cache_auto(limited) == pytest.approx(
+        0.75 * held, abs=1
+    )
+    assert "training step" not in planned.describe(8, 127)  # counted once, by its parts
+    assert "logits" in planned.describe(8, 127)

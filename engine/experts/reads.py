@@ -164,11 +164,9 @@ class ExpertReader:
         ahead: bool = False,
         step: int = 0,
         into: dict[str, np.ndarray] | None = None,
-        rank: int = 0,
     ) -> Future[ReadResult]:
         """Read one expert: needed now, or `ahead` for `step` (reads ahead go after every read the
-        forward waits for, by the step and then the layer that will use them, then `rank`: a
-        less likely guess after the likelier ones). With `into` (a slot of a `SlotBank`), the
+        forward waits for, by the step and then the layer that will use them). With `into` (a slot of a `SlotBank`), the
         bytes land there, converted to the slot's dtypes, and the result holds no arrays."""
         layer_experts = self.index.layers[layer]
         if not 0 <= expert < layer_experts.num_experts:
@@ -177,7 +175,7 @@ class ExpertReader:
         read = self._read if into is None else self._read_into
         if ahead:
             return self._queue.submit(
-                (AHEAD[0], step, layer, rank), read, layer_experts, expert, submitted, True, into
+                (AHEAD[0], step, layer), read, layer_experts, expert, submitted, True, into
             )
         plans = self._plans_of(layer_experts)
         if layer_experts.expert_nbytes < SPLIT_BYTES:
@@ -198,7 +196,7 @@ class ExpertReader:
         return _joined(parts)
 
     def submit_layer(self, layer: int, ahead: bool = False) -> Future[ReadResult]:
-        priority = (AHEAD[0], 0, layer, 0) if ahead else NOW
+        priority = (AHEAD[0], 0, layer) if ahead else NOW
         return self._queue.submit(
             priority, self._read, self.index.layers[layer], None, self.tracer.now(), ahead
         )

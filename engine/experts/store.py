@@ -235,22 +235,16 @@ class ExpertStore:
         reading the rest (after this step's own reads, if this step is still running)."""
         self._issued_for_next_step += self._read_ahead(layer, experts, self.pool.step + 1, "heads")
 
-    def look_ahead(self, layer: int, experts: list[int], less_likely: list[int] = ()) -> None:
+    def look_ahead(self, layer: int, experts: list[int]) -> None:
         """This step's `layer` is guessed to route to `experts` (the lookahead): pin the resident
-        ones for this step, start reading the rest below every read the forward waits for, and
-        `less_likely` ones (the next best guesses) after those. The layer still routes by its
-        own router; `routing_known` then drops the wrong reads."""
+        ones for this step and start reading the rest below every read the forward waits for.
+        The layer still routes by its own router; `routing_known` then drops the wrong reads."""
         self._guessed[layer] = set(experts)
-        step = self.pool.step
-        if not self.lookahead_reads:
-            experts, less_likely = [], []
-        issued = self._read_ahead(layer, experts, step, "lookahead")
-        issued += self._read_ahead(layer, less_likely, step, "lookahead", rank=1)
-        self.counters.lookahead_issued += issued
+        if self.lookahead_reads:
+            issued = self._read_ahead(layer, experts, self.pool.step, "lookahead")
+            self.counters.lookahead_issued += issued
 
-    def _read_ahead(
-        self, layer: int, experts: list[int], step: int, source: str, rank: int = 0
-    ) -> int:
+    def _read_ahead(self, layer: int, experts: list[int], step: int, source: str) -> int:
         """Pin the resident `experts` of `layer` for `step` and read the others ahead for it,
         as far as the expert cache has room that nothing in use or pinned holds. Returns how
         many reads were issued."""
@@ -262,9 +256,7 @@ class ExpertStore:
                 continue
             if self.pool.is_read_ahead(key):
                 continue
-            submit = partial(
-                self.reader.submit_expert, layer, expert, ahead=True, step=step, rank=rank
-            )
+            submit = partial(self.reader.submit_expert, layer, expert, ahead=True, step=step)
             if self.pool.read_ahead(key, step, submit, source):
                 issued += 1
                 self.heat.read_ahead(key, step)

@@ -152,7 +152,7 @@ class StreamingSwitchGLU(nn.Module):
         if guess is not None:
             # Issued once this layer's own misses are in: the guess's reads never delay them,
             # and land while this layer computes and the next one runs its attention.
-            store.look_ahead(guess.layer, guess.likely, guess.less_likely)
+            store.look_ahead(guess.layer, guess.likely)
         slots = slot_of[routed]
         bank = store.bank(self._layer).arrays
         if dense:

@@ -98,7 +98,7 @@ class MemoryCgroup:
                 time.sleep(0.1)  # the arm's process may still be exiting
 
 
-def run_limited(limit_bytes: int, command: list[str], name: str = "edge0-limited") -> int:
+def run_limited(limit_bytes: int, command: list[str], name: str | None = None) -> int:
     """Run `command` in a memory cgroup of `limit_bytes` and print its kernel peaks on stderr:
     the process tree's VmHWM (getrusage of the children: the largest RSS any of them reached)
     and the group's own peak (anonymous memory plus page cache). Returns the command's status,
@@ -107,7 +107,8 @@ def run_limited(limit_bytes: int, command: list[str], name: str = "edge0-limited
     import subprocess
     import sys
 
-    group = MemoryCgroup.create(limit_bytes, name)
+    # A group of its own: a group left by a killed run would carry its peak into this one's.
+    group = MemoryCgroup.create(limit_bytes, name or f"edge0-limited-{os.getpid()}")
     try:
         child = subprocess.Popen(command, preexec_fn=group.join)
         status = child.wait()

@@ -23,7 +23,6 @@ the top K of its gate's logits. Nothing here changes what any layer computes.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import mlx.core as mx
@@ -32,12 +31,11 @@ import numpy as np
 
 from .functions import route
 
-# A guess: (a layer's input residual, widths) -> the consumer's guessed experts at each width
-# (lazy indices), from one evaluation of its router.
-Guesser = Callable[[mx.array, tuple[int, ...]], list[mx.array]]
-# Beyond its K likeliest experts, a guess also reads this share of K more, after them: the true
-# routing's experts just outside the guess's top K (docs/benchmarks.md, "Exact lookahead").
-WIDER_SHARE = 0.5
+# A guess: (a layer's input residual, K) -> the consumer's K guessed experts (lazy indices). A
+# guess names K experts, no more: reading the next best too (K x 1.5) read 16-35% more bytes
+# for the same recall in time, and under a paced disk prefetch ran 1.12x on-demand with them
+# against 1.24x without (docs/benchmarks.md, "Guesses K wide").
+Guesser = Callable[[mx.array, int], mx.array]
 
 
 class Lookahead:
@@ -49,7 +47,6 @@ class Lookahead:
     ) -> None:
         self.layers = sorted(guessers)
         self.experts = experts
-        self.wider_share = WIDER_SHARE
         self._guessers = guessers
         self._next = dict(zip(self.layers, self.layers[1:]))
         self._embed = embed
@@ -82,17 +79,14 @@ class Lookahead:
         return self._guess(first, self._embed(mx.array(tokens)[None]))
 
     def _guess(self, layer: int, h: mx.array) -> Guess:
-        wider = min(self.experts, self.k + math.ceil(self.k * self.wider_share))
-        widths = (self.k, wider) if wider > self.k else (self.k,)
-        return Guess(layer, self._guessers[layer](h, widths))
+        return Guess(layer, [self._guessers[layer](h, min(self.k, self.experts))])
 
     def end_step(self) -> None:
         self._inputs.clear()
 
 
 class Guess:
-    """A layer's guessed experts: lazy until `mx.eval(guess.arrays)`, then `likely` (its top K)
-    and `less_likely` (the next best, read after them)."""
+    """A layer's guessed experts: lazy until `mx.eval(guess.arrays)`, then `likely` (its top K)."""
 
     def __init__(self, layer: int, arrays: list[mx.array]) -> None:
         self.layer = layer
@@ -101,13 +95,6 @@ class Guess:
     @property
     def likely(self) -> list[int]:
         return _distinct(self.arrays[0])
-
-    @property
-    def less_likely(self) -> list[int]:
-        if len(self.arrays) == 1:
-            return []
-        likely = set(self.likely)
-        return [e for e in _distinct(self.arrays[1]) if e not in likely]
 
 
 def _distinct(indices: mx.array) -> list[int]:
@@ -140,33 +127,32 @@ def attach_lookahead(model: nn.Module, sites, blocks: dict, k: int) -> Lookahead
 
 
 def _guesser(norm: Callable[[mx.array], mx.array], router) -> Guesser:
-    def guess(h: mx.array, widths: tuple[int, ...]) -> list[mx.array]:
-        return router(norm(h).reshape(-1, h.shape[-1]), widths)
+    def guess(h: mx.array, k: int) -> mx.array:
+        return router(norm(h).reshape(-1, h.shape[-1]), k)
 
     return guess
 
 
-def _engine_router(block) -> Callable[[mx.array, tuple[int, ...]], list[mx.array]]:
-    """The layer's own routing function: the set it would route `x` to at each width (a wider
-    one holds the narrower: top k of the same scores), bias and groups included."""
+def _engine_router(block) -> Callable[[mx.array, int], mx.array]:
+    """The layer's own routing function: the K experts it would route `x` to, bias and groups
+    included."""
 
-    def indices(x: mx.array, widths: tuple[int, ...]) -> list[mx.array]:
+    def indices(x: mx.array, k: int) -> mx.array:
         logits, spec, bias = block.gate_logits(x), block.routing_spec, block.expert_bias()
-        return [route(logits, spec, k, bias)[0] for k in widths]
+        return route(logits, spec, k, bias)[0]
 
     return indices
 
 
-def _gate_top_k(parent: nn.Module) -> Callable[[mx.array, tuple[int, ...]], list[mx.array]] | None:
+def _gate_top_k(parent: nn.Module) -> Callable[[mx.array, int], mx.array] | None:
     """A family whose own block routes: the top k of its `gate` linear layer's logits (the set
     softmax or sigmoid top-k routes to, without biases or groups), if it has one."""
     gate = parent.get("gate") if isinstance(parent, nn.Module) else None
     if not isinstance(gate, (nn.Linear, nn.QuantizedLinear)):
         return None
 
-    def indices(x: mx.array, widths: tuple[int, ...]) -> list[mx.array]:
-        logits = gate(x)
-        return [mx.argpartition(-logits, kth=k - 1, axis=-1)[..., :k] for k in widths]
+    def indices(x: mx.array, k: int) -> mx.array:
+        return mx.argpartition(-gate(x), kth=k - 1, axis=-1)[..., :k]
 
     return indices
 

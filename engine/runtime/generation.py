@@ -667,7 +667,7 @@ class Engine:
         if guess is not None:
             with self.tracer.span("lookahead first layer", "prerouter"):
                 mx.eval(guess.arrays)
-            self.store.look_ahead(guess.layer, guess.likely, guess.less_likely)
+            self.store.look_ahead(guess.layer, guess.likely)
 
     @staticmethod
     def _sample(logits: mx.array, sampler: Sampler) -> int:

@@ -62,6 +62,9 @@ class MemoryPlan:
     # What the run may hold in all (None: unknown), and where that figure comes from.
     limit_bytes: int | None
     limit_source: str
+    # What the engine's caller holds beside it, planned with the rest: a training step's layer
+    # inputs and logits (`EngineConfig.held_bytes`).
+    held_bytes: int = 0
 
     @property
     def total_bytes(self) -> int:
@@ -72,6 +75,7 @@ class MemoryPlan:
             + self.prefill_bytes
             + self.kv_cache_bytes
             + self.working_bytes
+            + self.held_bytes
         )
 
     @property
@@ -87,7 +91,7 @@ class MemoryPlan:
             (prefill, self.prefill_bytes),
             (f"KV cache ({self.context_tokens:,} tokens)", self.kv_cache_bytes),
             ("working", self.working_bytes),
-        ]
+        ] + ([("training step", self.held_bytes)] if self.held_bytes else [])
 
     def as_dict(self) -> dict:
         """For `--json` reports: every term in bytes, the total and the limit."""
@@ -98,6 +102,7 @@ class MemoryPlan:
             "prefill_bytes": self.prefill_bytes,
             "kv_cache_bytes": self.kv_cache_bytes,
             "working_bytes": self.working_bytes,
+            "held_bytes": self.held_bytes,
             "total_bytes": self.total_bytes,
             "limit_bytes": self.limit_bytes,
             "limit_source": self.limit_source,
@@ -243,6 +248,7 @@ def plan_memory(
     k: int,
     whole_layer_prefill: bool,
     limit: tuple[int | None, str],
+    held_bytes: int = 0,
 ) -> MemoryPlan:
     chunk = min(inputs.prefill_chunk, inputs.context_tokens)
     prefill = GATHER_ACTIVATION_BYTES
@@ -266,6 +272,7 @@ def plan_memory(
         k=k,
         limit_bytes=limit_bytes,
         limit_source=source,
+        held_bytes=held_bytes,
     )
 
 
@@ -350,7 +357,9 @@ def plan_load(
         return ExpertPool(layouts, experts, budget).planned_bytes(routed) if streamed else 0
 
     whole = streamed and config.whole_layer_prefill is not False
-    plan = plan_memory(inputs, cache_bytes(config.expert_cache_bytes), k, whole, memory_limit())
+    plan = plan_memory(
+        inputs, cache_bytes(config.expert_cache_bytes), k, whole, memory_limit(), config.held_bytes
+    )
     if streamed and config.expert_cache_auto:
         routed_set = k * max(sum(p.nbytes for p in layout) for layout in layouts.values())
         budget = max(expert_cache_auto(without_whole_layers(plan, inputs)), routed_set)

@@ -118,6 +118,7 @@ def train_distill(
         engine_config,
         teacher_bytes(teacher_dir, engine_config),
         streamed,
+        step=(config.prompts_per_step, config.prompt_tokens + config.gen_tokens - 1),
     )
     lora_path = student.lora.path
     log(student.describe(config.prompts_per_step, config.prompt_tokens + config.gen_tokens - 1))

@@ -29,7 +29,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -116,8 +116,14 @@ def train_lora(
         engine_config,
         teacher_bytes(teacher_dir, engine_config),
         streamed,
+        step=(config.batch, config.prompt_tokens + config.gen_tokens - 1),
     )
     log(student.describe(config.batch, config.prompt_tokens + config.gen_tokens - 1))
+    if student.streamed and config.gen_batch > config.batch:
+        # The plan holds a training step's rows, not more: a batch of 64 rows sampled at once
+        # (its prompt's logits and whole-layer activations) is what overran it in a cgroup.
+        config = replace(config, gen_batch=config.batch)
+        log(f"teacher rows are sampled {config.batch} at a time (a step's rows: the plan's)")
     folder = student.adapter_folder
     out_dir = Path(out_dir or folder / "train" / f"lora_k{config.k}")
     out = Path(out or folder / f"lora_k{config.k}.safetensors")

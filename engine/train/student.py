@@ -220,34 +220,23 @@ class Student:
 
     def describe(self, rows: int, length: int) -> str:
         """One line for a training run's start: which student, and (streamed) what a step of
-        `rows` sequences of `length` tokens holds beside the memory plan."""
+        `rows` sequences of `length` tokens holds within the memory plan."""
         if not self.streamed:
             return "student: in memory (the base dequantized; the faster path where it fits)"
         plan = self.loaded.memory_plan
-        training = self.step_bytes(rows, length)
-        total = plan.total_bytes + sum(training.values())
+        training = step_bytes(self.loaded.config, rows, length)
+        lora = sum(a.size + b.size for a, b in self.lora_weights().values())
+        training["LoRA and AdamW"] = 4 * lora * 4  # weights, gradient and two moments, float32
+        # The plan holds the step's layer inputs and logits already (`held_bytes`).
+        total = plan.total_bytes - plan.held_bytes + sum(training.values())
         limit = f" of {format_bytes(plan.limit_bytes)}" if plan.limit_bytes is not None else ""
         terms = ", ".join(f"{name} {format_bytes(n)}" for name, n in training.items())
         return (
-            "student: streamed (routed experts stay 4-bit, read through a {format_bytes(plan.expert_cache_bytes)} expert cache, again in "
-            f"backward); a step holds about {format_bytes(total)}{limit}: the model's plan "
-            f"{format_bytes(plan.total_bytes)}, {terms}"
+            f"student: streamed (routed experts stay 4-bit, read through a "
+            f"{format_bytes(plan.expert_cache_bytes)} expert cache, again in backward); a step "
+            f"holds about {format_bytes(total)}{limit}: the model's plan "
+            f"{format_bytes(plan.total_bytes - plan.held_bytes)}, {terms}"
         )
-
-    def step_bytes(self, rows: int, length: int) -> dict[str, int]:
-        """What one streamed training step holds beyond the model's memory plan: each layer's
-        input kept for the backward, the logits (student, teacher and their gradient), and the
-        LoRA with its gradient and AdamW's two moments; one layer's activations are in the
-        plan's prefill term."""
-        itemsize = 4  # float32 on the CPU; an upper bound elsewhere
-        tokens = rows * length
-        vocab = int(self.loaded.config.get("text_config", self.loaded.config).get("vocab_size", 0))
-        lora = sum(a.size + b.size for a, b in self.lora_weights().values())
-        return {
-            "layer inputs": self.loaded.num_layers * tokens * self.loaded.hidden * itemsize,
-            "logits": 3 * tokens * vocab * itemsize,
-            "LoRA and AdamW": 4 * lora * itemsize,
-        }
 
     def value_and_grad(self, loss_fn):
         """`loss_fn`'s value and its LoRA gradients: by autograd over the whole model in memory;
@@ -291,6 +280,22 @@ class Student:
         save_lora(path, self.lora_weights(), self.lora.r, self.lora.alpha, self.k, self.fingerprint)
 
 
+def step_bytes(model_config: dict, rows: int, length: int) -> dict[str, int]:
+    """What one streamed training step of `rows` sequences of `length` tokens holds beyond the
+    engine: each layer's input kept for the backward, and the logits (student, teacher and their
+    gradient); one layer's activations are in the plan's prefill term. From config.json, so the
+    plan can count them before loading."""
+    text = model_config.get("text_config", model_config)
+    itemsize = 4  # float32 on the CPU; an upper bound elsewhere
+    tokens = rows * length
+    layers, hidden = int(text.get("num_hidden_layers", 0)), int(text.get("hidden_size", 0))
+    vocab = int(text.get("vocab_size", 0))
+    return {
+        "layer inputs": layers * tokens * hidden * itemsize,
+        "logits": 3 * tokens * vocab * itemsize,
+    }
+
+
 def load_student(
     model_dir: str | Path,
     k: int | None = None,
@@ -299,6 +304,7 @@ def load_student(
     engine_config: EngineConfig | None = None,
     extra_bytes: int = 0,
     streamed: bool | None = None,
+    step: tuple[int, int] | None = None,
 ) -> Student:
     """The student for width K: the base, the K profile's heads (when `heads`, found over
     `engine_config`'s adapter search), and a LoRA read from a file, the profile's own
@@ -307,7 +313,9 @@ def load_student(
     The base is dequantized in memory where it fits (with `extra_bytes`, e.g. a float teacher),
     else streamed: routed experts packed, read through the expert cache (`streamed_student.py`;
     slower, bounded by the memory plan). `streamed` True or False forces one; False is refused
-    up front where the dequantized model cannot fit."""
+    up front where the dequantized model cannot fit. `step`: (rows, tokens) of a training step,
+    whose layer inputs and logits the streamed student's memory plan holds beside the engine
+    (its context is one row: no KV cache is kept), so the expert cache leaves room for them."""
     model_dir = Path(model_dir)
     engine_config = engine_config or EngineConfig()
     if streamed is None:
@@ -315,7 +323,15 @@ def load_student(
             available_memory_bytes() or float("inf")
         )
     if streamed:
-        loaded = load(model_dir, streaming_config(engine_config))
+        config = streaming_config(engine_config)
+        if step is not None:
+            model_config = read_config(model_dir)
+            config = replace(
+                config,
+                held_bytes=sum(step_bytes(model_config, *step).values()),
+                context_tokens=step[1],
+            )
+        loaded = load(model_dir, config)
     else:
         check_student_fits(model_dir, engine_config, extra_bytes)
         loaded = load(model_dir, replace(engine_config, mode="resident"))
