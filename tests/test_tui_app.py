@@ -608,6 +608,12 @@ async def test_main_screen_snapshot(model, tmp_path, size, snapshot, panels):
         assert "K 4" in line and "on-demand" in line and "ready" in line, line
         svg = app.export_screenshot(title="edge0")
 
+    check_snapshot(svg, snapshot, tmp_path, "the main screen")
+
+
+def check_snapshot(svg: str, snapshot, tmp_path, what: str) -> None:
+    """`svg` equals the stored `snapshot` (EDGE0_UPDATE_SNAPSHOTS=1 rewrites it; look at it
+    before committing); a mismatch leaves the new rendering in `tmp_path`."""
     if os.environ.get("EDGE0_UPDATE_SNAPSHOTS") == "1":
         snapshot.parent.mkdir(exist_ok=True)
         snapshot.write_text(svg)
@@ -615,6 +621,6 @@ async def test_main_screen_snapshot(model, tmp_path, size, snapshot, panels):
     if svg != expected:
         (tmp_path / snapshot.name).write_text(svg)
         raise AssertionError(
-            f"the main screen changed; new rendering at {tmp_path / snapshot.name}. "
+            f"{what} changed; new rendering at {tmp_path / snapshot.name}. "
             "If intended, rerun with EDGE0_UPDATE_SNAPSHOTS=1."
         )

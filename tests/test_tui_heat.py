@@ -5,7 +5,6 @@ experts when they do not fit, and fits 80x24 to 160x48."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +15,7 @@ from test_tui_app import (
     SHORT,
     SIZE,
     SNAPSHOT,
+    check_snapshot,
     make_app,
     ready,
     reply_done,
@@ -295,15 +295,7 @@ async def test_heat_view_snapshot(model, tmp_path):
         )
         await pilot.pause()
         svg = app.export_screenshot(title="edge0 expert heat")
-    if os.environ.get("EDGE0_UPDATE_SNAPSHOTS") == "1":
-        snapshot.write_text(svg)
-    expected = snapshot.read_text() if snapshot.exists() else ""
-    if svg != expected:
-        (tmp_path / snapshot.name).write_text(svg)
-        raise AssertionError(
-            f"the heat view changed; new rendering at {tmp_path / snapshot.name}. "
-            "If intended, rerun with EDGE0_UPDATE_SNAPSHOTS=1."
-        )
+    check_snapshot(svg, snapshot, tmp_path, "the heat view")
 
 
 async def test_resident_mode_says_there_is_nothing_to_show(model, tmp_path):
