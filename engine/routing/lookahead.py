@@ -32,9 +32,9 @@ import numpy as np
 from .functions import route
 
 # A guess: (a layer's input residual, K) -> the consumer's K guessed experts (lazy indices). A
-# guess names K experts, no more: reading the next best too (K x 1.5) read 16-35% more bytes
-# for the same recall in time, and under a paced disk prefetch ran 1.12x on-demand with them
-# against 1.24x without (docs/benchmarks.md, "Guesses K wide").
+# guess names K experts, no more: reading the next best too (K x 1.5) read 16% more bytes with
+# as many reads in time, and on a disk paced at 320 MiB/s prefetch ran 1.12x on-demand with
+# them against 1.24x without (docs/benchmarks.md, "The paced disk, and guesses K wide").
 Guesser = Callable[[mx.array, int], mx.array]
 
 
