@@ -599,9 +599,9 @@ class ChatScreen(Screen):
         return [p.k for p in profiles if p.prerouter or mode not in HEAD_MODES]
 
     @on(QualityKept)
-    async def quality_kept(self, event: QualityKept) -> None:
+    def quality_kept(self, event: QualityKept) -> None:
         """An eval run beside the app: the K selector's labels show its figures now."""
-        await self.query_one(RoutingSelector).set_quality(event.quality)
+        self.query_one(RoutingSelector).set_quality(event.quality)
 
     @on(SwitchFailed)
     def switch_failed(self, event: SwitchFailed) -> None:

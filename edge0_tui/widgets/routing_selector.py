@@ -54,11 +54,7 @@ class RoutingSelector(Vertical):
             id="k-choice",
             compact=True,
         )
-        unrecovered = not all(p.recovered for p in self.profiles)
-        notes = ["* quality not recovered at this K"] if unrecovered else []
-        if any(p.k in self.quality for p in self.profiles):
-            notes.append("ppl: prerouter's perplexity against the native model, measured")
-        yield Label("\n".join(notes), classes="panel-note")
+        yield Label(self._k_notes(), id="k-notes", classes="panel-note")
         yield Label("expert loading", classes="panel-title")
         yield RadioSet(
             *(
@@ -84,10 +80,21 @@ class RoutingSelector(Vertical):
         self._shown_k, self._shown_mode = k, mode
         await self.recompose()
 
-    async def set_quality(self, quality: dict[int, dict[str, float]]) -> None:
-        """New measured figures for the K labels; the choices shown stay."""
+    def set_quality(self, quality: dict[int, dict[str, float]]) -> None:
+        """New measured figures for the K labels, changed in place (a recompose would leave the
+        panel timer a moment without the selector's widgets); the choices shown stay."""
         self.quality = quality
-        await self.recompose()
+        for profile in self.profiles:
+            button = self.query_one(f"#k-{profile.k}", RadioButton)
+            button.label = _k_label(profile, quality.get(profile.k, {}))
+        self.query_one("#k-notes", Label).update(self._k_notes())
+
+    def _k_notes(self) -> str:
+        unrecovered = not all(p.recovered for p in self.profiles)
+        notes = ["* quality not recovered at this K"] if unrecovered else []
+        if any(p.k in self.quality for p in self.profiles):
+            notes.append("ppl: prerouter's perplexity against the native model, measured")
+        return "\n".join(notes)
 
     def select(self, k: int | None = None, mode: str | None = None) -> None:
         """Show `k` and/or `mode` as chosen."""

@@ -195,7 +195,10 @@ class StreamingSwitchGLU(nn.Module):
                     y = sorted_glu(self, rows[:, None, :], mx.array(slot_of[experts[part]]), bank)
                 y = y.reshape(len(part), -1)
                 mx.eval(y)
-                outputs.append(y)
+                # A fresh copy of the rows: under a gradient transform (the streamed student's
+                # backward) an evaluated array keeps its graph, and every group's activations
+                # would stay alive until the layer's backward ends.
+                outputs.append(mx.array(np.array(y, copy=False)))
             store.layer_computed(self._layer)  # the group's slots may take the next group
             done.append(ids)
         return _in_routing_order(outputs, done, routed)
