@@ -166,8 +166,9 @@ class ExpertReader:
         into: dict[str, np.ndarray] | None = None,
     ) -> Future[ReadResult]:
         """Read one expert: needed now, or `ahead` for `step` (reads ahead go after every read the
-        forward waits for, by the step and then the layer that will use them). With `into` (a slot of a `SlotBank`), the
-        bytes land there, converted to the slot's dtypes, and the result holds no arrays."""
+        forward waits for, by the step and then the layer that will use them). With `into` (a
+        slot of a `SlotBank`), the bytes land there, converted to the slot's dtypes, and the
+        result holds no arrays."""
         layer_experts = self.index.layers[layer]
         if not 0 <= expert < layer_experts.num_experts:
             raise IndexError(f"layer {layer} has no expert {expert}")

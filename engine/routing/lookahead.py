@@ -79,22 +79,23 @@ class Lookahead:
         return self._guess(first, self._embed(mx.array(tokens)[None]))
 
     def _guess(self, layer: int, h: mx.array) -> Guess:
-        return Guess(layer, [self._guessers[layer](h, min(self.k, self.experts))])
+        return Guess(layer, self._guessers[layer](h, min(self.k, self.experts)))
 
     def end_step(self) -> None:
         self._inputs.clear()
 
 
 class Guess:
-    """A layer's guessed experts: lazy until `mx.eval(guess.arrays)`, then `likely` (its top K)."""
+    """A layer's guessed experts: `indices` lazy until `mx.eval(guess.indices)`, then `likely`
+    (its top K, each once)."""
 
-    def __init__(self, layer: int, arrays: list[mx.array]) -> None:
+    def __init__(self, layer: int, indices: mx.array) -> None:
         self.layer = layer
-        self.arrays = arrays
+        self.indices = indices
 
     @property
     def likely(self) -> list[int]:
-        return _distinct(self.arrays[0])
+        return _distinct(self.indices)
 
 
 def _distinct(indices: mx.array) -> list[int]:

@@ -666,7 +666,7 @@ class Engine:
         guess = self.lookahead.guess_first(tokens)
         if guess is not None:
             with self.tracer.span("lookahead first layer", "prerouter"):
-                mx.eval(guess.arrays)
+                mx.eval(guess.indices)
             self.store.look_ahead(guess.layer, guess.likely)
 
     @staticmethod

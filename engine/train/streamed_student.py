@@ -3,19 +3,20 @@
 The in-memory student (`student.py`) dequantizes the whole base, because backward through a
 batch touches nearly every expert. But the LoRA trains only resident modules (attention, linear
 attention, shared experts): the routed experts are frozen, and a gradient needs to pass through
-them only to their input. `gather_qmm` gives that gradient on the packed 4-bit weights, so the
-experts can stay on disk and go through the streaming engine's expert cache as in inference:
+them only to their input, and one expert at a time at that, so the experts can stay on disk
+and go through the streaming engine's expert cache as in inference:
 
 - **Forward.** The checkpoint is loaded as the streaming engine loads it (`on-demand`, on the
   prefill kernels the config asks for: dense fp32 products for experts with many rows on a CPU
-  with a fast BLAS, the 4-bit kernel for the rest), and each MoE layer runs the student's routing
-  (`StudentMoE`: the gate, or the heads' predictions) over the whole batch. A layer routed to more experts than
-  the cache holds computes them a bankful at a time (`StreamingSwitchGLU._by_expert_groups`).
+  with a fast BLAS, the 4-bit kernel for the rest), and each MoE layer runs the student's
+  routing (`StudentMoE`: the gate, or the heads' predictions) over the whole batch. A layer
+  routed to more experts than the cache holds computes them a bankful at a time
+  (`StreamingSwitchGLU._by_expert_groups`).
 - **Backward.** Each layer's routed experts are one `mx.custom_function` (`TrainableExperts`)
   whose VJP reads that layer's experts again, a bankful at a time, and accumulates the input's
-  gradient group by group (`expert_input_grad`), each group evaluated before the next is read
-  into the same slots. The routing weights' gradient flows as usual: they multiply the experts'
-  outputs outside this function.
+  gradient expert by expert through that expert's dequantized weights (`expert_input_grad`),
+  each evaluated and detached (`switch_glu.detached`) before the next. The routing weights'
+  gradient flows as usual: they multiply the experts' outputs outside this function.
 
 Memory is the resident weights, the expert cache, the LoRA with its optimizer state, and the
 activations autograd keeps of the resident modules; no expert is ever held twice. The same
@@ -33,10 +34,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
-from ..experts.switch_glu import (
-    StreamingSwitchGLU,
-    dense_expert_glu,
-)
+from ..experts.switch_glu import StreamingSwitchGLU, dense_expert_glu, detached
 from ..runtime.loader import LoadedModel
 
 
@@ -97,30 +95,20 @@ def expert_input_grad(
         for expert, slot in zip(group, slots):
             ids = np.flatnonzero(experts == expert)
             glu = partial(dense_expert_glu, switch, bank=bank, slot=int(slot))
-            grad = _add_row_grads(grad, glu, flat_x, flat_cotangent, ids, k, expand=False)
+            grad = _add_row_grads(grad, glu, flat_x, flat_cotangent, ids, k)
         store.layer_computed(layer)  # the group's slots may take the next group
     return grad.reshape(x.shape)
 
 
-def _add_row_grads(grad, glu, flat_x, flat_cotangent, assignments, k, expand: bool) -> mx.array:
+def _add_row_grads(grad, glu, flat_x, flat_cotangent, assignments, k) -> mx.array:
     """`grad` plus the gradient of the rows of `assignments` through `glu` (one output row per
-    assignment; `expand`: the kernel's `[n, 1, H]`), evaluated."""
+    assignment), evaluated and detached."""
     rows = mx.array((assignments // k).astype(np.uint32))  # the token each assignment is of
     cotangent = flat_cotangent[mx.array(assignments)]
-    if expand:
-        cotangent = cotangent[:, None, :]
     _, (row_grads,) = mx.vjp(glu, [flat_x[rows]], [cotangent])
     grad = grad.at[rows].add(row_grads)
     mx.eval(grad)
     return detached(grad)
-
-
-def detached(array: mx.array) -> mx.array:
-    """An evaluated array as a fresh one, without the graph that made it. Inside a layer's
-    `mx.vjp` an evaluation keeps its graph, so what the experts computed (their activations, an
-    expert's dequantized weights) would stay alive until the layer's backward ends: 3.2 GiB
-    for the 32 experts of a 4864-wide layer, measured."""
-    return mx.array(np.array(array, copy=False))
 
 
 def make_experts_trainable(loaded: LoadedModel) -> None:
