@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import shutil
 
-import pytest
 from adapters import write_random_profile
 from test_train_base import texts_dir  # noqa: F401 (a fixture: 40 fake works, no download)
 
@@ -18,7 +17,6 @@ from engine.runtime.generation import Engine
 from engine.train import corpus
 
 
-@pytest.mark.skipif(not (BUNDLED_DEMO / "config.json").exists(), reason="no bundled demo")
 def test_train_heads_on_the_demo_uses_its_own_corpus_and_warns_first(
     texts_dir,  # noqa: F811
     monkeypatch,

@@ -10,7 +10,6 @@ from test_tui_app import make_app, ready, wait_until
 from textual.containers import VerticalScroll
 from textual.widgets import Input
 
-from edge0_tui.model_source import BUNDLED_DEMO
 from edge0_tui.screens.settings import SettingsScreen
 
 
@@ -36,7 +35,6 @@ async def test_settings_open_on_the_first_field_with_one_row_of_buttons(
         assert fields.max_scroll_y == 0 or fields.scroll_y == fields.max_scroll_y
 
 
-@pytest.mark.skipif(not (BUNDLED_DEMO / "config.json").exists(), reason="no bundled demo")
 async def test_the_empty_page_cache_field_says_the_demo_runs_with_4m(tmp_path):
     app = _build(["demo"], tmp_path)
     async with app.run_test(size=(120, 40)) as pilot:
