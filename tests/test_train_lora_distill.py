@@ -450,10 +450,33 @@ def test_cli_wires_the_training_phases(monkeypatch, tmp_path):
     common = ["--k", "4", "--teacher", "T", "--text", str(text), "--steps", "7"]
     assert main(["train", "lora", model, *common, "--generate", "64", "--lr", "1e-3"]) == 0
     assert main(["train", "distill", model, *common, "--out-dir", "D", "--batch", "5"]) == 0
-    (lora_args, lora_kw), (distill_args, distill_kw) = calls
+    assert main(["train", "lora", model, *common, "--continuation-tokens", "24"]) == 0
+    assert main(["train", "distill", model, *common, "--continuation-tokens", "8"]) == 0
+    (lora_args, lora_kw), (distill_args, distill_kw), (short_lora, _), (short_distill, _) = calls
+    assert short_lora[3].gen_tokens == 24 and short_distill[3].gen_tokens == 8
+    # Without the option each phase keeps its config's default (the help names them).
+    assert lora_args[3].gen_tokens == engine.train.lora.TrainLoRAConfig.gen_tokens
+    assert distill_args[3].gen_tokens == engine.train.distill.TrainDistillConfig.gen_tokens
+    for phase, config in (("lora", lora_args[3]), ("distill", distill_args[3])):
+        help_text = " ".join(_help(["train", phase]).split())
+        assert f"default {config.gen_tokens}." in help_text
     assert lora_args[3].k == 4 and lora_args[3].rows == 64 and lora_args[3].steps == 7
     assert lora_args[3].lr == 1e-3 and lora_kw["rows_path"] is None
     assert distill_args[3].prompts_per_step == 5
     assert str(lora_args[1]) == "T" and lora_args[2] == "some text"
     assert distill_args[3].steps == 7 and str(distill_kw["out_dir"]) == "D"
     assert main(["train", "lora", model, *common[:4], "--text", str(tmp_path / "missing")]) == 2
+    with pytest.raises(SystemExit) as bad:  # argparse's own errors exit
+        main(["train", "lora", model, *common, "--continuation-tokens", "0"])
+    assert bad.value.code == 2
+
+
+def _help(argv: list[str]) -> str:
+    """The --help text of an `edge0` subcommand."""
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):
+        main([*argv, "--help"])
+    return out.getvalue()

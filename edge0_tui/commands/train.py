@@ -106,7 +106,12 @@ def _add_base(phases: argparse._SubParsersAction) -> None:
 def _add_lora_and_distill(phases: argparse._SubParsersAction) -> None:
     lora = phases.add_parser("lora", help="phase 2: SFT of the recovery LoRA on teacher text")
     distill = phases.add_parser("distill", help="phase 3: on-policy distillation (reverse KL)")
-    for phase, steps, out_dir in ((lora, 300, "lora"), (distill, 40, "distill")):
+    for phase, steps, out_dir, continuation_tokens in (
+        # The defaults of TrainLoRAConfig.gen_tokens and TrainDistillConfig.gen_tokens, written
+        # out so that `edge0 --help` does not import MLX (a test keeps them equal).
+        (lora, 300, "lora", 96),
+        (distill, 40, "distill", 64),
+    ):
         options.add_model(phase)
         phase.add_argument("--k", type=options.count(1), required=True)
         phase.add_argument(
@@ -143,6 +148,15 @@ def _add_lora_and_distill(phases: argparse._SubParsersAction) -> None:
             type=options.count(1),
             default=None,
             help="rows (lora) or rollouts (distill) per step",
+        )
+        phase.add_argument(
+            "--continuation-tokens",
+            type=options.int_between(1, 4096),
+            default=None,
+            metavar="N",
+            help=f"tokens written after each prompt, by the teacher (lora) or the student "
+            f"(distill); default {continuation_tokens}. Fewer make each row cheaper to write "
+            "(the teacher samples them a token at a time) and each step shorter",
         )
         phase.add_argument(
             "--out",
@@ -312,6 +326,8 @@ def run_lora_or_distill(args: argparse.Namespace) -> int:
             config.prompts_per_step = args.batch
     if args.lr is not None:
         config.lr = args.lr
+    if args.continuation_tokens is not None:
+        config.gen_tokens = args.continuation_tokens
     train(
         args.model,
         args.teacher,
