@@ -283,7 +283,7 @@ def test_the_plan_holds_a_training_step_and_the_expert_cache_leaves_room_for_it(
     planned = load_student(
         model_dir, profile_k("qwen3_moe"), True, LoRAInit(), config, 0, True, step=(8, 127)
     )
-    held = sum(step_bytes(read_config(model_dir), 8, 127).values())
+    held = sum(step_bytes(read_config(model_dir), 8, 127, profile_k("qwen3_moe")).values())
     before, after = plain.loaded.memory_plan, planned.loaded.memory_plan
     assert after.held_bytes == held > 0 and before.held_bytes == 0
     assert after.context_tokens == 127 and ("training step", held) in after.terms()
@@ -296,3 +296,51 @@ def test_the_plan_holds_a_training_step_and_the_expert_cache_leaves_room_for_it(
     )
     assert "training step" not in planned.describe(8, 127)  # counted once, by its parts
     assert "logits" in planned.describe(8, 127)
+
+
+def test_a_layers_backward_stays_within_the_plans_term(checkpoint_dir, tmp_path):
+    """A layer's backward (its experts read again, one expert's input gradient at a time) holds
+    no more MLX memory over what lies between layers than the plan's "layer backward" term, on
+    experts wide enough for their work to dominate. Inside the layer's `mx.vjp` MLX keeps an
+    evaluation's intermediates: computed there, one expert's gradient took 3x its weights."""
+    from engine.runtime.loader import read_config
+    from engine.train.student import step_bytes
+    from engine.train.wall import pad_experts
+
+    model_dir = tmp_path / "wide"
+    pad_experts(checkpoint_dir("qwen3_moe"), model_dir, 8192)
+    k = profile_k("qwen3_moe")
+    write_random_profile(model_dir, k)
+    rows, length = 2, 24
+    student = load_student(
+        model_dir, k, True, LoRAInit(seed=1), EngineConfig(), 0, True, step=(rows, length)
+    )
+    term = step_bytes(read_config(model_dir), rows, length, k)["layer backward"]
+    tokens = mx.array(np.random.default_rng(0).integers(0, 500, size=(rows, length)))
+    teacher = student.base_logits(tokens)
+    mx.eval(teacher)
+    excess = []
+    original = LayerwiseGrad._layer_backward
+
+    def measured(self, *args):
+        before = mx.get_active_memory()
+        mx.reset_peak_memory()
+        result = original(self, *args)
+        mx.eval(result)
+        excess.append(mx.get_peak_memory() - before)
+        return result
+
+    def loss(batch, target):
+        return masked_mean(forward_kl(target, student(batch, 8)), mx.ones(batch.shape))
+
+    LayerwiseGrad._layer_backward = measured
+    try:
+        value, grads = student.value_and_grad(loss)(tokens, teacher)
+        mx.eval(value, grads)
+    finally:
+        LayerwiseGrad._layer_backward = original
+    assert len(excess) == read_config(model_dir)["num_hidden_layers"]
+    # The layer's forward again (a prefill of the step's tokens) and its backward's own work.
+    bound = student.loaded.memory_plan.prefill_bytes + term
+    print([e / 2**20 for e in excess], bound / 2**20)
+    assert 0 < max(excess) <= bound, (max(excess) / 2**20, bound / 2**20)

@@ -50,7 +50,7 @@ from ..routing.prerouter import (
     sequence_features,
 )
 from ..runtime.linux_memory import available_memory_bytes
-from ..runtime.loader import LoadedModel, compute_dtype, load, read_config
+from ..runtime.loader import LoadedModel, compute_dtype, load, read_config, routed_top_k
 from .streamed_student import LayerwiseGrad, make_experts_trainable, streaming_config
 
 # LoRA targets by kind: a linear layer whose module path holds one of these markers. Routers
@@ -224,7 +224,7 @@ class Student:
         if not self.streamed:
             return "student: in memory (the base dequantized; the faster path where it fits)"
         plan = self.loaded.memory_plan
-        training = step_bytes(self.loaded.config, rows, length)
+        training = step_bytes(self.loaded.config, rows, length, self.k)
         lora = sum(a.size + b.size for a, b in self.lora_weights().values())
         training["LoRA and AdamW"] = 4 * lora * 4  # weights, gradient and two moments, float32
         # The plan holds the step's layer inputs and logits already (`held_bytes`).
@@ -280,19 +280,28 @@ class Student:
         save_lora(path, self.lora_weights(), self.lora.r, self.lora.alpha, self.k, self.fingerprint)
 
 
-def step_bytes(model_config: dict, rows: int, length: int) -> dict[str, int]:
+def step_bytes(model_config: dict, rows: int, length: int, k: int = 0) -> dict[str, int]:
     """What one streamed training step of `rows` sequences of `length` tokens holds beyond the
-    engine: each layer's input kept for the backward, and the logits (student, teacher and their
-    gradient); one layer's activations are in the plan's prefill term. From config.json, so the
-    plan can count them before loading."""
+    engine: each layer's input kept for the backward, the logits (student, teacher and their
+    gradient), and one layer's backward (`streamed_student.expert_input_grad`): one expert's
+    dequantized weights with their gradient's work, and the routed experts' activations of the
+    step's tokens at the wider of K and the native K (the teacher's). From config.json, so the
+    plan can count them before loading.
+
+    Measured on a 4864-wide wall (docs/benchmarks.md, "The layer backward outside the trace"): a
+    layer's backward peaked 51 MiB over the memory between layers at 2 x 127 tokens and 118 at
+    8 x 127 (K=4); this term gives 66 and 179 MiB."""
     text = model_config.get("text_config", model_config)
     itemsize = 4  # float32 on the CPU; an upper bound elsewhere
     tokens = rows * length
     layers, hidden = int(text.get("num_hidden_layers", 0)), int(text.get("hidden_size", 0))
     vocab = int(text.get("vocab_size", 0))
+    width = int(text.get("moe_intermediate_size") or text.get("intermediate_size") or 0)
+    assignments = tokens * max(k, routed_top_k(model_config))
     return {
         "layer inputs": layers * tokens * hidden * itemsize,
         "logits": 3 * tokens * vocab * itemsize,
+        "layer backward": 2 * (3 * hidden * width + assignments * width) * itemsize,
     }
 
 
@@ -328,7 +337,7 @@ def load_student(
             model_config = read_config(model_dir)
             config = replace(
                 config,
-                held_bytes=sum(step_bytes(model_config, *step).values()),
+                held_bytes=sum(step_bytes(model_config, *step, k or 0).values()),
                 context_tokens=step[1],
             )
         loaded = load(model_dir, config)
