@@ -26,9 +26,9 @@ activations autograd keeps of the resident modules; no expert is ever held twice
 
 from __future__ import annotations
 
-import threading
+import concurrent.futures
 from dataclasses import replace
-from functools import partial
+from functools import cache, partial
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -68,31 +68,30 @@ class TrainableExperts(nn.Module):
 
 def untraced(function, *args):
     """`function(*args)` outside the gradient transform this thread is in (the layer's `mx.vjp`),
-    on a thread of its own while this one waits; `function` returns one array. Inside a transform MLX keeps every intermediate of an evaluation alive until its
-    output is freed, and that state is per thread: one 4864-wide expert's input gradient held 88
-    MiB over its inputs there against 29.5 MiB outside (a dequantized weight, 4.75 MiB, cost 29
-    MiB against 10). The other thread gets copies of the array arguments: evaluating the
-    transform's own arrays there cut them from its graph (the gradient came back zero)."""
+    on the one thread kept for it while this one waits; `function` returns one array. Inside a
+    transform MLX keeps every intermediate of an evaluation alive until its output is freed,
+    and that state is per thread: one 4864-wide expert's input gradient held 88 MiB over its
+    inputs there against 29.5 MiB outside (a dequantized weight, 4.75 MiB, cost 29 MiB against
+    10). The other thread gets copies of the array arguments: evaluating the transform's own
+    arrays there cut them from its graph (the gradient came back zero). One thread for the
+    process, not one per call: each new thread that ran the dense products left its own C heap
+    and BLAS buffers behind (the process grew 10-15 MiB a step outside MLX)."""
     mx.eval(*[a for a in args if isinstance(a, mx.array)])
     args = tuple(detached(a) if isinstance(a, mx.array) else a for a in args)
-    result: list = []
+    return _untraced_thread().submit(_evaluated, function, args).result()
 
-    def run() -> None:
-        try:
-            output = function(*args)
-            mx.eval(output)
-            # A fresh array: MLX gives each thread its own stream, and an array this thread
-            # made lazily cannot be evaluated on another ("There is no Stream(cpu, N)").
-            result.append(detached(output))
-        except BaseException as error:  # raised again on the caller's thread
-            result.append(error)
 
-    worker = threading.Thread(target=run, name="edge0-untraced")
-    worker.start()
-    worker.join()
-    if isinstance(result[0], BaseException):
-        raise result[0]
-    return result[0]
+def _evaluated(function, args) -> mx.array:
+    output = function(*args)
+    mx.eval(output)
+    # A fresh array: MLX gives each thread its own stream, and an array this thread made
+    # lazily cannot be evaluated on another ("There is no Stream(cpu, N)").
+    return detached(output)
+
+
+@cache
+def _untraced_thread() -> concurrent.futures.ThreadPoolExecutor:
+    return concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="edge0-untraced")
 
 
 def expert_input_grad(
