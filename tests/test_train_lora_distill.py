@@ -343,7 +343,8 @@ def test_sft_on_the_sampled_tokens_lowers_its_loss(phase2):
 
 
 def test_sft_resumes_where_it_stopped(phase2):
-    """Half the steps, then a rerun to the end: the same LoRA as one uninterrupted run."""
+    """Half the steps, then a rerun to the end: the same LoRA as one uninterrupted run. The rerun
+    may save and log at other intervals (`--checkpoint-every`): that changes no step."""
     model_dir, teacher, config, out, _, root = phase2
     config_half = TrainLoRAConfig(**{**config.__dict__, "steps": 6})
     # The rows are cached in MODEL/train, shared with the first run: not sampled again.
@@ -364,7 +365,7 @@ def test_sft_resumes_where_it_stopped(phase2):
         model_dir,
         teacher,
         TEXT,
-        config,
+        TrainLoRAConfig(**{**config.__dict__, "checkpoint_every": 5, "log_every": 3}),
         out=root / "resumed.safetensors",
         out_dir=root / "resumed",
         log=lines.append,
@@ -452,14 +453,19 @@ def test_cli_wires_the_training_phases(monkeypatch, tmp_path):
     assert main(["train", "distill", model, *common, "--out-dir", "D", "--batch", "5"]) == 0
     assert main(["train", "lora", model, *common, "--continuation-tokens", "24"]) == 0
     assert main(["train", "distill", model, *common, "--continuation-tokens", "8"]) == 0
-    (lora_args, lora_kw), (distill_args, distill_kw), (short_lora, _), (short_distill, _) = calls
+    assert main(["train", "lora", model, *common, "--checkpoint-every", "5"]) == 0
+    (lora_args, lora_kw), (distill_args, distill_kw), (short_lora, _), (short_distill, _) = calls[
+        :4
+    ]
     assert short_lora[3].gen_tokens == 24 and short_distill[3].gen_tokens == 8
+    assert calls[4][0][3].checkpoint_every == 5
     # Without the option each phase keeps its config's default (the help names them).
     assert lora_args[3].gen_tokens == engine.train.lora.TrainLoRAConfig.gen_tokens
     assert distill_args[3].gen_tokens == engine.train.distill.TrainDistillConfig.gen_tokens
     for phase, config in (("lora", lora_args[3]), ("distill", distill_args[3])):
         help_text = " ".join(_help(["train", phase]).split())
         assert f"default {config.gen_tokens}." in help_text
+        assert f"every N steps; default {config.checkpoint_every}." in help_text
     assert lora_args[3].k == 4 and lora_args[3].rows == 64 and lora_args[3].steps == 7
     assert lora_args[3].lr == 1e-3 and lora_kw["rows_path"] is None
     assert distill_args[3].prompts_per_step == 5

@@ -106,11 +106,11 @@ def _add_base(phases: argparse._SubParsersAction) -> None:
 def _add_lora_and_distill(phases: argparse._SubParsersAction) -> None:
     lora = phases.add_parser("lora", help="phase 2: SFT of the recovery LoRA on teacher text")
     distill = phases.add_parser("distill", help="phase 3: on-policy distillation (reverse KL)")
-    for phase, steps, out_dir, continuation_tokens in (
-        # The defaults of TrainLoRAConfig.gen_tokens and TrainDistillConfig.gen_tokens, written
-        # out so that `edge0 --help` does not import MLX (a test keeps them equal).
-        (lora, 300, "lora", 96),
-        (distill, 40, "distill", 64),
+    for phase, steps, out_dir, continuation_tokens, checkpoint_every in (
+        # The defaults of the phases' configs (gen_tokens, checkpoint_every), written out so that
+        # `edge0 --help` does not import MLX (a test keeps them equal).
+        (lora, 300, "lora", 96, 50),
+        (distill, 40, "distill", 64, 25),
     ):
         options.add_model(phase)
         phase.add_argument("--k", type=options.count(1), required=True)
@@ -148,6 +148,14 @@ def _add_lora_and_distill(phases: argparse._SubParsersAction) -> None:
             type=options.count(1),
             default=None,
             help="rows (lora) or rollouts (distill) per step",
+        )
+        phase.add_argument(
+            "--checkpoint-every",
+            type=options.int_between(1, 1_000_000),
+            default=None,
+            metavar="N",
+            help=f"save the run's state (and measure the held-out loss) every N steps; default "
+            f"{checkpoint_every}. A run stopped between saves resumes from the last one",
         )
         phase.add_argument(
             "--continuation-tokens",
@@ -328,6 +336,8 @@ def run_lora_or_distill(args: argparse.Namespace) -> int:
         config.lr = args.lr
     if args.continuation_tokens is not None:
         config.gen_tokens = args.continuation_tokens
+    if args.checkpoint_every is not None:
+        config.checkpoint_every = args.checkpoint_every
     train(
         args.model,
         args.teacher,

@@ -199,9 +199,12 @@ def restore(model: nn.Module, optimizer: optim.Optimizer, arrays: dict[str, mx.a
     mx.eval(model.parameters(), optimizer.state)
 
 
-def changed_settings(saved: dict, config, free: tuple[str, ...] = ("steps",)) -> list[str]:
+def changed_settings(
+    saved: dict, config, free: tuple[str, ...] = ("steps", "checkpoint_every", "log_every")
+) -> list[str]:
     """The settings of `config` (a dataclass) that differ from a saved run's; those in `free` may
-    change between runs (e.g. `steps`: a longer run continues a shorter one)."""
+    change between runs (`steps`: a longer run continues a shorter one; how often it saves and
+    logs changes no step)."""
     current = asdict(config)
     return sorted(k for k, v in saved.items() if k not in free and current.get(k) != v)
 
