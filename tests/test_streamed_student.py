@@ -342,5 +342,4 @@ def test_a_layers_backward_stays_within_the_plans_term(checkpoint_dir, tmp_path)
     assert len(excess) == read_config(model_dir)["num_hidden_layers"]
     # The layer's forward again (a prefill of the step's tokens) and its backward's own work.
     bound = student.loaded.memory_plan.prefill_bytes + term
-    print([e / 2**20 for e in excess], bound / 2**20)
     assert 0 < max(excess) <= bound, (max(excess) / 2**20, bound / 2**20)

@@ -15,8 +15,9 @@ and go through the streaming engine's expert cache as in inference:
 - **Backward.** Each layer's routed experts are one `mx.custom_function` (`TrainableExperts`)
   whose VJP reads that layer's experts again, a bankful at a time, and accumulates the input's
   gradient expert by expert through that expert's dequantized weights (`expert_input_grad`),
-  each evaluated and detached (`switch_glu.detached`) before the next. The routing weights'
-  gradient flows as usual: they multiply the experts' outputs outside this function.
+  each evaluated before the next, outside the layer's gradient transform (`untraced`). The
+  routing weights' gradient flows as usual: they multiply the experts' outputs outside this
+  function.
 
 Memory is the resident weights, the expert cache, the LoRA with its optimizer state, and the
 activations autograd keeps of the resident modules; no expert is ever held twice. The same
@@ -37,7 +38,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
-from ..experts.switch_glu import StreamingSwitchGLU, dense_expert_glu, detached
+from ..experts.switch_glu import StreamingSwitchGLU, dense_expert_glu
 from ..runtime.loader import LoadedModel
 
 
@@ -89,6 +90,12 @@ def _evaluated(function, args) -> mx.array:
     # A fresh array: MLX gives each thread its own stream, and an array this thread made
     # lazily cannot be evaluated on another ("There is no Stream(cpu, N)").
     return detached(output)
+
+
+def detached(array: mx.array) -> mx.array:
+    """An evaluated array as a fresh one, without the graph or the stream that made it. Costs
+    one copy of the array."""
+    return mx.array(np.array(array, copy=False))
 
 
 @cache
@@ -157,13 +164,13 @@ def expert_input_grad(
 
 def _add_row_grads(grad, glu, flat_x, flat_cotangent, assignments, k) -> mx.array:
     """`grad` plus the gradient of the rows of `assignments` through `glu` (one output row per
-    assignment), evaluated and detached."""
+    assignment), evaluated."""
     rows = mx.array((assignments // k).astype(np.uint32))  # the token each assignment is of
     cotangent = flat_cotangent[mx.array(assignments)]
     _, (row_grads,) = mx.vjp(glu, [flat_x[rows]], [cotangent])
     grad = grad.at[rows].add(row_grads)
     mx.eval(grad)
-    return detached(grad)
+    return grad
 
 
 def make_experts_trainable(loaded: LoadedModel) -> None:
