@@ -486,3 +486,23 @@ def _help(argv: list[str]) -> str:
     with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):
         main([*argv, "--help"])
     return out.getvalue()
+
+
+def test_the_teacher_rows_key_names_the_weights_not_the_adapters_beside_them(
+    tmp_path, checkpoint_dir
+):
+    """Training K=4 writes lora_k4.safetensors beside the checkpoint that teaches itself: the rows
+    it generated (shared by every K) must still be its rows, and a changed shard must not."""
+    from engine.train.lora import _teacher_digest
+
+    model_dir = tmp_path / "model"
+    shutil.copytree(checkpoint_dir("qwen3_moe", "tiny"), model_dir)
+    before = _teacher_digest(model_dir, itself=True)
+    write_random_profile(model_dir, 2)
+    (model_dir / "lora_k4.safetensors").write_bytes(b"\0" * 64)
+    assert _teacher_digest(model_dir, itself=True) == before
+    assert _teacher_digest(model_dir, itself=False) != before
+    shard = sorted(model_dir.glob("model*.safetensors"))[0]
+    with open(shard, "ab") as f:
+        f.write(b"\0" * 8)  # another size: other weights
+    assert _teacher_digest(model_dir, itself=True) != before

@@ -36,6 +36,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from ..checkpoint.index import checkpoint_shards
 from ..config import EngineConfig
 from ..errors import Edge0Error
 from ..runtime.metrics import peak_memory_line
@@ -295,14 +296,16 @@ def teacher_rows(
 
 
 def _teacher_digest(teacher_dir: Path, itself: bool = False) -> str:
-    """Names a teacher checkpoint: its config and its weight files' names and sizes (and whether
-    the checkpoint teaches as itself, so rows of a float teacher are never taken for its own)."""
+    """Names a teacher checkpoint: its config and its weight shards' names and sizes (and whether
+    the checkpoint teaches as itself, so rows of a float teacher are never taken for its own).
+    Only the shards: adapter files beside them (lora_k4.safetensors, which training K=4 writes
+    there) change no teacher, and counting them made the next run generate its rows again."""
     if not (teacher_dir / "config.json").exists():
         raise Edge0Error(
             f"{teacher_dir}: no config.json (the teacher must be an mlx-lm checkpoint)"
         )
     digest = hashlib.sha256((teacher_dir / "config.json").read_bytes())
-    for shard in sorted(teacher_dir.glob("*.safetensors")):
+    for shard in sorted(checkpoint_shards(teacher_dir)):
         digest.update(f"{shard.name}|{shard.stat().st_size}\n".encode())
     if itself:
         digest.update(b"the checkpoint itself")
