@@ -17,10 +17,12 @@ and go through the streaming engine's expert cache as in inference:
   gradient expert by expert through that expert's dequantized weights (`expert_input_grad`),
   each evaluated before the next, outside the layer's gradient transform (`untraced`). The
   routing weights' gradient flows as usual: they multiply the experts' outputs outside this
-  function.
+  function. The layer computed again for its backward takes its experts' output kept from the
+  forward (tokens x K x hidden a layer) rather than running them a third time.
 
-Memory is the resident weights, the expert cache, the LoRA with its optimizer state, and the
-activations autograd keeps of the resident modules; no expert is ever held twice. The same
+Memory is the resident weights, the expert cache, the LoRA with its optimizer state, each
+layer's input and experts' output, and the activations autograd keeps of the resident modules;
+no expert is ever held twice. The same
 `Student` class runs on it, so losses, heads and LoRA files are those of the in-memory path
 (tests/test_streamed_student.py: losses and LoRA gradients equal it within 1e-4 relative).
 """
@@ -52,14 +54,27 @@ class TrainableExperts(nn.Module):
         experts = mx.custom_function(self._forward)
         experts.vjp(self._backward)
         self._experts = experts
+        # `LayerwiseGrad`: the step's recorded forward keeps its output, and the backward's
+        # recomputation of the layer takes it instead of running the experts again (a third
+        # of a step's expert work).
+        self.keep_output = False
+        self.kept = KeptOutput()  # not an array attribute: a module would make it a parameter
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         return self._experts(x, indices)
 
     def _forward(self, x: mx.array, indices: mx.array) -> mx.array:
+        kept, self.kept.output = self.kept.output, None
+        if kept is not None and not self.keep_output:
+            # The layer computed again from the input it recorded this output at.
+            assert kept.shape == (*indices.shape, x.shape[-1]), (kept.shape, indices.shape)
+            return kept
         # Computed now, while this layer's experts are in their slots: the next layer's reads (or
         # a backward's, which starts before the loss is evaluated) may take the same slots.
-        return untraced(self.switch, x, indices)
+        output = untraced(self.switch, x, indices)
+        if self.keep_output:
+            self.kept.output = output
+        return output
 
     def _backward(
         self, primals: tuple[mx.array, mx.array], cotangent: mx.array, output: mx.array
@@ -67,6 +82,12 @@ class TrainableExperts(nn.Module):
         x, indices = primals
         grad = untraced(expert_input_grad, self.switch, x, indices, cotangent)
         return grad, mx.zeros_like(indices)
+
+
+class KeptOutput:
+    """The routed experts' output of a layer's recorded forward, until its backward takes it."""
+
+    output: mx.array | None = None
 
 
 def untraced(function, *args):
@@ -173,6 +194,11 @@ def _add_row_grads(grad, glu, flat_x, flat_cotangent, assignments, k) -> mx.arra
     return grad
 
 
+def trainable_experts(layer: nn.Module) -> list[TrainableExperts]:
+    """The streamed routed experts of a decoder layer (none in a dense layer)."""
+    return [m for _, m in layer.named_modules() if isinstance(m, TrainableExperts)]
+
+
 def make_experts_trainable(loaded: LoadedModel) -> None:
     """Put `TrainableExperts` around every MoE layer's streamed experts (before the `Student`
     takes the layers' children)."""
@@ -212,6 +238,7 @@ class _Tap:
 
     def __init__(self, index: int, layer: nn.Module, last: bool, recorder: _Recorder) -> None:
         self.index, self.layer, self.last, self.recorder = index, layer, last, recorder
+        self.experts = trainable_experts(layer)
 
     def __getattr__(self, name: str):
         return getattr(self.layer, name)  # what the model's loop asks of a layer (`is_linear`)
@@ -227,7 +254,13 @@ class _Tap:
         recorder.inputs[self.index] = (x, args, kwargs)
         if predicted is not None:
             recorder.predicted_in[self.index] = predicted
-        y = self.layer(x, *args, **kwargs)
+        for experts in self.experts:  # the student's recorded forward only, not a teacher's
+            experts.keep_output = True
+        try:
+            y = self.layer(x, *args, **kwargs)
+        finally:
+            for experts in self.experts:
+                experts.keep_output = False
         if self.last:
             mx.eval(y)
             recorder.last_output = y
@@ -269,7 +302,7 @@ class LayerwiseGrad:
         for index, layer in enumerate(originals):
             layers[index] = _Tap(index, layer, index == len(originals) - 1, recorder)
         try:
-            # 1. forward: the checkpoints.
+            # 1. forward: the checkpoints, and each layer's routed experts' output.
             recorder.mode = "record"
             mx.eval(self.loss_fn(*batch))
             if len(recorder.inputs) != len(originals) or recorder.last_output is None:
@@ -287,17 +320,22 @@ class LayerwiseGrad:
         finally:
             recorder.mode = "off"
             layers[:] = originals
-        # 3. the layers, last to first.
+        # 3. the layers, last to first (each takes its experts' kept output).
         grads: list[tuple[str, mx.array]] = []
         prediction_grads: dict[int, mx.array] = {}
         paths = {id(module): path for path, module in student.model.named_modules()}
-        for index in reversed(range(len(originals))):
-            layer = originals[index]
-            grad, layer_grads = self._layer_backward(
-                index, layer, recorder, positions, grad, prediction_grads
-            )
-            prefix = paths[id(layer)]
-            grads += [(f"{prefix}.{name}", g) for name, g in layer_grads]
+        try:
+            for index in reversed(range(len(originals))):
+                layer = originals[index]
+                grad, layer_grads = self._layer_backward(
+                    index, layer, recorder, positions, grad, prediction_grads
+                )
+                prefix = paths[id(layer)]
+                grads += [(f"{prefix}.{name}", g) for name, g in layer_grads]
+        finally:  # none left for a later forward (a step that failed part way)
+            for layer in originals:
+                for module in trainable_experts(layer):
+                    module.kept.output = None
         return loss, tree_unflatten(grads)
 
     def _layer_backward(self, index, layer, recorder, positions, grad, prediction_grads):

@@ -282,11 +282,12 @@ class Student:
 
 def step_bytes(model_config: dict, rows: int, length: int, k: int = 0) -> dict[str, int]:
     """What one streamed training step of `rows` sequences of `length` tokens holds beyond the
-    engine: each layer's input kept for the backward, the logits (student, teacher and their
-    gradient), and one layer's backward (`streamed_student.expert_input_grad`): one expert's
-    dequantized weights with their gradient's work, and the routed experts' activations of the
-    step's tokens at the wider of K and the native K (the teacher's). From config.json, so the
-    plan can count them before loading.
+    engine: each layer's input and its routed experts' output at K kept for the backward, the
+    logits (student, teacher and their gradient), and one layer's backward
+    (`streamed_student.expert_input_grad`): one expert's dequantized weights with their
+    gradient's work, and the routed experts' activations of the step's tokens at the wider of K
+    and the native K (the teacher's). From config.json, so the plan can count them before
+    loading.
 
     Measured on a 4864-wide wall (docs/benchmarks.md, "The streamed student within its plan in
     the cgroup"): a layer's backward peaked 51 MiB over the memory between layers at 2 x 127
@@ -300,6 +301,7 @@ def step_bytes(model_config: dict, rows: int, length: int, k: int = 0) -> dict[s
     assignments = tokens * max(k, routed_top_k(model_config))
     return {
         "layer inputs": layers * tokens * hidden * itemsize,
+        "expert outputs": layers * tokens * (k or routed_top_k(model_config)) * hidden * itemsize,
         "logits": 3 * tokens * vocab * itemsize,
         "layer backward": 2 * (3 * hidden * width + assignments * width) * itemsize,
     }
