@@ -52,6 +52,9 @@ def test_head_maths_matches_numpy():
     ours = np.array(heads(mx.array(z)))
     served = np.array(heads.prepare_for_serving(mx.float32)(mx.array(z)))  # transposed weights
     np.testing.assert_allclose(served, ours, rtol=1e-5, atol=1e-5)
+    # The weights as stored stay readable (the student path, a save): views of the served copy.
+    np.testing.assert_array_equal(np.array(heads.fc1), fc1)
+    np.testing.assert_array_equal(np.array(heads.linear_init), lin)
     erf = np.vectorize(math.erf)
     for i in range(n):
         hidden = fc1[i] @ z[i]
@@ -599,3 +602,18 @@ def test_a_switch_whose_files_cannot_be_read_keeps_the_profile_that_stood(profil
         assert {s.k for s in engine.generate([11, 400, 97], GREEDY).steps} == {2}
     finally:
         engine.close()
+
+
+def test_served_heads_are_held_once(profiled):
+    """The engine's heads are in memory once (transposed for serving), not twice: the second
+    copy was 223 MiB on the 7 GB preset, which no plan counted."""
+    model_dir = profiled("qwen3_moe")
+    k = profile_k("qwen3_moe")
+    with Engine(model_dir, EngineConfig(mode="on-demand")) as engine:
+        before = mx.get_active_memory()
+        heads = engine.loaded.load_heads(
+            model_dir / f"prerouter_k{k}.safetensors", engine.fingerprint, k
+        )
+        held = mx.get_active_memory() - before
+        one_copy = sum(a.nbytes for a in (heads.fc1, heads.fc2, heads.linear_init))
+        assert 0 < held < 1.5 * one_copy, (held, one_copy)  # (allocations round up a little)

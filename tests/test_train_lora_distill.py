@@ -506,3 +506,36 @@ def test_the_teacher_rows_key_names_the_weights_not_the_adapters_beside_them(
     with open(shard, "ab") as f:
         f.write(b"\0" * 8)  # another size: other weights
     assert _teacher_digest(model_dir, itself=True) != before
+
+
+def test_sft_on_the_texts_own_continuations_lowers_its_loss(phase2):
+    """continuations="text": the rows are the corpus's own windows (nothing sampled, no rows
+    cache written), the teacher's distribution on them the target; its KL falls as well."""
+    from engine.train.data import corpus_tokens
+    from engine.train.lora import text_rows
+
+    model_dir, teacher, config, _, _, root = phase2
+    text = TrainLoRAConfig(**{**config.__dict__, "continuations": "text"})
+    student = load_student(model_dir, config.k, heads=True)
+    corpus = corpus_tokens(student.tokenizer, TEXT, config.max_corpus_tokens)
+    prompts, continuations = text_rows(corpus, text)
+    assert prompts.shape == (text.rows, text.prompt_tokens)
+    assert continuations.shape == (text.rows, text.gen_tokens)
+    joined = corpus.tobytes()
+    for row in np.concatenate([prompts, continuations], axis=1).astype(corpus.dtype):
+        assert row.tobytes() in joined  # a window of the text, as it is
+    lines: list[str] = []
+    out, history = train_lora(
+        model_dir,
+        teacher,
+        TEXT,
+        text,
+        out=root / "text" / "lora_k2.safetensors",
+        out_dir=root / "text" / "run",
+        rows_path=root / "text" / "unused_rows.npz",
+        log=lines.append,
+    )
+    assert any("rows of the text itself" in line for line in lines), lines
+    assert not (root / "text" / "unused_rows.npz").exists()
+    held = [e["heldout"] for e in history if "heldout" in e]
+    assert held[-1] < 0.95 * held[0], held

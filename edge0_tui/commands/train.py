@@ -188,6 +188,14 @@ def _add_lora_and_distill(phases: argparse._SubParsersAction) -> None:
         help="teacher continuations (cached, see --rows)",
     )
     lora.add_argument(
+        "--continuations",
+        choices=("sampled", "text"),
+        default="sampled",
+        help="sampled: the teacher writes each prompt's continuation (cached, see --rows); "
+        "text: the text's own continuations (no sampling). Either way the target is the "
+        "teacher's distribution at each position",
+    )
+    lora.add_argument(
         "--rows",
         type=Path,
         default=None,
@@ -316,7 +324,11 @@ def run_lora_or_distill(args: argparse.Namespace) -> int:
         from engine.train.lora import train_lora as train
 
         config = Config(
-            k=args.k, rows=args.generate, steps=args.steps, teacher_top_k=args.teacher_top_k
+            k=args.k,
+            rows=args.generate,
+            steps=args.steps,
+            teacher_top_k=args.teacher_top_k,
+            continuations=args.continuations,
         )
         extra["rows_path"] = args.rows
         if args.rows is not None and os.path.lexists(args.rows):  # a FIFO blocks: before any work

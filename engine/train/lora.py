@@ -66,6 +66,10 @@ class TrainLoRAConfig:
     gen_batch: int = 64  # continuations sampled together
     max_corpus_tokens: int = 200_000
     holdout_rows: int = 16  # kept out of training for the held-out loss
+    # "sampled": the teacher writes each prompt's continuation (the default); "text": the
+    # corpus's own next tokens, on which the teacher's distribution is the target as well
+    # (no sampling; what held-out perplexity on text measures).
+    continuations: str = "sampled"
     targets: str = "teacher"  # "teacher": its distribution at each position; "tokens": its samples
     # 0: the teacher's whole distribution, computed again at every step (the default); K: its K
     # likeliest tokens per position, computed once and kept on disk (`teacher_targets.py`): a
@@ -108,6 +112,8 @@ def train_lora(
         raise Edge0Error("need prompts of at least 2 tokens and more rows than held-out rows")
     if config.targets not in ("teacher", "tokens"):
         raise Edge0Error(f"targets={config.targets!r}: must be 'teacher' or 'tokens'")
+    if config.continuations not in ("sampled", "text"):
+        raise Edge0Error(f"continuations={config.continuations!r}: must be 'sampled' or 'text'")
     lora = LoRAInit(config.r, config.alpha, config.seed)
     student = load_student(
         model_dir,
@@ -135,9 +141,15 @@ def train_lora(
 
     # -- 1. data -----------------------------------------------------------------------------------
     corpus = corpus_tokens(student.tokenizer, text, config.max_corpus_tokens)
-    prompts, continuations = teacher_rows(
-        student, teacher_dir or model_dir, corpus, config, rows_path, log, bar, teacher
-    )
+    if config.continuations == "text":
+        prompts, continuations = text_rows(corpus, config)
+        log(
+            f"{config.rows} rows of the text itself ({config.prompt_tokens} + {config.gen_tokens} tokens)"
+        )
+    else:
+        prompts, continuations = teacher_rows(
+            student, teacher_dir or model_dir, corpus, config, rows_path, log, bar, teacher
+        )
     p = config.prompt_tokens
     tokens = np.concatenate([prompts, continuations], axis=1)
     inputs, targets = mx.array(tokens[:, :-1]), mx.array(tokens[:, 1:])
@@ -218,6 +230,15 @@ def forward_kl(teacher_logits: mx.array, student_logits: mx.array) -> mx.array:
     teacher = nn.log_softmax(teacher_logits.astype(mx.float32), axis=-1)
     student = nn.log_softmax(student_logits.astype(mx.float32), axis=-1)
     return (mx.exp(teacher) * (teacher - student)).sum(axis=-1)
+
+
+def text_rows(corpus: np.ndarray, config: TrainLoRAConfig) -> tuple[np.ndarray, np.ndarray]:
+    """`config.rows` windows of the corpus as (prompt [P], its own continuation [C]) pairs, at
+    offsets that are a function of the seed."""
+    rng = np.random.default_rng([config.seed, 2])
+    windows = draw_prompts(corpus, config.rows, config.prompt_tokens + config.gen_tokens, rng)
+    windows = windows.astype(np.int32)
+    return windows[:, : config.prompt_tokens], windows[:, config.prompt_tokens :]
 
 
 def teacher_rows(
