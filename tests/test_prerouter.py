@@ -617,3 +617,29 @@ def test_served_heads_are_held_once(profiled):
         held = mx.get_active_memory() - before
         one_copy = sum(a.nbytes for a in (heads.fc1, heads.fc2, heads.linear_init))
         assert 0 < held < 1.5 * one_copy, (held, one_copy)  # (allocations round up a little)
+
+
+def test_the_plan_holds_the_largest_profiles_heads_and_lora(checkpoint_dir, tmp_path):
+    """A model with K profiles plans their files' memory (the largest profile's heads and LoRA,
+    from the headers); switching to one loads exactly that (heads once, the LoRA once in the
+    compute dtype: each was held twice). No profile: no term. (The small preset: on the tiny
+    one, allocations rounding up are a few % of its arrays.)"""
+    with Engine(checkpoint_dir("qwen3_moe"), EngineConfig(mode="on-demand")) as bare:
+        assert bare.memory_plan.adapter_bytes == 0
+        assert not any(name.startswith("adapters") for name, _ in bare.memory_plan.terms())
+    model_dir = tmp_path / "small"
+    shutil.copytree(checkpoint_dir("qwen3_moe", "small"), model_dir)
+    k = profile_k("qwen3_moe")
+    write_random_profile(model_dir, k)
+    with Engine(model_dir, EngineConfig(mode="on-demand")) as engine:
+        term = engine.memory_plan.adapter_bytes
+        files = [model_dir / f"{kind}_k{k}.safetensors" for kind in ("prerouter", "lora")]
+        elements = sum(a.size for path in files for a in mx.load(str(path)).values())
+        assert term == 4 * elements  # float32 on the CPU
+        assert ("adapters (largest K profile)", term) in engine.memory_plan.terms()
+        assert engine.memory_plan.as_dict()["adapter_bytes"] == term
+        before = mx.get_active_memory()
+        engine.request_mode("prerouter")
+        engine.apply_requests()
+        assert engine.mode == "prerouter" and engine.lora is not None
+        assert 0 < mx.get_active_memory() - before <= term

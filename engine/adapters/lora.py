@@ -14,7 +14,7 @@ metadata `r` and `alpha` (flat, or inside the reference's nested `__metadata__` 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -147,7 +147,6 @@ class AppliedLoRA:
     """LoRA deltas installed on a model; `remove()` puts the bases back (for K hot-swaps)."""
 
     def __init__(self, model: nn.Module, adapter: LoRAAdapter, dtype: mx.Dtype | None) -> None:
-        self.adapter = adapter
         self._installed: list[tuple[nn.Module, str, nn.Module]] = []
         plan = []
         for module_path, (a, b) in adapter.weights.items():
@@ -180,6 +179,10 @@ class AppliedLoRA:
             setattr(parent, attribute, LoRALinear(base, a, b, adapter.scale))
             self._installed.append((parent, attribute, base))
         mx.eval([(a, b) for *_, a, b in plan])
+        # The weights as installed (in `dtype`): the file's, kept beside them, were a second
+        # copy that no memory plan counts.
+        installed = {path: (a, b) for path, (*_, a, b) in zip(adapter.weights, plan)}
+        self.adapter = replace(adapter, weights=installed)
 
     def remove(self) -> None:
         for parent, attribute, base in self._installed:

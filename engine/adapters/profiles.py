@@ -13,6 +13,7 @@ two are never paired across folders); the same K in a later folder is shadowed.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -118,3 +119,23 @@ def discover_profiles(
                 raise Edge0Error(f"{lora}: K={k} is not a routing width (at least 1)")
             profiles[k] = AdapterFiles(k, None, lora, origin)
     return profiles
+
+
+def profile_bytes(search: ProfileSearch, itemsize: int) -> int:
+    """The most memory one K profile's files take once loaded: its heads (held once, see
+    `PrerouterHeads.prepare_for_serving`) and its LoRA, every tensor in a compute dtype of
+    `itemsize` bytes; from the files' headers. A file that cannot be read counts nothing (it is
+    refused when its K is chosen)."""
+    largest = 0
+    for files in search.profiles.values():
+        elements = 0
+        for path in (files.prerouter, files.lora):
+            if path is None:
+                continue
+            try:
+                entries, _ = read_adapter_header(path)
+            except Edge0Error:
+                continue
+            elements += sum(math.prod(entry.shape) for entry in entries.values())
+        largest = max(largest, elements * itemsize)
+    return largest

@@ -28,9 +28,11 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.utils import logging as hf_logging
 
 from ..adapters.metadata import nonfinite_tensors
+from ..adapters.profiles import profile_bytes, search_profiles
 from ..checkpoint.families import Family, MoESite, check_config_sizes, family_of, find_moe_sites
 from ..checkpoint.index import (
     CheckpointIndex,
+    base_fingerprint,
     brief,
     check_directory,
     check_regular_file,
@@ -223,6 +225,8 @@ def load(model_dir: str | Path, config: EngineConfig, tracer: Tracer = NO_TRACE)
         )
     store, routing, blocks = None, None, {}
     dense_rows = dense_prefill_rows(config)
+    # The K profiles' files: the largest one's heads and LoRA are planned (any may be chosen).
+    profiles = search_profiles(model_dir, base_fingerprint(index), config)
     # Before any weight is read: the plan, and the config that keeps it (or a refusal).
     plan, config, plan_at = plan_load(
         index,
@@ -232,6 +236,7 @@ def load(model_dir: str | Path, config: EngineConfig, tracer: Tracer = NO_TRACE)
         config.k or top_k,
         largest_expert_weights(sites) if dense_rows is not None else 0,
         dense_rows is not None,
+        profile_bytes(profiles, (float_dtype or mx.float32).size),  # heads' dtype, `load_heads`
     )
     if dense_rows is not None:
         dense_prefill_linears(model)  # attention, shared experts, routers: dense from 4 rows

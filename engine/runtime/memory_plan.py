@@ -65,6 +65,8 @@ class MemoryPlan:
     # What the engine's caller holds beside it, planned with the rest: a training step's layer
     # inputs and logits (`EngineConfig.held_bytes`).
     held_bytes: int = 0
+    # The largest K profile's heads and LoRA once loaded (a K or mode switch may load any).
+    adapter_bytes: int = 0
 
     @property
     def total_bytes(self) -> int:
@@ -76,6 +78,7 @@ class MemoryPlan:
             + self.kv_cache_bytes
             + self.working_bytes
             + self.held_bytes
+            + self.adapter_bytes
         )
 
     @property
@@ -84,14 +87,19 @@ class MemoryPlan:
 
     def terms(self) -> list[tuple[str, int]]:
         prefill = "prefill (whole layers)" if self.whole_layer_prefill else "prefill (via cache)"
-        return [
+        terms = [
             ("runtime", self.runtime_bytes),
             ("resident weights", self.resident_bytes),
             (f"expert cache (K={self.k})", self.expert_cache_bytes),
             (prefill, self.prefill_bytes),
             (f"KV cache ({self.context_tokens:,} tokens)", self.kv_cache_bytes),
             ("working", self.working_bytes),
-        ] + ([("training step", self.held_bytes)] if self.held_bytes else [])
+        ]
+        if self.adapter_bytes:
+            terms.append(("adapters (largest K profile)", self.adapter_bytes))
+        if self.held_bytes:
+            terms.append(("training step", self.held_bytes))
+        return terms
 
     def as_dict(self) -> dict:
         """For `--json` reports: every term in bytes, the total and the limit."""
@@ -103,6 +111,7 @@ class MemoryPlan:
             "kv_cache_bytes": self.kv_cache_bytes,
             "working_bytes": self.working_bytes,
             "held_bytes": self.held_bytes,
+            "adapter_bytes": self.adapter_bytes,
             "total_bytes": self.total_bytes,
             "limit_bytes": self.limit_bytes,
             "limit_source": self.limit_source,
@@ -249,6 +258,7 @@ def plan_memory(
     whole_layer_prefill: bool,
     limit: tuple[int | None, str],
     held_bytes: int = 0,
+    adapter_bytes: int = 0,
 ) -> MemoryPlan:
     chunk = min(inputs.prefill_chunk, inputs.context_tokens)
     prefill = GATHER_ACTIVATION_BYTES
@@ -273,6 +283,7 @@ def plan_memory(
         limit_bytes=limit_bytes,
         limit_source=source,
         held_bytes=held_bytes,
+        adapter_bytes=adapter_bytes,
     )
 
 
@@ -319,6 +330,7 @@ def plan_load(
     k: int,
     largest_expert_weights: int,
     dense_prefill: bool,
+    adapter_bytes: int = 0,
 ) -> tuple[MemoryPlan, EngineConfig, Callable[[int], MemoryPlan]]:
     """The plan of a load about to read its weights (the routed experts registered in `index`),
     the config the run keeps it with (`--expert-cache auto` resolved, whole-layer prefill off
@@ -358,7 +370,13 @@ def plan_load(
 
     whole = streamed and config.whole_layer_prefill is not False
     plan = plan_memory(
-        inputs, cache_bytes(config.expert_cache_bytes), k, whole, memory_limit(), config.held_bytes
+        inputs,
+        cache_bytes(config.expert_cache_bytes),
+        k,
+        whole,
+        memory_limit(),
+        config.held_bytes,
+        adapter_bytes if streamed else 0,  # resident mode loads no heads nor LoRA
     )
     if streamed and config.expert_cache_auto:
         routed_set = k * max(sum(p.nbytes for p in layout) for layout in layouts.values())
