@@ -33,42 +33,38 @@ ALLOWED_ORIGIN = "http://app.example:3000"
 GOOD_CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 
 
-@pytest.fixture(scope="module")
-def server(model_dir, tmp_path_factory):
-    log = tmp_path_factory.mktemp("hostile-log") / "server.log"
-    server = start_server(model_dir, log, private_env(tmp_path_factory), "--api-key", API_KEY)
+def serving(model_dir, tmp_path_factory, name: str, *args: str):
+    """`edge0 serve` with a key and `args`, its log in a folder of its own; stopped after."""
+    log = tmp_path_factory.mktemp(f"{name}-log") / "server.log"
+    server = start_server(
+        model_dir, log, private_env(tmp_path_factory), "--api-key", API_KEY, *args
+    )
     yield server
     stop_server(server)
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    yield from serving(model_dir, tmp_path_factory, "hostile")
 
 
 @pytest.fixture(scope="module")
 def tight(model_dir, tmp_path_factory):
-    log = tmp_path_factory.mktemp("tight-log") / "server.log"
-    server = start_server(
+    yield from serving(
         model_dir,
-        log,
-        private_env(tmp_path_factory),
-        "--api-key", API_KEY,
+        tmp_path_factory,
+        "tight",
         "--client-timeout", str(TIGHT_TIMEOUT_S),
         "--max-connections", str(TIGHT_CONNECTIONS),
         "--cors", ALLOWED_ORIGIN,
     )  # fmt: skip
-    yield server
-    stop_server(server)
 
 
 @pytest.fixture(scope="module")
 def crowded(model_dir, tmp_path_factory):
-    log = tmp_path_factory.mktemp("crowded-log") / "server.log"
-    server = start_server(
-        model_dir,
-        log,
-        private_env(tmp_path_factory),
-        "--api-key", API_KEY,
-        "--max-connections", str(TIGHT_CONNECTIONS),
-    )  # fmt: skip
-    yield server
-    stop_server(server)
+    yield from serving(
+        model_dir, tmp_path_factory, "crowded", "--max-connections", str(TIGHT_CONNECTIONS)
+    )
 
 
 def post(server: Server, path: str, body, headers: dict | None = None) -> tuple[int, dict]:
