@@ -26,9 +26,8 @@ import mlx.core as mx
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
 from ..adapters.lora import AppliedLoRA, load_lora
-from ..adapters.profiles import AdapterFiles, ProfileSearch, search_profiles
+from ..adapters.profiles import AdapterFiles, ProfileSearch
 from ..adapters.quality import kept_quality
-from ..checkpoint.index import base_fingerprint
 from ..config import HEAD_MODES, EngineConfig, GenerationConfig, format_bytes
 from ..errors import Edge0Error
 from ..experts.heat import HeatPicture
@@ -126,11 +125,10 @@ class Engine:
         self.model = self.loaded.model
         self.tokenizer = self.loaded.tokenizer
         self.routing = self.loaded.routing
-        self.fingerprint = base_fingerprint(self.loaded.index)
-        # K profiles over the adapter search: --adapters folders, the model dir, the auto folder.
-        self.adapter_search: ProfileSearch = search_profiles(
-            self.model_dir, self.fingerprint, self.config
-        )
+        self.fingerprint = self.loaded.fingerprint
+        # K profiles over the adapter search (--adapters folders, the model dir, the auto
+        # folder), as the load found them for its memory plan.
+        self.adapter_search: ProfileSearch = self.loaded.profiles
         self.adapters: dict[int, AdapterFiles] = self.adapter_search.profiles
         self.memory = MemorySampler(
             self.loaded.index.expert_file_ranges(), self.config.page_cache_sample_share

@@ -28,7 +28,7 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.utils import logging as hf_logging
 
 from ..adapters.metadata import nonfinite_tensors
-from ..adapters.profiles import profile_bytes, search_profiles
+from ..adapters.profiles import ProfileSearch, profile_bytes, search_profiles
 from ..checkpoint.families import Family, MoESite, check_config_sizes, family_of, find_moe_sites
 from ..checkpoint.index import (
     CheckpointIndex,
@@ -106,6 +106,9 @@ class LoadedModel:
     memory_plan: MemoryPlan
     engine_config: EngineConfig  # the config the plan is kept with (`plan_load`)
     plan_at: Callable[[int], MemoryPlan]  # the plan at another routing width
+    fingerprint: str  # `base_fingerprint`: what adapters for this model record
+    # The K profiles over the adapter search, as found when planning (the plan holds the largest).
+    profiles: ProfileSearch
 
     def load_heads(
         self, path: Path, fingerprint: str, k: int, dtype: mx.Dtype | None = None
@@ -226,7 +229,8 @@ def load(model_dir: str | Path, config: EngineConfig, tracer: Tracer = NO_TRACE)
     store, routing, blocks = None, None, {}
     dense_rows = dense_prefill_rows(config)
     # The K profiles' files: the largest one's heads and LoRA are planned (any may be chosen).
-    profiles = search_profiles(model_dir, base_fingerprint(index), config)
+    fingerprint = base_fingerprint(index)
+    profiles = search_profiles(model_dir, fingerprint, config)
     # Before any weight is read: the plan, and the config that keeps it (or a refusal).
     plan, config, plan_at = plan_load(
         index,
@@ -287,6 +291,8 @@ def load(model_dir: str | Path, config: EngineConfig, tracer: Tracer = NO_TRACE)
         plan,
         config,
         plan_at,
+        fingerprint,
+        profiles,
     )
 
 

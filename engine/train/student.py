@@ -38,8 +38,8 @@ import mlx.nn as nn
 from mlx_lm.utils import dequantize_model
 
 from ..adapters.lora import AppliedLoRA, LoRAAdapter, LoRALinear, linear_dims, load_lora, save_lora
-from ..adapters.profiles import AdapterFiles, search_profiles
-from ..checkpoint.index import CheckpointIndex, base_fingerprint
+from ..adapters.profiles import AdapterFiles, ProfileSearch
+from ..checkpoint.index import CheckpointIndex
 from ..config import EngineConfig, format_bytes
 from ..errors import Edge0Error
 from ..routing.functions import route
@@ -162,7 +162,7 @@ class Student:
         self.adapter_folder = adapter_folder
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
-        self.fingerprint = base_fingerprint(loaded.index)
+        self.fingerprint = loaded.fingerprint
         self.k = k
         self.heads = heads
         self.lora = lora
@@ -354,10 +354,10 @@ def load_student(
     if streamed:
         loaded.store.set_top_k(max(k, loaded.top_k))  # the teacher routes at the native K
         make_experts_trainable(loaded)
-    fingerprint = base_fingerprint(loaded.index)
+    fingerprint = loaded.fingerprint
     prerouter, folder = None, None
     if heads or lora == PROFILE_LORA:
-        files = _profile(model_dir, k, fingerprint, engine_config, lora == PROFILE_LORA)
+        files = _profile(model_dir, k, loaded.profiles, lora == PROFILE_LORA)
         prerouter = loaded.load_heads(files.prerouter, fingerprint, k) if heads else None
         folder = files.prerouter.parent
         if lora == PROFILE_LORA:
@@ -377,11 +377,9 @@ def load_student(
     return student
 
 
-def _profile(
-    model_dir: Path, k: int, fingerprint: str, config: EngineConfig, needs_lora: bool
-) -> AdapterFiles:
-    """The K profile's files, found over the adapter search exactly as the engine finds them."""
-    files = search_profiles(model_dir, fingerprint, config).profiles.get(k)
+def _profile(model_dir: Path, k: int, search: ProfileSearch, needs_lora: bool) -> AdapterFiles:
+    """The K profile's files, from the adapter search the load made (the engine's own)."""
+    files = search.profiles.get(k)
     if files is None or files.prerouter is None:
         raise Edge0Error(
             f"{model_dir}: no prerouter heads for K={k} in any adapter folder; train them with "
