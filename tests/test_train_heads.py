@@ -37,6 +37,12 @@ def test_trained_heads_beat_chance(checkpoint_dir, tmp_path):
         float(m.group(1)) for line in lines if (m := re.match(r"step \d+/\d+ +loss ([\d.]+)", line))
     ]
     assert len(losses) >= 10 and losses[-1] < losses[0]
+    # The cost line counts the positions a step trains on (the batch), not its features' elements.
+    (cost,) = [
+        m for line in lines if (m := re.match(r"a step took ([\d.]+) s \(([\d.]+) s per 1k", line))
+    ]
+    step_s, per_1k = float(cost.group(1)), float(cost.group(2))
+    assert abs(per_1k - step_s / config.batch * 1000) <= 0.05 / config.batch * 1000 + 0.01
 
     engine = Engine(
         model_dir, EngineConfig(mode="prerouter", shadow_router=True, data_dir=tmp_path / "data")

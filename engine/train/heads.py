@@ -463,7 +463,7 @@ def fit_heads(
         for step in range(run.done + 1, config.steps + 1):
             rng = np.random.default_rng([config.seed, step])
             w, t = sample_positions(rng, held, shape.windows, shape.window, config.batch)
-            loss = run.step(step, *batch(traces, owners, w, t, routing))
+            loss = run.step(step, *batch(traces, owners, w, t, routing), tokens=len(w))
             bars.update(task, advance=1, status=f"loss {loss:.4f}")
             if on_step is not None:
                 on_step(step)

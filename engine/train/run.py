@@ -260,8 +260,10 @@ class TrainingRun:
     def history(self) -> list[dict]:
         return self.state["log"]
 
-    def step(self, step: int, *batch) -> float:
-        """One optimizer step on `batch` (the loss function's arguments); returns the loss."""
+    def step(self, step: int, *batch, tokens: int | None = None) -> float:
+        """One optimizer step on `batch` (the loss function's arguments); returns the loss.
+        `tokens`: the positions the step trains on, for its cost line (default: the size of the
+        batch's first array, the token rows of phases 2 and 3)."""
         config = self.config
         started = time.perf_counter()
         loss, grads = self.loss_and_grad(*batch)
@@ -271,7 +273,8 @@ class TrainingRun:
         entry = {"step": step, "loss": round(loss.item(), 6)}
         if not self._timed:  # the first step of this process: what the run will cost
             self._timed = True
-            self.log(cost_line(time.perf_counter() - started, batch[0].size, config.steps - step))
+            positions = tokens if tokens is not None else batch[0].size
+            self.log(cost_line(time.perf_counter() - started, positions, config.steps - step))
         self.history.append(entry)
         self.state["step"] = step
         if step % config.checkpoint_every == 0 or step == config.steps:
