@@ -212,3 +212,50 @@ def test_modes_are_labelled_exact_or_approximate():
     assert mode_label("prefetch") == "prefetch (exact)"
     assert mode_label("on-demand") == "on-demand (exact)"
     assert mode_label("prerouter", 4) == "prerouter K=4 (approximate)"
+
+
+def test_the_head_read_gate_waits_for_a_measure_then_keeps_the_better_guesser():
+    from engine.experts.head_reads import MIN_SCORED, HeadReadGate
+
+    gate = HeadReadGate()
+    routed = {0, 1, 2, 3}
+    for _ in range(MIN_SCORED // 4 - 1):
+        gate.score(5, heads={0, 7, 8, 9}, guess={0, 1, 2, 9}, routed=routed)
+    assert gate.reads(5)  # not yet measured over MIN_SCORED predicted experts
+    gate.score(5, heads={0, 7, 8, 9}, guess={0, 1, 2, 9}, routed=routed)
+    assert not gate.reads(5)  # heads 1 in 4 right, the lookahead 3 in 4
+    assert gate.reads(6)  # another layer: nothing measured
+    for _ in range(3 * MIN_SCORED):
+        gate.score(5, heads={0, 1, 2, 3}, guess=None, routed=routed)
+    assert gate.reads(5)  # now as good as the lookahead
+    gate.reset()
+    assert gate.heads == {} and gate.lookahead == {}
+
+
+def test_prefetch_reads_no_prediction_of_heads_the_lookahead_beats(checkpoint_dir, tmp_path):
+    """Prefetch with heads that guess worse than the lookahead (random ones): once measured,
+    their predictions are not read ahead (the experts already cached are still kept), the
+    tokens stay on-demand's; prerouter, routed by the predictions, reads every one."""
+    model_dir = tmp_path / "profiled"
+    shutil.copytree(checkpoint_dir("qwen3_moe"), model_dir)
+    write_random_profile(model_dir, 4)
+    gen = GenerationConfig(max_tokens=40, temperature=0.0, ignore_eos=True)
+    engine = Engine(model_dir, EngineConfig(mode="prefetch", k=4, **READ_EVERY_GUESS))
+    try:
+        result = engine.generate(PROMPT, gen)
+        gate = engine.store.head_gate
+        gated = [layer for layer in gate.heads if not gate.reads(layer)]
+        for layer in gated:
+            assert gate.heads[layer].rate < gate.lookahead[layer].rate
+    finally:
+        engine.close()
+    decode = [s for s in result.steps if s.phase == "decode"]
+    assert gated and sum(s.heads_not_read for s in decode) > 0
+    assert max(s.heads_not_read for s in decode) <= 4 * len(gated)  # each prediction once
+    assert sum(s.heads_not_read for s in decode[:10]) == 0  # read until measured
+    assert result.summary["median_heads_not_read"] > 0
+    on_demand, _ = _run(model_dir, "on-demand", gen, k=4)
+    assert result.tokens == on_demand.tokens
+
+    prerouter, _ = _run(model_dir, "prerouter", gen, k=4)
+    assert sum(s.heads_not_read for s in prerouter.steps) == 0

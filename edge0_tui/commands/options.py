@@ -182,9 +182,9 @@ def _end_progress() -> None:
 # what the lookahead guesses, with no trained file needed.
 DEFAULT_MODE = "prefetch"
 MODES_HELP = (
-    "exact: resident, on-demand, prefetch (reads ahead the lookahead's guesses, and the heads' "
-    "predictions where a K profile has them); approximate: prerouter (routes by the heads' "
-    "predictions)"
+    "exact: resident, on-demand, prefetch (reads ahead the lookahead's guesses, and a K "
+    "profile's predictions where its heads guess as well as the lookahead); approximate: "
+    "prerouter (routes by the heads' predictions)"
 )
 
 

@@ -29,6 +29,7 @@ from ..errors import Edge0Error
 from ..trace import NO_TRACE, Tracer
 from .eviction import ExpertKey
 from .freed_memory import release_freed_memory
+from .head_reads import HeadReadGate
 from .heat import ExpertEvent, ExpertHeat, HeatPicture
 from .page_cache_budget import CAN_EVICT_RANGES, PageCacheBudget
 from .pool import ExpertPool
@@ -88,6 +89,8 @@ class LoadCounters:
     lookahead_in_time: int = 0  # of those, already read when the layer needed them
     lookahead_late: int = 0  # of those, still being read when the layer needed them (blocked)
     lookahead_dropped: int = 0  # reads ahead the layer did not route to, dropped when it routed
+    heads_not_read: int = 0  # predicted experts not read ahead: the heads name them less
+    # precisely than the lookahead (prefetch mode, `head_reads.py`)
     layers: dict[int, LayerRouted] = field(default_factory=dict)  # by layer, decode and prefill
 
 
@@ -141,6 +144,13 @@ class ExpertStore:
         # False: the lookahead's guesses are only scored, not read ahead (the engine decides:
         # EngineConfig.prefetch_min_expert_bytes).
         self.lookahead_reads = True
+        # Prefetch mode with the lookahead reading: a layer's head predictions are read ahead only
+        # where the heads guess it as well as the lookahead does (`head_reads.py`). Set by the
+        # engine; off, every prediction is read (prerouter mode routes by them).
+        self.gate_head_reads = False
+        self.head_gate = HeadReadGate()
+        self._predicted: dict[int, set[int]] = {}  # layer -> the heads' prediction, this step
+        self._predicted_next: dict[int, set[int]] = {}  # ... for the next step
         # When a list, every fetch appends (step, layer, experts): the routing trace that the eviction
         # benchmark replays.
         self.trace: list[tuple[int, int, list[int]]] | None = None
@@ -198,6 +208,7 @@ class ExpertStore:
         self.counters = LoadCounters(prefetch_issued=issued)
         self._issued_for_next_step = 0
         self._guessed = {}
+        self._predicted, self._predicted_next = self._predicted_next, {}
 
     def end_step(self) -> LoadCounters:
         pending, self._pending_layers = self._pending_layers, {}
@@ -221,6 +232,7 @@ class ExpertStore:
         self.pool.forget_reads_ahead()  # reads in flight finish on their own; their bytes unused
         self.heat.forget_reads_ahead()
         self._issued_for_next_step = 0
+        self._predicted_next = {}
 
     def heat_picture(self) -> HeatPicture:
         """The latest step's expert heat picture (`heat.py`), with the experts in the cache now.
@@ -232,8 +244,15 @@ class ExpertStore:
 
     def stage(self, layer: int, experts: list[int]) -> None:
         """The next step routes `layer` to `experts` (a prediction): pin the resident ones, start
-        reading the rest (after this step's own reads, if this step is still running)."""
-        self._issued_for_next_step += self._read_ahead(layer, experts, self.pool.step + 1, "heads")
+        reading the rest (after this step's own reads, if this step is still running), unless
+        the heads are gated off for `layer` (`gate_head_reads`)."""
+        again = layer in self._predicted_next  # the flush stages what early heads staged
+        self._predicted_next[layer] = set(experts)
+        read = not self.gate_head_reads or self.head_gate.reads(layer)
+        issued = self._read_ahead(layer, experts, self.pool.step + 1, "heads", read)
+        self._issued_for_next_step += issued
+        if not read and not again:
+            self.counters.heads_not_read += len(experts)
 
     def look_ahead(self, layer: int, experts: list[int]) -> None:
         """This step's `layer` is guessed to route to `experts` (the lookahead): pin the resident
@@ -244,17 +263,19 @@ class ExpertStore:
             issued = self._read_ahead(layer, experts, self.pool.step, "lookahead")
             self.counters.lookahead_issued += issued
 
-    def _read_ahead(self, layer: int, experts: list[int], step: int, source: str) -> int:
-        """Pin the resident `experts` of `layer` for `step` and read the others ahead for it,
-        as far as the expert cache has room that nothing in use or pinned holds. Returns how
-        many reads were issued."""
+    def _read_ahead(
+        self, layer: int, experts: list[int], step: int, source: str, read: bool = True
+    ) -> int:
+        """Pin the resident `experts` of `layer` for `step` and (`read`) read the others ahead
+        for it, as far as the expert cache has room that nothing in use or pinned holds. Returns
+        how many reads were issued."""
         issued = 0
         for expert in experts:
             key = (layer, expert)
             if key in self.pool:
                 self.pool.pin(key, step)
                 continue
-            if self.pool.is_read_ahead(key):
+            if not read or self.pool.is_read_ahead(key):
                 continue
             submit = partial(self.reader.submit_expert, layer, expert, ahead=True, step=step)
             if self.pool.read_ahead(key, step, submit, source):
@@ -276,6 +297,7 @@ class ExpertStore:
             routed = self._layer_counts(layer)
             routed.guessed_of += len(experts)
             routed.guessed_right += len(guessed.intersection(experts))
+        self.head_gate.score(layer, self._predicted.pop(layer, None), guessed, set(experts))
 
     def _layer_counts(self, layer: int) -> LayerRouted:
         return self.counters.layers.setdefault(layer, LayerRouted())

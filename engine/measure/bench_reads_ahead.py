@@ -2,7 +2,8 @@
 
 Per arm (medians over rounds of each run's decode figures): the share of routed experts the
 heads' reads ahead covered (prefetch with a K profile), the lookahead's recall (routed experts it
-had guessed), and its reads per step: issued, landed in time, late, dropped unused. By layer
+had guessed), and its reads per step: issued, landed in time, late, dropped unused; and the
+heads' predicted experts not read ahead (their layer guessed better by the lookahead). By layer
 (summed over every round): where each MoE layer's routed experts came from, resident, read ahead
 by the heads or by the lookahead, or missed (read while the forward waited).
 """
@@ -19,6 +20,7 @@ READ_AHEAD_FIGURES = (
     ("lookahead in time", "median_lookahead_in_time", "{:.1f}"),
     ("lookahead late", "median_lookahead_late", "{:.1f}"),
     ("lookahead dropped", "median_lookahead_dropped", "{:.1f}"),
+    ("heads not read", "median_heads_not_read", "{:.1f}"),
 )
 
 

@@ -350,6 +350,9 @@ class Engine:
                 self.store.lookahead_reads = reads_pay or mode != "prefetch"
                 # Layers routed by a prediction need no guess of their true router's routing.
                 self.lookahead.skip = frozenset(predicted)
+            # Prefetch reads a head's predictions where they guess as well as the lookahead.
+            self.store.gate_head_reads = mode == "prefetch" and self.lookahead is not None
+            self.store.head_gate.reset()
             # Reads ahead only: readers on a core of their own (experts/reader_core.py says why).
             self.store.use_reader_core(mode == "prerouter")
             if adapter is not None:

@@ -83,6 +83,9 @@ class StepMetrics:
     lookahead_late: int = 0
     lookahead_dropped: int = 0
     lookahead_recall: float | None = None
+    # Prefetch mode: head predictions made this step and not read ahead, their layer's heads
+    # guessing it less well than the lookahead (experts/head_reads.py).
+    heads_not_read: int = 0
     # By MoE layer: where its routed experts came from (`LayerRouted` as a dict).
     routed_by_layer: dict[int, dict] = field(default_factory=dict)
 
@@ -144,6 +147,7 @@ class StepMetrics:
             lookahead_in_time=counters.lookahead_in_time,
             lookahead_late=counters.lookahead_late,
             lookahead_dropped=counters.lookahead_dropped,
+            heads_not_read=counters.heads_not_read,
             routed_by_layer={n: asdict(r) for n, r in sorted(counters.layers.items())},
             **routed,
         )
@@ -405,6 +409,7 @@ def summarize(
         "lookahead_in_time",
         "lookahead_late",
         "lookahead_dropped",
+        "heads_not_read",
         "flush_ms",
     ):
         values = [getattr(s, name) for s in decode]
