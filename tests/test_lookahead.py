@@ -13,6 +13,7 @@ from adapters import profile_k, write_random_profile
 from test_expert_pool import _admit, _done_read, _pool
 
 from engine.config import EngineConfig, GenerationConfig, mode_label
+from engine.experts.head_reads import MIN_SCORED, HeadReadGate
 from engine.routing.functions import route
 from engine.runtime.generation import Engine
 
@@ -215,8 +216,6 @@ def test_modes_are_labelled_exact_or_approximate():
 
 
 def test_the_head_read_gate_waits_for_a_measure_then_keeps_the_better_guesser():
-    from engine.experts.head_reads import MIN_SCORED, HeadReadGate
-
     gate = HeadReadGate()
     routed = {0, 1, 2, 3}
     for _ in range(MIN_SCORED // 4 - 1):
@@ -252,7 +251,8 @@ def test_prefetch_reads_no_prediction_of_heads_the_lookahead_beats(checkpoint_di
     decode = [s for s in result.steps if s.phase == "decode"]
     assert gated and sum(s.heads_not_read for s in decode) > 0
     assert max(s.heads_not_read for s in decode) <= 4 * len(gated)  # each prediction once
-    assert sum(s.heads_not_read for s in decode[:10]) == 0  # read until measured
+    # Read until measured: MIN_SCORED predicted experts, 4 a step at K=4.
+    assert sum(s.heads_not_read for s in decode[: MIN_SCORED // 4 - 1]) == 0
     assert result.summary["median_heads_not_read"] > 0
     on_demand, _ = _run(model_dir, "on-demand", gen, k=4)
     assert result.tokens == on_demand.tokens
