@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -247,8 +248,13 @@ def test_read_limit_by_pacing_limits_the_streaming_arms_on_any_os(checkpoint_dir
         run_bench(BenchConfig(model, ["on-demand"], read_limit_by="tc"), lambda line: None)
 
 
-def test_a_run_without_a_wall_says_so_and_each_mode_runs_compute_only(checkpoint_dir, capsys):
-    model = checkpoint_dir("qwen3_moe")
+def test_a_run_without_a_wall_says_so_and_each_mode_runs_compute_only(
+    checkpoint_dir, capsys, tmp_path
+):
+    # A copy of its own, warm: tests beside it (another worker) evict the shared checkpoint's
+    # expert pages (page-cache budgets, --cold), which would make this run's reads cold.
+    model = tmp_path / "model"
+    shutil.copytree(checkpoint_dir("qwen3_moe"), model)
     args = ["bench", str(model), "--arms", "on-demand,prefetch,compute-only:prefetch"]
     args += ["--rounds", "1", "--tokens", "6", "--expert-cache", "1G", "--page-cache", "off"]
     assert main(args) == 0
