@@ -56,7 +56,9 @@ class HeadReadGate:
         self.heads.clear()
         self.lookahead.clear()
 
-    def score(self, layer: int, heads: set[int] | None, guess: set[int] | None, routed: set[int]):
+    def score(
+        self, layer: int, heads: set[int] | None, guess: set[int] | None, routed: set[int]
+    ) -> None:
         """`layer` routed to `routed`; `heads` and `guess` are what each predicted (None: nothing)."""
         if heads is not None:
             self.heads.setdefault(layer, HitCount()).add(heads, routed)
