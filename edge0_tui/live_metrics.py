@@ -76,6 +76,12 @@ class LiveMetrics:
         return self._mean("mib_read")
 
     @property
+    def host_syncs_per_step(self) -> float:
+        """Times a decode step waited on the device for a value (each a GPU queue drain on
+        Metal), mean of the recent steps."""
+        return self._mean("host_syncs")
+
+    @property
     def cold_fraction(self) -> float:
         """Cold bytes over bytes read in the recent steps (weighted by bytes, unlike a mean of
         per-step fractions, so steps that read little do not swing it)."""

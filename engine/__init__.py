@@ -29,6 +29,7 @@ from .config import (
     GenerationConfig,
     format_bytes,
     mode_label,
+    parse_duration,
     parse_size,
 )
 from .errors import Edge0Error
@@ -80,6 +81,7 @@ __all__ = [
     "GenerationConfig",
     "format_bytes",
     "mode_label",
+    "parse_duration",
     "parse_size",
     *_ON_FIRST_USE,
 ]

@@ -64,6 +64,20 @@ def parse_size(text: str | int) -> int:
     return int(float(match.group(1)) * _SIZE_UNITS[unit])
 
 
+_DURATION_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6}
+
+
+def parse_duration(text: str) -> float:
+    """Parse `2ms`, `500us`, `0.01s` or `0` into seconds."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(text))
+    unit = match.group(2).lower() if match else None
+    if match is None or (
+        unit not in _DURATION_UNITS and not (unit == "" and float(match.group(1)) == 0)
+    ):
+        raise Edge0Error(f"cannot read duration {text!r}: use a number with s, ms or us (e.g. 2ms)")
+    return float(match.group(1)) * _DURATION_UNITS.get(unit, 0.0)
+
+
 def format_bytes(n: float) -> str:
     """Human-readable binary size, e.g. `1.50 GiB`."""
     for unit in ("B", "KiB", "MiB", "GiB"):
@@ -157,6 +171,10 @@ class EngineConfig:
     # Cold bytes per second the reader threads may take from disk, as one simulated device
     # (experts/read_pacing.py; the bench's --read-limit-by pacing); None: the disk's own speed.
     read_pace_bps: int | None = None
+    # Each host read of a device array waits this many seconds more before it returns: a model of
+    # the GPU queue drain such a read costs on Metal or CUDA (`engine/host_reads.py`; the bench's
+    # --sync-cost). 0 on a real run.
+    sync_cost_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -167,6 +185,8 @@ class EngineConfig:
             )
         if not 0.0 < self.whole_layer_fraction <= 1.0:
             raise Edge0Error("whole_layer_fraction must be in (0, 1]")
+        if not 0.0 <= self.sync_cost_s <= 1.0:
+            raise Edge0Error("sync_cost_s must be between 0 and 1 second")
         if self.read_pace_bps is not None and self.read_pace_bps <= 0:
             raise Edge0Error("read_pace_bps must be positive (None: no pacing)")
         if self.page_cache_bytes is not None and self.page_cache_bytes < 0:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 
 from engine.adapters.lora import linear_dims, save_lora
 from engine.checkpoint.families import FAMILIES
@@ -59,3 +60,20 @@ def write_random_profile(model_dir: Path, k: int, seed: int = 0, lora_scale: flo
         save_lora(model_dir / f"lora_k{k}.safetensors", weights, 4, 8.0, k, engine.fingerprint)
     finally:
         engine.close()
+
+
+def record_executed(engine: Engine) -> dict[int, dict[int, list[int]]]:
+    """From now on, the experts every MoE layer executes at each one-token forward, by the
+    forward's step (layer -> sorted experts, read on the host here, whether the engine read them
+    or kept them on the device). In step order, the forward on the last prompt token is first."""
+    forwards: dict[int, dict[int, list[int]]] = {}
+    executed = engine.routing.executed
+
+    def recording(layer, x, routed):
+        if x.size == x.shape[-1]:
+            experts = sorted(np.array(routed).reshape(-1).tolist())
+            forwards.setdefault(engine.store.pool.step, {})[layer] = experts
+        return executed(layer, x, routed)
+
+    engine.routing.executed = recording
+    return forwards

@@ -20,7 +20,18 @@ def _run(*args: str) -> subprocess.CompletedProcess:
 
 def test_generate_json_contract(checkpoint_dir):
     model = checkpoint_dir("qwen3_moe")
-    out = _run("generate", str(model), "--prompt", "def main():", "--max-tokens", "6", "--json")
+    # A cache short of every expert: held whole, a layer would need no guess.
+    out = _run(
+        "generate",
+        str(model),
+        "--prompt",
+        "def main():",
+        "--max-tokens",
+        "6",
+        "--json",
+        "--expert-cache",
+        "100K",
+    )
     assert out.returncode == 0, out.stderr
     payload = json.loads(out.stdout)  # stdout is exactly one JSON object
     assert {"mode", "prompt_tokens", "tokens", "text", "steps", "summary"} <= set(payload)
@@ -45,9 +56,14 @@ def test_generate_json_contract(checkpoint_dir):
         "mlx_peak_bytes",
         "page_cache_expert_bytes",
         "rss_bytes",
+        "host_syncs",
+        "host_sync_reasons",
     ):
         assert key in step
     summary = payload["summary"]
+    # Every MoE layer reads its routing back (nothing is held), and the step its token.
+    assert step["host_syncs"] == len(step["routed_by_layer"]) + 1
+    assert summary["median_host_syncs"] == step["host_syncs"]
     assert summary["peak_mlx_bytes"] > 0
     assert summary["prefill_tok_per_s"] > 0 and summary["ttft_ms"] > 0
 

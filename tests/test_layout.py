@@ -16,6 +16,7 @@ TIERS = {
     "config": 0,
     "trace": 0,
     "errors": 0,
+    "host_reads": 0,
     "checkpoint": 1,
     "experts": 2,
     "routing": 2,

@@ -63,15 +63,15 @@ def cli_holding_a_transient(nbytes: int) -> str:
         from engine.runtime.generation import Engine
         from edge0_tui.cli import main
 
-        forward = Engine._forward
+        build = Engine._build
 
-        def forward_holding_a_transient(self, tokens, cache, phase, steps, flush=True):
-            if phase == "prefill" and not steps:
+        def build_holding_a_transient(self, tokens, cache, phase, *args, **kwargs):
+            if phase == "prefill" and self._last_read_end == 0.0:  # a request's first forward
                 block = np.ones({nbytes // 8})
                 del block
-            return forward(self, tokens, cache, phase, steps, flush)
+            return build(self, tokens, cache, phase, *args, **kwargs)
 
-        Engine._forward = forward_holding_a_transient
+        Engine._build = build_holding_a_transient
         sys.exit(main(sys.argv[1:]))
         """
     )

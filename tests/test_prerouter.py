@@ -64,29 +64,40 @@ def test_head_maths_matches_numpy():
 
 
 def _run_recording(engine: Engine, prompt, steps: int, inject=None):
-    """Generate, recording each flush's predictions and each step's executed consumer routing."""
-    predictions, executed = [], []
-    flush = engine.routing.flush
+    """Generate, recording what each step's heads predicted (read with its token) and what each
+    step's consumer layers executed. Returns the result and two lists in step order, the
+    predictions of step s beside the routing executed at step s + 1."""
+    predicted, executed = {}, {}
+    state = engine.routing
+    flush, settle, run = state.flush, state.settle, state.executed
+    made_at = {}
 
     def recording_flush():
         out = flush()
-        predictions.append({layer: sorted(v.tolist()) for layer, v in out.items()})
+        if out is not None:
+            made_at[id(out)] = engine.store.pool.step
         return out
 
-    engine.routing.flush = recording_flush
+    def recording_settle(predictions, host):
+        out = settle(predictions, host)
+        predicted[made_at[id(predictions)]] = {layer: sorted(e) for layer, e in out.items()}
+        return out
+
+    def recording_executed(layer, x, routed):
+        experts = sorted(np.array(routed).reshape(-1).tolist())
+        executed.setdefault(engine.store.pool.step, {})[layer] = experts
+        return run(layer, x, routed)
+
+    state.flush, state.settle, state.executed = (
+        recording_flush,
+        recording_settle,
+        recording_executed,
+    )
     if inject is not None:
-        engine.routing.heads = inject(engine.routing.heads)
-
-    def on_token(token, step):
-        executed.append(
-            {
-                layer: sorted(block.routed_experts.last_routed.reshape(-1).tolist())
-                for layer, block in engine.loaded.blocks.items()
-            }
-        )
-
-    result = engine.generate(prompt, GenerationConfig(max_tokens=steps), on_token=on_token)
-    return result, predictions, executed
+        state.heads = inject(state.heads)
+    result = engine.generate(prompt, GenerationConfig(max_tokens=steps))
+    pairs = [(predicted[s], executed[s + 1]) for s in sorted(predicted) if s + 1 in executed]
+    return result, [p for p, _ in pairs], [e for _, e in pairs]
 
 
 def test_prediction_is_the_routing_and_nothing_is_dropped(profiled, family):
@@ -97,8 +108,8 @@ def test_prediction_is_the_routing_and_nothing_is_dropped(profiled, family):
         consumers = sorted({layer for p in predictions for layer in p})
         assert consumers, "no consumer layers"
         assert len(result.tokens) >= 32
-        # Flush i predicted the forward that produced token i+1 (flush 0 ran after prefill).
-        for flushed, used in zip(predictions, executed):
+        # The heads of each step predicted the next step's routing (the first after prefill).
+        for flushed, used in zip(predictions, executed, strict=True):
             for layer in consumers:
                 assert flushed[layer] == used[layer]
         for step in result.steps[-len(result.tokens) :]:
@@ -128,7 +139,7 @@ def test_injected_logits_route_exactly(profiled, family):
             self.__dict__.update(heads.__dict__)
 
         def __call__(self, z, first=0, end=None):
-            # Flush s follows forward s + 1: early heads run during that forward, the rest in it.
+            # Step s's heads (built in step s, after the prefill's step 1) favour s - 1, ...
             s = engine.store.pool.step - 1
             calls.append(s)
             rows = range(len(self.owners))[first:end]
@@ -382,58 +393,69 @@ def test_pending_request_is_visible_until_applied(profiled):
         engine.close()
 
 
-def test_every_head_starts_its_reads_during_the_step(profiled):
-    """Every owner's head runs as (or right after) its layer executes, so its consumer's reads for
-    the next step start during this step, not at the flush: the self-routed first owner at once,
-    the owners that route by a prediction when the next layer runs. The prediction is still the
-    routing."""
-    engine = Engine(
-        profiled("qwen3_moe"), EngineConfig(mode="prerouter", expert_cache_bytes=60_000)
-    )
-    events = []
+def _cache_for(model_dir, first_layer_whole: bool) -> int:
+    """An expert cache that holds the first MoE layer whole and one routed set of each other
+    layer, or (not `first_layer_whole`) one expert less: more than a routed set of every
+    layer, but the first layer is not held."""
+    engine = Engine(model_dir, EngineConfig(mode="prerouter"))
     try:
-        owners = engine.routing.heads.owners
-        early = [o for o in owners if o not in {p + 1 for p in owners}]
-        assert early, "the profile has no self-routed owner"
-        store = engine.store
-
-        class RecordingReads:
-            """What the routing state hands the store during the forward, recorded."""
-
-            def stage(self, layer, experts):
-                events.append(("early", store.pool.step, layer))
-                store.stage(layer, experts)
-
-            def layer_computed(self, layer):
-                events.append(("computed", store.pool.step, layer))
-                store.layer_computed(layer)
-
-        engine.routing.reads_ahead = RecordingReads()
-        flush = engine.routing.flush
-        engine.routing.flush = lambda: (events.append(("flush", engine.store.pool.step)), flush())[
-            1
-        ]
-        result, predictions, executed = _run_recording(engine, [5, 9, 13, 17], steps=12)
+        layers, first = sorted(engine.store.index.layers), min(engine.store.index.layers)
+        experts = engine.store.index.layers[first].num_experts + engine.k * (len(layers) - 1)
+        return (experts - (not first_layer_whole)) * engine.store.resident_expert_nbytes(first)
     finally:
         engine.close()
-    flushes = [e for e in events if e[0] == "flush"]
-    assert len(flushes) >= 8
-    # Not in the prefill chunk (its reads ahead would land while whole layers are held): the
-    # flush after it issues them.
-    prefill_step = flushes[0][1]
-    assert not [e for e in events if e[0] == "early" and e[1] == prefill_step]
-    for _, step in flushes[1:]:
-        # Within every decode forward, the early heads ran before its flush.
-        before = events[: events.index(("flush", step))]
-        early_this_step = {e[2] for e in before if e[0] == "early" and e[1] == step}
-        assert early_this_step == {o + 1 for o in owners}
-        # The owners that route by a prediction free their pins once known computed.
-        computed_this_step = {e[2] for e in before if e[0] == "computed" and e[1] == step}
-        assert computed_this_step == set(owners) - set(early)
-    for flushed, used in zip(predictions, executed):
-        for owner in owners:
-            assert flushed[owner + 1] == used[owner + 1]
-    assert result.summary["dropped"] == 0
+
+
+def _record_stages_and_reads(engine: Engine) -> list[tuple]:
+    """From now on: ("stage", layer) for each read ahead staged, ("read", why) for each host read."""
+    events = []
+    store, reads = engine.store, engine.host_reads
+    stage, read = store.stage, reads.read
+
+    def recording_stage(layer, experts):
+        events.append(("stage", layer))
+        return stage(layer, experts)
+
+    def recording_read(arrays, why, also=None):
+        events.append(("read", why))
+        return read(arrays, why, also)
+
+    store.stage, reads.read = recording_stage, recording_read
+    return events
+
+
+def test_a_decode_step_waits_on_the_device_once_and_reads_ahead_after_it(profiled):
+    """Prerouter: every head runs on the device in the step's graph; its predictions come back
+    with the token in the step's one host read, and the next step's reads ahead start right
+    after it. Consumers route by their prediction with no read of their own: a step waits on
+    the device once, with the self-routed first layer held (its routing stays on the device),
+    and twice where the cache cannot hold it (its routing is read back). A cache too small for
+    a step's routed experts adds waits for slots (not here). The prediction is still the
+    routing."""
+    model_dir = profiled("qwen3_moe")
+    for first_whole, held, syncs in ((True, {0}, 1), (False, set(), 2)):
+        cache = _cache_for(model_dir, first_whole)
+        engine = Engine(model_dir, EngineConfig(mode="prerouter", expert_cache_bytes=cache))
+        try:
+            events = _record_stages_and_reads(engine)
+            result, predictions, executed = _run_recording(engine, [5, 9, 13, 17], steps=12)
+            assert engine.store.pool.held_layers == held
+            owners = engine.routing.heads.owners
+        finally:
+            engine.close()
+        decode = [s for s in result.steps if s.phase == "decode"]
+        assert len(decode) >= 8
+        assert all(s.host_syncs == syncs for s in decode)
+        # After each step's read of its token, every consumer's reads for the next step are
+        # staged, and nothing is staged before a step's read.
+        reads_of_token = [i for i, e in enumerate(events) if e[0] == "read" and "token" in e[1]]
+        for first, after in zip(reads_of_token, reads_of_token[1:]):
+            staged = [e[1] for e in events[first:after] if e[0] == "stage"]
+            assert sorted(staged) == sorted(o + 1 for o in owners)
+        for flushed, used in zip(predictions, executed, strict=True):
+            for owner in owners:
+                assert flushed[owner + 1] == used[owner + 1]
+        assert result.summary["dropped"] == 0
 
 
 def test_prefetch_reads_predictions_ahead_and_keeps_the_true_routing(profiled, family):
@@ -481,9 +503,11 @@ def test_prefetch_drops_reads_ahead_its_step_did_not_use(profiled):
 
     def recording_end_step():
         counters = end_step()
-        # What stays staged is only what was issued during this step for the next one.
+        # What stays staged is only what was issued for the next step (its predictions, and
+        # its first layer's guesses).
         held = sum(store.pool.is_read_ahead(key) for key in _all_experts(store))
-        held_after_step.append((held, store._issued_for_next_step))
+        next_step = store._issued_for_next_step + store._guesses_for_next_step
+        held_after_step.append((held, next_step))
         return counters
 
     store.end_step = recording_end_step
@@ -554,38 +578,21 @@ def test_prefetch_hit_rate_is_the_overlap_of_reads_ahead_and_routing(profiled):
     """The hit rate a step reports is the share of the experts its consumer layers' routers chose
     that the previous flush had predicted (and so read ahead)."""
     engine = Engine(
-        profiled("qwen3_moe"), EngineConfig(mode="prefetch", k=4, prefetch_min_expert_bytes=0)
+        profiled("qwen3_moe"),
+        # A cache that cannot hold every expert: held layers read nothing ahead.
+        EngineConfig(mode="prefetch", k=4, prefetch_min_expert_bytes=0, expert_cache_bytes=60_000),
     )
-    staged_sets, chosen_sets = [], []
     try:
-        state = engine.routing
-        flush = state.flush
-
-        def recording_flush():
-            out = flush()
-            staged_sets.append({layer: set(v.tolist()) for layer, v in out.items()})
-            return out
-
-        state.flush = recording_flush
-
-        def on_token(token, step):
-            chosen_sets.append(
-                {
-                    layer: set(block.routed_experts.last_routed.reshape(-1).tolist())
-                    for layer, block in engine.loaded.blocks.items()
-                }
-            )
-
-        result = engine.generate([1, 2, 3], GenerationConfig(max_tokens=8), on_token=on_token)
+        result, staged_sets, chosen_sets = _run_recording(engine, [1, 2, 3], steps=8)
     finally:
         engine.close()
     decode = [s for s in result.steps if s.phase == "decode"]
-    # Flush 0 (after the prompt's first chunk) predicted the forward on the last prompt token,
-    # which produced token 0; flush i + 1 predicted decode step i, which produced token i + 1.
+    # The prompt's chunk predicted the forward on the last prompt token, which produced token
+    # 0; that forward's heads predicted decode step 0, and so on.
     assert len(decode) >= 4
-    for step, staged, chosen in zip(decode, staged_sets[1:], chosen_sets[1:]):
-        hits = sum(len(staged[layer] & chosen[layer]) for layer in staged)
-        routed = sum(len(chosen[layer]) for layer in staged)
+    for step, staged, chosen in zip(decode, staged_sets[1:], chosen_sets[1:], strict=True):
+        hits = sum(len(set(staged[layer]) & set(chosen[layer])) for layer in staged)
+        routed = sum(len(set(chosen[layer])) for layer in staged)
         assert step.prefetch_hit_rate == hits / routed
 
 

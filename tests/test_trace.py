@@ -61,6 +61,9 @@ def test_generate_writes_a_trace_of_steps_reads_and_waits(tmp_path, capsys):
     steps = [e for e in spans if e["name"].endswith(" step")]
     decode = [e for e in steps if e["name"] == "decode step"]
     assert len(steps) == len(decode) + 2 and 1 <= len(decode) <= 5
+    # Each step says how often it waited on the device: prerouter at K=4 with its first layer
+    # held in this 4M cache, once (its token and the next step's predictions, read together).
+    assert all(e["args"]["host_syncs"] == 1 for e in decode)
     if sys.platform == "linux":  # MLX's compute thread's clock, sampled at every event
         busy = [e for e in events if e["ph"] == "C" and e["name"] == "MLX compute busy"]
         first, last = min(e["ts"] for e in decode), max(e["ts"] + e["dur"] for e in decode)

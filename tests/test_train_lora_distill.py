@@ -12,7 +12,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from adapters import profile_k, write_random_profile
+from adapters import profile_k, record_executed, write_random_profile
 from mlx.utils import tree_flatten
 from mlx_lm.utils import quantize_model
 
@@ -97,22 +97,11 @@ def test_student_with_the_true_router_is_the_resident_model(checkpoint_dir, fami
 
 def _decode_recording(engine: Engine, prompt: list[int]):
     """Greedy tokens, and per decoded position the routing of every MoE layer and the logits."""
-    routed, logits = [], []
-    sample = engine._sample
-
-    def recording_sample(step_logits, sampler):
-        logits.append(np.array(step_logits[0]))
-        return sample(step_logits, sampler)
-
-    def on_token(token, step):
-        blocks = engine.loaded.blocks.items()
-        routed.append({n: b.routed_experts.last_routed.reshape(-1) for n, b in blocks})
-
-    engine._sample = recording_sample
-    try:
-        result = engine.generate(prompt, GenerationConfig(max_tokens=16), on_token=on_token)
-    finally:
-        engine._sample = sample
+    logits = []
+    forwards = record_executed(engine)
+    on_logits = lambda step_logits: logits.append(np.array(step_logits[0]))  # noqa: E731
+    result = engine.generate(prompt, GenerationConfig(max_tokens=16), on_logits=on_logits)
+    routed = [forwards[s] for s in sorted(forwards)][: len(result.tokens)]
     return result.tokens, routed, np.stack(logits)
 
 
@@ -138,7 +127,7 @@ def test_student_routes_as_the_engine_decodes(profiled, family):
             for i, step in enumerate(routed):
                 for layer, experts in step.items():
                     executed = np.array(record[layer][0][0, first + i])
-                    assert sorted(executed.tolist()) == sorted(experts.tolist()), (
+                    assert sorted(executed.tolist()) == experts, (
                         f"layer {layer}, decoded position {i}, prompt {prompt}"
                     )
             np.testing.assert_allclose(np.array(ours[0, first:]), logits, atol=1e-4, rtol=1e-4)

@@ -174,15 +174,15 @@ async def test_status_line_shows_the_process_peak_rss_beside_mlx(model, tmp_path
     from engine.runtime.metrics import process_rss_bytes
 
     transient = 300 << 20
-    forward = Engine._forward
+    build = Engine._build
 
-    def forward_holding_a_transient(self, tokens, cache, phase, steps, flush=True):
-        if phase == "prefill" and not steps:
+    def build_holding_a_transient(self, tokens, cache, phase, *args, **kwargs):
+        if phase == "prefill" and self._last_read_end == 0.0:  # a request's first forward
             block = np.ones(transient // 8)  # written: every page resident
             del block
-        return forward(self, tokens, cache, phase, steps, flush)
+        return build(self, tokens, cache, phase, *args, **kwargs)
 
-    monkeypatch.setattr(Engine, "_forward", forward_holding_a_transient)
+    monkeypatch.setattr(Engine, "_build", build_holding_a_transient)
     app = make_app(model, tmp_path)
     async with app.run_test(size=SIZE) as pilot:
         await ready(app, pilot)

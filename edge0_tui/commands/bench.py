@@ -60,6 +60,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "bandwidth for cold bytes, no bursts)",
     )
     parser.add_argument(
+        "--sync-cost",
+        type=options.duration,
+        default=0.0,
+        metavar="DURATION",
+        help="each host read of a device array waits DURATION more (e.g. 1ms): a model of the "
+        "GPU queue drain each such wait costs on Metal (default: 0)",
+    )
+    parser.add_argument(
         "--trace",
         type=Path,
         default=None,
@@ -108,6 +116,7 @@ def run(args: argparse.Namespace) -> int:
         cold=args.cold or (args.read_limit is not None and not args.warm),
         read_limit_bps=args.read_limit,
         read_limit_by=args.read_limit_by,
+        sync_cost_s=args.sync_cost,
         trace_dir=args.trace,
         exact_kernels=args.exact,
         adapter_dirs=options.adapter_dirs(args.adapters),

@@ -11,7 +11,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from engine import MAX_SEED, MODES, Edge0Error, format_bytes, parse_size
+from engine import MAX_SEED, MODES, Edge0Error, format_bytes, parse_duration, parse_size
 
 # edge0's user data folder (trained adapters, chats) when set; read here, at the top, only.
 DATA_DIR_ENV = "EDGE0_DATA_DIR"
@@ -52,6 +52,14 @@ def positive_size(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"{text} must be at least 1 byte")
     return value
+
+
+def duration(text: str) -> float:
+    """A duration as `parse_duration` reads it (2ms, 500us, 0): seconds."""
+    try:
+        return parse_duration(text)
+    except Edge0Error as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def page_cache(text: str) -> int | str:

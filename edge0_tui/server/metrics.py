@@ -100,6 +100,13 @@ def render(worker: EngineWorker, stats: ServerStats, model_id: str) -> str:
         live.loads_per_step,
     )
     w.metric(
+        "edge0_host_syncs_per_step",
+        "gauge",
+        "Times a decode step waited on the device for a value it computed (mean of the recent "
+        "steps): on Metal each one drains the GPU's queue.",
+        live.host_syncs_per_step,
+    )
+    w.metric(
         "edge0_read_bytes_per_step",
         "gauge",
         "Expert bytes read per decode step (mean of the recent steps).",

@@ -5,7 +5,9 @@ for every slot, why it may or may not be given to another expert:
 - **in use**: a layer of this step computes with it and may still be queued on the MLX stream;
 - **pinned**: a coming step is known to route to it (a prediction);
 - **read ahead**: a read for a coming step is writing into it (with its bytes reserved);
-- **kept**: its layer's misses block the forward, so it is evicted after the others.
+- **kept**: its layer's misses block the forward, so it is evicted after the others;
+- **held**: every expert of its layer is resident and stays (`hold`): the layer's routing maps to
+  slots on the device (`slot_table`), so it never makes the host wait on the device.
 One byte budget covers every layer. Which expert to evict among those that may go is the eviction
 policy's answer (`eviction.py`); everything else about residency is decided here, and the store
 (`store.py`), the engine and the routing state change it only through these methods.
@@ -25,6 +27,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
+from ..host_reads import HostReads
 from .eviction import ExpertKey, make_policy
 from .freed_memory import release_freed_memory
 from .slot_bank import SlotBank, SlotPart
@@ -51,8 +54,10 @@ class ExpertPool:
         experts_per_layer: dict[int, int],
         budget_bytes: int,
         policy: str = "lfu-aging",
+        host_reads: HostReads | None = None,
     ) -> None:
         self.budget_bytes = budget_bytes
+        self.host_reads = host_reads or HostReads()
         self.policy = make_policy(policy)
         self.step = 0
         self.evictions = 0
@@ -73,6 +78,8 @@ class ExpertPool:
         self._reads_ahead: dict[ExpertKey, ReadAhead] = {}
         self._given_up: Counter[int] = Counter()  # reads ahead given up, by the step they were for
         self._kept_layers: frozenset[int] = frozenset()
+        # Held layers: expert id -> slot as a device array, for routing that stays on the device.
+        self._held: dict[int, mx.array] = {}
 
         self._layouts = layouts
         self.expert_nbytes = {layer: sum(p.nbytes for p in lay) for layer, lay in layouts.items()}
@@ -132,6 +139,10 @@ class ExpertPool:
             self._bank_of[layer] = bank
         return bank
 
+    def bank_layers(self, layer: int) -> frozenset[int]:
+        """The layers whose experts share `layer`'s slot bank (`layer` among them)."""
+        return self._bank_layers[layer]
+
     def views(self, layer: int, slot: int) -> dict[str, np.ndarray]:
         """Writable host views of `slot` in `layer`'s bank: where a read lands."""
         return self.bank(layer).views(slot)
@@ -147,6 +158,17 @@ class ExpertPool:
         experts = self._layout_bytes[layout] // slot_nbytes
         floor = max(self._min_slots, routed or 0)
         return min(experts, max(share // slot_nbytes, floor))
+
+    def room(self, layer: int) -> int:
+        """How many experts of `layer` its bank can hold at once: its capacity less the slots
+        other layers' held experts keep for good (a prefill chunk goes through the bank in
+        groups of this many)."""
+        held = sum(
+            self._held[other].size
+            for other in self._bank_layers[layer]
+            if other != layer and other in self._held
+        )
+        return self.capacity(layer) - held
 
     def planned_bytes(self, routed: int) -> int:
         """The banks' bytes once allocated with one routed set of `routed` experts a layer."""
@@ -202,6 +224,26 @@ class ExpertPool:
         read a step ahead (prerouter mode: the layers that route by their own router)."""
         self._kept_layers = frozenset(layers)
 
+    def hold(self, layer: int, experts: int) -> mx.array:
+        """Keep every one of `layer`'s `experts` (all resident: the caller read them) in the pool
+        for good, and return their slots as a device array indexed by expert id."""
+        slots = [self._slots[(layer, e)] for e in range(experts)]
+        self._held[layer] = mx.array(np.array(slots, dtype=np.uint32))
+        return self._held[layer]
+
+    def slot_table(self, layer: int) -> mx.array | None:
+        """A held layer's slots by expert id, on the device (None: the layer is not held)."""
+        return self._held.get(layer)
+
+    @property
+    def held_layers(self) -> frozenset[int]:
+        return frozenset(self._held)
+
+    def release(self, layers: Collection[int]) -> None:
+        """`layers` are held no more: their experts may be evicted again."""
+        for layer in layers:
+            self._held.pop(layer, None)
+
     def pop_given_up(self, through_step: int) -> int:
         """How many reads ahead for steps up to `through_step` were given up for a miss's slot."""
         done = [step for step in self._given_up if step <= through_step]
@@ -242,7 +284,7 @@ class ExpertPool:
                 # Slots held by layers of this step that may still be queued. Every earlier
                 # layer was submitted (evaluated, or `mx.async_eval`'d at decode: moe_block.py),
                 # so once the stream is drained they have computed and their slots are free.
-                mx.synchronize()
+                self.host_reads.synchronize("a miss waits for earlier layers' slots")
                 self.layer_computed(layer - 1)
                 continue
             if self._drop_latest_pin(layers, protected) or self._give_up_latest_read(layers):
@@ -388,6 +430,7 @@ class ExpertPool:
 
     def clear(self) -> None:
         """Forget every resident expert (their slots go back to their banks)."""
+        self._held.clear()
         for key in list(self._slots):
             self._drop(key)
 
@@ -400,8 +443,8 @@ class ExpertPool:
 
 
 class _Excluded:
-    """The experts `_evict_one` must not pick (`in` only): protected, pinned, in use, of a kept
-    layer, or of a layer outside `layers` (None: every layer is in)."""
+    """The experts `_evict_one` must not pick (`in` only): protected, pinned, in use, of a held
+    layer, of a kept layer, or of a layer outside `layers` (None: every layer is in)."""
 
     def __init__(self, pool: ExpertPool, protected, layers, kept_layers: frozenset[int]) -> None:
         self.pool = pool
@@ -414,6 +457,7 @@ class _Excluded:
             key in self.protected
             or key in self.pool._pinned
             or key in self.pool._in_use
+            or key[0] in self.pool._held
             or key[0] in self.kept_layers
             or (self.layers is not None and key[0] not in self.layers)
         )

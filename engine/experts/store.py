@@ -22,10 +22,12 @@ from dataclasses import dataclass, field
 from functools import partial
 
 import mlx.core as mx
+import numpy as np
 
 from ..checkpoint.index import CheckpointIndex
 from ..config import EngineConfig, format_bytes
 from ..errors import Edge0Error
+from ..host_reads import HostReads
 from ..trace import NO_TRACE, Tracer
 from .eviction import ExpertKey
 from .freed_memory import release_freed_memory
@@ -101,9 +103,11 @@ class ExpertStore:
         config: EngineConfig,
         float_dtype: mx.Dtype | None,
         tracer: Tracer = NO_TRACE,
+        host_reads: HostReads | None = None,
     ):
         self.index = index
         self.tracer = tracer
+        self.host_reads = host_reads or HostReads()
         self.float_dtype = float_dtype
         self.whole_layer_fraction = config.whole_layer_fraction
         # Prefill may hold a layer's experts and read the next one's (outside the expert cache);
@@ -132,6 +136,7 @@ class ExpertStore:
             {layer: index.layers[layer].num_experts for layer in self._moe_layers},
             config.expert_cache_bytes,
             config.eviction,
+            self.host_reads,
         )
         self.counters = LoadCounters()
         # What each expert did in the latest step, for the app's heat view (`heat_picture`).
@@ -141,6 +146,8 @@ class ExpertStore:
         self._pending_layers: dict[int, Future[ReadResult]] = {}
         self._issued_for_next_step = 0  # reads ahead issued during this step for the next
         self._guessed: dict[int, set[int]] = {}  # layer -> the lookahead's guess, this step
+        self._guessed_next: dict[int, set[int]] = {}  # ... made for the next step
+        self._guesses_for_next_step = 0  # their reads issued
         # False: the lookahead's guesses are only scored, not read ahead (the engine decides:
         # EngineConfig.prefetch_min_expert_bytes).
         self.lookahead_reads = True
@@ -151,6 +158,10 @@ class ExpertStore:
         self.head_gate = HeadReadGate()
         self._predicted: dict[int, set[int]] = {}  # layer -> the heads' prediction, this step
         self._predicted_next: dict[int, set[int]] = {}  # ... for the next step
+        # Layers to hold (`hold_layers`), and the routing of held layers this step, still on the
+        # device: read with the step's token (`routed_on_device`, `settle`).
+        self._hold_wanted: frozenset[int] = frozenset()
+        self._routed_on_device: list[tuple[int, mx.array]] = []
         # When a list, every fetch appends (step, layer, experts): the routing trace that the eviction
         # benchmark replays.
         self.trace: list[tuple[int, int, list[int]]] | None = None
@@ -205,10 +216,15 @@ class ExpertStore:
             self.heat.forget_reads_ahead()
         self.heat.begin_step(self.pool.step)
         issued = 0 if started_again else self._issued_for_next_step
-        self.counters = LoadCounters(prefetch_issued=issued)
-        self._issued_for_next_step = 0
-        self._guessed = {}
+        guesses = 0 if started_again else self._guesses_for_next_step
+        self.counters = LoadCounters(prefetch_issued=issued, lookahead_issued=guesses)
+        self._issued_for_next_step = self._guesses_for_next_step = 0
+        self._guessed, self._guessed_next = self._guessed_next, {}
         self._predicted, self._predicted_next = self._predicted_next, {}
+        self._routed_on_device = []
+        missing = self._hold_wanted - self.pool.held_layers  # (a wider K dropped them)
+        if missing:
+            self._hold(sorted(missing))
 
     def end_step(self) -> LoadCounters:
         pending, self._pending_layers = self._pending_layers, {}
@@ -231,8 +247,71 @@ class ExpertStore:
         self.end_step()
         self.pool.forget_reads_ahead()  # reads in flight finish on their own; their bytes unused
         self.heat.forget_reads_ahead()
-        self._issued_for_next_step = 0
-        self._predicted_next = {}
+        self._issued_for_next_step = self._guesses_for_next_step = 0
+        self._predicted_next, self._guessed_next = {}, {}
+
+    # -- held layers: routing that stays on the device ---------------------------------------------
+
+    def can_hold(self, layers: set[int], top_k: int) -> bool:
+        """Whether the expert cache holds every expert of `layers` and still has room for a routed
+        set of `top_k` for each other layer sharing their banks: the least the memory plan
+        gives any layer (a step's uses end before the next step's reads ahead start)."""
+        banks = {self.pool.bank_layers(layer) for layer in self._moe_layers}
+        for members in banks:
+            members = sorted(members)
+            need = sum(self.index.layers[n].num_experts if n in layers else top_k for n in members)
+            if need > self.pool.capacity(members[0], top_k):
+                return False
+        return True
+
+    def hold_layers(self, layers: set[int]) -> None:
+        """From the next step, keep every expert of `layers` resident (read at that step's start)
+        and route them on the device; the layers held before and not in `layers` are released."""
+        self._hold_wanted = frozenset(layers)
+        self.pool.release(self.pool.held_layers - self._hold_wanted)
+
+    def slot_table(self, layer: int) -> mx.array | None:
+        """A held layer's slot by expert id, on the device; None when the layer is not held."""
+        return self.pool.slot_table(layer)
+
+    @property
+    def every_layer_held(self) -> bool:
+        """Every MoE layer is held: a step reads nothing, and never waits for its routing."""
+        return self.pool.held_layers == frozenset(self._moe_layers)
+
+    def _hold(self, layers: list[int]) -> None:
+        for layer in layers:
+            experts = self.index.layers[layer].num_experts
+            batch = self.bank(layer).capacity
+            for start in range(0, experts, batch):
+                self.fetch(layer, list(range(start, min(start + batch, experts))))
+                self.pool.layer_computed(layer)  # nothing computes with them here
+            self.pool.hold(layer, experts)
+
+    def routed_on_device(self, layer: int, indices: mx.array) -> None:
+        """A held `layer` routed to `indices` (lazy): counted once the step's values are read."""
+        self._routed_on_device.append((layer, indices))
+
+    def device_routing(self) -> list[tuple[int, mx.array]]:
+        """This step's routing of held layers, to read with the step's token, then `settle`."""
+        routed, self._routed_on_device = self._routed_on_device, []
+        return routed
+
+    def settle(
+        self, counters: LoadCounters, routed: list[tuple[int, np.ndarray]], step: int
+    ) -> None:
+        """Count held layers' routing of step `step` once it is on the host: hits, and the heat
+        picture when that step is still its latest."""
+        for layer, experts in routed:
+            distinct = sorted(set(experts.reshape(-1).tolist()))
+            counters.hits += len(distinct)
+            self._layer_counts_in(counters, layer).resident += len(distinct)
+            if self.trace is not None:
+                self.trace.append((step, layer, distinct))
+            if step == self.pool.step:
+                for expert in distinct:
+                    self.heat.used((layer, expert), ExpertEvent.HIT)
+                self.heat.routed(layer, distinct)
 
     def heat_picture(self) -> HeatPicture:
         """The latest step's expert heat picture (`heat.py`), with the experts in the cache now.
@@ -246,22 +325,27 @@ class ExpertStore:
         """The next step routes `layer` to `experts` (a prediction): pin the resident ones, start
         reading the rest (after this step's own reads, if this step is still running), unless
         the heads are gated off for `layer` (`gate_head_reads`)."""
-        again = layer in self._predicted_next  # the flush stages what early heads staged
+        if self.pool.slot_table(layer) is not None:  # held: every expert is resident
+            return
         self._predicted_next[layer] = set(experts)
         read = not self.gate_head_reads or self.head_gate.reads(layer)
         issued = self._read_ahead(layer, experts, self.pool.step + 1, "heads", read)
         self._issued_for_next_step += issued
-        if not read and not again:
+        if not read:
             self.counters.heads_not_read += len(experts)
 
-    def look_ahead(self, layer: int, experts: list[int]) -> None:
-        """This step's `layer` is guessed to route to `experts` (the lookahead): pin the resident
-        ones for this step and start reading the rest below every read the forward waits for.
-        The layer still routes by its own router; `routing_known` then drops the wrong reads."""
-        self._guessed[layer] = set(experts)
+    def look_ahead(self, layer: int, experts: list[int], next_step: bool = False) -> None:
+        """This step's (or with `next_step`, the next step's) `layer` is guessed to route to
+        `experts` (the lookahead): pin the resident ones for that step and start reading the
+        rest below every read the forward waits for. The layer still routes by its own router;
+        `routing_known` then drops the wrong reads."""
+        (self._guessed_next if next_step else self._guessed)[layer] = set(experts)
         if self.lookahead_reads:
-            issued = self._read_ahead(layer, experts, self.pool.step, "lookahead")
-            self.counters.lookahead_issued += issued
+            issued = self._read_ahead(layer, experts, self.pool.step + next_step, "lookahead")
+            if next_step:
+                self._guesses_for_next_step += issued
+            else:
+                self.counters.lookahead_issued += issued
 
     def _read_ahead(
         self, layer: int, experts: list[int], step: int, source: str, read: bool = True
@@ -300,7 +384,11 @@ class ExpertStore:
         self.head_gate.score(layer, self._predicted.pop(layer, None), guessed, set(experts))
 
     def _layer_counts(self, layer: int) -> LayerRouted:
-        return self.counters.layers.setdefault(layer, LayerRouted())
+        return self._layer_counts_in(self.counters, layer)
+
+    @staticmethod
+    def _layer_counts_in(counters: LoadCounters, layer: int) -> LayerRouted:
+        return counters.layers.setdefault(layer, LayerRouted())
 
     def layer_computed(self, layer: int) -> None:
         """`layer` (and so every layer before it) has computed this step: the experts it used or
@@ -400,10 +488,12 @@ class ExpertStore:
         """Read the layer whole if its read is already under way or the chunk touches enough of it."""
         if not self.whole_layer_prefill:  # it does not fit the memory plan: through the bank
             return False
+        if self.pool.slot_table(layer) is not None:  # held: every expert is in the bank already
+            return False
         if layer in self._pending_layers:
             return True
         # More experts than the bank holds at once: the whole layer serves the chunk in one read.
-        if distinct_experts > self.pool.capacity(layer):
+        if distinct_experts > self.pool.room(layer):
             return True
         return distinct_experts > self.whole_layer_fraction * self.index.layers[layer].num_experts
 

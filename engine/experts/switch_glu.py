@@ -41,6 +41,7 @@ from mlx_lm.models.switch_layers import (
 )
 
 from ..errors import Edge0Error
+from ..host_reads import HostReads
 from .store import ExpertStore
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
@@ -109,32 +110,55 @@ class StreamingSwitchGLU(nn.Module):
         self._num_experts = num_experts
         self._specs = {s.name: s for s in specs}
         self._dense_rows = dense_threshold(dense_rows, specs)
+        self._host_reads = store.host_reads
         self.activation = activation
-        self.last_routed: np.ndarray | None = None
         # Set by the engine (`routing.lookahead`): guesses the next MoE layer's routing.
         self.lookahead = None
 
-    def __call__(
+    def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
+        """As mlx-lm's `SwitchGLU`: a family's own block calls the streamed experts so."""
+        return self.run(x, indices)[0]
+
+    def run(
         self, x: mx.array, indices: mx.array, routed: np.ndarray | None = None
-    ) -> mx.array:
-        """`indices` as the family passes them; `routed` is the same routing already on the host
-        (a prediction), which spares the per-layer sync that reading `indices` back costs."""
+    ) -> tuple[mx.array, np.ndarray | mx.array]:
+        """The routed experts' outputs, and the routing they were computed with: on the host
+        where it is known there, else the device array (a held layer at decode).
+
+        `routed` is the routing already on the host (a prediction): no wait on the device. A
+        held layer (every expert resident, `ExpertStore.hold_layers`) at decode maps the routing
+        to slots on the device: no wait either. Otherwise the reads need the routing on the
+        host, and reading it back waits for the device: the one host read a layer may cost."""
         store = self._store
+        tokens = indices.size // indices.shape[-1]
+        table = store.slot_table(self._layer) if tokens == 1 else None
+        if table is not None:
+            bank = store.bank(self._layer).arrays
+            if routed is None:
+                store.routed_on_device(self._layer, indices)
+                return self._gather_glu(x, table[indices], bank), indices
+            store.routing_known(self._layer, _distinct(routed))
+            return self._gather_glu(x, table[indices], bank), routed
         guess = None
         if routed is None:
             # The next layer's guess (decode, in the modes that read ahead) comes back with this
-            # layer's routing, in the same sync.
-            if self.lookahead is not None and indices.size == indices.shape[-1]:
+            # layer's routing, in the same wait.
+            if self.lookahead is not None and tokens == 1:
                 guess = self.lookahead.guess_after(self._layer)
-            # The true router's choice is needed on the host: this waits for every layer before,
-            # which have therefore computed (their experts' slots may be reused).
+            # This waits for every layer before, which have therefore computed (their experts'
+            # slots may be reused).
             with store.tracer.span(f"router sync {self._layer}", "compute"):
-                mx.eval(indices) if guess is None else mx.eval(indices, guess.indices)
-            routed = np.array(indices)
+                wanted = [indices] if guess is None else [indices, guess.indices]
+                host = store.host_reads.read(wanted, "the routing a layer's reads need")
+            routed = host[0]
+            if guess is not None:
+                guess.host = host[1]
             store.layer_computed(self._layer - 1)
-        self.last_routed = routed
-        # (sorted(set()) rather than np.unique: cheaper for a decode step's few K experts)
-        distinct = sorted(set(routed.ravel().tolist()))
+        return self._compute(x, indices, routed, guess), routed
+
+    def _compute(self, x: mx.array, indices: mx.array, routed: np.ndarray, guess) -> mx.array:
+        store = self._store
+        distinct = _distinct(routed)
         tokens = routed.size // routed.shape[-1]
         if tokens == 1:
             store.routing_known(self._layer, distinct)
@@ -144,7 +168,7 @@ class StreamingSwitchGLU(nn.Module):
             if dense:
                 return mixed_glu(self, x, routed, bank, routed)
             return self._gather_glu(x, indices, bank)
-        if len(distinct) > store.pool.capacity(self._layer):
+        if len(distinct) > store.pool.room(self._layer):
             return self._by_expert_groups(x, routed, distinct, dense)
         # The routed experts' slots in the layer's bank, and the routing remapped to them.
         slot_of = np.zeros(self._num_experts, dtype=np.uint32)
@@ -171,7 +195,7 @@ class StreamingSwitchGLU(nn.Module):
         store, k = self._store, routed.shape[-1]
         flat_x = x.reshape(-1, x.shape[-1])
         experts = routed.reshape(-1)
-        group_size = store.pool.capacity(self._layer)
+        group_size = store.pool.room(self._layer)
         outputs: list[mx.array] = []
         done: list[np.ndarray] = []
         for start in range(0, len(distinct), group_size):
@@ -194,7 +218,7 @@ class StreamingSwitchGLU(nn.Module):
                 else:
                     y = sorted_glu(self, rows[:, None, :], mx.array(slot_of[experts[part]]), bank)
                 y = y.reshape(len(part), -1)
-                mx.eval(y)
+                self._host_reads.wait(y, "a prefill group's slots are reused")
                 outputs.append(y)
             store.layer_computed(self._layer)  # the group's slots may take the next group
             done.append(ids)
@@ -218,7 +242,7 @@ class StreamingSwitchGLU(nn.Module):
         outputs = []
         for start, end in zip(bounds, bounds[1:]):
             y = self._gather_glu_block(flat_x[start:end], flat_indices[start:end], bank)
-            mx.eval(y)
+            self._host_reads.wait(y, "a prefill block's activations are freed")
             outputs.append(y)
         y = mx.concatenate(outputs, axis=0)
         return y.reshape(*indices.shape, y.shape[-1])
@@ -260,6 +284,12 @@ class StreamingSwitchGLU(nn.Module):
         if spec.has_bias:
             y = y + mx.expand_dims(bank[f"{p}.bias"][idx], -2)
         return y
+
+
+def _distinct(routed: np.ndarray) -> list[int]:
+    """The experts a routing names, each once, in order (cheaper than np.unique for a decode
+    step's few)."""
+    return sorted(set(routed.ravel().tolist()))
 
 
 # At most this many bytes of one block's expert activations (the up and gate projections and
@@ -338,7 +368,7 @@ def mixed_glu(
         pending.append(outputs[-1])
         pending_bytes += 4 * _expert_weights(glu._specs.values())
         if pending_bytes >= DENSE_EVAL_BYTES:
-            mx.eval(pending)
+            glu._host_reads.wait(pending, "dense prefill copies are freed")
             pending, pending_bytes = [], 0
     if small:
         ids = np.concatenate(small)  # still grouped by expert: sorted slots
@@ -442,8 +472,15 @@ class DensePrefillSwitchGLU(SwitchGLU):
     """Resident mode's `SwitchGLU` (the same projection modules, so the same parameter names) with
     the dense prefill path: stock mlx-lm for decode and for the exact setting."""
 
-    def __init__(self, switch: SwitchGLU, specs: tuple[ProjectionSpec, ...], dense_rows: int):
+    def __init__(
+        self,
+        switch: SwitchGLU,
+        specs: tuple[ProjectionSpec, ...],
+        dense_rows: int,
+        host_reads: HostReads,
+    ):
         nn.Module.__init__(self)
+        self._host_reads = host_reads
         self.gate_proj = switch.gate_proj
         self.up_proj = switch.up_proj
         self.down_proj = switch.down_proj
@@ -460,8 +497,8 @@ class DensePrefillSwitchGLU(SwitchGLU):
             # Decode, or a chunk with too few rows an expert: the 4-bit kernels. Or the model was
             # dequantized since (the training student's `dequantize_model`): mlx-lm's float path.
             return super().__call__(x, indices)
-        mx.eval(indices)  # the routing on the host decides expert by expert
-        routed = np.array(indices)
+        # The routing on the host decides expert by expert.
+        routed = self._host_reads.read([indices], "a dense prefill chunk's routing")[0]
         bank = {}
         for spec in self._specs.values():
             proj = getattr(self, spec.name)

@@ -51,6 +51,7 @@ FIGURES = (
     ("ms/step", "median_wall_ms", "{:.1f}"),
     ("blocked ms/step", "median_blocked_ms", "{:.1f}"),
     ("flush ms/step", "median_flush_ms", "{:.1f}"),
+    ("host syncs/step", "median_host_syncs", "{:.1f}"),
     ("loads/step", "median_loads", "{:.1f}"),
     ("MiB/step", "median_mib_read", "{:.1f}"),
     ("MiB/load", "median_mib_per_load", "{:.2f}"),
@@ -106,6 +107,9 @@ class BenchConfig:
     read_limit_by: str = "cgroup"
     seed: int = 0
     temperature: float = 0.7
+    # Each host read of a device array waits this long more (EngineConfig.sync_cost_s): the GPU
+    # queue drain it costs on Metal, modelled on any machine.
+    sync_cost_s: float = 0.0
     trace_dir: Path | None = None  # each arm's step timeline: DIR/<arm>-round<N>.json
     # Every arm, resident included, computes prefill the same way: today's kernels with this,
     # else the dense prefill path wherever the arm's process has a fast BLAS (EngineConfig's).
@@ -161,6 +165,7 @@ def run_arm(spec: dict) -> dict:
         data_dir=Path(spec["data_dir"]) if spec["data_dir"] else None,
         read_pace_bps=spec.get("read_pace_bps"),
         page_cache_bytes=spec.get("page_cache_bytes"),
+        sync_cost_s=spec.get("sync_cost_s", 0.0),
     )
     reads = ReadSpans(whole_trace=spec.get("trace") is not None)
     with Engine(spec["model"], config, tracer=reads) as engine:
@@ -326,6 +331,7 @@ def run_bench(config: BenchConfig, progress=print, timeout_s: float = 3600) -> d
         "temperature": config.temperature,
         "exact_kernels": config.exact_kernels,
         "page_cache_bytes": config.page_cache_bytes,
+        "sync_cost_s": config.sync_cost_s,
         "adapter_dirs": [str(d) for d in config.adapter_dirs],
         "data_dir": str(config.data_dir) if config.data_dir else None,
     }

@@ -71,6 +71,12 @@ def peak_note(arms: dict) -> str:
     )
 
 
+def sync_cost_note(cfg: dict) -> str:
+    """ ", each host sync made to wait 1 ms more (--sync-cost)", or nothing at none."""
+    cost = cfg.get("sync_cost_s") or 0.0
+    return f", each host sync made to wait {cost * 1e3:g} ms more (--sync-cost)" if cost else ""
+
+
 def markdown(report: dict) -> str:
     cfg = report["config"]
     limit = format_bytes(cfg["ram_limit_bytes"]) if cfg["ram_limit_bytes"] else "none"
@@ -82,25 +88,29 @@ def markdown(report: dict) -> str:
         f"{'auto' if cfg.get('expert_cache_auto') else format_bytes(cfg['expert_cache_bytes'])}, "
         f"RAM limit {limit}, {reads}"
         f"{'cold' if cfg['cold'] else 'warm'} page cache, {cfg['rounds']} rounds (order rotated), "
-        f"{report['prompt_tokens']} prompt + {report['tokens']} replayed tokens. Median [min-max].",
+        f"{report['prompt_tokens']} prompt + {report['tokens']} replayed tokens"
+        f"{sync_cost_note(cfg)}. Median [min-max].",
         "",
-        "**Throughput** (cf. the paper's Table 3)",
+        "**Throughput** (cf. the paper's Table 3; host syncs: the times a step waited on the "
+        "device, each a GPU queue drain on Metal)",
         "",
-        "| arm | decode tok/s | vs on-demand | vs resident | ms/step | blocked ms/step | vs on-demand | flush ms/step |",
-        "|---|---|---|---|---|---|---|---|",
+        "| arm | decode tok/s | vs on-demand | vs resident | ms/step | blocked ms/step | vs on-demand | flush ms/step | host syncs/step |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for arm, data in report["arms"].items():
         f, ratios = data["figures"], data["ratios"]
         if not f:
             needed = data["memory_needed_bytes"]
             reason = "; ".join(data["errors"]) or "failed"
-            lines.append(f"| {arm} | failed: {reason} (peak {format_bytes(needed)}) | | | | | | |")
+            lines.append(
+                f"| {arm} | failed: {reason} (peak {format_bytes(needed)}) | | | | | | | |"
+            )
             continue
         lines.append(
             f"| {arm} | {_cell(f, 'decode_tok_per_s', '{:.2f}')} | {_x(ratios.get('tok_s_vs_on-demand'))} "
             f"| {_x(ratios.get('tok_s_vs_resident'))} | {_cell(f, 'median_wall_ms', '{:.1f}')} "
             f"| {_cell(f, 'median_blocked_ms', '{:.1f}')} | {_x(ratios.get('blocked_vs_on-demand'))} "
-            f"| {_cell(f, 'median_flush_ms', '{:.1f}')} |"
+            f"| {_cell(f, 'median_flush_ms', '{:.1f}')} | {_cell(f, 'median_host_syncs', '{:.1f}')} |"
         )
     lines += wall_lines(report)
     lines += [

@@ -181,8 +181,10 @@ def _misroute_one_layer(engine: Engine) -> None:
         prediction = prediction_for(layer)
         if prediction is None or layer != first:
             return prediction
-        experts, weights = prediction
-        return (experts + 1) % engine.loaded.num_experts, weights
+        host, indices, weights = prediction
+        experts = engine.loaded.num_experts
+        shifted = None if host is None else (host + 1) % experts
+        return shifted, (indices + 1) % experts, weights
 
     routing.prediction_for = shifted
 

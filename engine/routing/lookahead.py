@@ -69,14 +69,13 @@ class Lookahead:
             return None
         return self._guess(following, h)
 
-    def guess_first(self, tokens: list[int]) -> Guess | None:
-        """The first MoE layer's guess from the token's embedding."""
-        if not self.active or self._embed is None or not self.layers:
+    def guess_first(self, token: mx.array) -> Guess | None:
+        """The first MoE layer's guess from a token's embedding (`token` may still be computing:
+        the engine builds the next step's guess into this step's graph and reads it with the
+        token). None when that layer is not guessed."""
+        if self._embed is None or not self.layers or self.layers[0] in self.skip:
             return None
-        first = self.layers[0]
-        if first in self.skip:
-            return None
-        return self._guess(first, self._embed(mx.array(tokens)[None]))
+        return self._guess(self.layers[0], self._embed(token.reshape(1, -1)))
 
     def _guess(self, layer: int, h: mx.array) -> Guess:
         return Guess(layer, self._guessers[layer](h, min(self.k, self.experts)))
@@ -86,20 +85,18 @@ class Lookahead:
 
 
 class Guess:
-    """A layer's guessed experts: `indices` lazy until `mx.eval(guess.indices)`, then `likely`
-    (its top K, each once)."""
+    """A layer's guessed experts: `indices` on the device until the reader of the step's values
+    sets `host` (read with something the host waits for anyway), then `likely` (its top K, each
+    once)."""
 
     def __init__(self, layer: int, indices: mx.array) -> None:
         self.layer = layer
         self.indices = indices
+        self.host: np.ndarray | None = None
 
     @property
     def likely(self) -> list[int]:
-        return _distinct(self.indices)
-
-
-def _distinct(indices: mx.array) -> list[int]:
-    return list(dict.fromkeys(np.array(indices).reshape(-1).tolist()))
+        return list(dict.fromkeys(self.host.reshape(-1).tolist()))
 
 
 def attach_lookahead(model: nn.Module, sites, blocks: dict, k: int) -> Lookahead | None:

@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import mlx.core as mx
 import mlx.nn as nn
-import numpy as np
 
 from ..checkpoint.families import Family
 from ..errors import Edge0Error
+from ..experts.switch_glu import StreamingSwitchGLU
 from .functions import RoutingSpec, route
 
 
@@ -360,18 +360,21 @@ class RoutedMoE(nn.Module):
         tokens = x.size // x.shape[-1]
         prediction = state.prediction_for(self._layer) if tokens == 1 else None
         if prediction is not None:
-            routed, weights = prediction
-            indices = mx.array(routed.reshape(x.shape[:-1] + (-1,)))
+            # The previous step's heads chose this layer's experts: the prediction is the routing.
+            host, predicted, weights = prediction
+            indices = predicted.reshape(x.shape[:-1] + (-1,))
+            host = host.reshape(indices.shape) if host is not None else None
             inputs = ops.expert_input(self, x, weights)
-            y = experts(inputs, indices, routed=routed.reshape(indices.shape))
-            state.consumed(self, x, routed)
+            y, routed = experts.run(inputs, indices, routed=host)
+            state.consumed(self, x, indices, host)
         else:
             logits = self.gate_logits(x)
             indices, weights = route(logits, self.routing_spec, state.k, self.expert_bias())
-            y = experts(ops.expert_input(self, x, weights), indices)
-            routed = getattr(experts, "last_routed", None)
-            if routed is None:  # resident experts (training): the routing is read back here
-                routed = np.array(indices)
+            inputs = ops.expert_input(self, x, weights)
+            if isinstance(experts, StreamingSwitchGLU):
+                y, routed = experts.run(inputs, indices)
+            else:  # resident experts (training): the routing stays on the device
+                y, routed = experts(inputs, indices), indices
         y = ops.combine(self, x, y, weights)
         if tokens == 1:
             # The next layers' graph is built while this one computes (and reads land). Every

@@ -2,7 +2,14 @@
 
 It holds the routing width K, the predictions this step's consumer layers route by, and what the
 owner layers executed (their MoE input at the last position, their routed experts at the last two
-positions) for the head flush that makes the next step's predictions.
+positions) for the heads that make the next step's predictions.
+
+The heads run on the device, in the step's own graph: `flush` builds them once the forward is
+built, and the engine reads their predicted experts back with the step's token, in the step's one
+host read (`settle`). The consumer layers of the next step route by those predictions: a consumer
+held in the expert cache by the device array itself, any other by the experts the host read,
+whose reads ahead the engine started right after that read. No step waits on the device for a
+prediction.
 
 Decode step 1 (the forward on the last prompt token) already routes by predictions when the prompt
 has at least two tokens: the flush after the last prefill chunk predicts from the last prefill
@@ -13,11 +20,11 @@ Every request starts from `reset()`: nothing of the previous request steers the 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
 
 import mlx.core as mx
 import numpy as np
 
+from ..host_reads import HostReads
 from ..trace import NO_TRACE, Tracer
 from .functions import route
 from .prerouter import PrerouterHeads, head_features
@@ -33,12 +40,17 @@ class RoutingCounters:
     prefetch_routed: int = 0  # prefetch mode: routed experts of consumer layers
 
 
-class ReadsAhead(Protocol):
-    """Where predictions go (the expert store): reads for the next step, and the layers known
-    computed, whose experts may then go."""
+@dataclass
+class Predictions:
+    """One step's head outputs: the next step's routing of `consumers`, one row each."""
 
-    def stage(self, layer: int, experts: list[int]) -> None: ...
-    def layer_computed(self, layer: int) -> None: ...
+    consumers: list[int]
+    indices: mx.array  # [n, K], on the device
+    weights: mx.array  # [n, K]
+    host: np.ndarray | None = None  # the indices once read with the step's token
+
+    def row(self, layer: int) -> int | None:
+        return self.consumers.index(layer) if layer in self.consumers else None
 
 
 class RoutingState:
@@ -48,38 +60,28 @@ class RoutingState:
         experts: int,
         blocks: dict,
         float_dtype: mx.Dtype | None,
-        reads_ahead: ReadsAhead,
+        host_reads: HostReads,
         tracer: Tracer = NO_TRACE,
     ) -> None:
         self.k = k
         self.experts = experts
         self.blocks = blocks  # layer -> RoutedMoE
         self.float_dtype = float_dtype
-        self.reads_ahead = reads_ahead
+        self.host_reads = host_reads
         self.tracer = tracer
         self.heads: PrerouterHeads | None = None
         self.route_by_predictions = True
         self.shadow_router = False
         self.counters = RoutingCounters()
-        # Set by the engine for one-token forwards that end with a flush: run every owner's head
-        # as (self-routed owners) or right after (owners routed by a prediction) its layer
-        # executes, and stage each prediction's reads then instead of at the flush. A queued
-        # head read back also tells `reads_ahead` that its layer has computed (the stream runs
-        # in order): that layer's experts may go.
-        self.early_heads = False
         self.reset()
 
     def reset(self) -> None:
         """Forget all prediction state (a new request, or new heads / K)."""
-        self._predictions: dict[int, tuple[np.ndarray, mx.array]] = {}
-        self._staged: dict[int, frozenset[int]] = {}
-        # The next step's predictions, filled by early heads during this step and by the flush.
-        self._next: dict[int, tuple[np.ndarray, mx.array]] = {}
+        self._predictions: Predictions | None = None  # what this step's consumers route by
+        self._staged: dict[int, frozenset[int]] = {}  # the same on the host, once read
         self._owner_x: dict[int, mx.array] = {}
-        self._owner_now: dict[int, np.ndarray] = {}
-        self._owner_before: dict[int, np.ndarray | None] = {}
-        # Heads queued behind their layer, not yet read back: (owners, inds, weights).
-        self._queued: list[tuple[list[int], mx.array, mx.array]] = []
+        self._owner_now: dict[int, mx.array] = {}
+        self._owner_before: dict[int, mx.array | None] = {}
 
     def set_heads(self, heads: PrerouterHeads | None, route_by_predictions: bool = True) -> None:
         """Heads whose every owner has a consumer, its next MoE layer (see `keep_owners`). With
@@ -88,17 +90,6 @@ class RoutingState:
         self.heads = heads
         self.route_by_predictions = route_by_predictions
         self._owners = set(heads.owners) if heads is not None else set()
-        consumers = set(heads.consumers) if heads is not None else set()
-        # Owners that route by their own router: their routing is on the host as soon as they
-        # run, so their heads run right then (see `executed`), a whole step before the flush.
-        # In prefetch mode that is every owner.
-        self._early_owners = self._owners - consumers if route_by_predictions else self._owners
-        # Owners that route by a prediction: their routing is on the host before they run, but
-        # their MoE input is a lazy array the forward has only queued. Their heads are queued
-        # right behind the layer (`mx.async_eval`) and read back when the next layer runs, so
-        # the reads they start get a whole step too, and the engine thread never waits for a
-        # layer it could build the next one's graph under.
-        self._queued_owners = self._owners & consumers if route_by_predictions else set()
         self.reset()
 
     def begin_step(self) -> RoutingCounters:
@@ -107,96 +98,88 @@ class RoutingState:
 
     # -- called by the blocks during the forward ---------------------------------------------------
 
-    def prediction_for(self, layer: int) -> tuple[np.ndarray, mx.array] | None:
-        return self._predictions.get(layer) if self.route_by_predictions else None
+    def prediction_for(self, layer: int) -> tuple[np.ndarray | None, mx.array, mx.array] | None:
+        """`layer`'s routing by the previous step's heads: (experts on the host, None until read;
+        the same on the device; their weights). None where the layer routes by its own router."""
+        predictions = self._predictions if self.route_by_predictions else None
+        row = predictions.row(layer) if predictions is not None else None
+        if row is None:
+            return None
+        host = predictions.host[row] if predictions.host is not None else None
+        return host, predictions.indices[row], predictions.weights[row]
 
-    def executed(self, layer: int, x: mx.array, routed: np.ndarray) -> None:
-        if not self.route_by_predictions and layer in self._staged:
+    def executed(self, layer: int, x: mx.array, routed: np.ndarray | mx.array) -> None:
+        """`layer` ran with `routed` (on the host, or on the device for a held layer)."""
+        on_host = isinstance(routed, np.ndarray)
+        if not self.route_by_predictions and layer in self._staged and on_host:
             chosen = set(routed.reshape(-1).tolist())
             self.counters.prefetch_hits += len(chosen & self._staged[layer])
             self.counters.prefetch_routed += len(chosen)
-        if self.early_heads:
-            # The head queued behind the layer before this one has run by now (or nearly).
-            self._read_back_queued()
         if layer not in self._owners:
             return
-        per_token = routed.reshape(-1, routed.shape[-1])
-        before = per_token[-2] if len(per_token) >= 2 else self._owner_now.get(layer)
+        routed = mx.array(routed) if on_host else routed
+        per_token = routed.reshape(-1, routed.shape[-1]).astype(mx.int32)
+        before = per_token[-2] if per_token.shape[0] >= 2 else self._owner_now.get(layer)
         self._owner_before[layer] = before
         self._owner_now[layer] = per_token[-1]
         self._owner_x[layer] = x.reshape(-1, x.shape[-1])[-1]
-        if not self.early_heads:
-            return
-        if layer in self._early_owners:
-            with self.tracer.span(f"early head {layer}", "prerouter"):
-                inds, weights = self._head_graph([layer])
-                mx.eval(inds, weights)
-            self._hand_over([layer], inds, weights)
-        elif layer in self._queued_owners:
-            inds, weights = self._head_graph([layer])
-            mx.async_eval(inds, weights)
-            self._queued.append(([layer], inds, weights))
 
-    def _read_back_queued(self) -> None:
-        for owners, inds, weights in self._queued:
-            with self.tracer.span(f"early head {owners[0]}", "prerouter"):
-                mx.eval(inds, weights)
-            for owner in owners:
-                self.reads_ahead.layer_computed(owner)
-            self._hand_over(owners, inds, weights)
-        self._queued = []
-
-    def _hand_over(self, owners: list[int], inds: mx.array, weights: mx.array) -> None:
-        """Store a head's predictions for the next step and start their reads."""
-        predicted = self._store_predictions(owners, inds, weights)
-        for consumer, experts in predicted.items():
-            self.reads_ahead.stage(consumer, experts.tolist())
-
-    def consumed(self, block, x: mx.array, routed: np.ndarray) -> None:
+    def consumed(self, block, x: mx.array, indices: mx.array, routed: np.ndarray | None) -> None:
+        """A consumer layer routed by its prediction: `indices` on the device, `routed` the same
+        on the host (None when it was not read: a held layer, whose every expert is resident, so
+        none can be dropped)."""
         self.counters.predicted += 1
-        staged = self._staged.get(block.layer, frozenset())
-        self.counters.dropped += len(set(routed.reshape(-1).tolist()) - staged)
-        if self.shadow_router:
+        if routed is not None:
+            staged = self._staged.get(block.layer, frozenset())
+            self.counters.dropped += len(set(routed.reshape(-1).tolist()) - staged)
+        if self.shadow_router:  # a diagnostic: it costs a host read a layer
             logits = block.gate_logits(x)
             true, _ = route(logits, block.routing_spec, self.k, block.expert_bias())
-            true_set = set(np.array(true).reshape(-1).tolist())
-            self.counters.shadow_hits += len(true_set & set(routed.reshape(-1).tolist()))
+            true_host, predicted_host = self.host_reads.read(
+                [true, indices], "the shadow router (a diagnostic)"
+            )
+            true_set = set(true_host.reshape(-1).tolist())
+            self.counters.shadow_hits += len(true_set & set(predicted_host.reshape(-1).tolist()))
             self.counters.shadow_total += len(true_set)
 
-    # -- the head flush, once per step --------------------------------------------------------------
+    # -- the heads, once per step -------------------------------------------------------------------
 
-    def flush(self) -> dict[int, np.ndarray]:
-        """Run every head not run early this step; the predictions route the next step. Returns
-        consumer -> experts for every consumer (early ones included)."""
+    def flush(self) -> Predictions | None:
+        """Build every head into the step's graph; the next step's consumers route by what they
+        predict. Returns the predictions (on the device) for the engine to read with the step's
+        token and `settle`; None when no head can run (an owner has not executed)."""
         heads = self.heads
+        self._staged = {}
         if heads is None or any(o not in self._owner_x for o in heads.owners):
-            self._predictions, self._staged, self._next = {}, {}, {}
-            self._queued = []
-            return {}
-        self._read_back_queued()
-        done = {o for o, c in zip(heads.owners, heads.consumers) if c in self._next}
-        remaining = [o for o in heads.owners if o not in done]
-        if remaining:  # in prefetch mode every head ran early
-            inds, weights = self._head_graph(remaining)
-            mx.eval(inds, weights)
-            self._store_predictions(remaining, inds, weights)
-        self._predictions, self._next = self._next, {}
-        self._staged = {layer: frozenset(p[0].tolist()) for layer, p in self._predictions.items()}
-        return {layer: p[0] for layer, p in self._predictions.items()}
+            self._predictions = None
+            return None
+        with self.tracer.span("head flush", "prerouter"):
+            indices, weights = self._head_graph(heads.owners)
+        self._predictions = Predictions(list(heads.consumers), indices, weights)
+        return self._predictions
+
+    def settle(self, predictions: Predictions, host: np.ndarray) -> dict[int, list[int]]:
+        """The predictions' experts, read: kept for the consumers (and their `dropped` check).
+        Returns consumer -> experts, the reads the next step needs."""
+        predictions.host = host
+        staged = {layer: host[i] for i, layer in enumerate(predictions.consumers)}
+        if predictions is self._predictions:
+            self._staged = {layer: frozenset(e.tolist()) for layer, e in staged.items()}
+        return {layer: e.tolist() for layer, e in staged.items()}
 
     def _head_graph(self, owners: list[int]) -> tuple[mx.array, mx.array]:
         """The (lazy) routing the heads of `owners` predict for their consumers: indices and
         weights, one row per owner (contiguous runs of the stacked heads at once)."""
         heads = self.heads
-        unknown = np.full(self.k, -1)  # no token before the request's first
+        unknown = mx.full((self.k,), -1, mx.int32)  # no token before the request's first
         rows = [heads.owners.index(o) for o in owners]
         logits = []
         for first, last in _runs(rows):
             run = heads.owners[first : last + 1]
             x = mx.stack([self._owner_x[o] for o in run]).astype(heads.fc1.dtype)
-            now = mx.array(np.stack([self._owner_now[o] for o in run]))
+            now = mx.stack([self._owner_now[o] for o in run])
             before = [self._owner_before[o] for o in run]
-            before = mx.array(np.stack([unknown if b is None else b for b in before]))
+            before = mx.stack([unknown if b is None else b for b in before])
             features = head_features(x, now, before, self.experts)
             logits.append(heads(features, first, last + 1))
         logits = mx.concatenate(logits) if len(logits) > 1 else logits[0]
@@ -206,19 +189,6 @@ class RoutingState:
         if self.float_dtype is not None:
             logits = logits.astype(self.float_dtype)
         return route(logits, consumers[0].routing_spec, self.k, bias)
-
-    def _store_predictions(
-        self, owners: list[int], inds: mx.array, weights: mx.array
-    ) -> dict[int, np.ndarray]:
-        """Keep evaluated head outputs as the next step's predictions. Returns consumer -> experts."""
-        heads = self.heads
-        host = np.array(inds)
-        predicted = {}
-        for i, owner in enumerate(owners):
-            consumer = heads.consumers[heads.owners.index(owner)]
-            self._next[consumer] = (host[i], weights[i])
-            predicted[consumer] = host[i]
-        return predicted
 
 
 def _runs(rows: list[int]) -> list[tuple[int, int]]:

@@ -33,9 +33,10 @@ from ..errors import Edge0Error
 from ..experts.heat import HeatPicture
 from ..experts.store import LoadCounters
 from ..experts.switch_glu import projection_specs
-from ..routing.lookahead import Lookahead, attach_lookahead
+from ..routing.lookahead import Guess, Lookahead, attach_lookahead
 from ..routing.moe_block import set_top_k
 from ..routing.prerouter import PrerouterHeads
+from ..routing.state import Predictions, RoutingCounters
 from ..trace import NO_TRACE, Tracer
 from .blas import blas_in_use, prefill_kernels
 from .chat_template import render_chat_template
@@ -93,6 +94,37 @@ class GenerationResult:
     stopped_by: str = "max_tokens"  # "eos", "max_tokens" or "cancelled"
     # One per token, when GenerationConfig.logprobs asks for them.
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+
+
+@dataclass
+class _Step:
+    """One forward, built and queued on the device until its values are read (`Engine._finish`)."""
+
+    phase: str
+    tokens: int
+    started: float
+    pool_step: int = 0
+    logits: mx.array | None = None  # the last position's (one-token forwards)
+    sampled: list[mx.array] = field(default_factory=list)  # the sampler's token (and logprobs)
+    repaired: mx.array | None = None  # hidden values the numerical guard repaired
+    predictions: Predictions | None = None  # the heads' routing of the next step
+    guess: Guess | None = None  # the lookahead's guess of the next step's first MoE layer
+    wait: list = field(default_factory=list)  # evaluated in the step's read, not read (a cache)
+    # Held layers' routing, on the device: (layer, indices), read with the token.
+    device_routing: list[tuple[int, mx.array]] = field(default_factory=list)
+    routing_counters: RoutingCounters | None = None
+    counters: LoadCounters | None = None  # the store's, when its step ended at the build
+
+    def device_values(self) -> list:
+        values = [*self.sampled, *self.wait]
+        for value in (self.logits, self.repaired):
+            if value is not None:
+                values.append(value)
+        if self.predictions is not None:
+            values.append(self.predictions.indices)
+        if self.guess is not None:
+            values.append(self.guess.indices)
+        return values
 
 
 class Engine:
@@ -161,6 +193,10 @@ class Engine:
             )
             for site in self.loaded.sites if self.lookahead is not None else ():
                 getattr(site.parent, site.attribute).lookahead = self.lookahead
+        self._cache_holds_last = False  # the last reply's last token was fed (a step ahead)
+        self._first_guessed = False
+        self._last_read_end = 0.0
+        self.host_reads = self.loaded.host_reads
         self.guard = None
         if self.config.hidden_guard and self.mode != "resident":
             self.guard = HiddenGuard(self.config.hidden_clip)
@@ -345,11 +381,14 @@ class Engine:
                 predicted = set(heads.consumers)
             self_routed = set(self.loaded.blocks) - predicted if predicted else set()
             self.store.pool.keep_layers(self_routed)
+            held = self._layers_to_hold(k, self_routed)
+            self.store.hold_layers(held)
             if self.lookahead is not None:
                 self.lookahead.k = k
                 self.store.lookahead_reads = reads_pay or mode != "prefetch"
-                # Layers routed by a prediction need no guess of their true router's routing.
-                self.lookahead.skip = frozenset(predicted)
+                # Layers routed by a prediction need no guess of their true router's routing,
+                # nor do held ones: their every expert is resident.
+                self.lookahead.skip = frozenset(predicted | held)
             # Prefetch reads a head's predictions where they guess as well as the lookahead.
             self.store.gate_head_reads = mode == "prefetch" and self.lookahead is not None
             self.store.head_gate.reset()
@@ -361,6 +400,18 @@ class Engine:
         if self.store is not None:
             self.memory_plan = self.loaded.plan_at(k)
             self.wired_bytes = wire_for_plan(self.memory_plan)
+
+    def _layers_to_hold(self, k: int, self_routed: set[int]) -> set[int]:
+        """The MoE layers kept whole in the expert cache, routed on the device: every layer when
+        the cache holds every expert (the model fits: a step never waits on the host), else in
+        prerouter mode the layers that route by their own router, where the cache also keeps
+        room for the others' routed sets (their routing would otherwise be read back each step)."""
+        every = set(self.loaded.index.layers)
+        if self.store.can_hold(every, k):
+            return every
+        if self_routed and self.store.can_hold(self_routed, k):
+            return self_routed
+        return set()
 
     def _largest_expert_bytes(self) -> int:
         return max(layer.expert_nbytes for layer in self.loaded.index.layers.values())
@@ -516,8 +567,9 @@ class Engine:
         if not result.tokens:  # cancelled during the prefill: the cache holds part of it
             result.summary["generated_tokens"] = 0
         elif self.config.reuse_prompt_cache and (self.k, self.mode) == profile:
-            # The cache now holds the prompt and every generated token but the last (never fed).
-            fed = list(prompt_tokens) + result.tokens[:-1]
+            # The cache now holds the prompt and every generated token but the last (never fed,
+            # unless a step was built ahead of it).
+            fed = list(prompt_tokens) + result.tokens[: None if self._cache_holds_last else -1]
             self._prompt_cache = (cache, fed, profile)
         return result
 
@@ -545,6 +597,8 @@ class Engine:
         return make_prompt_cache(self.model), 0
 
     def _reset_request_state(self) -> None:
+        self._first_guessed = False  # the next step's first layer was guessed and read ahead
+        self._last_read_end = 0.0
         if self.store is not None:
             self.store.reset()
         if self.routing is not None:
@@ -553,9 +607,15 @@ class Engine:
     def _generate(
         self, prompt_tokens, gen, sampler, cache, reused, on_token, should_stop, forced, on_logits
     ) -> GenerationResult:
+        """Prefill, then decode: each step is built and queued on the device, then its values (the
+        token, and what the next step needs from it) are read in one wait (`_finish`). Where the
+        next step needs nothing from the host (every layer held, or resident), it is built before
+        this step's token is read, as mlx-lm's `generate_step` does: the device never idles
+        between steps."""
         eos = set() if forced is not None or gen.ignore_eos else set(self.tokenizer.eos_token_ids)
         steps: list[StepMetrics] = []
         result = GenerationResult(list(prompt_tokens), [], "", steps)
+        self._cache_holds_last = False
 
         chunk = self.config.prefill_chunk
         body = prompt_tokens[reused:-1]
@@ -566,16 +626,30 @@ class Engine:
                 result.stopped_by = "cancelled"
                 return result
             last_chunk = start + chunk >= len(body)
-            self._forward(body[start : start + chunk], cache, "prefill", steps, flush=last_chunk)
-        logits = self._forward(prompt_tokens[-1:], cache, "prefill", steps)
-        self.last_prefill = merged(steps)  # the whole prompt's forwards, for live panels
+            tokens = mx.array(body[start : start + chunk])
+            after = prompt_tokens[-1] if last_chunk else None
+            step = self._build(tokens, cache, "prefill", next_input=after, flush=last_chunk)
+            self._finish(step, steps)
+        sampler = sampler if forced is None else None  # forced tokens are fed, not sampled
+        first = forced[0] if forced else None
+        step = self._build(mx.array(prompt_tokens[-1:]), cache, "prefill", sampler, first)
+        prefill = True
         while True:
-            if on_logits is not None:
-                on_logits(logits)
-            with self.tracer.span("sample", "step"):
-                token = (
-                    self._sample(logits, sampler) if forced is None else forced[len(result.tokens)]
+            position = len(result.tokens)  # the token this step gives
+            ahead = None
+            if self._pipelined and position + 1 < gen.max_tokens:
+                following = forced[position + 1] if forced and position + 2 < len(forced) else None
+                next_input = (
+                    mx.array(forced[position : position + 1]) if forced else step.sampled[0]
                 )
+                ahead = self._build(next_input, cache, "decode", sampler, following)
+            values = self._finish(step, steps, on_logits is not None)
+            if prefill:
+                self.last_prefill = merged(steps)  # the whole prompt's forwards, for live panels
+                prefill = False
+            if on_logits is not None:
+                on_logits(step.logits)
+            token = sampler.finish(values) if forced is None else forced[position]
             result.tokens.append(token)
             if forced is None and gen.logprobs is not None:
                 self.last_logprobs = sampler.last
@@ -584,95 +658,165 @@ class Engine:
                 on_token(token, steps[-1])
             if token in eos:
                 result.stopped_by = "eos"
-                break
-            if len(result.tokens) >= gen.max_tokens:
-                break
-            if should_stop is not None and should_stop():
+            elif len(result.tokens) >= gen.max_tokens:
+                pass
+            elif should_stop is not None and should_stop():
                 result.stopped_by = "cancelled"
-                break
-            logits = self._forward([token], cache, "decode", steps)
-
+            else:
+                if ahead is None:
+                    following = (
+                        forced[position + 1] if forced and position + 2 < len(forced) else None
+                    )
+                    ahead = self._build(mx.array([token]), cache, "decode", sampler, following)
+                step = ahead
+                continue
+            # A step built ahead fed this last token to the KV cache already.
+            self._cache_holds_last = ahead is not None
+            break
         result.text = self.reply_text(result.tokens)
         return result
 
-    def _forward(
+    @property
+    def _pipelined(self) -> bool:
+        """Whether a step can be built before the previous one's values are read: nothing in it
+        waits for the host (every expert is resident: no read, no routing read back)."""
+        return self.store is None or self.store.every_layer_held
+
+    def _build(
         self,
-        tokens: list[int],
+        tokens: mx.array,
         cache: list,
         phase: str,
-        steps: list[StepMetrics],
+        sampler: Sampler | None = None,
+        next_input: int | None = None,
         flush: bool = True,
-    ) -> mx.array | None:
-        """One forward pass. Returns the last position's logits for a one-token forward; a prefill
-        chunk evaluates only the cache. `flush` runs the prerouter heads for the next step."""
+    ) -> _Step:
+        """Build one forward and queue it on the device. A one-token forward with a `sampler`
+        samples its token (on the device); `flush` runs the prerouter heads for the next step;
+        `next_input` is the next step's input where the host knows it (a prompt's or a forced
+        token; else the sampled one), from which the next step's first MoE layer is guessed."""
         self.apply_requests()
-        start = time.perf_counter()
-        tracer = self.tracer
-        routing_counters = self.routing.begin_step() if self.routing is not None else None
+        started = time.perf_counter()
+        one = tokens.size == 1
+        step = _Step(phase, tokens.size, started)
         if self.routing is not None:
-            # Every head runs as (or right after) its layer executes, so the reads for its
-            # consumer start a whole step ahead instead of at the flush. Not in a
-            # prefill chunk: its reads ahead would land while whole-layer reads are held, more
-            # than the memory a wall leaves; the flush after it issues them.
-            self.routing.early_heads = flush and self.routing.heads is not None and len(tokens) == 1
+            step.routing_counters = self.routing.begin_step()
         if self.store is not None:
             self.store.begin_step()
-        if self.lookahead is not None:
-            self.lookahead.active = len(tokens) == 1 and self.mode in ("prefetch", "prerouter")
+            step.pool_step = self.store.pool.step
+        guessing = one and self.lookahead is not None and self.mode in ("prefetch", "prerouter")
+        if guessing:
+            self.lookahead.active = True
             self._look_ahead_at_first_layer(tokens)
-        out = self.model(mx.array(tokens)[None], cache=cache)
-        guard_counts = self.guard.pending() if self.guard is not None else []
-        with tracer.span("evaluate", "compute"):  # what compute is left once the graph is built
-            if len(tokens) == 1:
-                out = out[:, -1, :]
-                mx.eval(out, guard_counts)
-            else:
-                mx.eval([c.state for c in cache], guard_counts)
-                out = None
-        repaired = self.guard.take_count() if self.guard is not None else 0
+        out = self.model(tokens[None], cache=cache)
+        step.repaired = self.guard.take() if self.guard is not None else None
+        if one:
+            step.logits = out[:, -1, :]
+            if sampler is not None:
+                with self.tracer.span("sample", "step"):
+                    step.sampled = sampler(step.logits)
+        else:
+            step.wait = [c.state for c in cache]  # a prefill chunk: only the cache is kept
+        if self.store is not None:
+            step.device_routing = self.store.device_routing()
+        if flush and self.routing is not None and self.routing.heads is not None:
+            step.predictions = self.routing.flush()
         if self.lookahead is not None:
             self.lookahead.end_step()
-        counters = self.store.end_step() if self.store is not None else LoadCounters()
-        flush_ms = 0.0
-        if flush and self.routing is not None and self.routing.heads is not None:
-            flush_start = time.perf_counter()
-            for layer, experts in self.routing.flush().items():
-                self.store.stage(layer, experts.tolist())
-            flush_ms = (time.perf_counter() - flush_start) * 1e3
-            tracer.complete("head flush", "prerouter", flush_start, time.perf_counter())
+            self.lookahead.active = False
+            following = step.sampled[0] if step.sampled else None
+            if following is None and next_input is not None:
+                following = mx.array([next_input])
+            if following is not None and self.mode in ("prefetch", "prerouter"):
+                step.guess = self.lookahead.guess_first(following)
+        mx.async_eval(step.device_values())
+        if self._pipelined and self.store is not None:
+            # Nothing of this step can be read or evicted any more: its accounting ends now,
+            # before the next step is built over it.
+            step.counters = self.store.end_step()
+        return step
+
+    def _finish(self, step: _Step, steps: list[StepMetrics], keep_logits: bool = False) -> list:
+        """Read the step's values in one wait; count the held layers' routing; start the next
+        step's reads ahead. Returns the sampler's values."""
+        tracer = self.tracer
+        routing = step.device_routing
+        arrays = [*step.sampled]
+        named = {}
+        for name, array in (
+            ("repaired", step.repaired),
+            ("predictions", step.predictions.indices if step.predictions else None),
+            ("guess", step.guess.indices if step.guess else None),
+        ):
+            if array is not None:
+                named[name] = len(arrays)
+                arrays.append(array)
+        first_routing = len(arrays)
+        arrays += [indices for _, indices in routing]
+        with tracer.span("evaluate", "compute"):  # the compute left once the graph is built
+            also = step.wait + ([step.logits] if keep_logits else [])
+            host = self.host_reads.read(
+                arrays, "the step's token and what the next one needs", also
+            )
+        staged = time.perf_counter()
+        counters = step.counters
+        if counters is None:
+            counters = self.store.end_step() if self.store is not None else LoadCounters()
+        if self.store is not None:
+            held = [(layer, host[first_routing + i]) for i, (layer, _) in enumerate(routing)]
+            self.store.settle(counters, held, step.pool_step)
+        # The next step's reads, in the order it needs them: its first MoE layer's guess, then
+        # the predicted layers (each reader takes the oldest read first).
+        if "guess" in named:
+            step.guess.host = host[named["guess"]]
+            self.store.look_ahead(step.guess.layer, step.guess.likely, next_step=True)
+            self._first_guessed = True
+        if "predictions" in named:
+            predicted = self.routing.settle(step.predictions, host[named["predictions"]])
+            for layer, experts in sorted(predicted.items()):
+                self.store.stage(layer, experts)
         end = time.perf_counter()
-        wall_ms = (end - start) * 1e3
-        tracer.complete(f"{phase} step", "step", start, end, tokens=len(tokens))
+        # A step's time runs from the later of its build's start and the previous step's read:
+        # steps built ahead overlap, and their times add up to the reply's.
+        wall_ms = (end - max(step.started, self._last_read_end)) * 1e3
+        self._last_read_end = end
+        syncs, reasons = self.host_reads.take()
+        tracer.complete(
+            f"{step.phase} step", "step", step.started, end, tokens=step.tokens, host_syncs=syncs
+        )
         pool_bytes = self.store.pool.resident_bytes if self.store is not None else 0
+        repaired = int(host[named["repaired"]]) if "repaired" in named else 0
         steps.append(
             StepMetrics.build(
-                phase,
-                len(tokens),
+                step.phase,
+                step.tokens,
                 wall_ms,
                 counters,
                 self.memory.snapshot(),
                 pool_bytes,
-                routing_counters,
+                step.routing_counters,
                 self.mode,
                 self.k,
                 repaired,
-                flush_ms,
+                (end - staged) * 1e3 if "predictions" in named else 0.0,
+                syncs,
+                reasons,
             )
         )
-        return out
+        return host[: len(step.sampled)]
 
-    def _look_ahead_at_first_layer(self, tokens: list[int]) -> None:
+    def _look_ahead_at_first_layer(self, tokens: mx.array) -> None:
         """Read ahead the first MoE layer's guessed experts before the forward starts: no layer
-        before it in the token can guess it (routing/lookahead.py)."""
-        guess = self.lookahead.guess_first(tokens)
-        if guess is not None:
-            with self.tracer.span("lookahead first layer", "prerouter"):
-                mx.eval(guess.indices)
-            self.store.look_ahead(guess.layer, guess.likely)
-
-    @staticmethod
-    def _sample(logits: mx.array, sampler: Sampler) -> int:
-        return sampler(logits)
+        before it in the token can guess it (routing/lookahead.py). The previous step built the
+        guess from this input, read it with its token and started its reads; a step without
+        one (the first of a reply whose prompt needed no prefill chunk) reads it now."""
+        guessed, self._first_guessed = self._first_guessed, False
+        guess = None if guessed else self.lookahead.guess_first(tokens)
+        if guess is None:
+            return
+        with self.tracer.span("lookahead first layer", "prerouter"):
+            guess.host = self.host_reads.read([guess.indices], "the first layer's guess")[0]
+        self.store.look_ahead(guess.layer, guess.likely)
 
     def close(self) -> None:
         if self.store is not None:

@@ -50,6 +50,7 @@ from ..experts.switch_glu import (
     dense_prefill_linears,
     projection_specs,
 )
+from ..host_reads import HostReads
 from ..routing.moe_block import RoutedMoE, ops_for
 from ..routing.prerouter import PrerouterHeads, load_profile_heads
 from ..routing.state import RoutingState
@@ -104,6 +105,7 @@ class LoadedModel:
     routing: RoutingState | None  # None in resident mode (stock mlx-lm blocks route themselves)
     blocks: dict[int, RoutedMoE]  # layer -> the engine-routed MoE block (empty in resident mode)
     memory_plan: MemoryPlan
+    host_reads: HostReads  # every wait of the host on the device goes through it, counted
     engine_config: EngineConfig  # the config the plan is kept with (`plan_load`)
     plan_at: Callable[[int], MemoryPlan]  # the plan at another routing width
     fingerprint: str  # `base_fingerprint`: what adapters for this model record
@@ -227,6 +229,7 @@ def load(model_dir: str | Path, config: EngineConfig, tracer: Tracer = NO_TRACE)
             f"{num_experts} routed experts of a layer"
         )
     store, routing, blocks = None, None, {}
+    host_reads = HostReads(config.sync_cost_s)
     dense_rows = dense_prefill_rows(config)
     # The K profiles' files: the largest one's heads and LoRA are planned (any may be chosen).
     fingerprint = base_fingerprint(index)
@@ -248,12 +251,12 @@ def load(model_dir: str | Path, config: EngineConfig, tracer: Tracer = NO_TRACE)
         for site in sites:  # resident prefill on the same path as the streamed modes' (fair A/B)
             with contextlib.suppress(Edge0Error):  # experts not quantized: stock mlx-lm
                 specs = projection_specs(site.switch, f"{model_dir} layer {site.layer}")
-                dense = DensePrefillSwitchGLU(site.switch, specs, dense_rows)
+                dense = DensePrefillSwitchGLU(site.switch, specs, dense_rows, host_reads)
                 setattr(site.parent, site.attribute, dense)
     if config.mode != "resident":
         # The Engine checks the expert cache for its K (`ExpertStore.set_top_k`).
-        store = ExpertStore(index, config, float_dtype, tracer)
-        routing = RoutingState(top_k, num_experts, blocks, float_dtype, store, tracer)
+        store = ExpertStore(index, config, float_dtype, tracer, host_reads)
+        routing = RoutingState(top_k, num_experts, blocks, float_dtype, host_reads, tracer)
         for site in sites:
             specs = projection_specs(site.switch, f"{model_dir} layer {site.layer}")
             streaming = StreamingSwitchGLU(
@@ -289,6 +292,7 @@ def load(model_dir: str | Path, config: EngineConfig, tracer: Tracer = NO_TRACE)
         routing,
         blocks,
         plan,
+        host_reads,
         config,
         plan_at,
         fingerprint,

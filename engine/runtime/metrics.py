@@ -88,6 +88,10 @@ class StepMetrics:
     heads_not_read: int = 0
     # By MoE layer: where its routed experts came from (`LayerRouted` as a dict).
     routed_by_layer: dict[int, dict] = field(default_factory=dict)
+    # Times the host waited on the device for a value (engine/host_reads.py): each one drains the
+    # GPU's queue on Metal. By reason in `host_sync_reasons`.
+    host_syncs: int = 0
+    host_sync_reasons: dict[str, int] = field(default_factory=dict)
 
     @classmethod
     def build(
@@ -103,6 +107,8 @@ class StepMetrics:
         k: int = 0,
         nonfinite_repaired: int = 0,
         flush_ms: float = 0.0,
+        host_syncs: int = 0,
+        host_sync_reasons: dict[str, int] | None = None,
     ) -> StepMetrics:
         loads = counters.loads
         per_expert_bytes = counters.bytes_read - counters.whole_layer_bytes
@@ -149,6 +155,8 @@ class StepMetrics:
             lookahead_dropped=counters.lookahead_dropped,
             heads_not_read=counters.heads_not_read,
             routed_by_layer={n: asdict(r) for n, r in sorted(counters.layers.items())},
+            host_syncs=host_syncs,
+            host_sync_reasons=host_sync_reasons or {},
             **routed,
         )
 
@@ -411,6 +419,7 @@ def summarize(
         "lookahead_dropped",
         "heads_not_read",
         "flush_ms",
+        "host_syncs",
     ):
         values = [getattr(s, name) for s in decode]
         summary[f"median_{name}"] = statistics.median(values) if values else 0.0

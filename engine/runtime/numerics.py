@@ -4,7 +4,7 @@ A NaN or an overflow in one layer's output would otherwise spread through every 
 turn the logits into NaN (the reference implementation saw fp16 runs collapse into repeating token
 0). After every decoder layer the guard replaces NaN with 0 and clips to +-`limit` (by default the
 largest finite value of the dtype, which leaves every finite value untouched). The number of
-repaired values is kept as a lazy array and read once per step, with the logits.
+repaired values is kept as a lazy array and read once per step, with the token.
 """
 
 from __future__ import annotations
@@ -24,13 +24,11 @@ class HiddenGuard:
         self._counts.append(bad.sum())
         return mx.where(mx.isnan(h), mx.array(0, h.dtype), mx.clip(h, -limit, limit))
 
-    def pending(self) -> list[mx.array]:
-        return self._counts
-
-    def take_count(self) -> int:
-        """Values repaired since the last call (evaluate `pending()` with the step to make it free)."""
+    def take(self) -> mx.array | None:
+        """Values repaired since the last call, on the device (None: no layer ran): the engine
+        reads it with the step's token, in the same wait."""
         counts, self._counts = self._counts, []
-        return int(mx.stack(counts).sum().item()) if counts else 0
+        return mx.stack(counts).sum() if counts else None
 
 
 def guard_layers(layers: list[nn.Module], guard: HiddenGuard) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
 from ..config import GenerationConfig
@@ -42,29 +43,40 @@ class Sampler:
             frequency_penalty=gen.frequency_penalty or None,
             frequency_context_size=gen.penalty_context,
         )
-        # What the penalties look at: only kept when there are penalties.
-        self._seen = list(prompt_tokens[-gen.penalty_context :]) if self._processors else None
+        # What the penalties look at (only kept when there are penalties), on the device: the
+        # next step's graph can take a token the host has not read yet, as mlx-lm's does.
+        self._seen = (
+            mx.array(prompt_tokens[-gen.penalty_context :], dtype=mx.int32)
+            if self._processors
+            else None
+        )
         self._context = gen.penalty_context
         self._top = gen.logprobs
         self.last: TokenLogprobs | None = None  # the latest token's, when logprobs are asked for
 
-    def __call__(self, logits: mx.array) -> int:
+    def __call__(self, logits: mx.array) -> list[mx.array]:
+        """The token sampled from the last position's logits, on the device: `[token]`, and with
+        log-probabilities asked for, its log-probability and the top ids and theirs. The engine
+        reads them with the step's other values, then calls `finish`."""
         if self._processors:
-            seen = mx.array(self._seen, dtype=mx.int32)
             for process in self._processors:
-                logits = process(seen, logits)
+                logits = process(self._seen, logits)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        token = int(self._sample(logprobs).item())
+        token = self._sample(logprobs).reshape(-1)
         if self._seen is not None:
-            self._seen.append(token)
-            del self._seen[: -self._context]
-        if self._top is not None:
-            self.last = self._logprobs_of(logprobs.reshape(-1), token)
-        return token
+            self._seen = mx.concatenate([self._seen, token.astype(mx.int32)])[-self._context :]
+        if self._top is None:
+            return [token]
+        logprobs = logprobs.reshape(-1)
+        if not self._top:
+            return [token, logprobs[token]]
+        ids = mx.argsort(-logprobs)[: self._top]
+        return [token, logprobs[token], ids, logprobs[ids]]
 
-    def _logprobs_of(self, logprobs: mx.array, token: int) -> TokenLogprobs:
-        top: tuple[tuple[int, float], ...] = ()
-        if self._top:
-            ids = mx.argsort(-logprobs)[: self._top]
-            top = tuple(zip(ids.tolist(), logprobs[ids].tolist(), strict=True))
-        return TokenLogprobs(token, float(logprobs[token].item()), top)
+    def finish(self, values: list[np.ndarray]) -> int:
+        """The sampled token from the host values of `__call__`'s arrays (and `last` with them)."""
+        token = int(values[0].reshape(-1)[0])
+        if self._top is not None:
+            top = zip(values[2].tolist(), values[3].tolist(), strict=True) if self._top else ()
+            self.last = TokenLogprobs(token, float(values[1].reshape(-1)[0]), tuple(top))
+        return token

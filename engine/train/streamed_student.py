@@ -169,7 +169,7 @@ def expert_input_grad(
     flat_cotangent = cotangent.reshape(-1, cotangent.shape[-1])  # one row per assignment
     experts = routed.reshape(-1)
     distinct = np.unique(experts)
-    group_size = store.pool.capacity(layer)
+    group_size = store.pool.room(layer)
     grad = mx.zeros_like(flat_x)
     for start in range(0, len(distinct), group_size):
         group = distinct[start : start + group_size].tolist()
