@@ -60,18 +60,18 @@ def cli_holding_a_transient(nbytes: int) -> str:
         f"""
         import sys
         import numpy as np
-        from engine.runtime.generation import Engine
+        from engine.runtime.decode import Decoder
         from edge0_tui.cli import main
 
-        build = Engine._build
+        build = Decoder.build
 
-        def build_holding_a_transient(self, tokens, cache, phase, *args, **kwargs):
-            if phase == "prefill" and self._last_read_end == 0.0:  # a request's first forward
+        def build_holding_a_transient(self, tokens, phase, *args, **kwargs):
+            if phase == "prefill" and not self.steps:  # a reply's first forward
                 block = np.ones({nbytes // 8})
                 del block
-            return build(self, tokens, cache, phase, *args, **kwargs)
+            return build(self, tokens, phase, *args, **kwargs)
 
-        Engine._build = build_holding_a_transient
+        Decoder.build = build_holding_a_transient
         sys.exit(main(sys.argv[1:]))
         """
     )

@@ -170,19 +170,19 @@ async def test_reply_streams_and_panels_show_speed_and_memory(model, tmp_path):
 async def test_status_line_shows_the_process_peak_rss_beside_mlx(model, tmp_path, monkeypatch):
     """The status line's RSS peak is the kernel's high-water mark: it holds memory the engine
     took and gave back inside the prefill, between two of its per-step RSS samples."""
-    from engine.runtime.generation import Engine
+    from engine.runtime.decode import Decoder
     from engine.runtime.metrics import process_rss_bytes
 
     transient = 300 << 20
-    build = Engine._build
+    build = Decoder.build
 
-    def build_holding_a_transient(self, tokens, cache, phase, *args, **kwargs):
-        if phase == "prefill" and self._last_read_end == 0.0:  # a request's first forward
+    def build_holding_a_transient(self, tokens, phase, *args, **kwargs):
+        if phase == "prefill" and not self.steps:  # a reply's first forward
             block = np.ones(transient // 8)  # written: every page resident
             del block
-        return build(self, tokens, cache, phase, *args, **kwargs)
+        return build(self, tokens, phase, *args, **kwargs)
 
-    monkeypatch.setattr(Engine, "_build", build_holding_a_transient)
+    monkeypatch.setattr(Decoder, "build", build_holding_a_transient)
     app = make_app(model, tmp_path)
     async with app.run_test(size=SIZE) as pilot:
         await ready(app, pilot)

@@ -300,18 +300,17 @@ class ExpertStore:
     def settle(
         self, counters: LoadCounters, routed: list[tuple[int, np.ndarray]], step: int
     ) -> None:
-        """Count held layers' routing of step `step` once it is on the host: hits, and the heat
-        picture when that step is still its latest."""
+        """Count held layers' routing of step `step` once it is on the host: hits into
+        `counters`, uses into the heat picture of the step now under way."""
         for layer, experts in routed:
             distinct = sorted(set(experts.reshape(-1).tolist()))
             counters.hits += len(distinct)
             self._layer_counts_in(counters, layer).resident += len(distinct)
             if self.trace is not None:
                 self.trace.append((step, layer, distinct))
-            if step == self.pool.step:
-                for expert in distinct:
-                    self.heat.used((layer, expert), ExpertEvent.HIT)
-                self.heat.routed(layer, distinct)
+            for expert in distinct:
+                self.heat.used((layer, expert), ExpertEvent.HIT)
+            self.heat.routed(layer, distinct)
 
     def heat_picture(self) -> HeatPicture:
         """The latest step's expert heat picture (`heat.py`), with the experts in the cache now.

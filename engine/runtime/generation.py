@@ -4,10 +4,9 @@ Prefill runs the prompt except its last token in chunks, evaluating only the cac
 mlx-lm does; the forward on the last prompt token yields the first generated token. Everything up to
 that token is the `prefill` phase (its sum is time-to-first-token); every later forward is `decode`.
 
-In prerouter mode, during a one-token forward every head predicts its consumer's routing for the
-next step as soon as its layer has computed, and the predicted experts go to the reader threads
-right away, so each read has about a whole step to land. The flush at the end of the forward makes
-those predictions the next step's routing (after a prefill chunk, it runs every head at once).
+A reply's steps are run by `decode.Decoder` (one host wait on the device a step where the routing
+allows it); how the (mode, K) that stands decodes is one `decode_policy.DecodePolicy`. `stream`
+yields the tokens as mlx-lm's `generate_step` does; `generate` is the same with callbacks.
 
 K and mode can be changed from any thread with `request_k` / `request_mode`; the change applies
 before the next step (between steps of a reply, or before the next reply). Base and pool are kept.
@@ -17,8 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-import time
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,22 +29,22 @@ from ..adapters.quality import kept_quality
 from ..config import HEAD_MODES, EngineConfig, GenerationConfig, format_bytes
 from ..errors import Edge0Error
 from ..experts.heat import HeatPicture
-from ..experts.store import LoadCounters
 from ..experts.switch_glu import projection_specs
-from ..routing.lookahead import Guess, Lookahead, attach_lookahead
+from ..routing.lookahead import Lookahead, attach_lookahead
 from ..routing.moe_block import set_top_k
 from ..routing.prerouter import PrerouterHeads
-from ..routing.state import Predictions, RoutingCounters
 from ..trace import NO_TRACE, Tracer
 from .blas import blas_in_use, prefill_kernels
 from .chat_template import render_chat_template
 from .compute_activity import follow_compute
+from .decode import Decoder, GeneratedToken
+from .decode_policy import DecodePolicy, decode_policy
+from .decode_policy import apply as apply_policy
 from .loader import LoadedModel, load
 from .memory_plan import wire_for_plan
 from .metrics import (
     MemorySampler,
     StepMetrics,
-    merged,
     metal_wired_limit_bytes,
     process_peak_rss_bytes,
     reset_request_peaks,
@@ -94,37 +92,6 @@ class GenerationResult:
     stopped_by: str = "max_tokens"  # "eos", "max_tokens" or "cancelled"
     # One per token, when GenerationConfig.logprobs asks for them.
     logprobs: list[TokenLogprobs] = field(default_factory=list)
-
-
-@dataclass
-class _Step:
-    """One forward, built and queued on the device until its values are read (`Engine._finish`)."""
-
-    phase: str
-    tokens: int
-    started: float
-    pool_step: int = 0
-    logits: mx.array | None = None  # the last position's (one-token forwards)
-    sampled: list[mx.array] = field(default_factory=list)  # the sampler's token (and logprobs)
-    repaired: mx.array | None = None  # hidden values the numerical guard repaired
-    predictions: Predictions | None = None  # the heads' routing of the next step
-    guess: Guess | None = None  # the lookahead's guess of the next step's first MoE layer
-    wait: list = field(default_factory=list)  # evaluated in the step's read, not read (a cache)
-    # Held layers' routing, on the device: (layer, indices), read with the token.
-    device_routing: list[tuple[int, mx.array]] = field(default_factory=list)
-    routing_counters: RoutingCounters | None = None
-    counters: LoadCounters | None = None  # the store's, when its step ended at the build
-
-    def device_values(self) -> list:
-        values = [*self.sampled, *self.wait]
-        for value in (self.logits, self.repaired):
-            if value is not None:
-                values.append(value)
-        if self.predictions is not None:
-            values.append(self.predictions.indices)
-        if self.guess is not None:
-            values.append(self.guess.indices)
-        return values
 
 
 class Engine:
@@ -186,6 +153,8 @@ class Engine:
         self._following_compute: bool | None = None
         if self.routing is not None:
             self.routing.shadow_router = self.config.shadow_router
+        # How the (mode, K) that stands decodes (None in resident mode: stock mlx-lm).
+        self.policy: DecodePolicy | None = None
         self.lookahead: Lookahead | None = None
         if self.store is not None and self.config.lookahead:
             self.lookahead = attach_lookahead(
@@ -193,9 +162,6 @@ class Engine:
             )
             for site in self.loaded.sites if self.lookahead is not None else ():
                 getattr(site.parent, site.attribute).lookahead = self.lookahead
-        self._cache_holds_last = False  # the last reply's last token was fed (a step ahead)
-        self._first_guessed = False
-        self._last_read_end = 0.0
         self.host_reads = self.loaded.host_reads
         self.guard = None
         if self.config.hidden_guard and self.mode != "resident":
@@ -350,9 +316,9 @@ class Engine:
             self._apply_profile(k, mode)
 
     def _apply_profile(self, k: int, mode: str) -> None:
-        """Route with width k in `mode`: swap heads and LoRA files, never the base or the pool.
-        The files are read before anything changes, so a file that cannot be read leaves the
-        profile that stood."""
+        """Route with width k in `mode`: swap heads and LoRA files, never the base or the pool;
+        decode by the (mode, K) policy (`decode_policy.py`). The files are read before anything
+        changes, so a file that cannot be read leaves the profile that stood."""
         heads = adapter = None
         if self.routing is not None:
             # Prefetch reads ahead what heads predict where the profile has them, and where
@@ -374,44 +340,17 @@ class Engine:
             for site in self.loaded.sites:
                 set_top_k(self.loaded.family, site.parent, k)
         else:
-            self.routing.k = k
-            self.routing.set_heads(heads, route_by_predictions=mode == "prerouter")
-            predicted = set()
-            if heads is not None and mode == "prerouter":
-                predicted = set(heads.consumers)
-            self_routed = set(self.loaded.blocks) - predicted if predicted else set()
-            self.store.pool.keep_layers(self_routed)
-            held = self._layers_to_hold(k, self_routed)
-            self.store.hold_layers(held)
-            if self.lookahead is not None:
-                self.lookahead.k = k
-                self.store.lookahead_reads = reads_pay or mode != "prefetch"
-                # Layers routed by a prediction need no guess of their true router's routing,
-                # nor do held ones: their every expert is resident.
-                self.lookahead.skip = frozenset(predicted | held)
-            # Prefetch reads a head's predictions where they guess as well as the lookahead.
-            self.store.gate_head_reads = mode == "prefetch" and self.lookahead is not None
-            self.store.head_gate.reset()
-            # Reads ahead only: readers on a core of their own (experts/reader_core.py says why).
-            self.store.use_reader_core(mode == "prerouter")
+            moe_layers = set(self.loaded.index.layers)
+            lookahead = self.lookahead is not None
+            policy = decode_policy(mode, k, heads, moe_layers, self.store, reads_pay, lookahead)
+            apply_policy(policy, self.routing, self.store, self.lookahead)
+            self.policy = policy
             if adapter is not None:
                 self.lora = AppliedLoRA(self.model, adapter, self.loaded.float_dtype)
         self.k, self.mode = k, mode
         if self.store is not None:
             self.memory_plan = self.loaded.plan_at(k)
             self.wired_bytes = wire_for_plan(self.memory_plan)
-
-    def _layers_to_hold(self, k: int, self_routed: set[int]) -> set[int]:
-        """The MoE layers kept whole in the expert cache, routed on the device: every layer when
-        the cache holds every expert (the model fits: a step never waits on the host), else in
-        prerouter mode the layers that route by their own router, where the cache also keeps
-        room for the others' routed sets (their routing would otherwise be read back each step)."""
-        every = set(self.loaded.index.layers)
-        if self.store.can_hold(every, k):
-            return every
-        if self_routed and self.store.can_hold(self_routed, k):
-            return self_routed
-        return set()
 
     def _largest_expert_bytes(self) -> int:
         return max(layer.expert_nbytes for layer in self.loaded.index.layers.values())
@@ -504,14 +443,89 @@ class Engine:
         forced_tokens: list[int] | None = None,
         on_logits: Callable[[mx.array], None] | None = None,
     ) -> GenerationResult:
-        """Generate a reply to `prompt_tokens`. With `forced_tokens`, feed those instead of sampling
-        (teacher forcing): every benchmark arm then does exactly the same work. `should_stop` is
-        asked before each prefill chunk and after each token; true ends the reply ("cancelled"),
-        with no token at all when it ends the prefill. `on_logits` gets each token's logits
-        (evaluated, before sampling): `edge0 doctor` compares them step by step between runs."""
+        """Generate a reply to `prompt_tokens` (`stream`, with callbacks). `on_token` gets each
+        token and its step's metrics; `on_logits` each token's logits (evaluated, before
+        sampling): `edge0 doctor` compares them step by step between runs."""
+        tokens = self.stream(prompt_tokens, gen, should_stop, forced_tokens, on_logits is not None)
+        while True:
+            try:
+                item = next(tokens)
+            except StopIteration as done:
+                return done.value
+            if on_logits is not None:
+                on_logits(item.logits)
+            if item.logprobs is not None:
+                self.last_logprobs = item.logprobs
+            if on_token is not None:
+                on_token(item.token, item.step)
+
+    def stream(
+        self,
+        prompt_tokens: list[int],
+        gen: GenerationConfig | None = None,
+        should_stop: Callable[[], bool] | None = None,
+        forced_tokens: list[int] | None = None,
+        keep_logits: bool = False,
+    ) -> Generator[GeneratedToken, None, GenerationResult]:
+        """Yield each token of a reply to `prompt_tokens` as it is made, as mlx-lm's
+        `generate_step` does; the generator returns the whole `GenerationResult`. With
+        `forced_tokens`, feed those instead of sampling (teacher forcing): every benchmark arm
+        then does exactly the same work. `should_stop` is asked before each prefill chunk and
+        after each token; true ends the reply ("cancelled"), with no token at all when it ends
+        the prefill. With `keep_logits`, each token's logits come evaluated."""
+        gen = self._checked_request(prompt_tokens, gen, forced_tokens)
+        # The request's peaks, MLX's and the kernel's RSS high-water mark, start here.
+        peak_rss_scope = reset_request_peaks()
+        if gen.seed is not None:
+            mx.random.seed(gen.seed)
+        self.apply_requests()
+        profile = (self.k, self.mode)
+        cache, reused = self._take_prompt_cache(prompt_tokens, profile)
+        self._reset_request_state()
+        if self.tracer.samples_compute and self._following_compute is None:
+            self._following_compute = follow_compute(self.tracer)  # once: MLX's thread stays
+        sampler = Sampler(gen, prompt_tokens)
+        decoder = Decoder(self, cache, sampler, forced_tokens, keep_logits)
+        result = GenerationResult(list(prompt_tokens), [], "", decoder.steps)
+        eos = set(self.tokenizer.eos_token_ids)
+        if forced_tokens is not None or gen.ignore_eos:
+            eos = set()
+        try:
+            for item in decoder.run(prompt_tokens, reused, gen.max_tokens, eos, should_stop):
+                result.tokens.append(item.token)
+                if item.logprobs is not None:
+                    result.logprobs.append(item.logprobs)
+                yield item
+            result.stopped_by = decoder.stopped_by
+            result.summary = summarize(
+                result.steps,
+                len(prompt_tokens),
+                peak_mlx_bytes=mx.get_peak_memory(),
+                peak_rss_bytes=process_peak_rss_bytes(),
+                peak_rss_scope=peak_rss_scope,
+            )
+            result.summary["reused_prompt_tokens"] = reused
+        finally:
+            # Whatever happened (a read error, a cancel), no per-request state outlives the request.
+            self._reset_request_state()
+        if not result.tokens:  # cancelled during the prefill: the cache holds part of it
+            result.summary["generated_tokens"] = 0
+        elif self.config.reuse_prompt_cache and (self.k, self.mode) == profile:
+            # The cache now holds the prompt and every generated token but the last (never fed,
+            # unless a step was built ahead of it).
+            fed = list(prompt_tokens) + result.tokens[: None if decoder.cache_holds_last else -1]
+            self._prompt_cache = (cache, fed, profile)
+        result.text = self.reply_text(result.tokens)
+        return result
+
+    def _checked_request(
+        self, prompt_tokens: list[int], gen: GenerationConfig | None, forced: list[int] | None
+    ) -> GenerationConfig:
+        """The reply's config (as long as `forced` where given), or an Edge0Error naming what
+        this model cannot do."""
         gen = gen or GenerationConfig()
-        if forced_tokens is not None:
-            gen = dataclasses.replace(gen, max_tokens=len(forced_tokens))
+        if forced is not None:
+            gen = dataclasses.replace(gen, max_tokens=len(forced))
         if not prompt_tokens:
             raise Edge0Error("the prompt is empty")
         if len(prompt_tokens) + gen.max_tokens > self.context_limit:
@@ -530,48 +544,7 @@ class Engine:
             raise Edge0Error(
                 f"logit_bias=names token {outside[0]}, outside the vocabulary of {self.vocab_size}"
             )
-        # The request's peaks, MLX's and the kernel's RSS high-water mark, start here.
-        peak_rss_scope = reset_request_peaks()
-        if gen.seed is not None:
-            mx.random.seed(gen.seed)
-        sampler = Sampler(gen, prompt_tokens)
-        self.apply_requests()
-        profile = (self.k, self.mode)
-        cache, reused = self._take_prompt_cache(prompt_tokens, profile)
-        self._reset_request_state()
-        if self.tracer.samples_compute and self._following_compute is None:
-            self._following_compute = follow_compute(self.tracer)  # once: MLX's thread stays
-        try:
-            result = self._generate(
-                prompt_tokens,
-                gen,
-                sampler,
-                cache,
-                reused,
-                on_token,
-                should_stop,
-                forced_tokens,
-                on_logits,
-            )
-            result.summary = summarize(
-                result.steps,
-                len(prompt_tokens),
-                peak_mlx_bytes=mx.get_peak_memory(),
-                peak_rss_bytes=process_peak_rss_bytes(),
-                peak_rss_scope=peak_rss_scope,
-            )
-            result.summary["reused_prompt_tokens"] = reused
-        finally:
-            # Whatever happened (a read error, a cancel), no per-request state outlives the request.
-            self._reset_request_state()
-        if not result.tokens:  # cancelled during the prefill: the cache holds part of it
-            result.summary["generated_tokens"] = 0
-        elif self.config.reuse_prompt_cache and (self.k, self.mode) == profile:
-            # The cache now holds the prompt and every generated token but the last (never fed,
-            # unless a step was built ahead of it).
-            fed = list(prompt_tokens) + result.tokens[: None if self._cache_holds_last else -1]
-            self._prompt_cache = (cache, fed, profile)
-        return result
+        return gen
 
     def _take_prompt_cache(self, prompt_tokens: list[int], profile) -> tuple[list, int]:
         """A KV cache to continue from, and how many prompt tokens it already holds.
@@ -597,226 +570,10 @@ class Engine:
         return make_prompt_cache(self.model), 0
 
     def _reset_request_state(self) -> None:
-        self._first_guessed = False  # the next step's first layer was guessed and read ahead
-        self._last_read_end = 0.0
         if self.store is not None:
             self.store.reset()
         if self.routing is not None:
             self.routing.reset()
-
-    def _generate(
-        self, prompt_tokens, gen, sampler, cache, reused, on_token, should_stop, forced, on_logits
-    ) -> GenerationResult:
-        """Prefill, then decode: each step is built and queued on the device, then its values (the
-        token, and what the next step needs from it) are read in one wait (`_finish`). Where the
-        next step needs nothing from the host (every layer held, or resident), it is built before
-        this step's token is read, as mlx-lm's `generate_step` does: the device never idles
-        between steps."""
-        eos = set() if forced is not None or gen.ignore_eos else set(self.tokenizer.eos_token_ids)
-        steps: list[StepMetrics] = []
-        result = GenerationResult(list(prompt_tokens), [], "", steps)
-        self._cache_holds_last = False
-
-        chunk = self.config.prefill_chunk
-        body = prompt_tokens[reused:-1]
-        for start in range(0, len(body), chunk):
-            # A long prompt is many chunks, each a forward: a caller gone meanwhile (a client
-            # that disconnected) frees the engine now, not after the whole prefill.
-            if should_stop is not None and should_stop():
-                result.stopped_by = "cancelled"
-                return result
-            last_chunk = start + chunk >= len(body)
-            tokens = mx.array(body[start : start + chunk])
-            after = prompt_tokens[-1] if last_chunk else None
-            step = self._build(tokens, cache, "prefill", next_input=after, flush=last_chunk)
-            self._finish(step, steps)
-        sampler = sampler if forced is None else None  # forced tokens are fed, not sampled
-        first = forced[0] if forced else None
-        step = self._build(mx.array(prompt_tokens[-1:]), cache, "prefill", sampler, first)
-        prefill = True
-        while True:
-            position = len(result.tokens)  # the token this step gives
-            ahead = None
-            if self._pipelined and position + 1 < gen.max_tokens:
-                following = forced[position + 1] if forced and position + 2 < len(forced) else None
-                next_input = (
-                    mx.array(forced[position : position + 1]) if forced else step.sampled[0]
-                )
-                ahead = self._build(next_input, cache, "decode", sampler, following)
-            values = self._finish(step, steps, on_logits is not None)
-            if prefill:
-                self.last_prefill = merged(steps)  # the whole prompt's forwards, for live panels
-                prefill = False
-            if on_logits is not None:
-                on_logits(step.logits)
-            token = sampler.finish(values) if forced is None else forced[position]
-            result.tokens.append(token)
-            if forced is None and gen.logprobs is not None:
-                self.last_logprobs = sampler.last
-                result.logprobs.append(sampler.last)
-            if on_token is not None:
-                on_token(token, steps[-1])
-            if token in eos:
-                result.stopped_by = "eos"
-            elif len(result.tokens) >= gen.max_tokens:
-                pass
-            elif should_stop is not None and should_stop():
-                result.stopped_by = "cancelled"
-            else:
-                if ahead is None:
-                    following = (
-                        forced[position + 1] if forced and position + 2 < len(forced) else None
-                    )
-                    ahead = self._build(mx.array([token]), cache, "decode", sampler, following)
-                step = ahead
-                continue
-            # A step built ahead fed this last token to the KV cache already.
-            self._cache_holds_last = ahead is not None
-            break
-        result.text = self.reply_text(result.tokens)
-        return result
-
-    @property
-    def _pipelined(self) -> bool:
-        """Whether a step can be built before the previous one's values are read: nothing in it
-        waits for the host (every expert is resident: no read, no routing read back)."""
-        return self.store is None or self.store.every_layer_held
-
-    def _build(
-        self,
-        tokens: mx.array,
-        cache: list,
-        phase: str,
-        sampler: Sampler | None = None,
-        next_input: int | None = None,
-        flush: bool = True,
-    ) -> _Step:
-        """Build one forward and queue it on the device. A one-token forward with a `sampler`
-        samples its token (on the device); `flush` runs the prerouter heads for the next step;
-        `next_input` is the next step's input where the host knows it (a prompt's or a forced
-        token; else the sampled one), from which the next step's first MoE layer is guessed."""
-        self.apply_requests()
-        started = time.perf_counter()
-        one = tokens.size == 1
-        step = _Step(phase, tokens.size, started)
-        if self.routing is not None:
-            step.routing_counters = self.routing.begin_step()
-        if self.store is not None:
-            self.store.begin_step()
-            step.pool_step = self.store.pool.step
-        guessing = one and self.lookahead is not None and self.mode in ("prefetch", "prerouter")
-        if guessing:
-            self.lookahead.active = True
-            self._look_ahead_at_first_layer(tokens)
-        out = self.model(tokens[None], cache=cache)
-        step.repaired = self.guard.take() if self.guard is not None else None
-        if one:
-            step.logits = out[:, -1, :]
-            if sampler is not None:
-                with self.tracer.span("sample", "step"):
-                    step.sampled = sampler(step.logits)
-        else:
-            step.wait = [c.state for c in cache]  # a prefill chunk: only the cache is kept
-        if self.store is not None:
-            step.device_routing = self.store.device_routing()
-        if flush and self.routing is not None and self.routing.heads is not None:
-            step.predictions = self.routing.flush()
-        if self.lookahead is not None:
-            self.lookahead.end_step()
-            self.lookahead.active = False
-            following = step.sampled[0] if step.sampled else None
-            if following is None and next_input is not None:
-                following = mx.array([next_input])
-            if following is not None and self.mode in ("prefetch", "prerouter"):
-                step.guess = self.lookahead.guess_first(following)
-        mx.async_eval(step.device_values())
-        if self._pipelined and self.store is not None:
-            # Nothing of this step can be read or evicted any more: its accounting ends now,
-            # before the next step is built over it.
-            step.counters = self.store.end_step()
-        return step
-
-    def _finish(self, step: _Step, steps: list[StepMetrics], keep_logits: bool = False) -> list:
-        """Read the step's values in one wait; count the held layers' routing; start the next
-        step's reads ahead. Returns the sampler's values."""
-        tracer = self.tracer
-        routing = step.device_routing
-        arrays = [*step.sampled]
-        named = {}
-        for name, array in (
-            ("repaired", step.repaired),
-            ("predictions", step.predictions.indices if step.predictions else None),
-            ("guess", step.guess.indices if step.guess else None),
-        ):
-            if array is not None:
-                named[name] = len(arrays)
-                arrays.append(array)
-        first_routing = len(arrays)
-        arrays += [indices for _, indices in routing]
-        with tracer.span("evaluate", "compute"):  # the compute left once the graph is built
-            also = step.wait + ([step.logits] if keep_logits else [])
-            host = self.host_reads.read(
-                arrays, "the step's token and what the next one needs", also
-            )
-        staged = time.perf_counter()
-        counters = step.counters
-        if counters is None:
-            counters = self.store.end_step() if self.store is not None else LoadCounters()
-        if self.store is not None:
-            held = [(layer, host[first_routing + i]) for i, (layer, _) in enumerate(routing)]
-            self.store.settle(counters, held, step.pool_step)
-        # The next step's reads, in the order it needs them: its first MoE layer's guess, then
-        # the predicted layers (each reader takes the oldest read first).
-        if "guess" in named:
-            step.guess.host = host[named["guess"]]
-            self.store.look_ahead(step.guess.layer, step.guess.likely, next_step=True)
-            self._first_guessed = True
-        if "predictions" in named:
-            predicted = self.routing.settle(step.predictions, host[named["predictions"]])
-            for layer, experts in sorted(predicted.items()):
-                self.store.stage(layer, experts)
-        end = time.perf_counter()
-        # A step's time runs from the later of its build's start and the previous step's read:
-        # steps built ahead overlap, and their times add up to the reply's.
-        wall_ms = (end - max(step.started, self._last_read_end)) * 1e3
-        self._last_read_end = end
-        syncs, reasons = self.host_reads.take()
-        tracer.complete(
-            f"{step.phase} step", "step", step.started, end, tokens=step.tokens, host_syncs=syncs
-        )
-        pool_bytes = self.store.pool.resident_bytes if self.store is not None else 0
-        repaired = int(host[named["repaired"]]) if "repaired" in named else 0
-        steps.append(
-            StepMetrics.build(
-                step.phase,
-                step.tokens,
-                wall_ms,
-                counters,
-                self.memory.snapshot(),
-                pool_bytes,
-                step.routing_counters,
-                self.mode,
-                self.k,
-                repaired,
-                (end - staged) * 1e3 if "predictions" in named else 0.0,
-                syncs,
-                reasons,
-            )
-        )
-        return host[: len(step.sampled)]
-
-    def _look_ahead_at_first_layer(self, tokens: mx.array) -> None:
-        """Read ahead the first MoE layer's guessed experts before the forward starts: no layer
-        before it in the token can guess it (routing/lookahead.py). The previous step built the
-        guess from this input, read it with its token and started its reads; a step without
-        one (the first of a reply whose prompt needed no prefill chunk) reads it now."""
-        guessed, self._first_guessed = self._first_guessed, False
-        guess = None if guessed else self.lookahead.guess_first(tokens)
-        if guess is None:
-            return
-        with self.tracer.span("lookahead first layer", "prerouter"):
-            guess.host = self.host_reads.read([guess.indices], "the first layer's guess")[0]
-        self.store.look_ahead(guess.layer, guess.likely)
 
     def close(self) -> None:
         if self.store is not None:

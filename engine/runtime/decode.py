@@ -1,0 +1,304 @@
+"""One reply, step by step: each forward is built and queued on the device, then read once.
+
+A step, top to bottom (`Decoder.build`, then `Decoder.finish`):
+1. Requested K and mode switches apply (`Engine.apply_requests`); the store and the routing
+   state begin the step. Where the lookahead guesses the first MoE layer, its reads were
+   started at the end of the previous step.
+2. The model's forward is built (mlx-lm's own modules). Each MoE layer (`routing/moe_block.py`)
+   routes: by the previous step's prediction (prerouter consumers), or by its own router. Its
+   experts' slots come from the expert store: a held layer maps its routing to slots on the
+   device; any other layer waits only on reads from disk, except that a layer routed by its own
+   router reads that routing back (one wait on the device, exact modes). Each layer is queued
+   on the device as soon as it is built (`mx.async_eval`).
+3. The token is sampled on the device; the prerouter heads and the lookahead's guess of the next
+   step's first layer are built into the same graph.
+4. One host read (`engine/host_reads.py`) brings back the token, the numerical guard's count, the
+   heads' predictions, the guess, and the held layers' routing (for the counters).
+5. The next step's reads ahead start, in the order it needs them (the first layer's guess, then
+   the predicted layers), and the step's metrics are made.
+Where the next step needs nothing from the host (every layer held: no read, no routing read
+back; or resident mode), it is built before this step's token is read, as mlx-lm's
+`generate_step` does: the device never waits for the host between steps.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+
+from ..experts.store import LoadCounters
+from ..routing.lookahead import Guess
+from ..routing.state import Predictions, RoutingCounters
+from .metrics import StepMetrics, merged
+from .sampling import Sampler, TokenLogprobs
+
+GUESSING_MODES = ("prefetch", "prerouter")  # the modes whose lookahead reads guesses ahead
+
+
+@dataclass
+class GeneratedToken:
+    """One token of a reply, as `Engine.stream` yields it."""
+
+    token: int
+    step: StepMetrics  # the forward that gave it
+    logprobs: TokenLogprobs | None = None  # when the reply asks for them
+    logits: mx.array | None = None  # evaluated, when asked for (`keep_logits`)
+
+
+@dataclass
+class Step:
+    """One forward, built and queued on the device until its values are read (`finish`)."""
+
+    phase: str  # "prefill" (up to the first token) or "decode"
+    tokens: int
+    started: float
+    pool_step: int = 0
+    logits: mx.array | None = None  # the last position's (one-token forwards)
+    sampled: list[mx.array] = field(default_factory=list)  # the sampler's token (and logprobs)
+    repaired: mx.array | None = None  # hidden values the numerical guard repaired
+    predictions: Predictions | None = None  # the heads' routing of the next step
+    guess: Guess | None = None  # the lookahead's guess of the next step's first MoE layer
+    wait: list = field(default_factory=list)  # evaluated in the step's read, not read (a cache)
+    # Held layers' routing, on the device: (layer, indices), read with the token.
+    device_routing: list[tuple[int, mx.array]] = field(default_factory=list)
+    routing_counters: RoutingCounters | None = None
+    counters: LoadCounters | None = None  # the store's, when its step ended at the build
+
+    def device_values(self) -> list:
+        values = [*self.sampled, *self.wait]
+        for value in (self.logits, self.repaired):
+            if value is not None:
+                values.append(value)
+        if self.predictions is not None:
+            values.append(self.predictions.indices)
+        if self.guess is not None:
+            values.append(self.guess.indices)
+        return values
+
+
+class Decoder:
+    """Runs one reply on an engine: its prefill, then its decode steps (module docstring). Owns
+    the reply's step state; the engine owns the model, the store and the routing state."""
+
+    def __init__(
+        self,
+        engine,
+        cache: list,
+        sampler: Sampler | None,
+        forced: list[int] | None,
+        keep_logits: bool = False,
+    ) -> None:
+        self.engine = engine
+        self.cache = cache
+        self.sampler = sampler if forced is None else None  # forced tokens are fed, not sampled
+        self.forced = forced
+        self.keep_logits = keep_logits
+        self.steps: list[StepMetrics] = []
+        self.stopped_by = "max_tokens"  # "eos", "max_tokens" or "cancelled"
+        # The last token was fed to the KV cache (a step was built ahead of its read).
+        self.cache_holds_last = False
+        self._first_guessed = False  # the next step's first layer was guessed and read ahead
+        self._last_read_end = 0.0
+
+    def run(
+        self,
+        prompt_tokens: list[int],
+        reused: int,
+        max_tokens: int,
+        eos: set[int],
+        should_stop: Callable[[], bool] | None,
+    ) -> Iterator[GeneratedToken]:
+        """Prefill the prompt past its `reused` tokens, then yield each token until an `eos` token,
+        `max_tokens`, or `should_stop` (asked before each prefill chunk and after each token)."""
+        engine, forced = self.engine, self.forced
+        chunk = engine.config.prefill_chunk
+        body = prompt_tokens[reused:-1]
+        for start in range(0, len(body), chunk):
+            # A long prompt is many chunks, each a forward: a caller gone meanwhile (a client
+            # that disconnected) frees the engine now, not after the whole prefill.
+            if should_stop is not None and should_stop():
+                self.stopped_by = "cancelled"
+                return
+            last_chunk = start + chunk >= len(body)
+            tokens = mx.array(body[start : start + chunk])
+            after = prompt_tokens[-1] if last_chunk else None
+            self.finish(self.build(tokens, "prefill", next_input=after, flush=last_chunk))
+        given = 0  # tokens given so far: the step being finished gives token `given`
+        step = self.build(mx.array(prompt_tokens[-1:]), "prefill", self._next_input(0))
+        while True:
+            ahead = None
+            if self.pipelined and given + 1 < max_tokens:
+                following = self._token_of(step, given)
+                ahead = self.build(following, "decode", self._next_input(given + 1))
+            values = self.finish(step)
+            if step.phase == "prefill":
+                engine.last_prefill = merged(self.steps)  # the prompt's forwards, for the panels
+            token = forced[given] if forced else self.sampler.finish(values)
+            given += 1
+            logprobs = self.sampler.last if self.sampler is not None else None
+            logits = step.logits if self.keep_logits else None
+            yield GeneratedToken(token, self.steps[-1], logprobs, logits)
+            if token in eos:
+                self.stopped_by = "eos"
+            elif given >= max_tokens:
+                pass
+            elif should_stop is not None and should_stop():
+                self.stopped_by = "cancelled"
+            else:
+                step = ahead or self.build(mx.array([token]), "decode", self._next_input(given))
+                continue
+            self.cache_holds_last = ahead is not None  # it fed this last token already
+            return
+
+    @property
+    def pipelined(self) -> bool:
+        """Whether a step can be built before the previous one's values are read: nothing in it
+        waits for the host (every expert is held: no read, no routing read back)."""
+        store = self.engine.store
+        return store is None or store.every_layer_held
+
+    def build(
+        self, tokens: mx.array, phase: str, next_input: int | None = None, flush: bool = True
+    ) -> Step:
+        """Build one forward and queue it on the device. A one-token forward samples its token
+        (on the device); `flush` runs the prerouter heads for the next step; `next_input` is the
+        next step's input where the host knows it (a prompt's or a forced token; else the
+        sampled one), from which the next step's first MoE layer is guessed."""
+        engine = self.engine
+        engine.apply_requests()
+        routing, store, lookahead = engine.routing, engine.store, engine.lookahead
+        one = tokens.size == 1
+        step = Step(phase, tokens.size, time.perf_counter())
+        if routing is not None:
+            step.routing_counters = routing.begin_step()
+        if store is not None:
+            store.begin_step()
+            step.pool_step = store.pool.step
+        guessing = lookahead is not None and engine.mode in GUESSING_MODES
+        if guessing and one:
+            lookahead.active = True
+            self._look_ahead_at_first_layer(tokens)
+        out = engine.model(tokens[None], cache=self.cache)
+        step.repaired = engine.guard.take() if engine.guard is not None else None
+        if one:
+            step.logits = out[:, -1, :]
+            if self.sampler is not None:
+                with engine.tracer.span("sample", "step"):
+                    step.sampled = self.sampler(step.logits)
+        else:
+            step.wait = [c.state for c in self.cache]  # a prefill chunk: only the cache is kept
+        if store is not None:
+            step.device_routing = store.device_routing()
+        if flush and routing is not None and routing.heads is not None:
+            step.predictions = routing.flush()
+        if lookahead is not None:
+            lookahead.end_step()
+            lookahead.active = False
+            following = step.sampled[0] if step.sampled else None
+            if following is None and next_input is not None:
+                following = mx.array([next_input])
+            if guessing and following is not None:
+                step.guess = lookahead.guess_first(following)
+        mx.async_eval(step.device_values())
+        if self.pipelined and store is not None:
+            # Nothing of this step can be read or evicted any more: its accounting ends now,
+            # before the next step is built over it.
+            step.counters = store.end_step()
+        return step
+
+    def finish(self, step: Step) -> list:
+        """Read the step's values in one wait; count the held layers' routing; start the next
+        step's reads ahead; keep the step's metrics. Returns the sampler's values."""
+        engine = self.engine
+        store, tracer = engine.store, engine.tracer
+        arrays = [*step.sampled]
+        named = {}
+        for name, array in (
+            ("repaired", step.repaired),
+            ("predictions", step.predictions.indices if step.predictions else None),
+            ("guess", step.guess.indices if step.guess else None),
+        ):
+            if array is not None:
+                named[name] = len(arrays)
+                arrays.append(array)
+        first_routing = len(arrays)
+        arrays += [indices for _, indices in step.device_routing]
+        with tracer.span("evaluate", "compute"):  # the compute left once the graph is built
+            also = step.wait + ([step.logits] if self.keep_logits else [])
+            host = engine.host_reads.read(
+                arrays, "the step's token and what the next one needs", also
+            )
+        staged = time.perf_counter()
+        if store is not None:
+            routed = enumerate(step.device_routing)
+            held = [(layer, host[first_routing + i]) for i, (layer, _) in routed]
+            # Into the step's counters, and the heat picture of the step the store is in (this
+            # one; the next where it was built ahead: the picture then lags a step).
+            store.settle(step.counters or store.counters, held, step.pool_step)
+        counters = step.counters
+        if counters is None:
+            counters = store.end_step() if store is not None else LoadCounters()
+        # The next step's reads, in the order it needs them: its first MoE layer's guess, then
+        # the predicted layers (the readers take the earliest layer's read first).
+        if "guess" in named:
+            step.guess.host = host[named["guess"]]
+            store.look_ahead(step.guess.layer, step.guess.likely, next_step=True)
+            self._first_guessed = True
+        if "predictions" in named:
+            predicted = engine.routing.settle(step.predictions, host[named["predictions"]])
+            for layer, experts in sorted(predicted.items()):
+                store.stage(layer, experts)
+        end = time.perf_counter()
+        # A step's time runs from the later of its build's start and the previous step's read:
+        # steps built ahead overlap, and their times add up to the reply's.
+        wall_ms = (end - max(step.started, self._last_read_end)) * 1e3
+        self._last_read_end = end
+        syncs, reasons = engine.host_reads.take()
+        tracer.complete(
+            f"{step.phase} step", "step", step.started, end, tokens=step.tokens, host_syncs=syncs
+        )
+        self.steps.append(
+            StepMetrics.build(
+                step.phase,
+                step.tokens,
+                wall_ms,
+                counters,
+                engine.memory.snapshot(),
+                store.pool.resident_bytes if store is not None else 0,
+                step.routing_counters,
+                engine.mode,
+                engine.k,
+                int(host[named["repaired"]]) if "repaired" in named else 0,
+                (end - staged) * 1e3 if "predictions" in named else 0.0,
+                syncs,
+                reasons,
+            )
+        )
+        return host[: len(step.sampled)]
+
+    def _look_ahead_at_first_layer(self, tokens: mx.array) -> None:
+        """Read ahead the first MoE layer's guessed experts before the forward starts: no layer
+        before it in the token can guess it (routing/lookahead.py). The previous step built the
+        guess from this input, read it with its token and started its reads; a step without
+        one (the first of a reply whose prompt needed no prefill chunk) reads it now."""
+        engine = self.engine
+        guessed, self._first_guessed = self._first_guessed, False
+        guess = None if guessed else engine.lookahead.guess_first(tokens)
+        if guess is None:
+            return
+        with engine.tracer.span("lookahead first layer", "prerouter"):
+            guess.host = engine.host_reads.read([guess.indices], "the first layer's guess")[0]
+        engine.store.look_ahead(guess.layer, guess.likely)
+
+    def _token_of(self, step: Step, position: int) -> mx.array:
+        """Token `position`, which `step` gives, still on the device where it was sampled."""
+        return mx.array(self.forced[position : position + 1]) if self.forced else step.sampled[0]
+
+    def _next_input(self, position: int) -> int | None:
+        """The input of the step after the one that gives token `position`, where the host knows
+        it in advance (a forced token): that step's first layer is guessed from it."""
+        forced = self.forced
+        return forced[position] if forced and position + 1 < len(forced) else None
