@@ -5,7 +5,8 @@
 bank (`bank`). `stage` reads a coming step's predicted experts ahead. `whole_layer` serves prefill
 chunks that touch most of a layer: it reads the layer's stacked tensors whole, and starts reading
 the next MoE layer while this one computes. Whole-layer buffers live outside the pool's budget and
-are released after their layer.
+are released after their layer. `hold_layers` keeps whole layers in the pool, their routing
+mapped to slots on the device (`slot_table`): such a layer never waits for the host.
 
 The store does the reading and counts it; which expert sits in which slot, and what may be
 evicted, belongs to the pool (`pool.py`): the store asks it for a slot before a read is issued
@@ -281,12 +282,17 @@ class ExpertStore:
 
     def _hold(self, layers: list[int]) -> None:
         for layer in layers:
-            experts = self.index.layers[layer].num_experts
-            batch = self.bank(layer).capacity
-            for start in range(0, experts, batch):
-                self.fetch(layer, list(range(start, min(start + batch, experts))))
-                self.pool.layer_computed(layer)  # nothing computes with them here
-            self.pool.hold(layer, experts)
+            self._read_every_expert(layer)
+            self.pool.hold(layer, self.index.layers[layer].num_experts)
+
+    def _read_every_expert(self, layer: int) -> None:
+        """Every expert of `layer` into the pool (as far as its budget keeps them), a bankful of
+        reads at a time."""
+        experts = list(range(self.index.layers[layer].num_experts))
+        batch = self.bank(layer).capacity
+        for start in range(0, len(experts), batch):
+            self.fetch(layer, experts[start : start + batch])
+            self.pool.layer_computed(layer)  # nothing computes with them here
 
     def routed_on_device(self, layer: int, indices: mx.array) -> None:
         """A held `layer` routed to `indices` (lazy): counted once the step's values are read."""
@@ -321,9 +327,9 @@ class ExpertStore:
     # -- reads ahead (prerouter) -------------------------------------------------------------------
 
     def stage(self, layer: int, experts: list[int]) -> None:
-        """The next step routes `layer` to `experts` (a prediction): pin the resident ones, start
-        reading the rest (after this step's own reads, if this step is still running), unless
-        the heads are gated off for `layer` (`gate_head_reads`)."""
+        """The next step routes `layer` to `experts` (a prediction): pin the resident ones and
+        start reading the rest, unless the heads are gated off for `layer` (`gate_head_reads`).
+        A held layer needs neither: its every expert stays resident."""
         if self.pool.slot_table(layer) is not None:  # held: every expert is resident
             return
         self._predicted_next[layer] = set(experts)
@@ -399,11 +405,7 @@ class ExpertStore:
         """Read every expert into the pool (budget permitting): for the bench's compute-only arm,
         whose steps then read nothing and measure the compute a step cannot go below."""
         for layer in self._moe_layers:
-            experts = list(range(self.index.layers[layer].num_experts))
-            batch = self.bank(layer).capacity
-            for start in range(0, len(experts), batch):
-                self.fetch(layer, experts[start : start + batch])
-                self.pool.layer_computed(layer)  # nothing computes with them here
+            self._read_every_expert(layer)
         self.end_step()
 
     # -- per-expert path ---------------------------------------------------------------------------

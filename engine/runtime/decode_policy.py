@@ -31,7 +31,7 @@ class DecodePolicy:
     kept: frozenset[int]  # layers evicted last: their misses block the forward (prerouter)
     lookahead_reads: bool  # the lookahead's guesses are read ahead (else only scored)
     gate_head_reads: bool  # prefetch reads a head's predictions only where it beats the lookahead
-    reader_core: bool  # reader threads on a core of their own: reads ahead only (prerouter)
+    reader_core: bool  # reader threads on a core of their own (prerouter, where it reads ahead)
 
     @property
     def not_guessed(self) -> frozenset[int]:
@@ -53,17 +53,20 @@ def decode_policy(
     route_by_predictions = mode == "prerouter"
     predicted = frozenset(heads.consumers) if heads is not None and route_by_predictions else None
     self_routed = frozenset(moe_layers - predicted) if predicted else frozenset()
+    held = frozenset(_layers_to_hold(store, k, moe_layers, self_routed))
     return DecodePolicy(
         mode=mode,
         k=k,
         heads=heads,
         route_by_predictions=route_by_predictions,
         predicted=predicted or frozenset(),
-        held=frozenset(_layers_to_hold(store, k, moe_layers, self_routed)),
+        held=held,
         kept=self_routed,
         lookahead_reads=reads_pay or mode != "prefetch",
         gate_head_reads=mode == "prefetch" and lookahead,
-        reader_core=mode == "prerouter",
+        # Only where something is read: with every layer held, pinning would only split the
+        # engine thread from the compute for nothing.
+        reader_core=mode == "prerouter" and held != moe_layers,
     )
 
 
