@@ -69,6 +69,8 @@ def test_chat_sampling_value_is_one_line(checkpoint_dir, capsys):
     [
         (["bench", "M", "--rounds", "0"], "argument --rounds: 0 must be at least 1"),
         (["bench", "M", "--tokens", "-3"], "argument --tokens: -3 must be at least 1"),
+        (["bench", "M", "--sync-cost", "2s"], "argument --sync-cost: 2s is more than a second"),
+        (["bench", "M", "--sync-cost", "5x"], "argument --sync-cost: cannot read duration '5x'"),
         (["soak", "M", "--turns", "0"], "argument --turns: 0 must be at least 1"),
         (["soak", "M", "--steps", "-1"], "argument --steps: -1 must be at least 1"),
         (

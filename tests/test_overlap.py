@@ -138,17 +138,19 @@ def _cores_of_threads() -> dict[int, set[int]]:
 
 
 def test_reader_threads_get_a_core_of_their_own_in_prerouter_mode(profiled_overlap):
-    """On Linux CPU with 2+ cores, in prerouter mode (reads ahead), the readers and the Python
-    threads (the engine's, building the next layer's graph) run on the last core, and MLX's
-    compute worker with every other native thread on the rest; other modes (whose misses the
-    engine thread helps read) and a closed engine leave every thread on every core."""
+    """On Linux CPU with 2+ cores, in prerouter mode where it reads ahead, the readers and the
+    Python threads (the engine's, building the next layer's graph) run on the last core, and
+    MLX's compute worker with every other native thread on the rest; other modes (whose misses
+    the engine thread helps read), a cache that holds every expert (nothing is read) and a
+    closed engine leave every thread on every core."""
     import os
     import threading
 
     allowed = sorted(os.sched_getaffinity(0))
     assert len(allowed) >= 2, "this check needs two cores (the CI box has two)"
     everywhere = set(allowed)
-    engine = Engine(profiled_overlap, EngineConfig(mode="prerouter", k=2))
+    reads = {"expert_cache_bytes": 60_000}  # not every expert: the next step's are read ahead
+    engine = Engine(profiled_overlap, EngineConfig(mode="prerouter", k=2, **reads))
     try:
         tokens = engine.generate(PROMPT, GREEDY).tokens
         readers = engine.store.reader.native_ids
@@ -169,14 +171,17 @@ def test_reader_threads_get_a_core_of_their_own_in_prerouter_mode(profiled_overl
     finally:
         engine.close()
     assert all(c == everywhere for c in _cores_of_threads().values())
-    # Off: nothing pinned, the same tokens.
-    config = EngineConfig(mode="prerouter", k=2, reader_core=False)
-    engine = Engine(profiled_overlap, config)
-    try:
-        assert engine.generate(PROMPT, GREEDY).tokens == tokens
-        assert all(c == everywhere for c in _cores_of_threads().values())
-    finally:
-        engine.close()
+    # Off, or every expert held: nothing pinned, the same tokens.
+    for config in (
+        EngineConfig(mode="prerouter", k=2, reader_core=False, **reads),
+        EngineConfig(mode="prerouter", k=2),
+    ):
+        engine = Engine(profiled_overlap, config)
+        try:
+            assert engine.generate(PROMPT, GREEDY).tokens == tokens
+            assert all(c == everywhere for c in _cores_of_threads().values())
+        finally:
+            engine.close()
 
 
 def test_reads_ahead_in_chunks_land_the_same_bytes_and_let_misses_in(

@@ -61,7 +61,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--sync-cost",
-        type=options.duration,
+        type=options.sync_cost,
         default=0.0,
         metavar="DURATION",
         help="each host read of a device array waits DURATION more (e.g. 1ms): a model of the "

@@ -54,12 +54,16 @@ def positive_size(text: str) -> int:
     return value
 
 
-def duration(text: str) -> float:
-    """A duration as `parse_duration` reads it (2ms, 500us, 0): seconds."""
+def sync_cost(text: str) -> float:
+    """--sync-cost: a duration as `parse_duration` reads it (2ms, 500us, 0), at most a second
+    (EngineConfig.sync_cost_s): seconds."""
     try:
-        return parse_duration(text)
+        seconds = parse_duration(text)
     except Edge0Error as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+    if seconds > 1.0:
+        raise argparse.ArgumentTypeError(f"{text} is more than a second")
+    return seconds
 
 
 def page_cache(text: str) -> int | str:

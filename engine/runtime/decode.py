@@ -26,6 +26,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
@@ -34,6 +35,9 @@ from ..routing.lookahead import Guess
 from ..routing.state import Predictions, RoutingCounters
 from .metrics import StepMetrics, merged
 from .sampling import Sampler, TokenLogprobs
+
+if TYPE_CHECKING:
+    from .generation import Engine
 
 GUESSING_MODES = ("prefetch", "prerouter")  # the modes whose lookahead reads guesses ahead
 
@@ -85,7 +89,7 @@ class Decoder:
 
     def __init__(
         self,
-        engine,
+        engine: Engine,
         cache: list,
         sampler: Sampler | None,
         forced: list[int] | None,
