@@ -71,16 +71,25 @@ class Step:
     routing_counters: RoutingCounters | None = None
     counters: LoadCounters | None = None  # the store's, when its step ended at the build
 
-    def device_values(self) -> list:
-        values = [*self.sampled, *self.wait]
-        for value in (self.logits, self.repaired):
-            if value is not None:
-                values.append(value)
+    def to_read(self) -> dict[str, mx.array]:
+        """What the step's one read brings to the host, by name: the sampler's arrays, the
+        guard's count, the heads' predictions, the next step's first-layer guess, and each held
+        layer's routing."""
+        values = {f"sampled {i}": array for i, array in enumerate(self.sampled)}
+        if self.repaired is not None:
+            values["repaired"] = self.repaired
         if self.predictions is not None:
-            values.append(self.predictions.indices)
+            values["predictions"] = self.predictions.indices
         if self.guess is not None:
-            values.append(self.guess.indices)
+            values["guess"] = self.guess.indices
+        for layer, indices in self.device_routing:
+            values[f"routed {layer}"] = indices
         return values
+
+    def device_values(self) -> list:
+        """Everything the step computes, to queue on the device at once."""
+        logits = [] if self.logits is None else [self.logits]
+        return [*self.to_read().values(), *self.wait, *logits]
 
 
 class Decoder:
@@ -218,27 +227,14 @@ class Decoder:
         step's reads ahead; keep the step's metrics. Returns the sampler's values."""
         engine = self.engine
         store, tracer = engine.store, engine.tracer
-        arrays = [*step.sampled]
-        named = {}
-        for name, array in (
-            ("repaired", step.repaired),
-            ("predictions", step.predictions.indices if step.predictions else None),
-            ("guess", step.guess.indices if step.guess else None),
-        ):
-            if array is not None:
-                named[name] = len(arrays)
-                arrays.append(array)
-        first_routing = len(arrays)
-        arrays += [indices for _, indices in step.device_routing]
+        wanted = step.to_read()
         with tracer.span("evaluate", "compute"):  # the compute left once the graph is built
             also = step.wait + ([step.logits] if self.keep_logits else [])
-            host = engine.host_reads.read(
-                arrays, "the step's token and what the next one needs", also
-            )
+            why = "the step's token and what the next one needs"
+            host = dict(zip(wanted, engine.host_reads.read(list(wanted.values()), why, also)))
         staged = time.perf_counter()
         if store is not None:
-            routed = enumerate(step.device_routing)
-            held = [(layer, host[first_routing + i]) for i, (layer, _) in routed]
+            held = [(layer, host[f"routed {layer}"]) for layer, _ in step.device_routing]
             # Into the step's counters, and the heat picture of the step the store is in (this
             # one; the next where it was built ahead: the picture then lags a step).
             store.settle(step.counters or store.counters, held, step.pool_step)
@@ -247,12 +243,12 @@ class Decoder:
             counters = store.end_step() if store is not None else LoadCounters()
         # The next step's reads, in the order it needs them: its first MoE layer's guess, then
         # the predicted layers (the readers take the earliest layer's read first).
-        if "guess" in named:
-            step.guess.host = host[named["guess"]]
+        if step.guess is not None:
+            step.guess.host = host["guess"]
             store.look_ahead(step.guess.layer, step.guess.likely, next_step=True)
             self._first_guessed = True
-        if "predictions" in named:
-            predicted = engine.routing.settle(step.predictions, host[named["predictions"]])
+        if step.predictions is not None:
+            predicted = engine.routing.settle(step.predictions, host["predictions"])
             for layer, experts in sorted(predicted.items()):
                 store.stage(layer, experts)
         end = time.perf_counter()
@@ -275,13 +271,13 @@ class Decoder:
                 step.routing_counters,
                 engine.mode,
                 engine.k,
-                int(host[named["repaired"]]) if "repaired" in named else 0,
-                (end - staged) * 1e3 if "predictions" in named else 0.0,
+                int(host["repaired"]) if "repaired" in host else 0,
+                (end - staged) * 1e3 if step.predictions is not None else 0.0,
                 syncs,
                 reasons,
             )
         )
-        return host[: len(step.sampled)]
+        return [host[f"sampled {i}"] for i in range(len(step.sampled))]
 
     def _look_ahead_at_first_layer(self, tokens: mx.array) -> None:
         """Read ahead the first MoE layer's guessed experts before the forward starts: no layer

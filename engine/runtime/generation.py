@@ -38,8 +38,8 @@ from .blas import blas_in_use, prefill_kernels
 from .chat_template import render_chat_template
 from .compute_activity import follow_compute
 from .decode import Decoder, GeneratedToken
-from .decode_policy import DecodePolicy, decode_policy
 from .decode_policy import apply as apply_policy
+from .decode_policy import decode_policy
 from .loader import LoadedModel, load
 from .memory_plan import wire_for_plan
 from .metrics import (
@@ -153,8 +153,6 @@ class Engine:
         self._following_compute: bool | None = None
         if self.routing is not None:
             self.routing.shadow_router = self.config.shadow_router
-        # How the (mode, K) that stands decodes (None in resident mode: stock mlx-lm).
-        self.policy: DecodePolicy | None = None
         self.lookahead: Lookahead | None = None
         if self.store is not None and self.config.lookahead:
             self.lookahead = attach_lookahead(
@@ -344,7 +342,6 @@ class Engine:
             lookahead = self.lookahead is not None
             policy = decode_policy(mode, k, heads, moe_layers, self.store, reads_pay, lookahead)
             apply_policy(policy, self.routing, self.store, self.lookahead)
-            self.policy = policy
             if adapter is not None:
                 self.lora = AppliedLoRA(self.model, adapter, self.loaded.float_dtype)
         self.k, self.mode = k, mode
