@@ -66,7 +66,7 @@ def unwritable(tmp_path) -> Path:
             fd, probe = tempfile.mkstemp(dir="/sys")
             os.close(fd)
             os.unlink(probe)
-            pytest.skip("no folder here refuses new files")
+            pytest.skip(reason="no folder here refuses new files")
         except OSError:
             yield Path("/sys")
     folder.chmod(0o755)
@@ -237,7 +237,7 @@ def test_bench_write_that_fails_at_the_end_is_one_line():
     from edge0_tui.commands.bench import write_output
 
     if not os.path.exists("/dev/full"):
-        pytest.skip("no /dev/full")
+        pytest.skip(reason="no /dev/full")
     with pytest.raises(Edge0Error, match="^/dev/full: cannot write the JSON report .*space"):
         write_output(Path("/dev/full"), "{}", "the JSON report")
 
