@@ -39,6 +39,8 @@ from .trace import NO_TRACE, Tracer
 _ON_FIRST_USE = {
     "Engine": "engine.runtime.generation",
     "GenerationResult": "engine.runtime.generation",
+    "GeneratedToken": "engine.runtime.decode",
+    "Reply": "engine.runtime.decode",
     "KProfile": "engine.runtime.generation",
     "release_thread_streams": "engine.runtime.generation",
     "ExpertEvent": "engine.experts.heat",

@@ -22,7 +22,7 @@ from edge0_tui.engine_service import (
     ReplyJob,
     SwitchNotApplied,
 )
-from engine import Edge0Error, GenerationConfig
+from engine import Edge0Error, GeneratedToken, GenerationConfig, Reply
 
 
 class FakeEngine:
@@ -88,13 +88,16 @@ class FakeEngine:
     def reply_text(self, tokens: list[int]) -> str:
         return "".join(chr(97 + t) for t in tokens)
 
-    def generate(self, prompt, gen, on_token, should_stop):
+    def stream(self, prompt, gen, should_stop):
+        return Reply(self._reply(prompt, gen, should_stop))
+
+    def _reply(self, prompt, gen, should_stop):
         self.gate.wait(10)
         tokens, stopped_by = [], "max_tokens"
         for t in range(gen.max_tokens):  # at least one token, as the engine's prefill makes
             tokens.append(t % 26)
             self.step.k, self.step.mode = self.k, self.mode
-            on_token(t % 26, self.step)
+            yield GeneratedToken(t % 26, self.step)
             if len(tokens) < gen.max_tokens and should_stop():
                 stopped_by = "cancelled"
                 break

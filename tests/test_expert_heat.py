@@ -27,13 +27,10 @@ def _run(model_dir, **config) -> tuple[Engine, list[tuple[HeatPicture, object]],
     engine = Engine(model_dir, EngineConfig(**config))
     engine.store.trace = []
     pictures = []
-
-    def on_token(token: int, step) -> None:
+    for token in engine.stream(PROMPT, GREEDY):
         picture = engine.expert_heat()
         pool = set(engine.store.pool.keys())
-        pictures.append((picture, step, pool))
-
-    engine.generate(PROMPT, GREEDY, on_token=on_token)
+        pictures.append((picture, token.step, pool))
     return engine, pictures, engine.store.trace
 
 

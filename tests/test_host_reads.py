@@ -30,12 +30,9 @@ def _decode_waits(engine: Engine, prompt: list[int], gen: GenerationConfig):
     """Per decoded token: the census's count of host waits, and the step's own `host_syncs`."""
     counted, own = [], []
     with census() as waits:
-
-        def on_token(token, step):
+        for token in engine.stream(prompt, gen):
             counted.append(waits.take())
-            own.append(step.host_syncs)
-
-        engine.generate(prompt, gen, on_token=on_token)
+            own.append(token.step.host_syncs)
     # The first token ends the prefill; with a step built ahead, a token's count can land on
     # its neighbour's, so whole runs are compared as well as single steps.
     return counted[1:], own[1:]

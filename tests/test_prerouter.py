@@ -255,13 +255,12 @@ def test_k_request_between_steps_from_another_thread(profiled):
     engine = Engine(profiled("qwen3_moe", ks=(2, 4)), EngineConfig(mode="prerouter", k=4))
     try:
         switched = threading.Event()
-
-        def on_token(token, step):
-            if step.phase == "decode" and not switched.is_set():
+        reply = engine.stream([1, 2, 3], GenerationConfig(max_tokens=20))
+        for token in reply:
+            if token.step.phase == "decode" and not switched.is_set():
                 threading.Thread(target=engine.request_k, args=(2,)).start()
                 switched.set()
-
-        result = engine.generate([1, 2, 3], GenerationConfig(max_tokens=20), on_token=on_token)
+        result = reply.result
         ks = [s.k for s in result.steps]
         assert ks[0] == 4 and ks[-1] == 2
         assert ks == sorted(ks, reverse=True)  # 4 until the request, 2 after

@@ -1020,14 +1020,21 @@ class FakeEngine:
     def reply_text(self, tokens: list[int]) -> str:
         return "".join(chr(97 + t) for t in tokens)
 
-    def generate(self, prompt, gen, on_token, should_stop):
+    def stream(self, prompt, gen, should_stop):
+        from engine import Reply
+
+        return Reply(self._reply(prompt, gen, should_stop))
+
+    def _reply(self, prompt, gen, should_stop):
         from types import SimpleNamespace
+
+        from engine import GeneratedToken
 
         self.asked.append(gen.max_tokens)
         tokens, stopped_by = [], "max_tokens"
         for t in range(gen.max_tokens):
             tokens.append(t % 26)
-            on_token(t % 26, self.step)
+            yield GeneratedToken(t % 26, self.step)
             if len(tokens) < gen.max_tokens and should_stop():
                 stopped_by = "cancelled"
                 break

@@ -200,7 +200,9 @@ def test_a_long_prefill_stops_between_chunks_when_asked(checkpoint_dir):
             return len(asked) >= 2
 
         other = engine.encode("a different prompt of some length for the cache " * 2)
-        cut = engine.generate(other, greedy, should_stop=stop_on_second_chunk)
+        reply = engine.stream(other, greedy, should_stop=stop_on_second_chunk)
+        assert list(reply) == []
+        cut = reply.result
         assert cut.stopped_by == "cancelled" and cut.tokens == []
         assert sum(s.phase == "prefill" for s in cut.steps) == 1  # one chunk of many
         assert engine.generate(prompt, greedy).tokens == whole

@@ -99,8 +99,10 @@ def _decode_recording(engine: Engine, prompt: list[int]):
     """Greedy tokens, and per decoded position the routing of every MoE layer and the logits."""
     logits = []
     forwards = record_executed(engine)
-    on_logits = lambda step_logits: logits.append(np.array(step_logits[0]))  # noqa: E731
-    result = engine.generate(prompt, GenerationConfig(max_tokens=16), on_logits=on_logits)
+    reply = engine.stream(prompt, GenerationConfig(max_tokens=16), keep_logits=True)
+    for token in reply:
+        logits.append(np.array(token.logits[0]))
+    result = reply.result
     routed = [forwards[s] for s in sorted(forwards)][: len(result.tokens)]
     return result.tokens, routed, np.stack(logits)
 

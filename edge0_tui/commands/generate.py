@@ -102,23 +102,20 @@ def run(args: argparse.Namespace) -> int:
         # Like mlx_lm.generate: the chat template when the tokenizer has one, unless --raw.
         chat = not args.raw and engine.tokenizer.has_chat_template
         prompt = engine.encode(args.prompt, chat=chat)
-        printed = 0
-
-        def stream(token: int, step) -> None:
-            nonlocal printed
-            if args.json:
-                return
-            result_tokens.append(token)
-            text = engine.reply_text(result_tokens)
-            # A token may end inside a multi-byte character: hold it back until it completes.
-            stable = len(text.rstrip("\ufffd"))
-            sys.stdout.write(text[printed:stable])
-            sys.stdout.flush()
-            printed = stable
-
-        result_tokens: list[int] = []
+        printed, tokens = 0, []
+        reply = engine.stream(prompt, gen)
         try:
-            result = engine.generate(prompt, gen, on_token=stream)
+            for token in reply:
+                if args.json:
+                    continue
+                tokens.append(token.token)
+                text = engine.reply_text(tokens)
+                # A token may end inside a multi-byte character: hold it back until it completes.
+                stable = len(text.rstrip("\ufffd"))
+                sys.stdout.write(text[printed:stable])
+                sys.stdout.flush()
+                printed = stable
+            result = reply.result
         finally:
             if tracer.enabled:  # also the steps before a failure: they may show why
                 write_trace(tracer, args.trace)

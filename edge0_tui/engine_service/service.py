@@ -31,7 +31,14 @@ from .jobs import (
 )
 
 if TYPE_CHECKING:
-    from engine import Engine, GenerationResult, HeatPicture, KProfile, StepMetrics
+    from engine import (
+        Engine,
+        GeneratedToken,
+        GenerationResult,
+        HeatPicture,
+        KProfile,
+        StepMetrics,
+    )
 
 # How often an idle engine thread looks at its quit flags (a caller's flag cannot wake it).
 POLL_S = 0.1
@@ -460,16 +467,20 @@ class _ReplyRun:
         if job.fit_context:
             room = max(1, engine.context_limit - len(prompt))
             generation = replace(generation, max_tokens=min(generation.max_tokens, room))
-        return engine.generate(prompt, generation, self._on_token, self._should_stop)
+        reply = engine.stream(prompt, generation, self._should_stop)
+        for token in reply:
+            self._took(token)
+        return reply.result
 
     def _should_stop(self) -> bool:
         return self.job.text.stopped or self.job.stop_asked.is_set() or self.service.quitting
 
-    def _on_token(self, token: int, step: StepMetrics) -> None:
+    def _took(self, token: GeneratedToken) -> None:
         now = time.perf_counter()
-        self.tokens.append(token)
-        if self.job.generation.logprobs is not None and self.engine.last_logprobs is not None:
-            self.logprobs.append(self.engine.last_logprobs)
+        step = token.step
+        self.tokens.append(token.token)
+        if self.job.generation.logprobs is not None and token.logprobs is not None:
+            self.logprobs.append(token.logprobs)
         self.nonfinite_repaired += step.nonfinite_repaired
         if step.phase == "decode" and self.last_token_at is not None:
             self.steps.append(step)

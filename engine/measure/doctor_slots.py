@@ -32,12 +32,11 @@ def _run(model_dir: Path, config: EngineConfig, forced: list[int], faults: Fault
     with Engine(model_dir, config) as engine:
         if faults.racy_slot_write:
             _write_into_slots_in_use(engine)
-        result = engine.generate(
-            engine.encode(PROMPT),
-            GenerationConfig(max_tokens=len(forced)),
-            forced_tokens=forced,
-            on_logits=lambda step: logits.append(np.array(step.astype(mx.float32))),
-        )
+        gen = GenerationConfig(max_tokens=len(forced))
+        reply = engine.stream(engine.encode(PROMPT), gen, forced_tokens=forced, keep_logits=True)
+        for token in reply:
+            logits.append(np.array(token.logits.astype(mx.float32)))
+        result = reply.result
     return np.stack(logits), [s for s in result.steps if s.phase == "decode"]
 
 

@@ -24,7 +24,7 @@ back; or resident mode), it is built before this step's token is read, as mlx-lm
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -50,6 +50,19 @@ class GeneratedToken:
     step: StepMetrics  # the forward that gave it
     logprobs: TokenLogprobs | None = None  # when the reply asks for them
     logits: mx.array | None = None  # evaluated, when asked for (`keep_logits`)
+
+
+class Reply:
+    """A reply being made (`Engine.stream`): iterate it for its tokens as they come; once it is
+    done, `result` is the whole `GenerationResult` (None while tokens are still coming, or when
+    the caller stopped iterating early)."""
+
+    def __init__(self, tokens: Generator[GeneratedToken, None, object]) -> None:
+        self._tokens = tokens
+        self.result = None
+
+    def __iter__(self) -> Iterator[GeneratedToken]:
+        self.result = yield from self._tokens
 
 
 @dataclass

@@ -37,7 +37,7 @@ from ..trace import NO_TRACE, Tracer
 from .blas import blas_in_use, prefill_kernels
 from .chat_template import render_chat_template
 from .compute_activity import follow_compute
-from .decode import Decoder, GeneratedToken
+from .decode import Decoder, GeneratedToken, Reply
 from .decode_policy import apply as apply_policy
 from .decode_policy import decode_policy
 from .loader import LoadedModel, load
@@ -52,8 +52,6 @@ from .metrics import (
 )
 from .numerics import HiddenGuard, guard_layers
 from .sampling import Sampler, TokenLogprobs
-
-TokenCallback = Callable[[int, StepMetrics], None]
 
 
 def expert_format(loaded: LoadedModel) -> str:
@@ -146,9 +144,6 @@ class Engine:
         self._requested: dict[str, object] = {}
         self._prompt_cache = None  # (KV cache, tokens it holds, (K, mode)) of the last reply
         self.last_prefill: StepMetrics | None = None  # the latest prompt's forwards as one
-        # The latest sampled token's log-probabilities when the reply asks for them (read from
-        # `on_token`, on the engine's thread).
-        self.last_logprobs: TokenLogprobs | None = None
         # Whether the tracer samples MLX's compute thread (Linux CPU); None: not tried yet.
         self._following_compute: bool | None = None
         if self.routing is not None:
@@ -435,26 +430,13 @@ class Engine:
         self,
         prompt_tokens: list[int],
         gen: GenerationConfig | None = None,
-        on_token: TokenCallback | None = None,
-        should_stop: Callable[[], bool] | None = None,
         forced_tokens: list[int] | None = None,
-        on_logits: Callable[[mx.array], None] | None = None,
     ) -> GenerationResult:
-        """Generate a reply to `prompt_tokens` (`stream`, with callbacks). `on_token` gets each
-        token and its step's metrics; `on_logits` each token's logits (evaluated, before
-        sampling): `edge0 doctor` compares them step by step between runs."""
-        tokens = self.stream(prompt_tokens, gen, should_stop, forced_tokens, on_logits is not None)
-        while True:
-            try:
-                item = next(tokens)
-            except StopIteration as done:
-                return done.value
-            if on_logits is not None:
-                on_logits(item.logits)
-            if item.logprobs is not None:
-                self.last_logprobs = item.logprobs
-            if on_token is not None:
-                on_token(item.token, item.step)
+        """Generate a whole reply to `prompt_tokens` (`stream`, to its end)."""
+        reply = self.stream(prompt_tokens, gen, forced_tokens=forced_tokens)
+        for _ in reply:
+            pass
+        return reply.result
 
     def stream(
         self,
@@ -463,14 +445,25 @@ class Engine:
         should_stop: Callable[[], bool] | None = None,
         forced_tokens: list[int] | None = None,
         keep_logits: bool = False,
-    ) -> Generator[GeneratedToken, None, GenerationResult]:
-        """Yield each token of a reply to `prompt_tokens` as it is made, as mlx-lm's
-        `generate_step` does; the generator returns the whole `GenerationResult`. With
+    ) -> Reply:
+        """A reply to `prompt_tokens`: iterated, it gives each token as it is made, as mlx-lm's
+        `generate_step` does; then its `result` is the whole `GenerationResult`. With
         `forced_tokens`, feed those instead of sampling (teacher forcing): every benchmark arm
         then does exactly the same work. `should_stop` is asked before each prefill chunk and
         after each token; true ends the reply ("cancelled"), with no token at all when it ends
-        the prefill. With `keep_logits`, each token's logits come evaluated."""
+        the prefill. With `keep_logits`, each token's logits come evaluated. A request this
+        model cannot serve raises Edge0Error here, before any token."""
         gen = self._checked_request(prompt_tokens, gen, forced_tokens)
+        return Reply(self._reply(prompt_tokens, gen, should_stop, forced_tokens, keep_logits))
+
+    def _reply(
+        self,
+        prompt_tokens: list[int],
+        gen: GenerationConfig,
+        should_stop: Callable[[], bool] | None,
+        forced_tokens: list[int] | None,
+        keep_logits: bool,
+    ) -> Generator[GeneratedToken, None, GenerationResult]:
         # The request's peaks, MLX's and the kernel's RSS high-water mark, start here.
         peak_rss_scope = reset_request_peaks()
         if gen.seed is not None:
