@@ -41,7 +41,7 @@ _ON_FIRST_USE = {
     "GenerationResult": "engine.runtime.generation",
     "GeneratedToken": "engine.runtime.decode",
     "Reply": "engine.runtime.decode",
-    "KProfile": "engine.runtime.generation",
+    "KProfile": "engine.adapters.profiles",
     "release_thread_streams": "engine.runtime.generation",
     "ExpertEvent": "engine.experts.heat",
     "HeatPicture": "engine.experts.heat",

@@ -651,3 +651,19 @@ def test_the_plan_holds_the_largest_profiles_heads_and_lora(checkpoint_dir, tmp_
         engine.apply_requests()
         assert engine.mode == "prerouter" and engine.lora is not None
         assert 0 < mx.get_active_memory() - before <= term
+
+
+def test_a_prerouter_run_plans_at_the_k_it_runs(profiled, checkpoint_dir):
+    """K is chosen before the load (`chosen_k`): a prerouter run without a K starts at its
+    heads' K and its memory plan is made at that K, not at the native one and then switched.
+    A mode without heads says so before any weight is read."""
+    model_dir = profiled("qwen3_moe", ks=(2,))
+    with Engine(model_dir, EngineConfig(mode="on-demand")) as native:
+        native_k = native.k
+    assert native_k != 2
+    with Engine(model_dir, EngineConfig(mode="prerouter")) as engine:
+        assert engine.k == engine.loaded.k == 2
+        assert engine.loaded.memory_plan.k == engine.memory_plan.k == 2
+        assert engine.loaded.memory_plan == engine.loaded.plan_at(2)
+    with pytest.raises(Edge0Error, match="prerouter mode needs prerouter_k"):
+        Engine(checkpoint_dir("qwen3_moe"), EngineConfig(mode="prerouter"))

@@ -5,6 +5,9 @@ A profile is a pair of files in one adapter folder, `prerouter_k{K}.safetensors`
 its metadata) and `lora_<name>.safetensors` are read too. Switching K swaps these files, never the
 base.
 
+`k_profiles` says which widths a model can route with, and `chosen_k` which one a run starts
+at: both before any weight is read, so that the memory plan is made at the K that will run.
+
 `search_profiles` looks through every adapter folder of a model (`locations.py`: `--adapters`
 folders, the model directory, the automatic folder). A K is taken whole from the first folder that
 has it, heads and LoRA together (a LoRA is trained on the student path of particular heads, so the
@@ -18,7 +21,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..config import EngineConfig
+from ..config import HEAD_MODES, EngineConfig
 from ..errors import Edge0Error
 from .locations import MODEL, AdapterFolder, search_folders
 from .metadata import flat_metadata, metadata_int, read_adapter_header
@@ -40,6 +43,67 @@ class ProfileSearch:
     profiles: dict[int, AdapterFiles]  # K -> the profile used (from the first folder that has K)
     shadowed: list[AdapterFiles] = field(default_factory=list)  # the same K in later folders
     warnings: list[str] = field(default_factory=list)  # adapter files ignored, and why
+
+
+@dataclass(frozen=True)
+class KProfile:
+    """A routing width the engine can switch to."""
+
+    k: int
+    # True when quality at this K is the model's own (native K on the true router) or recovered by
+    # trained adapters; False when the true router is merely narrowed or widened.
+    recovered: bool
+    prerouter: bool = False  # has prerouter heads (prerouter mode possible)
+    lora: bool = False  # has a recovery LoRA
+
+
+def k_profiles(
+    native: int,
+    experts: int,
+    other_k: bool,
+    routed: bool,
+    adapters: dict[int, AdapterFiles],
+) -> list[KProfile]:
+    """The K values a model with `experts` routed experts a layer and `native` K can route with:
+    2, 4, 8 and every K with adapter files, or only `native` where the family cannot route
+    otherwise (`other_k` False). Heads and LoRA count only where the engine routes the family
+    (`routed`). Without adapter files, the true router is narrowed or widened, and quality at
+    K other than the native one is not recovered."""
+    ks = {k for k in (2, 4, 8, *adapters) if 1 <= k <= experts} | {native}
+    if not other_k:
+        ks = {native}
+    out = []
+    for k in sorted(ks):
+        files = adapters.get(k)
+        has_heads = routed and files is not None and files.prerouter is not None
+        has_lora = routed and files is not None and files.lora is not None
+        out.append(KProfile(k, k == native or (has_heads and has_lora), has_heads, has_lora))
+    return out
+
+
+def chosen_k(
+    requested: int | None, mode: str, native: int, profiles: list[KProfile], model_dir: Path
+) -> int:
+    """The K a run of `mode` starts at: `requested` if a profile has it (and heads, in a mode
+    that routes by them); else the native K, or in those modes the K with heads closest to it.
+    Raises Edge0Error naming what is missing."""
+    with_heads = [p.k for p in profiles if p.prerouter]
+    if requested is None:
+        if mode not in HEAD_MODES:
+            return native
+        if not with_heads:
+            raise Edge0Error(
+                f"{model_dir}: {mode} mode needs prerouter_k<K>.safetensors files; "
+                "train them with `edge0 train heads`"
+            )
+        return min(with_heads, key=lambda k: (abs(k - native), k))
+    if requested not in {p.k for p in profiles}:
+        choices = ", ".join(str(p.k) for p in profiles)
+        raise Edge0Error(f"K={requested} is not available for this model (choose {choices})")
+    if mode in HEAD_MODES and requested not in with_heads:
+        heads = ", ".join(map(str, with_heads)) or "none"
+        raise Edge0Error(f"no prerouter heads for K={requested} (heads exist for K: {heads})")
+    return requested
 
 
 def search_profiles(model_dir: Path, fingerprint: str, config: EngineConfig) -> ProfileSearch:

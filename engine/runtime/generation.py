@@ -24,7 +24,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
 from ..adapters.lora import AppliedLoRA, load_lora
-from ..adapters.profiles import AdapterFiles, ProfileSearch
+from ..adapters.profiles import AdapterFiles, KProfile, ProfileSearch, chosen_k, k_profiles
 from ..adapters.quality import kept_quality
 from ..config import HEAD_MODES, EngineConfig, GenerationConfig, format_bytes
 from ..errors import Edge0Error
@@ -66,18 +66,6 @@ def release_thread_streams() -> None:
     left to process exit, those streams abort the process ("terminate called without an active
     exception") about half the time on Linux (MLX 0.32)."""
     mx.clear_streams()
-
-
-@dataclass(frozen=True)
-class KProfile:
-    """A routing width the engine can switch to."""
-
-    k: int
-    # True when quality at this K is the model's own (native K on the true router) or recovered by
-    # trained adapters; False when the true router is merely narrowed or widened.
-    recovered: bool
-    prerouter: bool = False  # has prerouter heads (prerouter mode possible)
-    lora: bool = False  # has a recovery LoRA
 
 
 @dataclass
@@ -160,28 +148,17 @@ class Engine:
         if self.config.hidden_guard and self.mode != "resident":
             self.guard = HiddenGuard(self.config.hidden_clip)
             guard_layers(self.model.layers, self.guard)
-        k = self.config.k if self.config.k is not None else self._default_k(self.mode)
-        self._apply_profile(self._check_k(k, self.mode), self.mode)
+        # The K the load planned for (`chosen_k`, before any weight was read).
+        self._apply_profile(self._check_k(self.loaded.k, self.mode), self.mode)
 
     # -- profiles and modes ------------------------------------------------------------------------
 
     def profiles(self) -> list[KProfile]:
-        """The K values this engine can route with. Without adapter files, the true router is
-        narrowed or widened, and quality at K other than the native one is not recovered."""
-        native = self.loaded.top_k
-        usable = self.loaded.num_experts
-        ks = {k for k in (2, 4, 8, *self.adapters) if 1 <= k <= usable} | {native}
-        if not self.loaded.family.other_k:  # the family routes only at its native K
-            ks = {native}
-        out = []
-        for k in sorted(ks):
-            files = self.adapters.get(k)
-            # A family routed by its own block has no predictions to route by.
-            routed = files is not None and self.loaded.family.routing
-            has_heads = routed and files.prerouter is not None
-            has_lora = routed and files.lora is not None
-            out.append(KProfile(k, k == native or (has_heads and has_lora), has_heads, has_lora))
-        return out
+        """The K values this engine can route with (`k_profiles`)."""
+        loaded = self.loaded
+        family = loaded.family
+        native, experts = loaded.top_k, loaded.num_experts
+        return k_profiles(native, experts, family.other_k, family.routing, self.adapters)
 
     def modes(self) -> list[str]:
         if self.mode == "resident":
@@ -189,27 +166,10 @@ class Engine:
         has_heads = any(p.prerouter for p in self.profiles())
         return ["on-demand", *(HEAD_MODES if has_heads else ()), "prefetch"]
 
-    def _default_k(self, mode: str) -> int:
-        """The model's native K; in prerouter mode, the K with heads closest to it."""
-        native = self.loaded.top_k
-        if mode not in HEAD_MODES:
-            return native
-        with_heads = [p.k for p in self.profiles() if p.prerouter]
-        if not with_heads:
-            raise Edge0Error(
-                f"{self.model_dir}: {mode} mode needs prerouter_k<K>.safetensors files; "
-                "train them with `edge0 train heads`"
-            )
-        return min(with_heads, key=lambda k: (abs(k - native), k))
-
-    def _check_k(self, k: int, mode: str) -> int:
-        profile = next((p for p in self.profiles() if p.k == k), None)
-        if profile is None:
-            choices = ", ".join(str(p.k) for p in self.profiles())
-            raise Edge0Error(f"K={k} is not available for this model (choose {choices})")
-        if mode in HEAD_MODES and not profile.prerouter:
-            with_heads = ", ".join(str(p.k) for p in self.profiles() if p.prerouter) or "none"
-            raise Edge0Error(f"no prerouter heads for K={k} (heads exist for K: {with_heads})")
+    def _check_k(self, k: int | None, mode: str) -> int:
+        """`k` as `chosen_k` checks it (None: the mode's default K), and its memory plan: the
+        expert cache must hold one routed set of it a layer."""
+        k = chosen_k(k, mode, self.loaded.top_k, self.profiles(), self.model_dir)
         if self.store is not None:
             plan = self.loaded.plan_at(k)
             if not plan.fits and self.config.refuse_over_plan:
@@ -262,8 +222,8 @@ class Engine:
         with self._lock:
             k = self._requested.get("k", self.k)
         if mode in HEAD_MODES and not any(p.k == k and p.prerouter for p in self.profiles()):
-            k = self._default_k(mode)
-        self._check_k(k, mode)
+            k = None  # the mode's default K
+        k = self._check_k(k, mode)
         with self._lock:
             self._requested.update(mode=mode, k=k)
         return next(p for p in self.profiles() if p.k == k)

@@ -28,7 +28,13 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.utils import logging as hf_logging
 
 from ..adapters.metadata import nonfinite_tensors
-from ..adapters.profiles import ProfileSearch, profile_bytes, search_profiles
+from ..adapters.profiles import (
+    ProfileSearch,
+    chosen_k,
+    k_profiles,
+    profile_bytes,
+    search_profiles,
+)
 from ..checkpoint.families import Family, MoESite, check_config_sizes, family_of, find_moe_sites
 from ..checkpoint.index import (
     CheckpointIndex,
@@ -98,7 +104,7 @@ class LoadedModel:
     sites: list[MoESite]  # the MoE layers (their original SwitchGLU in resident mode)
     store: ExpertStore | None  # None in resident mode
     float_dtype: mx.Dtype | None
-    top_k: int
+    top_k: int  # the checkpoint's own (native) K
     num_layers: int
     hidden: int
     num_experts: int
@@ -111,6 +117,7 @@ class LoadedModel:
     fingerprint: str  # `base_fingerprint`: what adapters for this model record
     # The K profiles over the adapter search, as found when planning (the plan holds the largest).
     profiles: ProfileSearch
+    k: int  # the K the run starts at, which the memory plan is made for (`chosen_k`)
 
     def load_heads(
         self, path: Path, fingerprint: str, k: int, dtype: mx.Dtype | None = None
@@ -234,13 +241,16 @@ def load(model_dir: str | Path, config: EngineConfig, tracer: Tracer = NO_TRACE)
     # The K profiles' files: the largest one's heads and LoRA are planned (any may be chosen).
     fingerprint = base_fingerprint(index)
     profiles = search_profiles(model_dir, fingerprint, config)
+    # The K the run starts at: the plan is made for it (a prerouter run plans its heads' K).
+    usable = k_profiles(top_k, num_experts, family.other_k, family.routing, profiles.profiles)
+    k = chosen_k(config.k, config.mode, top_k, usable, model_dir)
     # Before any weight is read: the plan, and the config that keeps it (or a refusal).
     plan, config, plan_at = plan_load(
         index,
         model_config,
         config,
         float_dtype,
-        config.k or top_k,
+        k,
         largest_expert_weights(sites) if dense_rows is not None else 0,
         dense_rows is not None,
         profile_bytes(profiles, (float_dtype or mx.float32).size),  # heads' dtype, `load_heads`
@@ -297,6 +307,7 @@ def load(model_dir: str | Path, config: EngineConfig, tracer: Tracer = NO_TRACE)
         plan_at,
         fingerprint,
         profiles,
+        k,
     )
 
 
