@@ -32,6 +32,7 @@ from edge0_tui.widgets.memory_bar import MemoryBar
 from edge0_tui.widgets.prompt import PromptInput
 from edge0_tui.widgets.routing_selector import RoutingSelector
 from edge0_tui.widgets.status_line import StatusLine
+from engine import Reply
 from engine.config import EngineConfig, GenerationConfig, format_bytes
 from engine.runtime.memory_plan import MemoryPlan
 from engine.runtime.metrics import StepMetrics
@@ -398,17 +399,18 @@ async def test_an_engine_bug_is_one_line_and_the_app_stays(model, tmp_path):
     notices = record_notifications(app)
     async with app.run_test(size=SIZE) as pilot:
         await ready(app, pilot)
-        generate = app.session.engine.generate
+        stream = app.session.engine.stream
 
-        def generate_then_break(prompt, gen, on_token, should_stop):
-            def broken_on_token(token, step):
-                on_token(token, step)
-                if step.phase == "decode":
-                    raise RuntimeError("a bug")
+        def stream_then_break(prompt, gen, should_stop):
+            def tokens():
+                for token in stream(prompt, gen, should_stop):
+                    yield token
+                    if token.step.phase == "decode":
+                        raise RuntimeError("a bug")
 
-            return generate(prompt, gen, broken_on_token, should_stop)
+            return Reply(tokens())
 
-        app.session.engine.generate = generate_then_break
+        app.session.engine.stream = stream_then_break
         await send(app, pilot, "hello")
         await wait_until(pilot, lambda: app.chat_screen.state == "engine stopped", "the bug")
         assert notices[-1] == ("the engine stopped on a bug: RuntimeError('a bug')", "error")
