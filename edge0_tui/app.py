@@ -40,10 +40,10 @@ if TYPE_CHECKING:
 
 DEFAULT_SETTINGS = GenerationConfig(max_tokens=512, temperature=0.7, top_p=0.9)
 # The demo samples from its own distribution, untrimmed: it learned to answer a speech with one
-# speech, and at 0.7 / top-p 0.9 its replies ended after a median of 8 tokens, too soon to watch
-# the wall or the stop key; at 1.0 / 1.0 the median is 28.5 on its suggested prompts (4 prompts x
-# 4 seeds, tests/test_demo_first_screen.py), with replies of 60-120 tokens among them. The model
-# is unchanged.
+# speech, and with the usual settings its replies ended too soon to watch the wall or the stop
+# key; untrimmed they run several times longer on its suggested prompts
+# (tests/test_demo_first_screen.py; figures: docs/notebook/figures-from-code-comments.md). The
+# model is unchanged.
 DEMO_SETTINGS = GenerationConfig(max_tokens=512, temperature=1.0, top_p=1.0)
 
 

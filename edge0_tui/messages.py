@@ -43,7 +43,8 @@ class EngineFailed(Message, bubble=False):
 
 @dataclass
 class ReplyText(Message, bubble=False):
-    """New text at the end of the reply being written (tokens batched, ~30 ms at a time)."""
+    """New text at the end of the reply being written (tokens batched, `text_every_s` at a
+    time)."""
 
     text: str
 

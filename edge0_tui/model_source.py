@@ -279,7 +279,7 @@ def _reporting_progress_bar(on_progress: ProgressCallback) -> type:
             super().__init__(*args, **kwargs)
 
         def display(self, msg: str | None = None, pos: int | None = None) -> bool:
-            # tqdm calls this at most every `mininterval` (0.1 s): a natural rate limit.
+            # tqdm calls this at most every `mininterval`: a natural rate limit.
             on_progress(self.desc or "downloading", self.n, self.total or None)
             return True
 

@@ -11,7 +11,7 @@ Rooms, each importing only from the rooms below it:
 This module is the surface the app and the tests use; the app also calls the entry points of
 `measure/` and `train/`. Names that need MLX are imported on first use, so that `engine.Edge0Error`
 or `engine.parse_size` stay cheap for the command's argument parsing (MLX, mlx-lm and
-transformers take ~2 s to import).
+transformers take seconds to import).
 """
 
 from __future__ import annotations

@@ -140,9 +140,9 @@ class EngineConfig:
     lookahead: bool = True
     # Prefetch mode reads nothing ahead (neither the lookahead's guesses nor a profile's
     # predictions) for experts smaller than this: such an expert is read faster by the layer
-    # that needs it than a read handed to a reader thread costs (the demo's 50 KiB experts:
-    # prefetch 67 ms a step against on-demand's 35, and 33 ms with this rule;
-    # docs/benchmarks.md, "Exact lookahead"). 0 reads every guess ahead.
+    # that needs it than a read handed to a reader thread costs (the demo's experts, without this
+    # rule, made prefetch slower than on-demand: docs/notebook/2026-12-exact-lookahead.md). 0
+    # reads every guess ahead.
     prefetch_min_expert_bytes: int = 1 << 20
     # Apply the profile's recovery LoRA in prerouter mode.
     lora: bool = True

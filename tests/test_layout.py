@@ -1,11 +1,13 @@
-"""The engine's layout as the README describes it: rooms by concern, arrows one way.
+"""The engine's layout as docs/layout.md describes it: rooms by concern, arrows one way.
 
 Read from the source with `ast`, so a new module or import that breaks the shape fails here."""
 
 from __future__ import annotations
 
 import ast
+import io
 import re
+import tokenize
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -68,7 +70,7 @@ def room(module: str) -> str:
 def test_every_engine_module_lives_in_a_known_room():
     for module in engine_modules():
         if module != "engine":
-            assert room(module) in TIERS, f"{module} is outside the rooms of the README"
+            assert room(module) in TIERS, f"{module} is outside the rooms of docs/layout.md"
 
 
 def test_imports_point_down_the_rooms():
@@ -214,11 +216,11 @@ def test_the_surface_names_resolve():
         assert getattr(engine, name) is not None
 
 
-def test_readme_layout_lists_every_engine_module():
-    """The README's Layout section names every package and module under engine/, and nothing
-    that is not there."""
-    readme = (ROOT / "README.md").read_text()
-    layout = readme.split("## Layout", 1)[1].split("\n## ", 1)[0]
+def test_the_layout_page_lists_every_engine_module():
+    """docs/layout.md names every package and module under engine/, and nothing that is not
+    there; the README points to it."""
+    assert "docs/layout.md" in (ROOT / "README.md").read_text()
+    layout = (ROOT / "docs" / "layout.md").read_text()
     listed = set()
     package = None
     for line in layout.splitlines():
@@ -236,5 +238,97 @@ def test_readme_layout_lists_every_engine_module():
             package = None
             listed.add("engine" if m.group(1) == "__init__" else f"engine.{m.group(1)}")
     modules = set(engine_modules())
-    assert sorted(modules - listed) == [], "modules missing from the README layout"
-    assert sorted(listed - modules) == [], "README layout lists modules that do not exist"
+    assert sorted(modules - listed) == [], "modules missing from docs/layout.md"
+    assert sorted(listed - modules) == [], "docs/layout.md lists modules that do not exist"
+
+
+# A figure with a unit (a time, a size, a share, a ratio, a rate) in a comment or a docstring:
+# measured figures belong in docs/notebook/, dated, with their command; the comment keeps the
+# reason. Text in backticks (an example of an option's syntax) is not a figure.
+FIGURE = re.compile(
+    r"(?<![\w.])\d[\d,]*(?:\.\d+)?"
+    r"(?:x(?!\w)|\s?(?:ms|µs|us|s|KiB|MiB|GiB|kB|KB|MB|GB|TB|%|tok/s|MiB/s|GiB/s|MB/s|GB/s)(?![\w/]))"
+)
+# The few that are definitions, not measurements: (file, the text of the line, stripped).
+FIGURE_DEFINITIONS = {
+    # glibc's documented upper bound of its dynamic mmap threshold
+    (
+        "engine/experts/freed_memory.py",
+        "threshold to the size of each such block freed (up to 32 MiB): after the first expert-sized",
+    ),
+    # a size computed from the arrays' shapes
+    (
+        "engine/experts/heat.py",
+        "step): three uint8/bool arrays of layers x experts, 144 KB for 94 layers of 512 experts.",
+    ),
+    # the format of /proc/self/status
+    ("engine/runtime/metrics.py", '# "VmHWM:  123456 kB"'),
+    # the demo's size budget, computed from its shapes, and its held-out share (a setting)
+    (
+        "engine/train/base.py",
+        "#   -> 24.25 M * 0.5625 B = 13.6 MB, routers (6 * 32 * 256, 8-bit) 0.05 MB, norms ~0.02 MB:",
+    ),
+    (
+        "engine/train/base.py",
+        "#   ~13.7 MB, leaving ~26 MB of the 40 MB assets budget for 3 prerouter + 3 LoRA files.",
+    ),
+    (
+        "engine/train/base.py",
+        "1. Data: Shakespeare's works (engine/corpus.py), 5% of the works held out; a byte-level BPE trained",
+    ),
+    # the shard size synth writes, as mlx-lm's convert does
+    (
+        "engine/train/synth.py",
+        "- ``model.safetensors`` or ``model-0000i-of-0000n.safetensors`` shards (<= 2 GiB each)",
+    ),
+    # a file format's size, computed
+    (
+        "engine/train/teacher_targets.py",
+        "That is `k * 6 + 4` bytes a position, whatever the vocabulary: 388 bytes at k=64 (388 KB per 1k",
+    ),
+    (
+        "engine/train/teacher_targets.py",
+        "tokens), where a whole distribution over a 151k vocabulary in float32 is 604 KB per token. The",
+    ),
+    # what the strip looks like
+    (
+        "edge0_tui/widgets/wall_strip.py",
+        "12.4 tok/s │ blocked 33 ms (41%) │ cold 29% │ 3.2 loads/step │ MLX 21 MiB",
+    ),
+}
+
+
+def _comments_and_docstrings(path: Path) -> list[str]:
+    source = path.read_text()
+    lines = [
+        token.string
+        for token in tokenize.generate_tokens(io.StringIO(source).readline)
+        if token.type == tokenize.COMMENT
+    ]
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            doc = ast.get_docstring(node, clean=False)
+            if doc:
+                lines.extend(doc.splitlines())
+    return lines
+
+
+def test_no_measured_figure_in_a_comment_or_docstring():
+    """Comments say why, without measured figures: a time, a size, a share or a ratio in a
+    comment or docstring of engine/ or edge0_tui/ fails here, but for the few definitions
+    allow-listed above."""
+    found, allowed = [], set()
+    for root in ("engine", "edge0_tui"):
+        for path in sorted((ROOT / root).rglob("*.py")):
+            name = str(path.relative_to(ROOT))
+            for line in _comments_and_docstrings(path):
+                text = line.strip()
+                if not FIGURE.search(re.sub(r"`[^`]*`", "", text)):
+                    continue
+                if (name, text) in FIGURE_DEFINITIONS:
+                    allowed.add((name, text))
+                else:
+                    found.append(f"{name}: {text}")
+    assert found == []
+    assert len(FIGURE_DEFINITIONS) <= 10
+    assert allowed == FIGURE_DEFINITIONS  # an entry no line needs any more is taken out

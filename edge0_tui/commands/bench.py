@@ -95,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
 
     check_checkpoint(args.model)  # in this process: the arms' processes would each say it again
     check_outputs(args)  # before the run: its results are written only at the end
-    # The bundled demo fits any page cache: the chat's 4 MB budgets make its wall (cold reads).
+    # The bundled demo fits any page cache: the chat's small budgets make its wall (cold reads).
     demo = is_bundled_demo(args.model)
     expert_cache = args.expert_cache or (parse_size("4M") if demo else options.AUTO)
     page_cache = args.page_cache or (parse_size("4M") if demo else "off")

@@ -144,11 +144,11 @@ def model_start(
             k_from_command_line=k is not None,
         )
         stored = kept.current
-    # The demo model's experts are small and its file fits any page cache: a 4 MB expert cache
-    # and a 4 MB page-cache budget make the memory wall visible (cold reads every step).
+    # The demo model's experts are small and its file fits any page cache: a small expert cache
+    # and page-cache budget make the memory wall visible (cold reads every step).
     # A kept mode is applied once the model is loaded. The demo starts on-demand: its experts are
     # small and its page cache tiny, so each step's misses (the wall it shows) are plain to see,
-    # and reading ahead saves it little (docs/benchmarks.md, "Exact lookahead").
+    # and reading ahead saves it little (docs/notebook/2026-12-exact-lookahead.md).
     mode = mode or ("on-demand" if demo else options.DEFAULT_MODE)
     default_cache = parse_size("4M") if demo else options.AUTO
     budget = expert_cache or stored.expert_cache_bytes or default_cache

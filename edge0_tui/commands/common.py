@@ -14,7 +14,8 @@ from engine import Edge0Error
 def read_text(path: Path, what: str = "text", max_chars: int | None = None) -> str:
     """A UTF-8 file a command was given (--text, --prompt-file); unreadable is an Edge0Error.
     With `max_chars`, only the first that many characters are read (what the command uses): a
-    sparse file of a GB took 2 GB of memory when read whole for the 3 MB a phase encodes."""
+    sparse file of a gigabyte took twice that in memory when read whole for the few megabytes
+    a phase encodes."""
     if path.exists() and not path.is_file():  # a FIFO would block forever, a device never end
         raise Edge0Error(f"{path}: cannot read {what} (not a regular file)")
     try:

@@ -55,7 +55,7 @@ def positive_size(text: str) -> int:
 
 
 def sync_cost(text: str) -> float:
-    """--sync-cost: a duration as `parse_duration` reads it (2ms, 500us, 0), at most a second
+    """--sync-cost: a duration as `parse_duration` reads it (`2ms`, `500us`, `0`), at most a second
     (EngineConfig.sync_cost_s): seconds."""
     try:
         seconds = parse_duration(text)

@@ -128,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
 
     check_api_key(args.api_key)
     check_model(args.model)  # a one-line error before anything listens
-    # The demo as the chat serves it: a 4 MB expert cache and page-cache budget show the wall.
+    # The demo as the chat serves it: a small expert cache and page-cache budget show the wall.
     demo = args.model == "demo"
     expert_cache = args.expert_cache or (parse_size("4M") if demo else options.AUTO)
     page_cache = args.page_cache

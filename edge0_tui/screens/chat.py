@@ -692,8 +692,8 @@ class ChatScreen(Screen):
 
     def _shown_context(self, metrics: LiveMetrics) -> int | None:
         """The context size: while a reply is written, the engine's count as it goes, unknown
-        (None) until its first step (a regenerate's prefill, right after a load, took 1.6 s and
-        showed "context 0 tokens"); otherwise the chat's last count."""
+        (None) until its first step (a regenerate's prefill, right after a load, showed "context 0
+        tokens" for a long moment); otherwise the chat's last count."""
         if self.reply is None:
             return self.context_tokens
         return metrics.context_tokens or None

@@ -219,8 +219,8 @@ class EngineWorker:
             ) from None
 
     def encode(self, request: GenerationRequest) -> list[int] | None:
-        """The request's prompt as tokens, encoded on the caller's thread (a 4 MB prompt takes
-        seconds: never on the engine thread, where it would stall every reply); None while the
+        """The request's prompt as tokens, encoded on the caller's thread (a prompt of megabytes
+        takes seconds: never on the engine thread, where it would stall every reply); None while the
         model is not ready (`submit` answers that). Raises ApiError 400 for a prompt that cannot
         fit the model's context: at once, without encoding it, when it has more characters than
         the context's worth of the longest token; else once encoded, before it is queued."""

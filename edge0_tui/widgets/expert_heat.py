@@ -60,7 +60,7 @@ LEGEND = (
 )
 # Shading by use: the share of recent one-token steps that routed the expert (out of 255), from
 # which each level starts. A K=8-of-32 model routes an expert a quarter of the steps on average.
-USE_LEVELS = (1, 26, 77, 153)  # > 0, 10%, 30%, 60%
+USE_LEVELS = (1, 26, 77, 153)  # above 0, a tenth, three tenths, six tenths
 USE_CLASSES = tuple(f"expert-heat--use-{n}" for n in range(1, len(USE_LEVELS) + 1))
 # The per-layer counts at each row's end: together they are the layer's routed experts.
 SUMMARY = (

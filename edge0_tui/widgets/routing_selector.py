@@ -136,7 +136,7 @@ def _mode_label(mode: str) -> str:
 
 
 def _k_label(profile: KProfile, quality: dict[str, float]) -> str:
-    """ "4", "4*" (quality not recovered), or "4 +8.7% ppl": the profile as it routes in
+    """`4`, `4*` (quality not recovered), or `4 +8.7% ppl`: the profile as it routes in
     prerouter mode (with its LoRA where it has one), measured by `edge0 eval --profiles`."""
     label = f"{profile.k}{'' if profile.recovered else '*'}"
     ratio = quality.get("heads + LoRA" if profile.lora else "heads only")

@@ -3,8 +3,8 @@
     y = base(x) + (alpha / r) * (x A^T) B^T
 
 The base layer (usually a `QuantizedLinear`) is never merged, dequantized or requantized: merging
-then requantizing to 4 bits erases most of the adapter's effect (the paper measured 34% surviving on
-an attention projection, 2% on a dense one). Targets are attention, linear-attention and
+then requantizing to 4 bits erases most of the adapter's effect (the paper measured how little
+survives, `measure/evaluate.py`). Targets are attention, linear-attention and
 shared-expert projections; routed experts are never adapted, since they are streamed.
 
 File format: `<module path>.lora_A [r, in]` and `<module path>.lora_B [out, r]` (no `.weight`),

@@ -6,11 +6,10 @@ nothing, on the bandwidth the misses and the lookahead's reads need. The lookahe
 same layer a layer early and is read ahead anyway. A head is worth its reads where it names
 experts at least as precisely as the lookahead does for that layer: then its reads waste no
 more than the lookahead's and start a token earlier. Where it is less precise, its wrong reads
-cost more than its token of lead buys, measured on two walls at K=8 (docs/benchmarks.md,
-"Heads and the lookahead together"): the demo's heads on the 570 MiB wall, 47% right against
-the lookahead's 79%, took prefetch from 1.17x on-demand to 1.02x (42% more bytes read, and
-their reads held the cache room the first layer's guesses needed); K=8 heads 16% right on the
-7 GB preset, from 1.11x to 1.03x (31% more bytes). With this gate: 1.17x, as without heads.
+cost more than its token of lead buys: on two walls at K=8, heads less precise than the
+lookahead made prefetch read more bytes and run slower than without heads (their reads also held
+the cache room the first layer's guesses needed); with this gate it ran as fast as without heads
+(docs/notebook/2026-12-memory-lookahead-training.md, "Heads and the lookahead together").
 
 So each layer's hit rates are counted as the step routes: the heads' (share of their predicted
 experts the layer routed to) and the lookahead's (share of its guess). A layer's predictions are
@@ -25,8 +24,8 @@ from dataclasses import dataclass
 
 # Predicted experts each source must have had scored on a layer before its heads can be turned
 # off there: 2 decode steps at K=8, 4 at K=4. Short, because until then a poor head's reads cost
-# bytes at every step (with 64, a third of a 24-token reply on the 7 GB preset read its heads);
-# a decision made on too few is re-made every step as the counts grow.
+# bytes at every step (a longer wait spent a good part of a short reply reading poor heads); a
+# decision made on too few is re-made every step as the counts grow.
 MIN_SCORED = 16
 
 

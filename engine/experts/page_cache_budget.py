@@ -1,7 +1,8 @@
 """A page-cache budget for the checkpoint's routed experts: a memory wall on any machine.
 
 A small checkpoint fits in the OS page cache whole: after the first prompt's prefill every expert
-read is a page-cache hit, and the cold-page panel stays at 0% although the experts are "on SSD".
+read is a page-cache hit, and the cold-page panel shows nothing cold although the experts are
+"on SSD".
 With a budget, edge0 keeps at most that many of the checkpoint's expert bytes in the page cache:
 
 - Linux: the engine remembers which experts it read, in order, and drops the pages of the least

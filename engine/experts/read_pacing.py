@@ -3,7 +3,7 @@
 The kernel's read throttle (measure/read_limit.py) works in time slices and lets a reader that was
 idle burst above its limit: an arm that reads in bursts between computing (on-demand) gets more
 bandwidth from it than one that reads steadily under compute (prerouter): on the real-routing
-wall the two arms were measured on what were in effect different disks (docs/benchmarks.md, "The
+wall the two arms were measured on what were in effect different disks (docs/notebook/2026-12-reads-under-compute.md, "The
 read limit, paced"). A laptop SSD has no such credit. The pacer models one
 device that transfers cold bytes at `bytes_per_s`, one transfer after another: a read cannot
 finish before the device has moved its cold bytes after every earlier read's. Bytes served from

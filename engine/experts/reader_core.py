@@ -5,13 +5,13 @@ copy experts: from the page cache into a buffer (`pread`), into MLX memory, and 
 the kernel reclaims pages on their behalf. Left to the scheduler, the readers share the compute
 thread's core whenever they wake, and a read issued ahead then costs compute time instead of hiding
 under it. On the 2-core CI box, pinning the readers took prerouter on the real-routing wall much
-closer to its overlap limit (docs/benchmarks.md, "Figures that were in code comments").
+closer to its overlap limit (docs/notebook/figures-from-code-comments.md).
 
 So in prerouter mode the readers run on the last core the process may use, and with them every
 Python thread (the engine's, which builds the next layer's graph while the current one computes,
 and an app's); MLX's stream worker, which computes, and any other native thread (BLAS) run on the
 rest. With the engine thread on the compute core instead, building a layer took compute time from
-the layer it should run under: on the 7 GB wall, warm, prerouter decode steps were slower than
+the layer it should run under: on the wall preset, warm, prerouter decode steps were slower than
 with this split, and slower than unpinned (figures as above). Threads started later inherit
 their creator's cores (MLX starts its worker on the first evaluation, while loading, before
 anything is pinned). Only in prerouter mode: on-demand and prefetch misses are read partly by the

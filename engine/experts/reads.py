@@ -2,7 +2,7 @@
 miss the forward waits for: on the thread that needs it).
 
 Reads go straight into NumPy buffers with `os.preadv` (cold mmap page faults were measured slower
-than pread on the reference Linux box: docs/benchmarks.md, "Figures that were in code comments").
+than pread on the reference Linux box: docs/notebook/figures-from-code-comments.md).
 Just before each read, `mincore` over the exact byte ranges
 says how much of it was already in the page cache, so every read reports its cold bytes.
 
@@ -182,8 +182,8 @@ class ExpertReader:
         if layer_experts.expert_nbytes < SPLIT_BYTES:
             # A small miss is read at once by the thread that needs it: a hand-off to a reader
             # (wake-up, GIL, future) cost more than reading a demo-sized expert from the page
-            # cache, and so did queueing it for this thread to run (figures: docs/benchmarks.md,
-            # "Figures that were in code comments").
+            # cache, and so did queueing it for this thread to run (figures:
+            # docs/notebook/figures-from-code-comments.md).
             return _run_here(read, layer_experts, expert, submitted, False, into)
         # A miss the forward waits for: one read per projection, so that every free thread (the
         # waiting engine thread included) reads a part of it at once.
@@ -223,8 +223,8 @@ class ExpertReader:
         # A whole layer's cold bytes are counted before any of it is read: the kernel's readahead
         # for one tensor runs megabytes into the next, and `mincore` just before that one's read
         # counted those pages warm. Counted first, the figure is higher but still below what the
-        # disk delivers under a cgroup that takes pages back (docs/benchmarks.md, "prefill's cold
-        # count").
+        # disk delivers under a cgroup that takes pages back
+        # (docs/notebook/2026-12-reads-under-compute.md, "prefill's cold count").
         layer_cold = (
             [self._cold_bytes(plan, plan.offset, plan.whole_nbytes) for plan in plans]
             if expert is None
@@ -300,8 +300,8 @@ class ExpertReader:
         what = f"{layer_experts.layer}.{expert}" if traced else ""
         if traced:
             tracer.complete(f"queued {what}", "read", submitted, start)
-        # Every step of this loop is paid per tensor, and a small expert's tensors (the demo's: 9
-        # of 1-16 KB) cost less to read from the page cache than the bookkeeping around them.
+        # Every step of this loop is paid per tensor, and a small expert's tensors (the demo's)
+        # cost less to read from the page cache than the bookkeeping around them.
         nbytes = cold = 0
         for plan in plans or self._plans_of(layer_experts):
             slot = into[plan.key]
@@ -334,7 +334,8 @@ class ExpertReader:
         (returns its cold bytes). A miss that arrives meanwhile then waits behind one chunk per
         reader instead of one tensor: a disk serves requests in turn (the pacer models that). On
         the paced wall, layer 0's misses had waited behind whole tensors read ahead, and chunking
-        shortened prerouter's step (docs/benchmarks.md, "Reads ahead in 256 KiB chunks")."""
+        shortened prerouter's step (docs/notebook/2026-12-reads-under-compute.md, "Reads ahead in
+        ... chunks")."""
         flat = memoryview(buffer).cast("B")
         cold = 0
         for start in range(0, length, READ_AHEAD_CHUNK):
@@ -613,8 +614,7 @@ def convert_into(source: np.ndarray, dtype: str, slot: np.ndarray) -> None:
         slot[...] = np.where(nan, (bits >> 16) | 0x40, rounded).astype(np.uint16)
     elif slot.dtype == np.float32 and dtype == "BF16":  # widened in place, no temporary
         # (Copying the halves with two strided writes is no faster for the demo's small scales
-        # and slower for the wall's larger ones: docs/benchmarks.md, "Figures that were in code
-        # comments".)
+        # and slower for the wall's larger ones: docs/notebook/figures-from-code-comments.md.)
         np.left_shift(source, 16, out=slot.view(np.uint32), dtype=np.uint32)
     elif slot.dtype in (np.float32, np.float16):
         slot[...] = _to_float32(source, dtype)

@@ -15,7 +15,7 @@ How the experts are computed is decided here, in one place:
   most experts (or more than the bank holds).
   On the CPU with a fast BLAS (`runtime.blas`) the 4-bit kernel's cost is linear in rows, while
   dequantizing the expert costs a couple of rows' worth and the fp32 GEMM is then far cheaper per
-  row (docs/benchmarks.md, "Figures that were in code comments"): an expert with at least
+  row (docs/notebook/figures-from-code-comments.md): an expert with at least
   `dense_rows` rows in the chunk is
   dequantized (one expert at a time: the fp32 copy lives only until its product is computed) and
   multiplied densely; the others keep `gather_qmm`, bit-identical row by row. `dense_rows=None`
@@ -48,7 +48,7 @@ PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 # An expert with at least this many rows in a prefill chunk is dequantized and multiplied in fp32
 # (crossover measured with `python -m engine.measure.microbench prefill`: dequantizing one
 # projection costs a couple of rows of the 4-bit kernel, for the wall's and the demo's experts
-# alike; docs/benchmarks.md, "Figures that were in code comments").
+# alike; docs/notebook/figures-from-code-comments.md).
 DENSE_MIN_ROWS = 4
 
 
@@ -325,9 +325,9 @@ def goes_dense(assignments: int, num_experts: int, glu) -> bool:
     """Whether a prefill chunk takes the dense path: only when its average expert has enough rows
     to be worth dequantizing. Below that, few experts would go dense and splitting the chunk by
     expert (and, resident, reading the routing back every layer) costs more than it saves (a
-    short prompt on the demo was slower dense than on the 4-bit kernels: docs/benchmarks.md,
-    "Figures that were in code comments"). Decided from sizes alone, so resident and streamed
-    modes agree."""
+    short prompt on the demo was slower dense than on the 4-bit kernels:
+    docs/notebook/figures-from-code-comments.md). Decided from sizes alone, so resident and
+    streamed modes agree."""
     return assignments >= glu._dense_rows * num_experts
 
 
@@ -409,8 +409,8 @@ def sorted_glu(
 # The cost model of the dense path, per format: what the 4-bit kernel costs per weight per row,
 # what dequantizing costs per weight, and the fixed cost of taking one expert down the dense path
 # (a dozen MLX ops and their dispatch). The values were measured on the 2-core box (microbench
-# products and formats, prefill on the demo; docs/benchmarks.md, "Figures that were in code
-# comments" and "mxfp4 vs affine 4-bit experts"). With them small experts (the demo's) need more
+# products and formats, prefill on the demo; docs/notebook/figures-from-code-comments.md and
+# docs/notebook/2026-12-mxfp4.md). With them small experts (the demo's) need more
 # rows than DENSE_MIN_ROWS to be worth it, large ones do not; mxfp4's kernel is cheaper and its
 # dequantize far dearer, so only experts with many more rows go dense. Other modes (nvfp4,
 # mxfp8) are taken as mxfp4.
@@ -430,7 +430,7 @@ def _rows_worth_dequantizing(specs) -> int:
 
 # At most this many bytes of dequantized (fp32) expert weights wait for one evaluation: a wall
 # expert's copy is then used while in the cache (faster than larger groups on the wall's prefill:
-# docs/benchmarks.md, "Figures that were in code comments"), and the demo's small copies go about
+# docs/notebook/figures-from-code-comments.md), and the demo's small copies go about
 # twenty at a time.
 DENSE_EVAL_BYTES = 8 << 20
 
@@ -531,8 +531,8 @@ class DensePrefillQuantizedLinear(nn.QuantizedLinear):
         return y
 
 
-# A projection whose fp32 copy would be larger keeps the 4-bit kernel (e.g. a 150k-token vocabulary's
-# output head: 1.2 GB at hidden 2048); a prefill chunk does not compute the head anyway.
+# A projection whose fp32 copy would be larger keeps the 4-bit kernel (e.g. the output head of a
+# large vocabulary); a prefill chunk does not compute the head anyway.
 DENSE_LINEAR_MAX_BYTES = 64 << 20
 
 

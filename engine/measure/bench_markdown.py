@@ -72,7 +72,7 @@ def peak_note(arms: dict) -> str:
 
 
 def sync_cost_note(cfg: dict) -> str:
-    """ ", each host sync made to wait 1 ms more (--sync-cost)", or nothing at none."""
+    """`, each host sync made to wait 1 ms more (--sync-cost)`, or nothing at none."""
     cost = cfg.get("sync_cost_s") or 0.0
     return f", each host sync made to wait {cost * 1e3:g} ms more (--sync-cost)" if cost else ""
 

@@ -9,7 +9,7 @@ router per consumer layer.
 
 The table is kept (`quality.json` in the model's automatic adapter folder, by the base's
 fingerprint), so `edge0 info` and the app's K selector can show each profile's measured cost
-("K=4 prerouter +8.8% ppl") without evaluating again. A kept file is data from disk: read with a
+(`K=4 prerouter +8.8% ppl`) without evaluating again. A kept file is data from disk: read with a
 size bound and every number checked (`adapters/quality.py`).
 """
 

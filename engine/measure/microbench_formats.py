@@ -7,7 +7,7 @@ projection), prefill (N rows routed to the expert: `gather_qmm`, and dequantize 
 dequantize alone, and the bytes one expert occupies on disk. Both formats quantize the same weights
 and multiply the same inputs; each output is checked against an fp32 product with the same
 quantized weights dequantized exactly (fails loudly past the tolerance). Calls cycle over `--copies`
-distinct experts (default: 64 MiB of them, twice the L3 here) so that an expert is not timed hot
+distinct experts (by default more bytes than a CPU's last-level cache) so that an expert is not timed hot
 in the cache. Formats alternate order every repeat; medians [min-max]. Run in a child process with
 the fast BLAS preloaded (the dense path's GEMM), as the engine runs.
 """

@@ -14,7 +14,7 @@ Measured on the bundled demo (teacher-forced text, K=8), recall@K of the guess p
 from the embedding for layer 0, 0.87; from layer N's MoE input for layer N+1, 0.38 / 0.74 / 0.84 /
 0.82 / 0.77. The residual *after* layer N guesses better (0.73-0.85) but is known only once layer
 N's experts have computed, which leaves a guess almost no lead at decode
-(docs/benchmarks.md, "Exact lookahead").
+(docs/notebook/2026-12-exact-lookahead.md).
 
 The guess is taken from the routing the layer itself uses (`routing.functions.route`, with its
 correction bias and groups) where the engine routes; for a family whose own block routes, from
@@ -32,9 +32,9 @@ import numpy as np
 from .functions import route
 
 # A guess: (a layer's input residual, K) -> the consumer's K guessed experts (lazy indices). A
-# guess names K experts, no more: reading the next best too (K x 1.5) read 16% more bytes with
-# as many reads in time, and on a disk paced at 320 MiB/s prefetch ran 1.12x on-demand with
-# them against 1.24x without (docs/benchmarks.md, "The paced disk, and guesses K wide").
+# guess names K experts, no more: reading the next best too read more bytes with no more reads in
+# time, and on a paced disk prefetch ran slower with them (docs/notebook/
+# 2026-12-memory-lookahead-training.md, "The paced disk, and guesses K wide").
 Guesser = Callable[[mx.array, int], mx.array]
 
 

@@ -119,16 +119,15 @@ class PrerouterHeads:
     def prepare_for_serving(self, dtype: mx.Dtype) -> PrerouterHeads:
         """Cast, and keep the weights transposed to `[n, in, out]` in memory: the per-step flush is
         a batched vector-matrix product, which the MLX CPU backend runs faster on contiguous
-        `[in, out]` weights than through a transposed view (docs/benchmarks.md, "Figures that
-        were in code comments")."""
+        `[in, out]` weights than through a transposed view (docs/notebook/figures-from-code-comments.md)."""
         self._serving = tuple(
             mx.contiguous(a.astype(dtype).swapaxes(1, 2))
             for a in (self.fc1, self.fc2, self.linear_init)
         )
         mx.eval(self._serving)
         # One copy in memory: the `[n, out, in]` weights other paths read (the student's, a
-        # save) are views of the transposed ones. Two copies were 223 MiB of a 7 GB preset's
-        # heads, which no memory plan counted.
+        # save) are views of the transposed ones. Two copies doubled the heads' memory, which no
+        # memory plan counted.
         self.fc1, self.fc2, self.linear_init = (a.swapaxes(1, 2) for a in self._serving)
         return self
 

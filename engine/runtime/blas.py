@@ -2,7 +2,7 @@
 
 MLX's Linux CPU wheel links its matrix products (`cblas_sgemm`) to a bundled reference BLAS
 (`mlx_cpu.libs/libblas-*.so`): single-threaded and many times slower than OpenBLAS for fp32 GEMM
-(docs/benchmarks.md, "Figures that were in code comments").
+(docs/notebook/figures-from-code-comments.md).
 `libmlx.so` binds those symbols when it is loaded, so only a library loaded before it can take
 them over: `preload_fast_blas()` re-executes the process once with a fast BLAS in `LD_PRELOAD`. The `edge0`
 command calls it first thing (`edge0_tui.cli.entry`) for every command; a process that imported
@@ -14,7 +14,7 @@ The library, first found wins:
    with DYNAMIC_ARCH (it picks its kernels for the CPU it runs on) and the standard `cblas_*` /
    `sgemm_` names. (`scipy-openblas32` prefixes every name with `scipy_`, which a preload cannot
    use; `cmeel-openblas` is built for one CPU, SKYLAKEX, and would fault without AVX-512; Intel's
-   `mkl` wheel works but is 320 MB to download.) It needs `libgfortran.so.5`, which MLX's wheel
+   `mkl` wheel works but is hundreds of megabytes to download.) It needs `libgfortran.so.5`, which MLX's wheel
    ships under a mangled name: a folder of two links in edge0's cache folder gives it that name
    through `LD_LIBRARY_PATH`;
 2. Debian's OpenBLAS (`apt-get install libopenblas0-pthread`), where installed;

@@ -94,8 +94,8 @@ class TrainBaseConfig:
     weight_decay: float = 0.1
     grad_clip: float = 1.0
     capacity_factor: float = 1.25
-    # Switch-Transformer load-balancing loss; 0.01 let routing collapse (40% of assignments
-    # over capacity by step 50), 0.1 keeps the kept share high.
+    # Switch-Transformer load-balancing loss; 0.01 let routing collapse (many assignments over
+    # capacity within the first steps), 0.1 keeps the kept share high.
     balance_weight: float = 0.1
     # -- bookkeeping -------------------------------------------------------------------------------
     save_every: int = 25

@@ -69,7 +69,8 @@ CHARS_PER_TOKEN = 16
 
 
 # Text is encoded this many characters at a time: one encode of a long text holds far more than
-# the text (a 3.2 MB corpus took 280 MiB more RSS, past a training run's plan in a cgroup).
+# the text (a corpus of a few MB took hundreds of MiB more, past a training run's plan in a
+# cgroup).
 ENCODE_PIECE_CHARS = 1 << 16
 
 

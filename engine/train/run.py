@@ -132,7 +132,7 @@ def read_cache(path: Path, what: str, names: tuple[str, ...]) -> dict[str, np.nd
     return arrays
 
 
-# How much larger than its file an .npz cache may unpack: token ids compress about 4x, a zip
+# How much larger than its file an .npz cache may unpack: token ids compress a few times, a zip
 # bomb a thousand times and more (a small file that would take all memory once loaded).
 MAX_UNPACK_RATIO = 64
 MAX_UNPACK_SLACK = 64 << 20  # and any cache may unpack to this much, whatever its file

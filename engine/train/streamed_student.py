@@ -94,12 +94,11 @@ def untraced(function, *args):
     """`function(*args)` outside the gradient transform this thread is in (the layer's `mx.vjp`),
     on the one thread kept for it while this one waits; `function` returns one array. Inside a
     transform MLX keeps every intermediate of an evaluation alive until its output is freed,
-    and that state is per thread: one 4864-wide expert's input gradient held 88 MiB over its
-    inputs there against 29.5 MiB outside (a dequantized weight, 4.75 MiB, cost 29 MiB against
-    10). The other thread gets copies of the array arguments: evaluating the transform's own
+    and that state is per thread: one wide expert's input gradient held three times as much
+    there as outside (docs/notebook/figures-from-code-comments.md). The other thread gets copies of the array arguments: evaluating the transform's own
     arrays there cut them from its graph (the gradient came back zero). One thread for the
     process, not one per call: each new thread that ran the dense products left its own C heap
-    and BLAS buffers behind (the process grew 10-15 MiB a step outside MLX)."""
+    and BLAS buffers behind (the process grew every step outside MLX)."""
     mx.eval(*[a for a in args if isinstance(a, mx.array)])
     args = tuple(detached(a) if isinstance(a, mx.array) else a for a in args)
     return _untraced_thread().submit(_evaluated, function, args).result()
@@ -158,8 +157,8 @@ def expert_input_grad(
     one expert evaluated at a time, each group before the next takes the slots.
 
     One expert at a time, not through the 4-bit kernel: MLX's gradient of `gather_qmm` with
-    respect to its input held far more than the bank (at 127 tokens on 4864-wide experts, 427
-    MiB against the forward's 101; at 1,016 tokens, 1,564 MiB in every layer), past the plan."""
+    respect to its input held several times what the forward did, in every layer, past the plan
+    (docs/notebook/figures-from-code-comments.md)."""
     store, layer = switch._store, switch._layer
     mx.eval(x, indices, cotangent)
     routed = np.array(indices)

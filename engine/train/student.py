@@ -289,9 +289,9 @@ def step_bytes(model_config: dict, rows: int, length: int, k: int = 0) -> dict[s
     and the native K (the teacher's). From config.json, so the plan can count them before
     loading.
 
-    Measured on a 4864-wide wall (docs/benchmarks.md, "The streamed student within its plan in
-    the cgroup"): a layer's backward peaked 51 MiB over the memory between layers at 2 x 127
-    tokens and 118 at 8 x 127 (K=4); this term gives 66 and 179 MiB."""
+    Checked against a layer's measured backward on a wide wall, which it bounds
+    (docs/notebook/2026-12-memory-lookahead-training.md, "The streamed student within its plan
+    in the cgroup")."""
     text = model_config.get("text_config", model_config)
     itemsize = 4  # float32 on the CPU; an upper bound elsewhere
     tokens = rows * length

@@ -299,7 +299,7 @@ def write_weights(out_dir: Path, weights: dict[str, mx.array], max_shard_bytes: 
         for name in names:
             shard[name] = weights.pop(name)
             # Evaluate one tensor at a time so only one expert stack's float32 init
-            # is live at once (the wall preset's are ~800 MB each).
+            # is live at once (the wall preset's are large).
             mx.eval(shard[name])
         mx.save_safetensors(str(out_dir / file_name), shard, metadata={"format": "mlx"})
         weight_map.update(dict.fromkeys(names, file_name))

@@ -51,11 +51,10 @@ SHAPES: dict[str, dict[str, int]] = {
         "lin_v_dim": 64,
     },
     # The memory-wall checkpoint: per token, its cold expert reads take about as long as its
-    # compute on a 2-core CPU. At K=4 one layer reads 4 experts x 2.65 MB (3 projections x
-    # (768 x 2048 / 2 packed bytes + 2 x 768 x 32 x 2 scale/bias bytes)) = 10.6 MB, read cold from
-    # an SSD in about the time the 4-bit CPU kernel takes to compute with those same 10.6 MB, plus
-    # attention kept small (8 query / 2 kv heads of 128: 5.2 M 4-bit params). 20 layers x 128
-    # experts x 2.65 MB = 6.8 GB of experts.
+    # compute on a 2-core CPU: a layer's routed experts are read cold from an SSD in about the
+    # time the 4-bit CPU kernel takes to compute with the same bytes, and attention is kept small
+    # (8 query / 2 kv heads of 128). Its experts are as large as a 30B model's (3 projections of
+    # 768 x 2048 at 4 bits), 20 layers of 128 of them.
     "wall": {
         "hidden": 2048,
         "layers": 20,

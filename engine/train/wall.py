@@ -4,7 +4,7 @@ Random-weight checkpoints (`synth.py`) route most tokens to a few experts, so on
 their loads per step collapse; a trained model spreads its routing like a real one. `pad_experts`
 copies a trained mlx-lm checkpoint whose routed experts are affine-quantized and widens every expert
 to `width` intermediate units (`moe_intermediate_size`), so each expert is as large as a big model's
-(the demo's 54 KiB experts become 2.53 MiB at width 6144, the size of a 30B model's), while the
+(at width 6144 the demo's experts are as large as a 30B model's), while the
 model computes the same function:
 
 - gate_proj and up_proj get `width - I` more output rows whose packed weights, scales and biases
@@ -57,7 +57,7 @@ LAYER = re.compile(r"layers\.(\d+)\.")
 # shared experts as a multiple of it; Mixtral, gpt-oss, Llama-4, MiniMax and OLMoE name the experts'
 # width intermediate_size, which Llama-4's shared expert shares.
 # The largest padded expert slice written (one is in memory at a time, twice while padded): far
-# above any real model's (a 30B model's experts are 2.5 MiB), far below a machine's memory.
+# above any real model's expert, far below a machine's memory.
 MAX_EXPERT_SLICE_BYTES = 1 << 30
 PADDABLE_FAMILIES = ("qwen3_moe", "qwen3_next", "qwen3_5_moe", "qwen2_moe", "bailing_moe")
 ADAPTER_PATTERNS = ("prerouter_k*.safetensors", "lora_k*.safetensors")
@@ -199,7 +199,7 @@ def _copy_the_rest(
 def _check_sizes(plan: dict[str, _Planned], width: int, model_dir: Path, out_dir: Path) -> None:
     """Before anything is written: every padded dimension within MLX's limit, one padded expert
     slice within `MAX_EXPERT_SLICE_BYTES`, and the whole output within the free disk space (a
-    width of 2^31 once wrote 37 GB and took 12 GB of memory before it was killed)."""
+    width of 2^31 once wrote tens of GB and took most of the memory before it was killed)."""
     for name, planned in plan.items():
         if planned.pad_axis is None:
             continue
