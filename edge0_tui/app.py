@@ -11,7 +11,6 @@ import sqlite3
 from collections.abc import Iterable
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from platformdirs import user_cache_path, user_data_path, user_downloads_path
 from textual.app import App, SystemCommand
@@ -26,6 +25,7 @@ from .engine_session import EngineSession
 from .last_session import LastSession, LastSessionFile
 from .messages import EngineReady
 from .model_source import DEMO
+from .model_start import DEFAULT_SETTINGS, ModelStart, model_start
 from .preferences import KeptPreferences, ModelPreferences, fit_to_model, model_key
 from .sanitize import sanitize
 from .screens.chat import ChatScreen
@@ -34,17 +34,6 @@ from .screens.model_picker import ModelPickerScreen
 from .series_export import FORMATS, write_series
 from .widgets.first_steps import DEMO_PROMPTS
 from .widgets.routing_selector import RoutingSelector, mode_unavailable
-
-if TYPE_CHECKING:
-    from .commands.chat import ModelStart
-
-DEFAULT_SETTINGS = GenerationConfig(max_tokens=512, temperature=0.7, top_p=0.9)
-# The demo samples from its own distribution, untrimmed: it learned to answer a speech with one
-# speech, and with the usual settings its replies ended too soon to watch the wall or the stop
-# key; untrimmed they run several times longer on its suggested prompts
-# (tests/test_demo_first_screen.py; figures: docs/notebook/figures-from-code-comments.md). The
-# model is unchanged.
-DEMO_SETTINGS = GenerationConfig(max_tokens=512, temperature=1.0, top_p=1.0)
 
 
 def screenshot_folder(data_dir: Path) -> Path:
@@ -319,8 +308,6 @@ class Edge0App(App[None]):
         if model_key(model) == model_key(self.session.model):
             chat.notify(f"{model} is the model in use")
             return
-        from .commands.chat import model_start  # (the command imports the app, at run time)
-
         store = self.preferences.store if self.preferences is not None else None
         # What holds for the run stays (exact kernels, the data folder); --adapters named the
         # first model's, and its K, mode and budgets are its own.

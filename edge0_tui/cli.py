@@ -15,8 +15,9 @@ from edge0_tui.checked_stdout import (
     run_checked,
 )
 from edge0_tui.commands import COMMANDS, chat, options
+from edge0_tui.commands.common import edge0_version
 from edge0_tui.sanitize import escape_controls
-from engine import Edge0Error
+from engine import Edge0Error, fit_mlx_lm_to_the_open_file_limit
 
 # The exit status of a process killed by SIGPIPE (128 + 13), as shells report `yes | head`.
 BROKEN_PIPE_STATUS = 141
@@ -36,22 +37,12 @@ def error_line(message: object) -> str:
     return f"edge0: error: {escape_controls(str(message), keep_newlines=False)}\n"
 
 
-def _version() -> str:
-    """The installed package's version (a source tree that is not installed has none)."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("edge0")
-    except PackageNotFoundError:
-        return "(not installed)"
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = _OneLineErrorParser(
         prog="edge0",
         description="Run Mixture-of-Experts models whose experts stream from disk.",
     )
-    parser.add_argument("--version", action="version", version=f"edge0 {_version()}")
+    parser.add_argument("--version", action="version", version=f"edge0 {edge0_version()}")
     # No command runs `chat`.
     subparsers = parser.add_subparsers(dest="command", required=False)
     for command in COMMANDS:
@@ -60,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    fit_mlx_lm_to_the_open_file_limit()  # before any command imports mlx-lm
     parser = build_parser()
     stdout = sys.stdout
     try:  # --help and --version write to stdout; argparse ignores an OSError there, not this

@@ -1,7 +1,8 @@
-"""Helpers that write prerouter and LoRA files with random weights for a model, as tests need them."""
+"""Helpers that copy a test model and write prerouter and LoRA files with random weights for it."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import mlx.core as mx
@@ -77,3 +78,11 @@ def record_executed(engine: Engine) -> dict[int, dict[int, list[int]]]:
 
     engine.routing.executed = recording
     return forwards
+
+
+def copy_model(source: Path, tmp_path: Path) -> Path:
+    """A copy of the model in `source` as `tmp_path/model` (links copied as links), for a test
+    to break."""
+    model = tmp_path / "model"
+    shutil.copytree(source, model, symlinks=True)
+    return model

@@ -80,3 +80,17 @@ def tool_calling_checkpoint(tmp_path_factory) -> Path:
     )
     assert done.returncode == 0, done.stderr
     return out
+
+
+@pytest.fixture(scope="session")
+def profiled_source(checkpoint_dir, tmp_path_factory) -> Path:
+    """The tiny checkpoint with random K=2 prerouter and LoRA files, written once per session
+    (tests that break it take a copy: `adapters.copy_model`)."""
+    import shutil
+
+    from adapters import write_random_profile
+
+    model = tmp_path_factory.mktemp("profiled") / "qwen3_moe-tiny"
+    shutil.copytree(checkpoint_dir("qwen3_moe"), model)
+    write_random_profile(model, 2)
+    return model

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
-from adapters import write_random_profile
+from adapters import copy_model
 from cli_runner import run_cli
 from test_bad_inputs import (
     INDEX,
@@ -441,27 +441,12 @@ CASES = [
 ]
 
 
-@pytest.fixture(scope="module")
-def profiled_source(checkpoint_dir, tmp_path_factory) -> Path:
-    """The tiny checkpoint with random K=2 prerouter and LoRA files, written once for this module."""
-    model = tmp_path_factory.mktemp("profiled") / "qwen3_moe-tiny"
-    shutil.copytree(checkpoint_dir("qwen3_moe"), model)
-    write_random_profile(model, 2)
-    return model
-
-
-def _copy(source: Path, tmp_path: Path) -> Path:
-    model = tmp_path / "model"
-    shutil.copytree(source, model, symlinks=True)
-    return model
-
-
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_bad_input_is_one_clear_line(case, checkpoint_dir, profiled_source, tmp_path, monkeypatch):
     if case.template_seconds is not None:
         monkeypatch.setattr(template_bound, "CHAT_TEMPLATE_SECONDS", case.template_seconds)
     source = profiled_source if case.adapters else checkpoint_dir(case.family)
-    model = _copy(source, tmp_path)
+    model = copy_model(source, tmp_path)
     case.breaks(model)
     before = snapshot(model)
     args = [case.command, str(model)]
@@ -479,7 +464,7 @@ def test_bad_input_is_one_clear_line(case, checkpoint_dir, profiled_source, tmp_
 
 @pytest.mark.parametrize("stray", ["valid", "corrupt"])
 def test_shard_outside_the_index_is_ignored_with_a_warning(checkpoint_dir, tmp_path, stray):
-    model = _copy(checkpoint_dir("qwen3_moe"), tmp_path)
+    model = copy_model(checkpoint_dir("qwen3_moe"), tmp_path)
     args = ["generate", str(model), "--prompt", "hello", "--max-tokens", "6", "--json"]
     clean = run_cli(*args)
     assert clean.returncode == 0, clean.stderr
@@ -501,7 +486,7 @@ def test_shard_outside_the_index_is_ignored_with_a_warning(checkpoint_dir, tmp_p
 
 def test_engine_loads_only_the_listed_shards(checkpoint_dir, tmp_path, monkeypatch):
     """mlx-lm globs model*.safetensors itself: the engine hands it the listed shards only."""
-    model = _copy(checkpoint_dir("qwen3_moe"), tmp_path)
+    model = copy_model(checkpoint_dir("qwen3_moe"), tmp_path)
     mx.save_safetensors(str(model / "model-00002.safetensors"), {NORM: mx.zeros((64,))})
     loaded_files = []
     real_load = mx.load
@@ -534,7 +519,7 @@ def _unlistable(monkeypatch, directory: Path) -> None:
 
 @pytest.mark.parametrize("with_index", [True, False])
 def test_unlistable_model_directory(checkpoint_dir, tmp_path, monkeypatch, with_index):
-    model = _copy(checkpoint_dir("qwen3_moe"), tmp_path)
+    model = copy_model(checkpoint_dir("qwen3_moe"), tmp_path)
     if not with_index:
         (model / INDEX).unlink()
     _unlistable(monkeypatch, model)
@@ -549,7 +534,7 @@ def test_unlistable_model_directory(checkpoint_dir, tmp_path, monkeypatch, with_
 
 
 def test_repaired_reply_warns_on_stderr(checkpoint_dir, tmp_path):
-    model = _copy(checkpoint_dir("qwen3_moe"), tmp_path)
+    model = copy_model(checkpoint_dir("qwen3_moe"), tmp_path)
     # Finite (so loading accepts it) but overflowing float32 once multiplied through.
     set_tensor("model.layers.0.post_attention_layernorm.weight", 3e38)(model)
     out = run_cli("generate", str(model), "--prompt", "hello world", "--max-tokens", "2")
@@ -560,7 +545,7 @@ def test_repaired_reply_warns_on_stderr(checkpoint_dir, tmp_path):
 
 
 def test_intact_copy_has_no_warning(checkpoint_dir, tmp_path):
-    model = _copy(checkpoint_dir("qwen3_moe"), tmp_path)
+    model = copy_model(checkpoint_dir("qwen3_moe"), tmp_path)
     out = run_cli("generate", str(model), "--prompt", "hello world", "--max-tokens", "2")
     assert out.returncode == 0, out.stderr
     assert "warning" not in out.stderr

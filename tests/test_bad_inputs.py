@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shutil
 import struct
 import subprocess
 from collections.abc import Callable
@@ -19,7 +18,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
-from adapters import write_random_profile
+from adapters import copy_model
 from cli_runner import run_cli, run_process
 
 SHARD = "model.safetensors"
@@ -396,24 +395,9 @@ CASES = [
 ]
 
 
-@pytest.fixture(scope="module")
-def profiled_source(checkpoint_dir, tmp_path_factory) -> Path:
-    """The tiny checkpoint with random K=2 prerouter and LoRA files, written once for this module."""
-    model = tmp_path_factory.mktemp("profiled") / "qwen3_moe-tiny"
-    shutil.copytree(checkpoint_dir("qwen3_moe"), model)
-    write_random_profile(model, 2)
-    return model
-
-
-def _copy(source: Path, tmp_path: Path) -> Path:
-    model = tmp_path / "model"
-    shutil.copytree(source, model)
-    return model
-
-
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_bad_input_is_one_clear_line(case, checkpoint_dir, profiled_source, tmp_path):
-    model = _copy(profiled_source if case.adapters else checkpoint_dir("qwen3_moe"), tmp_path)
+    model = copy_model(profiled_source if case.adapters else checkpoint_dir("qwen3_moe"), tmp_path)
     case.breaks(model)
     before = snapshot(model)
     args = [case.command, str(model)]
@@ -428,7 +412,7 @@ def test_bad_input_is_one_clear_line(case, checkpoint_dir, profiled_source, tmp_
 
 def test_intact_copies_run(checkpoint_dir, profiled_source, tmp_path):
     """The breakages above are what fails: the unbroken copies generate."""
-    model = _copy(profiled_source, tmp_path)
+    model = copy_model(profiled_source, tmp_path)
     args = ["--prompt", "x", "--max-tokens", "2", "--json"]
     for extra in ([], ["--mode", "prerouter", "--k", "2"]):
         out = run_cli("generate", str(model), *args, *extra)
@@ -449,7 +433,7 @@ def test_expert_cache_below_one_layer_says_the_minimum(checkpoint_dir):
 
 
 def test_prompt_longer_than_the_context(checkpoint_dir, tmp_path):
-    model = _copy(checkpoint_dir("qwen3_moe"), tmp_path)
+    model = copy_model(checkpoint_dir("qwen3_moe"), tmp_path)
     edit_config(model, max_position_embeddings=8)
     out = run_cli("generate", str(model), "--prompt", "x " * 40, "--max-tokens", "2")
     # The prompt is at fault; the limit comes from config.json (which the message does not name).

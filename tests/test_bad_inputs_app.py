@@ -13,9 +13,8 @@ import sqlite3
 import stat
 from pathlib import Path
 
-import mlx.core as mx
-import mlx.nn as nn
 import pytest
+from nan_once import NaNOnce
 from test_tui_app import (
     SHORT,
     SIZE,
@@ -484,29 +483,12 @@ async def test_settings_refuse_bad_sampling_values_in_the_dialog(field, text):
 # -- replies whose numbers needed repair ---------------------------------------------------------
 
 
-class _NaNOnce(nn.Module):
-    """Wraps an attention module; on the chosen call its output becomes NaN."""
-
-    def __init__(self, inner: nn.Module, poison_call: int) -> None:
-        super().__init__()
-        self.inner = inner
-        self._calls = 0
-        self._poison_call = poison_call
-
-    def __call__(self, *args, **kwargs):
-        out = self.inner(*args, **kwargs)
-        self._calls += 1
-        if self._calls == self._poison_call:
-            out = out * mx.array(float("nan"))
-        return out
-
-
 async def test_a_reply_whose_numbers_were_repaired_says_so(model, tmp_path):
     app = make_app(model, tmp_path)
     async with app.run_test(size=SIZE) as pilot:
         await ready(app, pilot)
         layer = app.session.engine.model.layers[1]
-        layer.self_attn = _NaNOnce(layer.self_attn, poison_call=3)  # a decode step
+        layer.self_attn = NaNOnce(layer.self_attn, poison_call=3)  # a decode step
         await send(app, pilot, "hello")
         await reply_done(app, pilot)
         ending = str(app.chat_screen.query(AssistantTurn).last().query_one(".ending").content)

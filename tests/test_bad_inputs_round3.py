@@ -396,3 +396,19 @@ def test_commands_run_under_a_low_open_file_limit(checkpoint_dir):
     assert out.returncode == 0, out.stderr
     assert "Traceback" not in out.stderr
     assert len(json.loads(out.stdout)["tokens"]) == 2
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl and /proc: Linux")
+def test_importing_the_engine_changes_no_import_machinery():
+    """The cut to mlx-lm's open-file request is made where edge0 starts (the command, the
+    engine's own child processes), not as a side effect of `import engine`."""
+    probe = (
+        "import sys; before = list(sys.meta_path); import engine; "
+        "print(sys.meta_path == before); engine.fit_mlx_lm_to_the_open_file_limit(); "
+        "engine.fit_mlx_lm_to_the_open_file_limit(); print(len(sys.meta_path) - len(before))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, cwd=REPO, timeout=60,
+        preexec_fn=_low_open_file_limit,
+    )  # fmt: skip
+    assert out.stdout.split() == ["True", "1"], out.stderr  # once, however often it is asked

@@ -288,12 +288,32 @@ def test_a_wall_by_page_cache_budget_is_cold(checkpoint_dir, tmp_path):
     model = checkpoint_dir("qwen3_moe")
     config = BenchConfig(
         model,
-        ["on-demand"],
+        ["on-demand", "resident"],
         rounds=1,
         tokens=6,
         expert_cache_bytes=60 << 10,
         page_cache_bytes=64 << 10,
     )
-    report = run_bench(config, progress=lambda line: None)
+    said = []
+    report = run_bench(config, progress=said.append)
     assert report["memory_wall"]["cold_mib"] > 0
     assert "No memory wall" not in markdown(report)
+    # The resident arm cannot take a page-cache budget: it runs without it, and says so (it is
+    # the baseline every ratio needs).
+    assert all(run["ok"] for run in report["runs"])
+    assert "tok_s_vs_resident" in report["arms"]["on-demand"]["ratios"]
+    without = "resident ran without the page-cache budget (every expert is resident)."
+    assert without in markdown(report)
+    assert "resident runs without the page-cache budget (every expert is resident)" in said
+
+
+def test_a_failed_arm_makes_the_exit_status_non_zero(checkpoint_dir, capsys):
+    """The table is printed with what ran; the status says it is not whole (prerouter has no
+    heads on this model: that arm fails)."""
+    model = checkpoint_dir("qwen3_moe")
+    code = main(["bench", str(model), "--arms", "on-demand,prerouter", "--rounds", "1",
+                 "--tokens", "4"])  # fmt: skip
+    out, err = capsys.readouterr()
+    assert code == 1
+    assert "| on-demand |" in out
+    assert "1 of 2 arm runs failed" in err

@@ -103,7 +103,8 @@ def test_generate_takes_the_samplers_options(checkpoint_dir, capsys):
 
 
 def test_chat_hands_the_samplers_options_to_the_app(checkpoint_dir, monkeypatch):
-    from edge0_tui.app import DEFAULT_SETTINGS, Edge0App
+    from edge0_tui.app import Edge0App
+    from edge0_tui.model_start import DEFAULT_SETTINGS
 
     seen = []
     monkeypatch.setattr(Edge0App, "run", lambda app: seen.append(app.chat_screen.settings))

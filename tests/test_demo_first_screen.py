@@ -12,8 +12,8 @@ from test_bad_inputs_app import shown
 from test_one_name import _build
 from test_tui_app import make_app, ready, reply_done, send, wait_until
 
-from edge0_tui.app import DEFAULT_SETTINGS, DEMO_SETTINGS
 from edge0_tui.model_source import BUNDLED_DEMO
+from edge0_tui.model_start import DEFAULT_SETTINGS, DEMO_SETTINGS
 from edge0_tui.widgets.first_steps import DEMO_PROMPTS, FirstSteps
 from edge0_tui.widgets.prompt import PromptInput
 from engine import Engine, EngineConfig

@@ -17,7 +17,8 @@ import engine.experts.switch_glu as switch_glu
 import engine.measure.doctor_exactness as doctor_exactness
 import engine.runtime.loader as loader
 from engine.measure import doctor_disk, doctor_machine, doctor_slots
-from engine.measure.doctor import FAIL, OK, SKIPPED, Faults, MachineMemory, fail, ok, verdict
+from engine.measure.doctor import verdict
+from engine.measure.doctor_checks import FAIL, OK, SKIPPED, Faults, MachineMemory, fail, ok
 from engine.measure.doctor_exactness import evicting_budget
 
 TOKENS = 16

@@ -10,6 +10,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from adapters import copy_model
 from cli_runner import run_cli
 
 from edge0_tui.sanitize import escape_controls
@@ -24,12 +25,6 @@ CONTROLS = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]"
 def assert_shown_escaped(text: str) -> None:
     assert not CONTROLS.search(text), repr(text)
     assert SHOWN in text, text
-
-
-def _copy(checkpoint_dir, tmp_path: Path) -> Path:
-    model = tmp_path / "model"
-    shutil.copytree(checkpoint_dir("qwen3_moe"), model)
-    return model
 
 
 def _edit_json(path: Path, edit) -> None:
@@ -59,7 +54,7 @@ def test_escape_controls():
 
 
 def test_generate_reply_is_escaped_and_json_exact(checkpoint_dir, tmp_path):
-    model = _copy(checkpoint_dir, tmp_path)
+    model = copy_model(checkpoint_dir("qwen3_moe"), tmp_path)
     hostile_decoder(model)
     args = ["generate", str(model), "--prompt", "hi", "--max-tokens", "3"]
     out = run_cli(*args)
@@ -103,7 +98,7 @@ def hostile_template(model: Path) -> None:
     ids=["stray shard name", "index shard name", "tokenizer merge", "chat template message"],
 )
 def test_file_text_in_messages_is_escaped(checkpoint_dir, tmp_path, breaks, command, status):
-    model = _copy(checkpoint_dir, tmp_path)
+    model = copy_model(checkpoint_dir("qwen3_moe"), tmp_path)
     breaks(model)
     args = [command, str(model)] + (["--prompt", "hi", "--max-tokens", "1"] * (command != "info"))
     out = run_cli(*args)
@@ -126,7 +121,7 @@ def test_adapter_file_name_is_escaped(checkpoint_dir, tmp_path):
     """`info` lists the profile's files: a file name is text from the folder too."""
     from adapters import write_random_profile
 
-    model = _copy(checkpoint_dir, tmp_path)
+    model = copy_model(checkpoint_dir("qwen3_moe"), tmp_path)
     write_random_profile(model, 2)
     (model / "prerouter_k2.safetensors").rename(model / f"prerouter_k2{HOSTILE}.safetensors")
     out = run_cli("info", str(model))

@@ -332,3 +332,51 @@ def test_no_measured_figure_in_a_comment_or_docstring():
     assert found == []
     assert len(FIGURE_DEFINITIONS) <= 10
     assert allowed == FIGURE_DEFINITIONS  # an entry no line needs any more is taken out
+
+
+def runtime_imports(path: Path, module: str) -> set[str]:
+    """The modules of this repository a file imports when it runs (at the top or inside a
+    function), `from X import name` counting module X.name where that is a module; imports
+    under `if TYPE_CHECKING:` are annotations, not imports, and are left out."""
+    package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
+    tree = ast.parse(path.read_text())
+    skipped = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            skipped.update(id(inner) for stmt in node.body for inner in ast.walk(stmt))
+    found = set()
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
+        if isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, *([base] if base else [])])
+            found.update(f"{base}.{alias.name}" for alias in node.names)
+            found.add(base)
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+    return found
+
+
+def module_cycles(package: str) -> list[list[str]]:
+    """The modules of `package` that import each other, directly or round a loop."""
+    modules = modules_of(package)
+    graph = {}
+    for module, path in modules.items():
+        # Importing a.b.c runs a/__init__ and a/b/__init__ first: their imports count too.
+        imported = runtime_imports(path, module)
+        named = {".".join(m.split(".")[:n]) for m in imported for n in range(1, m.count(".") + 2)}
+        named &= set(modules)
+        # (a module's own packages are already running when it is imported)
+        graph[module] = {m for m in named if m != module and not module.startswith(m + ".")}
+    arrows = {(a, b): [] for a, targets in graph.items() for b in targets}
+    return same_tier_cycles(arrows, dict.fromkeys(modules, 0))
+
+
+def test_no_module_imports_another_that_imports_it_back():
+    """Inside engine/ and edge0_tui/ no two modules import each other, even round a loop or
+    inside a function (a lazy import hides a cycle, it does not remove it)."""
+    assert module_cycles("engine") == []
+    assert module_cycles("edge0_tui") == []

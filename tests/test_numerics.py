@@ -2,35 +2,17 @@
 
 from __future__ import annotations
 
-import mlx.core as mx
-import mlx.nn as nn
+from nan_once import NaNOnce
 
 from engine.config import EngineConfig, GenerationConfig
 from engine.runtime.generation import Engine
-
-
-class _NaNOnce(nn.Module):
-    """Wraps an attention module; on the chosen call its output becomes NaN."""
-
-    def __init__(self, inner: nn.Module, poison_call: int) -> None:
-        super().__init__()
-        self.inner = inner
-        self._calls = 0
-        self._poison_call = poison_call
-
-    def __call__(self, *args, **kwargs):
-        out = self.inner(*args, **kwargs)
-        self._calls += 1
-        if self._calls == self._poison_call:
-            out = out * mx.array(float("nan"))
-        return out
 
 
 def _poisoned_run(model_dir, guard: bool):
     engine = Engine(model_dir, EngineConfig(mode="on-demand", hidden_guard=guard))
     try:
         layer = engine.model.layers[1]
-        layer.self_attn = _NaNOnce(layer.self_attn, poison_call=4)  # the 3rd decode step
+        layer.self_attn = NaNOnce(layer.self_attn, poison_call=4)  # the 3rd decode step
         return engine.generate([5, 6, 7], GenerationConfig(max_tokens=12))
     finally:
         engine.close()

@@ -89,16 +89,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from edge0_tui.model_source import is_bundled_demo
-    from engine import check_checkpoint, parse_size
+    from edge0_tui.model_start import default_budgets
+    from engine import check_checkpoint
     from engine.measure.bench import DEFAULT_PROMPT, BenchConfig, run_bench
     from engine.measure.bench_markdown import markdown, terminal_plot
 
     check_checkpoint(args.model)  # in this process: the arms' processes would each say it again
     check_outputs(args)  # before the run: its results are written only at the end
     # The bundled demo fits any page cache: the chat's small budgets make its wall (cold reads).
-    demo = is_bundled_demo(args.model)
-    expert_cache = args.expert_cache or (parse_size("4M") if demo else options.AUTO)
-    page_cache = args.page_cache or (parse_size("4M") if demo else "off")
+    # (Its resident arm runs without the page-cache budget, and the report says so.)
+    default_cache, default_page_cache = default_budgets(is_bundled_demo(args.model), "on-demand")
+    expert_cache = args.expert_cache or default_cache
+    page_cache = args.page_cache or default_page_cache
     prompt = DEFAULT_PROMPT
     if args.prompt_file is not None:
         prompt = read_prompt(args.prompt_file)
@@ -137,6 +139,11 @@ def run(args: argparse.Namespace) -> int:
         write_output(args.json_out, json.dumps(report, indent=1), "the JSON report")
     if args.markdown:
         write_output(args.markdown, table, "the markdown table")
+    failed = [r for r in report["runs"] if not r["ok"]]
+    if failed:
+        # The table is printed; the status says it is not whole.
+        print_stderr(f"edge0: {len(failed)} of {len(report['runs'])} arm runs failed (above)")
+        return 1
     return 0
 
 

@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from edge0_tui.commands import options
-from engine import EngineConfig, parse_size
+from edge0_tui.model_start import model_start
+from engine import EngineConfig
 
 if TYPE_CHECKING:
     from edge0_tui.app import Edge0App
-    from edge0_tui.preferences import KeptPreferences, ModelPreferences, PreferenceStore
 
 NAME = "chat"
 
@@ -101,73 +100,3 @@ def build_app(args: argparse.Namespace) -> Edge0App:
     )
     app.session.fallback = start.fallback
     return app
-
-
-@dataclass(frozen=True)
-class ModelStart:
-    """How the app opens a model: its kept choices, and the engine config they make."""
-
-    preferences: KeptPreferences | None  # None: nothing is kept (an app without a store)
-    stored: ModelPreferences  # the kept choices (sampling, system prompt), or the defaults
-    engine_config: EngineConfig
-    # The config to load with, and why, when the kept expert-cache budget breaks the load.
-    fallback: tuple[EngineConfig, str] | None = None
-
-
-def model_start(
-    model: str,
-    store: PreferenceStore | None,
-    base: EngineConfig,
-    mode: str | None = None,
-    k: int | None = None,
-    expert_cache: int | str | None = None,
-    page_cache: int | str | None = None,
-) -> ModelStart:
-    """`model`'s kept choices (from `store`) over `base` (what holds for the whole run: exact
-    kernels, the data folder, adapters); `mode`, `k`, `expert_cache`, `page_cache` are the
-    command line's, None where not given. At start, and when the app opens another model."""
-    from edge0_tui.app import DEFAULT_SETTINGS, DEMO_SETTINGS
-    from edge0_tui.model_source import DEMO
-    from edge0_tui.preferences import KeptPreferences, ModelPreferences, model_key
-
-    key = model_key(model)
-    demo = key == DEMO  # `demo` or the bundled folder by its path
-    defaults = DEMO_SETTINGS if demo else DEFAULT_SETTINGS
-    kept = None
-    stored = ModelPreferences(generation=defaults)
-    if store is not None:
-        kept = KeptPreferences(
-            store,
-            key,
-            store.load(key, defaults),
-            mode_from_command_line=mode is not None,
-            k_from_command_line=k is not None,
-        )
-        stored = kept.current
-    # The demo model's experts are small and its file fits any page cache: a small expert cache
-    # and page-cache budget make the memory wall visible (cold reads every step).
-    # A kept mode is applied once the model is loaded. The demo starts on-demand: its experts are
-    # small and its page cache tiny, so each step's misses (the wall it shows) are plain to see,
-    # and reading ahead saves it little (docs/notebook/2026-12-exact-lookahead.md).
-    mode = mode or ("on-demand" if demo else options.DEFAULT_MODE)
-    default_cache = parse_size("4M") if demo else options.AUTO
-    budget = expert_cache or stored.expert_cache_bytes or default_cache
-    chosen_page_cache = stored.page_cache if page_cache is None else page_cache
-    if mode == "resident" and page_cache is None:
-        chosen_page_cache = "off"  # every expert is read into memory at start: nothing to budget
-    if chosen_page_cache is None:  # neither given nor kept
-        chosen_page_cache = parse_size("4M") if demo and mode != "resident" else "off"
-    config = dataclasses.replace(
-        base,
-        mode=mode,
-        k=k,
-        **options.expert_cache_config(budget),
-        page_cache_bytes=options.page_cache_bytes(chosen_page_cache),
-    )
-    fallback = None
-    if not expert_cache and stored.expert_cache_bytes:  # the kept budget, checked at load
-        fallback = (
-            dataclasses.replace(config, **options.expert_cache_config(default_cache)),
-            f"{store.path}: expert_cache_bytes={stored.expert_cache_bytes}",
-        )
-    return ModelStart(kept, stored, config, fallback)

@@ -34,3 +34,13 @@ def print_warnings(warnings: list[str], kind: str = "warning") -> None:
     """`edge0: warning: ...` (or `note`) lines, each one line whatever it quotes."""
     for warning in warnings:
         print(f"edge0: {kind}: {escape_controls(warning, keep_newlines=False)}", file=sys.stderr)
+
+
+def edge0_version() -> str:
+    """The installed package's version (a source tree that is not installed has none)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("edge0")
+    except PackageNotFoundError:
+        return "(not installed)"

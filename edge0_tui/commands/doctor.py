@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from edge0_tui.commands.common import print_stderr
+from edge0_tui.commands.common import edge0_version, print_stderr
 
 NAME = "doctor"
 HELP = "check that edge0 is exact and sound on this machine (run it first on a Mac)"
@@ -77,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
     seconds = time.perf_counter() - started
     if args.json:
         header = {
-            "edge0": _version(),
+            "edge0": edge0_version(),
             "model": source.name,
             "platform": platform.platform(),
             "python": platform.python_version(),
@@ -88,12 +88,6 @@ def run(args: argparse.Namespace) -> int:
     else:
         print_stderr(f"edge0 doctor: {seconds:.0f} s")
     return 1 if any(c.status == "FAIL" for c in checks) else 0
-
-
-def _version() -> str:
-    from edge0_tui.cli import _version as version
-
-    return version()
 
 
 def home_as_tilde(text: str) -> str:

@@ -11,6 +11,13 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+# What an option's value means for the engine's config, for every command (decided there).
+from edge0_tui.model_start import (  # noqa: F401
+    AUTO,
+    DEFAULT_MODE,
+    expert_cache_config,
+    page_cache_bytes,
+)
 from engine import MAX_SEED, MODES, Edge0Error, format_bytes, parse_duration, parse_size
 
 # edge0's user data folder (trained adapters, chats) when set; read here, at the top, only.
@@ -192,7 +199,6 @@ def _end_progress() -> None:
 
 # Where the user has not chosen a mode: prefetch, exact (the true router routes) and reading ahead
 # what the lookahead guesses, with no trained file needed.
-DEFAULT_MODE = "prefetch"
 MODES_HELP = (
     "exact: resident, on-demand, prefetch (reads ahead the lookahead's guesses, and a K "
     "profile's predictions where its heads guess as well as the lookahead); approximate: "
@@ -229,16 +235,6 @@ def add_expert_cache(
 def size_or_auto(text: str) -> int | str:
     """--expert-cache: a SIZE, or "auto"."""
     return AUTO if text.strip().lower() == AUTO else size(text)
-
-
-AUTO = "auto"
-
-
-def expert_cache_config(value: int | str) -> dict:
-    """EngineConfig's fields for an --expert-cache value: a byte budget, or "auto"."""
-    if value == AUTO:
-        return {"expert_cache_auto": True}
-    return {"expert_cache_bytes": value, "expert_cache_auto": False}
 
 
 def add_page_cache(
@@ -302,11 +298,6 @@ def sampling(args: argparse.Namespace) -> dict:
     """The sampling options given on the command line, as GenerationConfig fields."""
     given = {field: getattr(args, field, None) for field, _, _ in SAMPLING_OPTIONS}
     return {field: value for field, value in given.items() if value is not None}
-
-
-def page_cache_bytes(value: int | str | None) -> int | None:
-    """EngineConfig.page_cache_bytes from a --page-cache value: "off" (or none given) is None."""
-    return None if value == "off" else value
 
 
 def config_dir() -> Path | None:

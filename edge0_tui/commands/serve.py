@@ -6,7 +6,7 @@ import argparse
 import os
 
 from edge0_tui.commands import options
-from engine import Edge0Error, EngineConfig, parse_size
+from engine import Edge0Error, EngineConfig
 
 NAME = "serve"
 
@@ -124,16 +124,15 @@ def run(args: argparse.Namespace) -> int:
     from platformdirs import user_cache_path
 
     from edge0_tui.model_source import check_model
+    from edge0_tui.model_start import default_budgets
     from edge0_tui.server import open_engine_for, serve_model
 
     check_api_key(args.api_key)
     check_model(args.model)  # a one-line error before anything listens
-    # The demo as the chat serves it: a small expert cache and page-cache budget show the wall.
-    demo = args.model == "demo"
-    expert_cache = args.expert_cache or (parse_size("4M") if demo else options.AUTO)
-    page_cache = args.page_cache
-    if page_cache is None:
-        page_cache = parse_size("4M") if demo and args.mode != "resident" else "off"
+    # The demo as the chat serves it: its small budgets show the wall.
+    default_cache, default_page_cache = default_budgets(args.model == "demo", args.mode)
+    expert_cache = args.expert_cache or default_cache
+    page_cache = default_page_cache if args.page_cache is None else args.page_cache
     config = EngineConfig(
         mode=args.mode,
         **options.expert_cache_config(expert_cache),

@@ -115,6 +115,15 @@ class StreamingSwitchGLU(nn.Module):
         # Set by the engine (`routing.lookahead`): guesses the next MoE layer's routing.
         self.lookahead = None
 
+    @property
+    def store(self) -> ExpertStore:
+        """The expert store this layer's experts are read through."""
+        return self._store
+
+    @property
+    def layer(self) -> int:
+        return self._layer
+
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         """As mlx-lm's `SwitchGLU`: a family's own block calls the streamed experts so."""
         return self.run(x, indices)[0]

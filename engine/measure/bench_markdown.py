@@ -127,6 +127,8 @@ def markdown(report: dict) -> str:
         cells = [_cell(f, key, fmt) for _, key, fmt in FIGURES if key in TABLE_4]
         lines.append(f"| {arm} | " + " | ".join(cells) + " |")
     lines += ["", peak_note(report["arms"])]
+    for arm, settings in report.get("not_taken", {}).items():
+        lines.append(f"{arm} ran without {', '.join(settings)}.")
     if "plan_check" in report:
         lines.append(plan_note(report["plan_check"]))
     read_arms = {a: d for a, d in report["arms"].items() if "read_mib_per_s" in d["figures"]}

@@ -22,7 +22,6 @@ Each check takes its faults from `Faults`: tests break every check on purpose an
 
 from __future__ import annotations
 
-import statistics
 import tempfile
 import time
 from collections.abc import Callable
@@ -30,67 +29,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..config import format_bytes
+from . import doctor_disk, doctor_exactness, doctor_machine, doctor_slots
+from .doctor_checks import FAIL, Check, Faults, MachineMemory, fail, ok
 
-OK, FAIL, SKIPPED = "ok", "FAIL", "skipped"
 # The tiny synthetic checkpoints the exactness check also runs, written on the fly: families
 # whose blocks differ most from the demo's Qwen3-MoE (linear attention and a gated shared
 # expert; mxfp4 experts with biases; group routing and latent attention).
 FAMILIES = ("qwen3_next", "gpt_oss", "deepseek_v3")
-
-
-@dataclass(frozen=True)
-class Check:
-    """One check's outcome: `detail` says what was measured, or why it failed or was skipped."""
-
-    group: str  # exactness, slots, disk, memory, backend, verdict
-    name: str
-    status: str  # OK, FAIL or SKIPPED
-    detail: str
-    figures: dict = field(default_factory=dict)  # numbers for --json and the verdict
-
-    def line(self) -> str:
-        if self.status == SKIPPED:
-            return f"skipped  {self.name} ({self.detail})"
-        return f"{self.status:<8} {self.name}: {self.detail}"
-
-
-def ok(group: str, name: str, detail: str, **figures) -> Check:
-    return Check(group, name, OK, detail, figures)
-
-
-def fail(group: str, name: str, detail: str, **figures) -> Check:
-    return Check(group, name, FAIL, detail, figures)
-
-
-def skipped(group: str, name: str, why: str, **figures) -> Check:
-    return Check(group, name, SKIPPED, why, figures)
-
-
-@dataclass(frozen=True)
-class Faults:
-    """Faults put in on purpose, each breaking one check (tests/test_doctor.py); none in a user's
-    run. Each is applied where the check gets its data, so the check's own logic is what fails."""
-
-    wrong_token: bool = False  # on-demand's 6th token replaced before it is compared
-    prefetch_wrong_token: bool = False  # prefetch's 6th token replaced
-    misroute: bool = False  # a consumer layer routed by other experts than its prediction
-    prefill_drift: float = 0.0  # added to one fast-prefill logit, times the row's largest
-    racy_slot_write: bool = False  # a routed expert's slot overwritten before its layer computes
-    pages_kept: bool = False  # the cold read's pages read in and not evicted before the reads
-
-
-NO_FAULTS = Faults()
-
-
-@dataclass(frozen=True)
-class MachineMemory:
-    """The memory panel's counters, read once (`edge0_tui.system_memory`; the engine does not
-    import the app): the machine's total, the memory in use, the page cache; None: unknown."""
-
-    total_bytes: int
-    used_bytes: int | None
-    page_cache_bytes: int | None
-    source: str  # "RAM", "cgroup v2 limit", ...
 
 
 @dataclass(frozen=True)
@@ -114,8 +59,6 @@ def run_doctor(
 ) -> list[Check]:
     """Every check in order, each handed to `on_check` as soon as it is known; the verdict last.
     A check that raises is a FAIL naming the error; the others still run."""
-    from . import doctor_disk, doctor_exactness, doctor_machine, doctor_slots
-
     checks: list[Check] = []
 
     def report(group: str, name: str, measure: Callable[[], Check | tuple]) -> Check:
@@ -238,10 +181,6 @@ def verdict(checks: list[Check], slots: dict, cold: dict, model: dict) -> Check:
             **figures,
         )
     return ok("verdict", "verdict", speed or "every check ok or skipped", **figures)
-
-
-def median(values: list[float]) -> float | None:
-    return statistics.median(values) if values else None
 
 
 def report_dict(checks: list[Check], header: dict) -> dict:

@@ -26,7 +26,7 @@ from ..experts.page_cache import LIBC, PAGE_SIZE, FileResidency, evict_file
 from ..experts.page_cache_budget import CAN_EVICT_RANGES
 from ..experts.reads import ExpertReader
 from ..runtime.generation import Engine
-from .doctor import NO_FAULTS, Check, Faults, fail, median, ok, skipped
+from .doctor_checks import NO_FAULTS, Check, Faults, fail, median, ok, skipped
 
 # At most this many expert bytes are read for the bandwidth (a large model's disk is measured on a
 # sample of its experts, in random order).

@@ -21,7 +21,7 @@ from ..config import EngineConfig, GenerationConfig, format_bytes
 from ..errors import Edge0Error
 from ..runtime.blas import dense_prefill_rows
 from ..runtime.generation import Engine, GenerationResult
-from .doctor import NO_FAULTS, Check, Faults, fail, ok, skipped
+from .doctor_checks import NO_FAULTS, Check, Faults, fail, ok, skipped
 from .evaluate import engine_logits
 
 # Long enough for two prefill chunks of 16 (whole-layer reads) and a last token on its own.

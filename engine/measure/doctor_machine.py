@@ -17,7 +17,7 @@ from ..experts.reader_core import reader_cores
 from ..runtime.blas import blas_in_use
 from ..runtime.generation import Engine
 from ..runtime.metrics import metal_wired_limit_bytes, process_rss_bytes
-from .doctor import Check, MachineMemory, fail, ok, skipped
+from .doctor_checks import Check, MachineMemory, fail, ok, skipped
 
 # The process's RSS read two ways may differ by this share (they are read a moment apart).
 RSS_AGREEMENT = 0.10

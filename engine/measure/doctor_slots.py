@@ -20,7 +20,7 @@ import numpy as np
 
 from ..config import EngineConfig, GenerationConfig
 from ..runtime.generation import Engine
-from .doctor import NO_FAULTS, Check, Faults, fail, median, ok
+from .doctor_checks import NO_FAULTS, Check, Faults, fail, median, ok
 from .doctor_exactness import PROMPT
 
 TITLE = "slot writes under compute"

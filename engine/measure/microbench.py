@@ -98,4 +98,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    from ..runtime.open_file_limit import fit_mlx_lm_to_the_open_file_limit
+
+    fit_mlx_lm_to_the_open_file_limit()
     main()

@@ -41,13 +41,14 @@ def guard_layers(layers: list[nn.Module], guard: HiddenGuard) -> None:
     for layer in layers:
         cls = type(layer)
         if cls not in subclasses:
-            subclasses[cls] = _guarded_subclass(cls)
+            subclasses[cls] = _guarded_subclass(cls, guard)
         layer.__class__ = subclasses[cls]
-        layer._hidden_guard = guard
 
 
-def _guarded_subclass(cls: type) -> type:
+def _guarded_subclass(cls: type, guard: HiddenGuard) -> type:
+    """`cls` whose output passes through `guard` (held by the subclass, not by each layer)."""
+
     def __call__(self, *args, **kwargs):
-        return self._hidden_guard(cls.__call__(self, *args, **kwargs))
+        return guard(cls.__call__(self, *args, **kwargs))
 
     return type(f"Guarded{cls.__name__}", (cls,), {"__call__": __call__})

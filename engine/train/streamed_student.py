@@ -159,7 +159,7 @@ def expert_input_grad(
     One expert at a time, not through the 4-bit kernel: MLX's gradient of `gather_qmm` with
     respect to its input held several times what the forward did, in every layer, past the plan
     (docs/notebook/figures-from-code-comments.md)."""
-    store, layer = switch._store, switch._layer
+    store, layer = switch.store, switch.layer
     mx.eval(x, indices, cotangent)
     routed = np.array(indices)
     k = routed.shape[-1]
@@ -296,7 +296,7 @@ class LayerwiseGrad:
     def __call__(self, *batch):
         student = self.student
         layers = decoder_layer_list(student.model)
-        recorder = _Recorder(student._plan)
+        recorder = _Recorder(student.routing_plan)
         originals = list(layers)
         for index, layer in enumerate(originals):
             layers[index] = _Tap(index, layer, index == len(originals) - 1, recorder)
@@ -306,7 +306,7 @@ class LayerwiseGrad:
             mx.eval(self.loss_fn(*batch))
             if len(recorder.inputs) != len(originals) or recorder.last_output is None:
                 raise RuntimeError("the model did not call every decoder layer in order")
-            positions = student._plan.predicted_positions
+            positions = student.routing_plan.predicted_positions
             # 2. the loss at the last layer's output.
             recorder.mode = "replay"
 
@@ -340,7 +340,7 @@ class LayerwiseGrad:
     def _layer_backward(self, index, layer, recorder, positions, grad, prediction_grads):
         """One layer's input gradient and its LoRA's, from its output's (and, on an owner of
         heads, its prediction's) gradient."""
-        plan = self.student._plan
+        plan = self.student.routing_plan
         x, args, kwargs = recorder.inputs[index]
         predicted_in = recorder.predicted_in.get(index)
         consumer = self._consumer_of(index)
@@ -363,7 +363,7 @@ class LayerwiseGrad:
         cotangents = [grad]
         if consumer is not None:
             cotangents.append(prediction_grads.pop(consumer))
-        with self.student._step():
+        with self.student.step():
             try:
                 _, input_grads = mx.vjp(forward, primals, cotangents)
                 mx.eval(input_grads)

@@ -166,11 +166,11 @@ class Student:
         self.k = k
         self.heads = heads
         self.lora = lora
-        self._plan = _Plan(k)
+        self.routing_plan = _Plan(k)
         ops = ops_for(loaded.family.name)
         self.blocks: dict[int, StudentMoE] = {}
         for site in loaded.sites:
-            block = StudentMoE(site.parent, site.layer, ops, self._plan)
+            block = StudentMoE(site.parent, site.layer, ops, self.routing_plan)
             setattr(site.decoder_layer, site.block_attribute, block)
             self.blocks[site.layer] = block
         for row, owner in enumerate(heads.owners if heads is not None else []):
@@ -191,11 +191,11 @@ class Student:
         prefix = mx.broadcast_to(mx.array(gate_prefix), (batch,))
         if mx.min(prefix).item() < 1:
             raise Edge0Error("gate_prefix must be at least 1: position 0 has no prediction")
-        plan = self._plan
+        plan = self.routing_plan
         plan.predicted_positions = (mx.arange(length)[None, :] >= prefix[:, None])[..., None]
         plan.predicted, plan.record = {}, record
         try:
-            with self._step():
+            with self.step():
                 return self.model(tokens)
         finally:
             plan.predicted, plan.record = {}, None
@@ -204,14 +204,14 @@ class Student:
         """Logits of the checkpoint as it is: every layer routed by its own router at the model's
         native K, no LoRA; the 4-bit model's own outputs (its dequantized values, computed in
         float), with no gradient. The teacher of phases 2 and 3 when no float model is given."""
-        plan = self._plan
+        plan = self.routing_plan
         lora_modules = self.lora_modules().values()
         scales = [m.scale for m in lora_modules]
         plan.base, plan.k, plan.predicted_positions = True, self.loaded.top_k, None
         for module in lora_modules:
             module.scale = 0.0
         try:
-            with self._step():
+            with self.step():
                 return mx.stop_gradient(self.model(tokens, cache=cache))
         finally:
             plan.base, plan.k = False, self.k
@@ -252,7 +252,7 @@ class Student:
         return self.loaded.store is not None
 
     @contextlib.contextmanager
-    def _step(self):
+    def step(self):
         """One forward is one step of the expert cache (its uses and pins end with it); a
         backward's reads follow in their own groups (`streamed_student.expert_input_grad`)."""
         store = self.loaded.store
