@@ -10,9 +10,10 @@ import sys
 import threading
 
 import pytest
+from adapters import copy_model
 from cli_runner import REPO
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from test_bad_checkpoints import LOOPS, _copy, chat_template
+from test_bad_checkpoints import LOOPS, chat_template
 from transformers.utils import chat_template_utils
 
 from engine import Edge0Error, EngineConfig
@@ -26,7 +27,7 @@ BIG_POWER = "{% set n = 70000 %}{{ (2 ** n).bit_length() }}"  # a name: jinja2 f
 
 
 def test_chat_template_bound_in_a_worker_thread(checkpoint_dir, tmp_path, monkeypatch):
-    model = _copy(checkpoint_dir("qwen3_moe"), tmp_path)
+    model = copy_model(checkpoint_dir("qwen3_moe"), tmp_path)
     chat_template(LOOPS)(model)
     monkeypatch.setattr(chat_template_module, "CHAT_TEMPLATE_SECONDS", 0.5)
     errors = []
@@ -61,7 +62,7 @@ def test_chat_template_bound_keeps_the_tracer(checkpoint_dir):
 
 def test_chat_template_keeps_ordinary_operators(checkpoint_dir, tmp_path):
     """The bounded `*` and `**` still compute what templates use them for."""
-    model = _copy(checkpoint_dir("qwen3_moe"), tmp_path)
+    model = copy_model(checkpoint_dir("qwen3_moe"), tmp_path)
     chat_template(
         "{{ '=' * 3 }}{{ 2 ** 8 }}{{ [0] * 2 }}{% for m in messages %}{{ m.content }}{% endfor %}"
     )(model)
@@ -102,7 +103,7 @@ def test_bound_applies_to_edge0_rendering_only(checkpoint_dir, tmp_path):
     edge0 rendered the same template, compute it."""
     stock_compile = chat_template_utils._compile_jinja_template
     assert ImmutableSandboxedEnvironment().from_string(BIG_POWER).render() == "70001"
-    model = _copy(checkpoint_dir("qwen3_moe"), tmp_path)
+    model = copy_model(checkpoint_dir("qwen3_moe"), tmp_path)
     chat_template(BIG_POWER)(model)
     with Engine(model, EngineConfig()) as engine:
         with pytest.raises(Edge0Error, match="computes a number of more than"):

@@ -246,6 +246,17 @@ def parse_json(raw: bytes | str, check_surrogates: bool = False) -> object:
     return value
 
 
+def read_json_file(path: Path, invalid: str = "invalid JSON ({})") -> object:
+    """The strict JSON value (`parse_json`) of the file at `path`. An unreadable or invalid file
+    is an Edge0Error naming it: "cannot read (why)", or `invalid` with what is wrong."""
+    try:
+        return parse_json(path.read_bytes())
+    except OSError as e:
+        raise Edge0Error(f"{path}: cannot read ({e.strerror or e})") from None
+    except ValueError as e:
+        raise Edge0Error(f"{path}: {invalid.format(e)}") from None
+
+
 def _refuse_constant(name: str) -> object:
     raise ValueError(f"{name} is not valid JSON")
 
@@ -312,12 +323,7 @@ def checkpoint_shards(model_dir: Path) -> list[Path]:
             check_regular_file(shard)
         return shards
     check_regular_file(index_file)
-    try:
-        index = parse_json(index_file.read_bytes())
-    except OSError as e:
-        raise Edge0Error(f"{index_file}: cannot read ({e.strerror or e})") from None
-    except ValueError as e:
-        raise Edge0Error(f"{index_file}: invalid JSON ({e})") from None
+    index = read_json_file(index_file)
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict):
         raise Edge0Error(f"{index_file}: corrupt index (no weight_map)")

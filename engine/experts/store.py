@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from functools import partial
@@ -458,6 +458,16 @@ class ExpertStore:
                     self.pool.give_back(layer, slot, writing=future)
             self.counters.blocked_ms += (time.perf_counter() - start) * 1e3
         return [slots[key] for key in keys]
+
+    def bankfuls(self, layer: int, experts: list[int]) -> Iterator[tuple[list[int], list[int]]]:
+        """`experts` of `layer` (more than its bank holds at once) a bankful at a time: yields
+        each group and its slots. The caller computes with a group, evaluated, before it asks
+        for the next: the group's slots then take the next group."""
+        size = self.pool.room(layer)
+        for start in range(0, len(experts), size):
+            group = experts[start : start + size]
+            yield group, self.fetch(layer, group)
+            self.pool.layer_computed(layer)
 
     def _staged_or_submit(
         self, key: ExpertKey, protected, routed: LayerRouted

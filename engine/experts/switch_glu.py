@@ -204,13 +204,11 @@ class StreamingSwitchGLU(nn.Module):
         store, k = self._store, routed.shape[-1]
         flat_x = x.reshape(-1, x.shape[-1])
         experts = routed.reshape(-1)
-        group_size = store.pool.room(self._layer)
         outputs: list[mx.array] = []
         done: list[np.ndarray] = []
-        for start in range(0, len(distinct), group_size):
-            group = distinct[start : start + group_size]
+        for group, slots in store.bankfuls(self._layer, distinct):
             slot_of = np.zeros(self._num_experts, dtype=np.uint32)
-            slot_of[group] = store.fetch(self._layer, group)
+            slot_of[group] = slots
             ids = np.flatnonzero(np.isin(experts, group))
             ids = ids[np.argsort(experts[ids], kind="stable")]  # grouped by expert, in order
             bank = store.bank(self._layer).arrays
@@ -229,7 +227,6 @@ class StreamingSwitchGLU(nn.Module):
                 y = y.reshape(len(part), -1)
                 self._host_reads.wait(y, "a prefill group's slots are reused")
                 outputs.append(y)
-            store.layer_computed(self._layer)  # the group's slots may take the next group
             done.append(ids)
         return _in_routing_order(outputs, done, routed)
 

@@ -45,6 +45,7 @@ from ..checkpoint.index import (
     list_dir,
     max_checkpoint_tensors,
     parse_json,
+    read_json_file,
 )
 from ..config import EngineConfig
 from ..errors import Edge0Error
@@ -148,14 +149,7 @@ def read_config(model_dir: Path) -> dict:
     check_directory(model_dir, missing="no such model directory")
     path = model_dir / "config.json"
     check_regular_file(path, missing="missing (not an mlx-lm checkpoint directory?)")
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except OSError as e:
-        raise Edge0Error(f"{path}: cannot read ({e.strerror or e})") from None
-    except RecursionError:
-        raise Edge0Error(f"{path}: invalid JSON (nested too deeply)") from None
-    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, too many digits
-        raise Edge0Error(f"{path}: invalid JSON ({e})") from None
+    config = read_json_file(path)
     if not isinstance(config, dict):
         raise Edge0Error(f"{path}: expected a JSON object")
     if not isinstance(config.get("text_config", {}), dict):
@@ -510,12 +504,7 @@ def _diagnose_tokenizer(model_dir: Path) -> None:
         path = model_dir / name
         if not path.is_file():
             continue
-        try:
-            data = parse_json(path.read_bytes())
-        except OSError as e:
-            raise Edge0Error(f"{path}: cannot read ({e.strerror or e})") from None
-        except ValueError as e:
-            raise Edge0Error(f"{path}: cannot load the tokenizer (invalid JSON: {e})") from None
+        data = read_json_file(path, "cannot load the tokenizer (invalid JSON: {})")
         if not isinstance(data, dict):
             raise Edge0Error(f"{path}: cannot load the tokenizer (expected a JSON object)")
         if name in ("tokenizer_config.json", "special_tokens_map.json"):

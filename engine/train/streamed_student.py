@@ -168,17 +168,13 @@ def expert_input_grad(
     flat_cotangent = cotangent.reshape(-1, cotangent.shape[-1])  # one row per assignment
     experts = routed.reshape(-1)
     distinct = np.unique(experts)
-    group_size = store.pool.room(layer)
     grad = mx.zeros_like(flat_x)
-    for start in range(0, len(distinct), group_size):
-        group = distinct[start : start + group_size].tolist()
-        slots = store.fetch(layer, group)
+    for group, slots in store.bankfuls(layer, distinct.tolist()):
         bank = store.bank(layer).arrays
         for expert, slot in zip(group, slots):
             ids = np.flatnonzero(experts == expert)
             glu = partial(dense_expert_glu, switch, bank=bank, slot=int(slot))
-            grad = _add_row_grads(grad, glu, flat_x, flat_cotangent, ids, k)
-        store.layer_computed(layer)  # the group's slots may take the next group
+            grad = _add_row_grads(grad, glu, flat_x, flat_cotangent, ids, k)  # evaluated
     return grad.reshape(x.shape)
 
 
