@@ -167,3 +167,29 @@ def test_failed_start_leaves_no_thread(checkpoint_dir):
     with pytest.raises(Edge0Error, match="minimum"):
         Engine(checkpoint_dir("qwen3_moe"), EngineConfig(expert_cache_bytes=1000))
     assert threading.active_count() == before
+
+
+@pytest.mark.parametrize(
+    "command, says",
+    [
+        (("generate",), ["checkpoint directory, Hugging Face repo id, or demo"]),
+        (("bench",), ["default: resident,on-demand,prerouter"]),
+        (
+            ("train", "heads"),
+            [
+                "the routing width the heads predict",
+                "(default: 400)",
+                "(default: 60000)",
+                "(default: the second MoE layer)",
+            ],
+        ),
+    ],
+)
+def test_help_states_what_a_model_can_be_and_each_default(command, says):
+    """What a new user reads first: the model argument and the defaults, said in --help."""
+    out = run_cli(*command, "--help")
+    assert out.returncode == 0
+    # argparse wraps at any column, and after a hyphen
+    text = " ".join(out.stdout.split()).replace("- ", "-")
+    for said in says:
+        assert said in text, said

@@ -175,3 +175,15 @@ def test_a_wider_k_that_does_not_fit_the_plan_is_refused_and_the_k_stays(
             engine.request_k(8)
         assert engine.pending[0] == 4
         engine.request_k(2)  # a narrower K fits
+
+
+def test_the_expert_cache_shown_is_the_one_in_effect(checkpoint_dir):
+    """A budget larger than every expert (as `auto` gives on a small model) is shown as what the
+    cache can hold, in `info()` (`edge0 info`, `/v1/models`, the app), not as asked."""
+    from engine.runtime.generation import Engine
+
+    config = EngineConfig(mode="on-demand", expert_cache_bytes=16 << 30)
+    with Engine(checkpoint_dir("qwen3_moe"), config) as engine:
+        shown = engine.info()["expert_cache_bytes"]
+        every_expert = engine.store.pool.planned_bytes(engine.k)
+        assert shown == engine.memory_plan.expert_cache_bytes == every_expert < 16 << 30

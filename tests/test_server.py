@@ -869,6 +869,7 @@ def test_503_while_loading_then_failed(tmp_path):
         connection.request("GET", "/health")
         response = connection.getresponse()
         assert response.status == 503 and json.loads(response.read())["status"] == "loading"
+        assert response.getheader("Retry-After") == "1"  # as the README says
         release.set()
         while worker.state == "loading" and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -876,6 +877,7 @@ def test_503_while_loading_then_failed(tmp_path):
         response = connection.getresponse()
         body = json.loads(response.read())
         assert response.status == 503 and body["error"] == "no checkpoint here"
+        assert response.getheader("Retry-After") is None  # failed: no use asking again
         connection.close()
     finally:
         release.set()

@@ -219,3 +219,25 @@ def test_the_docs_describe_the_trace_the_file_holds():
     for name, text in docs.items():
         assert "MLX compute (sampled)" not in text and "`computing`" not in text, name
     assert "Ctrl+Q quits" in docs["README.md"]
+
+
+def test_the_reply_ends_before_the_trace_lines(tmp_path):
+    """On a terminal stdout and stderr interleave: the reply's last line (and its newline) comes
+    before what --trace says on stderr, not after it."""
+    import subprocess
+
+    trace = tmp_path / "steps.json"
+    command = [
+        sys.executable, "-m", "edge0_tui.cli", "generate", str(DEMO), "--prompt", "Speak.",
+        "--max-tokens", "4", "--trace", str(trace),
+    ]  # fmt: skip
+    done = subprocess.run(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=120,
+        cwd=DEMO.parent.parent,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout
+    lines = done.stdout.splitlines()
+    written = next(i for i, line in enumerate(lines) if "trace written" in line)
+    summary = next(i for i, line in enumerate(lines) if "tok/s" in line)
+    assert summary < written  # the reply, then its summary, then the trace's lines
+    assert not lines[written - 1].startswith("edge0:") or "tok/s" in lines[written - 1]

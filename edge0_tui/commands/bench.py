@@ -22,7 +22,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--arms",
         default="resident,on-demand,prerouter",
-        help="comma-separated: resident, on-demand, prefetch, prerouter, compute-only (every expert "
+        help="comma-separated (default: resident,on-demand,prerouter): resident, on-demand, prefetch, prerouter, compute-only (every expert "
         "resident before the replay, no limits: the compute a step cannot go below, for the "
         "overlap-limit table; needs every expert in memory), compute-only:MODE (that mode so: "
         "what it costs a step with nothing to read)",

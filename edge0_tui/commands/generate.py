@@ -20,7 +20,7 @@ NAME = "generate"
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(NAME, help="generate text from a prompt, with per-step metrics")
-    options.add_model(parser, help="local mlx-lm checkpoint directory")
+    options.add_model(parser, help="checkpoint directory, Hugging Face repo id, or demo")
     parser.add_argument(
         "--prompt",
         type=options.utf8,
@@ -116,9 +116,10 @@ def run(args: argparse.Namespace) -> int:
                 sys.stdout.flush()
                 printed = stable
             result = reply.result
-        finally:
+        except BaseException:
             if tracer.enabled:  # also the steps before a failure: they may show why
                 write_trace(tracer, args.trace)
+            raise
         engine_k = engine.k
         memory_plan = engine.memory_plan.as_dict()
     if args.json:
@@ -140,6 +141,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(result.text[printed:], flush=True)  # before the summary on stderr
         print(summary_line(result.summary), file=sys.stderr)
+    if tracer.enabled:  # after the reply: its last line is not cut by the trace's lines
+        write_trace(tracer, args.trace)
     if repaired := result.summary.get("nonfinite_repaired", 0):
         # The guard kept the reply going, but a reply that needed repair is not to be trusted.
         print_warnings(

@@ -28,7 +28,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def _add_heads(phases: argparse._SubParsersAction) -> None:
     heads = phases.add_parser("heads", help="phase 1: distill prerouter heads for width K")
     options.add_model(heads)
-    heads.add_argument("--k", type=options.count(1), required=True)
+    heads.add_argument(
+        "--k", type=options.count(1), required=True, help="the routing width the heads predict"
+    )
     heads.add_argument(
         "--text",
         type=Path,
@@ -80,9 +82,21 @@ def _add_heads(phases: argparse._SubParsersAction) -> None:
         "touches most experts reads each layer whole, so on a model that does not fit, larger "
         "windows read the checkpoint fewer times",
     )
-    heads.add_argument("--start-layer", type=options.count(0), default=None)
-    heads.add_argument("--steps", type=options.count(1), default=400)
-    heads.add_argument("--max-tokens", type=options.count(1), default=60_000)
+    heads.add_argument(
+        "--start-layer",
+        type=options.count(0),
+        default=None,
+        help="the first layer routed by prediction (default: the second MoE layer)",
+    )
+    heads.add_argument(
+        "--steps", type=options.count(1), default=400, help="training steps (default: 400)"
+    )
+    heads.add_argument(
+        "--max-tokens",
+        type=options.count(1),
+        default=60_000,
+        help="tokens of text the heads learn from (default: 60000)",
+    )
     add_force(heads)
 
 

@@ -41,7 +41,7 @@ class ChatListScreen(ModalScreen[int | None]):
             yield Input(placeholder="search titles and messages (/)", id="chat-search")
             yield OptionList(id="chats")
             yield Label("", id="chats-note", classes="panel-note", markup=False)
-            yield Label("Enter opens · F2 renames · Delete deletes", classes="panel-note")
+            yield Label("Enter opens · F2 renames · Delete twice deletes", classes="panel-note")
 
     def on_mount(self) -> None:
         self.show_chats()

@@ -442,9 +442,10 @@ def create_app(worker: EngineWorker, settings: ServerSettings) -> Starlette:
         body = {"status": worker.state, "model": settings.model_ids[0]}
         if worker.state == "ready":
             return JSONResponse({**body, "status": "ok"})
-        if worker.error:
+        if worker.error:  # failed: asking again will not help
             body["error"] = worker.error
-        return JSONResponse(body, status_code=503)
+            return JSONResponse(body, status_code=503)
+        return JSONResponse(body, status_code=503, headers={"Retry-After": "1"})  # loading
 
     async def metrics(request: Request):
         text = prometheus.render(worker, stats, settings.model_ids[0])

@@ -356,7 +356,8 @@ class Engine:
             "experts": self.loaded.num_experts,
             "hidden": self.loaded.hidden,
             "expert_bytes": index.expert_nbytes,
-            "expert_cache_bytes": self.config.expert_cache_bytes,  # as the plan resolved it
+            # In effect: the banks' bytes, at most every expert (an `auto` budget may be larger).
+            "expert_cache_bytes": self.memory_plan.expert_cache_bytes,
             "memory_plan": self.memory_plan.as_dict(),
             # Metal only, None elsewhere: the wired limit this run set, and the most it could.
             "wired_limit_bytes": self.wired_bytes,

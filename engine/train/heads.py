@@ -321,7 +321,7 @@ def train_heads(
             traces = collect_traces(loaded, windows, work / f"traces-{key}", bars, on_window)
         progress(
             f"collected {describe(traces.shape)} in {time.perf_counter() - started:.1f} s "
-            f"(expert cache {format_bytes(loaded.engine_config.expert_cache_bytes)}); "
+            f"(expert cache {format_bytes(loaded.memory_plan.expert_cache_bytes)}); "
             f"training {len(owners)} heads (owners {owners[0]}..{owners[-1]})"
         )
         routing = routing_of(loaded, config.k)
