@@ -11,6 +11,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from adapters import write_random_profile
+from cli_runner import run_cli
 
 from edge0_tui.cli import main
 from engine.config import EngineConfig
@@ -166,3 +167,19 @@ def test_cli_eval_of_a_plain_checkpoint_resident_equals_on_demand(checkpoint_dir
     printed = capsys.readouterr().out
     assert "mode on-demand, K=4, heads none, LoRA none" in printed
     assert "recall" not in printed and "retention" not in printed
+
+
+def test_cli_eval_takes_an_expert_cache_and_sizes_its_own_by_default(checkpoint_dir, tmp_path):
+    """Every command that loads a model takes --expert-cache (auto by default, so eval runs
+    where the model streams); a cache below one routed set is refused in one line."""
+    model = checkpoint_dir("qwen3_moe")
+    text = tmp_path / "held.txt"
+    text.write_text("\n\n".join(pydoc_data.topics.topics.values())[-20_000:])
+    base = ("eval", str(model), "--text", str(text), "--mode", "on-demand", "--max-tokens", "256",
+            "--samples", "1")  # fmt: skip
+    small = run_cli(*base, "--expert-cache", "200K", "--json")
+    assert small.returncode == 0, small.stderr
+    assert math.isfinite(json.loads(small.stdout)["perplexity"]["value"])
+    tiny = run_cli(*base, "--expert-cache", "1K")
+    assert tiny.returncode == 2 and "an expert cache of 1.00 KiB cannot hold" in tiny.stderr
+    assert "--expert-cache" in run_cli("eval", "--help").stdout

@@ -21,6 +21,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     options.add_k(parser, help=None)
     options.add_mode(parser, default=None, help="default: prerouter when heads exist")
     parser.add_argument("--no-lora", action="store_true")
+    options.add_expert_cache(
+        parser,
+        default=options.AUTO,
+        auto=True,
+        metavar="SIZE|auto",
+        help="routed-expert budget, e.g. 512M, or auto (the default: what the memory plan leaves)",
+    )
     options.add_exact(parser)
     options.add_adapters(parser)
     parser.add_argument("--max-tokens", type=options.count(1), default=16_384)
@@ -45,6 +52,7 @@ def run(args: argparse.Namespace) -> int:
         lora=not args.no_lora,
         max_tokens=args.max_tokens,
         samples=args.samples,
+        **options.expert_cache_config(args.expert_cache),
         exact_kernels=args.exact,
         adapter_dirs=options.adapter_dirs(args.adapters),
         data_dir=options.data_dir(),

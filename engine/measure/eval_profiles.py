@@ -39,6 +39,7 @@ def evaluate_profiles(
     engine_config = EngineConfig(
         mode="on-demand",
         expert_cache_bytes=config.expert_cache_bytes,
+        expert_cache_auto=config.expert_cache_auto,
         exact_kernels=config.exact_kernels,
         adapter_dirs=config.adapter_dirs,
         data_dir=config.data_dir,

@@ -62,7 +62,10 @@ class EvalConfig:
     retention_windows: int = 4
     group_size: int = 64  # the requantization of the merged weights
     bits: int = 4
+    # The expert cache (EngineConfig's fields): by default what the memory plan leaves, so that
+    # an evaluation runs wherever the model streams.
     expert_cache_bytes: int = 1 << 30
+    expert_cache_auto: bool = True
     seed: int = 0
     exact_kernels: bool = False  # EngineConfig's field of the same name
     # Where K profiles are looked for (EngineConfig's fields of the same names).
@@ -255,6 +258,7 @@ def evaluate(model_dir: str | Path, text: str, config: EvalConfig, log: Log | No
         k=config.k,
         lora=config.lora,
         expert_cache_bytes=config.expert_cache_bytes,
+        expert_cache_auto=config.expert_cache_auto,
         exact_kernels=config.exact_kernels,
         adapter_dirs=config.adapter_dirs,
         data_dir=config.data_dir,
