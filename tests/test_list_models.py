@@ -69,3 +69,42 @@ def test_list_with_nothing_says_how_to_start(tmp_path, monkeypatch):
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "hub"))
     out = run_cli("list")
     assert out.returncode == 0 and "edge0 chat demo" in out.stdout
+
+
+def test_the_catalog_fingerprints_a_model_as_its_engine_does(checkpoint_dir, family):
+    """`edge0 list` reads headers only; the fingerprint it finds K profiles by (the automatic
+    adapter folder is named by it) must be the loaded engine's, for every family. (It was the
+    config's alone: profiles `train heads` wrote there were not listed.)"""
+    from engine.checkpoint.index import CheckpointIndex, base_fingerprint, max_checkpoint_tensors
+    from engine.config import EngineConfig
+    from engine.runtime.generation import Engine
+
+    model = checkpoint_dir(family)
+    index = CheckpointIndex(model, max_checkpoint_tensors(None))
+    index.add_moe_layers_by_name()
+    with Engine(model, EngineConfig(mode="on-demand")) as engine:
+        assert base_fingerprint(index) == engine.fingerprint
+        assert sorted(index.layers) == sorted(engine.loaded.index.layers)
+
+
+def test_profiles_in_the_automatic_folder_are_listed(checkpoint_dir, tmp_path):
+    import shutil
+
+    from adapters import write_random_profile
+
+    from engine import summarize_checkpoint
+    from engine.adapters.locations import auto_adapter_dir
+    from engine.config import EngineConfig
+    from engine.runtime.generation import Engine
+
+    model = tmp_path / "model"
+    shutil.copytree(checkpoint_dir("qwen3_moe"), model)
+    write_random_profile(model, 2)
+    data = tmp_path / "data"
+    with Engine(model, EngineConfig(mode="on-demand", data_dir=data)) as engine:
+        auto = auto_adapter_dir(engine.fingerprint, data)
+    auto.mkdir(parents=True)
+    for path in model.glob("*_k2.safetensors"):
+        shutil.move(path, auto / path.name)
+    summary = summarize_checkpoint(model, EngineConfig(data_dir=data))
+    assert summary.profiles == {2: "auto"} and summary.recovered == (2,)

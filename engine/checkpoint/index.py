@@ -414,6 +414,25 @@ class CheckpointIndex:
         self.layers[layer] = layer_experts
         return layer_experts
 
+    def add_moe_layers_by_name(self) -> None:
+        """Register every MoE layer's expert tensors from the headers alone, where no model is
+        built (`edge0 list`): a stacked `gate_proj.weight` (one matrix an expert) marks a
+        layer's routed experts, and every tensor under its module path is theirs, as the loader
+        registers them from the built model."""
+        for name, entry in self.tensors.items():
+            if not name.endswith(".gate_proj.weight") or len(entry.shape) != 3:
+                continue
+            path = name.removesuffix(".gate_proj.weight")
+            layer = _layer_number(path)
+            if layer is None:
+                continue
+            parts = {
+                other.removeprefix(f"{path}."): tuple(e.shape)
+                for other, e in self.tensors.items()
+                if other.startswith(f"{path}.") and "." in other.removeprefix(f"{path}.")
+            }
+            self.add_moe_layer(layer, path, entry.shape[0], parts)
+
     @property
     def expert_nbytes(self) -> int:
         """Bytes of all routed-expert tensors registered so far."""
@@ -426,6 +445,15 @@ class CheckpointIndex:
             for le in self.layers.values()
             for t in le.tensors
         ]
+
+
+def _layer_number(path: str) -> int | None:
+    """The decoder layer a module path is in (`model.layers.3.mlp.switch_mlp` -> 3)."""
+    parts = path.split(".")
+    for before, number in zip(parts, parts[1:]):
+        if before == "layers" and number.isascii() and number.isdigit():
+            return int(number)
+    return None
 
 
 def max_checkpoint_tensors(layers: int | None) -> int:

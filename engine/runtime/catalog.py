@@ -44,6 +44,7 @@ def summarize_checkpoint(model_dir: str | Path, config: EngineConfig) -> Checkpo
     text = model_config.get("text_config") or model_config
     layers = text.get("num_hidden_layers", model_config.get("num_hidden_layers"))
     index = CheckpointIndex(model_dir, max_checkpoint_tensors(int(layers) if layers else None))
+    index.add_moe_layers_by_name()  # the fingerprint covers the routed experts' tensors
     search = search_profiles(model_dir, base_fingerprint(index), config)
     return CheckpointSummary(
         path=model_dir,
