@@ -1132,3 +1132,27 @@ def test_serve_demo_shows_the_wall_as_the_chat_does(monkeypatch):
     assert (demo.expert_cache_bytes, demo.page_cache_bytes) == (4 << 20, 4 << 20)
     assert (explicit.expert_cache_bytes, explicit.page_cache_bytes) == (64 << 20, None)
     assert (other.expert_cache_bytes, other.page_cache_bytes) == (1 << 30, None)
+
+
+def test_tools_a_template_never_reads_are_said_to_be_ignored(server):
+    """The synthetic model's chat template does not take tools: a request that brings them is
+    answered (the reply is still the model's), with a warning header and a log line, not
+    silently (tests/test_server_tools.py: a template that takes them gets no warning)."""
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    question = [{"role": "user", "content": "hi"}]
+    client = server.client()
+    whole = client.chat.completions.with_raw_response.create(
+        model="edge0", messages=question, max_tokens=2, tools=[tool]
+    )
+    warning = "tools ignored: this model's chat template does not take tools"
+    assert whole.headers.get("x-edge0-warning") == warning
+    stream = client.chat.completions.with_raw_response.create(
+        model="edge0", messages=question, max_tokens=2, tools=[tool], stream=True
+    )
+    assert stream.headers.get("x-edge0-warning") == warning
+    list(stream.parse())  # the whole stream, so the request is logged
+    plain = client.chat.completions.with_raw_response.create(
+        model="edge0", messages=question, max_tokens=2
+    )
+    assert plain.headers.get("x-edge0-warning") is None
+    assert warning in server.log.read_text()

@@ -43,9 +43,11 @@ def test_tools_and_a_tool_turn_reach_the_template(server):
     client = server.client()
     question = [{"role": "user", "content": "Weather in Paris?"}]
     plain = client.chat.completions.create(model="tiny-agent", messages=question, max_tokens=2)
-    with_tools = client.chat.completions.create(
+    raw = client.chat.completions.with_raw_response.create(
         model="tiny-agent", messages=question, max_tokens=2, tools=[WEATHER_TOOL]
     )
+    assert raw.headers.get("x-edge0-warning") is None  # this template takes tools
+    with_tools = raw.parse()
     assert with_tools.usage.prompt_tokens > plain.usage.prompt_tokens + 10  # the tools' text
     none = client.chat.completions.create(
         model="tiny-agent", messages=question, max_tokens=2, tools=[WEATHER_TOOL],

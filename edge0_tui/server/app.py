@@ -167,6 +167,9 @@ class _ClientGone:
 
 
 CLIENT_GONE = _ClientGone()
+# The reply's warning when the request brought tools and the model's chat template never reads
+# them: the model did not see them (a header, not an error: the reply is still the model's).
+TOOLS_IGNORED = "tools ignored: this model's chat template does not take tools"
 
 
 class GenerationResponse:
@@ -183,8 +186,12 @@ class GenerationResponse:
         writer,
         parts: ReplyParts,
         error_body=lambda error: error.body(),
+        warning: str | None = None,
     ) -> None:
         self.request = request
+        # Said in the `x-edge0-warning` header and the request's log line: what the request
+        # asked for that the reply was made without.
+        self.warning = warning
         self.job = job
         self.events = events
         self.stats = stats
@@ -244,6 +251,7 @@ class GenerationResponse:
         # The profile the reply ran with: the server's, or one the request asked for.
         asked = " (asked)" if self.request.k is not None or self.request.mode is not None else ""
         called = f", called {', '.join(c.name for c in calls)}" if calls else ""
+        called += f"; {self.warning}" if self.warning else ""
         note(
             self.scope,
             f"{self.request.kind} {event.prompt_tokens}+{event.completion_tokens} tokens "
@@ -252,6 +260,9 @@ class GenerationResponse:
             f"cold {f['cold_fraction']:.0%}, K={f['k']} {f['mode']}{asked}, {reason}{called}",
         )
         return reason, usage(event.prompt_tokens, event.completion_tokens)
+
+    def _warning_header(self) -> dict[str, str]:
+        return {"x-edge0-warning": self.warning} if self.warning else {}
 
     async def _whole(self, send) -> None:
         pieces: list[tuple[str, str]] = []
@@ -287,7 +298,7 @@ class GenerationResponse:
                 event.figures,
                 logprobs,
             )
-            await JSONResponse(body)(self.scope, _no_receive, send)
+            await JSONResponse(body, headers=self._warning_header())(self.scope, _no_receive, send)
             return
 
     async def _stream(self, send) -> None:
@@ -305,6 +316,7 @@ class GenerationResponse:
                     (b"content-type", b"text/event-stream; charset=utf-8"),
                     (b"cache-control", b"no-cache"),
                     (b"x-accel-buffering", b"no"),
+                    *((k.encode(), v.encode()) for k, v in self._warning_header().items()),
                 ],
             }
         )
@@ -400,10 +412,16 @@ def create_app(worker: EngineWorker, settings: ServerSettings) -> Starlette:
         job = Job(parsed, post, tokens)
         worker.submit(job)  # ApiError: 503 loading, 429 queue full
         parts = ReplyParts(worker.template_facts, worker.opens_thinking(tokens), bool(parsed.tools))
+        ignored = bool(parsed.tools) and not worker.template_facts.takes_tools
+        warning = TOOLS_IGNORED if ignored else None
         if anthropic:
             writer = AnthropicWriter(parsed, lambda: job.text.stopped, len(tokens or ()))
-            return GenerationResponse(parsed, job, events, stats, writer, parts, anthropic_error)
-        return GenerationResponse(parsed, job, events, stats, OpenAIWriter(parsed), parts)
+            return GenerationResponse(
+                parsed, job, events, stats, writer, parts, anthropic_error, warning
+            )
+        return GenerationResponse(
+            parsed, job, events, stats, OpenAIWriter(parsed), parts, warning=warning
+        )
 
     async def chat_completions(request: Request):
         return await generate(request, parse_chat)

@@ -340,7 +340,11 @@ def template_facts(engine) -> TemplateFacts:
     if isinstance(template, dict):  # named templates: the default, or all of them
         template = template.get("default") or "\n".join(map(str, template.values()))
     template = template if isinstance(template, str) else ""
-    return TemplateFacts(thinks=THINK_CLOSE in template, dialect=dialect_of(template))
+    return TemplateFacts(
+        thinks=THINK_CLOSE in template,
+        dialect=dialect_of(template),
+        takes_tools="tools" in template,
+    )
 
 
 def prompt_chars(request: GenerationRequest) -> int:

@@ -25,6 +25,9 @@ class TemplateFacts:
 
     thinks: bool  # it has think tags: reasoning is split out
     dialect: Dialect | None  # its tool-call dialect, if any
+    # It reads the `tools` it is given: a template that never names them drops a request's
+    # tools without a word, so the reply says so (`TOOLS_IGNORED`).
+    takes_tools: bool = True
 
 
 def _held(text: str, markers: tuple[str, ...]) -> int:
