@@ -273,3 +273,21 @@ async def test_the_picker_and_the_note_fit(models, tmp_path, size):
         descriptions = [str(cell) for cell in table.columns[1].cells]
         assert any(k.startswith("^l") or "ctrl+l" in k for k in keys), keys
         assert "Model" in descriptions
+
+
+async def test_typing_with_the_list_focused_goes_to_the_path_field(models, tmp_path):
+    """The picker opens on its list (nothing typed yet); a typed path goes to the field, and
+    Enter opens what was typed, not the highlighted model."""
+    first, second = models
+    app = kept_app(first, second, tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(app, pilot)
+        picker = await open_picker(app, pilot)
+        assert picker.query_one("#models", OptionList).has_focus
+        chosen = []
+        picker.dismiss = chosen.append  # what the picker hands back, without opening it
+        await pilot.press(*"/tmp/x")
+        box = picker.query_one("#path", Input)
+        assert box.has_focus and box.value == "/tmp/x"
+        await pilot.press("enter")
+        assert chosen == ["/tmp/x"]

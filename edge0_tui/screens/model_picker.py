@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rich.text import Text
-from textual import on, work
+from textual import events, on, work
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Vertical
@@ -82,7 +82,9 @@ class ModelPickerScreen(ModalScreen[str | None]):
         with Vertical(id="dialog", classes="models-dialog"):
             yield Label("Open a model", classes="dialog-title")
             yield Input(
-                placeholder="a checkpoint folder, or a Hugging Face id owner/name", id="path"
+                placeholder="a checkpoint folder, or a Hugging Face id owner/name",
+                id="path",
+                select_on_focus=False,  # typing moves here from the list: keep what it typed
             )
             yield OptionList(id="models")
             yield Label("looking for models…", id="models-note", classes="panel-note", markup=False)
@@ -128,6 +130,17 @@ class ModelPickerScreen(ModalScreen[str | None]):
             options.highlighted = 0
             if not self.query_one("#path", Input).value:
                 options.focus()  # nothing typed yet: Up, Down and Enter pick from the list
+
+    def on_key(self, event: events.Key) -> None:
+        """Typing with the list focused goes to the path field: what a user types is a path or
+        a Hub id, never a key of the list (Up, Down and Enter still pick from it)."""
+        options = self.query_one("#models", OptionList)
+        if options.has_focus and event.is_printable and event.character:
+            box = self.query_one("#path", Input)
+            box.focus()
+            box.insert_text_at_cursor(event.character)
+            event.stop()
+            event.prevent_default()
 
     def on_option_list_option_selected(self, event: OptionList.OptionSelected) -> None:
         self.dismiss(self.rows[event.option_index]["name"])
