@@ -12,7 +12,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
-from engine import HeatPicture, StepMetrics, routed_by_layer
+from engine import HeatPicture, MemorySnapshot, StepMetrics, routed_by_layer
 
 # Steps kept for the sparklines, and the most recent of those averaged into the headline figures
 # (long enough to smooth single slow steps, short enough to show a K switch within a second).
@@ -38,6 +38,9 @@ class LiveMetrics:
     peak_rss_bytes: int = 0
     # The latest forward (prefill or decode): the memory figures come from here.
     last_step: StepMetrics | None = None
+    # The engine's memory as it loaded (`MemorySnapshot`: the same memory fields as a step's),
+    # shown until the first forward, so the panel never reads 0 B with a model in memory.
+    loaded_memory: MemorySnapshot | None = None
     # The latest reply's prefill (every prompt chunk up to the first token): its reads are shown
     # apart from the decode figures, which a whole-layer prefill read would swamp.
     last_prefill: StepMetrics | None = None

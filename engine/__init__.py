@@ -44,6 +44,7 @@ _ON_FIRST_USE = {
     "ExpertEvent": "engine.experts.heat",
     "HeatPicture": "engine.experts.heat",
     "StepMetrics": "engine.runtime.metrics",
+    "MemorySnapshot": "engine.runtime.metrics",
     "peak_memory_line": "engine.runtime.metrics",
     "process_lifetime_peaks": "engine.runtime.metrics",
     "routed_by_layer": "engine.runtime.metrics",

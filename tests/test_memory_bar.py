@@ -150,3 +150,32 @@ async def test_a_macs_metal_wired_limit_is_shown_and_absent_elsewhere():
         bar.show(demo_breakdown())
         await pilot.pause()
         assert "Metal wired limit" not in bar.render().plain
+
+
+def test_the_memory_of_the_load_is_shown_before_the_first_forward(checkpoint_dir):
+    """Before the first message (and after a model switch) the bar shows what the load holds,
+    not 0 B; the first forward's figures take over from it."""
+    import threading
+
+    from edge0_tui.engine_service import EngineOpened, EngineService
+    from engine import Engine, EngineConfig
+
+    system = SystemMemory(total_bytes=8 << 30, used_bytes=4 << 30, source="RAM")
+    opened = threading.Event()
+    service = EngineService(
+        lambda: Engine(checkpoint_dir(), EngineConfig()),
+        lambda event: opened.set() if isinstance(event, EngineOpened) else None,
+    )
+    service.start()
+    try:
+        assert opened.wait(60)
+        loaded = service.live.loaded_memory
+        assert loaded is not None and loaded.mlx_active_bytes > 0 and loaded.rss_bytes > 0
+        before = MemoryBreakdown.of(service.live, system)
+        assert before.segments[0].nbytes == loaded.mlx_active_bytes + loaded.mlx_cache_bytes > 0
+        assert before.own_bytes >= loaded.rss_bytes - 1
+        after = MemoryBreakdown.of(LiveMetrics(last_step=_step(), loaded_memory=loaded), system)
+        assert after.segments[0].nbytes != before.segments[0].nbytes  # the step's, not the load's
+    finally:
+        service.shutdown()
+        assert service.closed.wait(60)

@@ -246,7 +246,12 @@ class EngineService:
         """Load, publish the engine's facts, and say so. False when asked to quit meanwhile."""
         engine = open_engine()
         self.engine = engine
-        self.live = LiveMetrics(k=engine.k, mode=engine.mode, peak_rss_bytes=_process_peak_rss())
+        self.live = LiveMetrics(
+            k=engine.k,
+            mode=engine.mode,
+            peak_rss_bytes=_process_peak_rss(),
+            loaded_memory=engine.memory.snapshot(),
+        )
         self._publish_facts(engine)
         self._refresh_memory(engine)
         with self._cv:

@@ -55,7 +55,7 @@ class MemoryBreakdown:
     def of(
         cls, metrics: LiveMetrics, system: SystemMemory, wired_limit_bytes: int | None = None
     ) -> MemoryBreakdown:
-        step = metrics.last_step
+        step = metrics.last_step or metrics.loaded_memory  # before the first forward: the load's
         active = step.mlx_active_bytes if step else 0
         cache = step.mlx_cache_bytes if step else 0
         checkpoint = step.page_cache_expert_bytes if step else 0
