@@ -20,6 +20,7 @@ from textual.screen import Screen
 
 from engine import MODES, Edge0Error, EngineConfig, GenerationConfig
 
+from .chat_controller import mode_unavailable
 from .chat_store import ChatStore
 from .engine_session import EngineSession
 from .last_session import LastSession, LastSessionFile
@@ -33,7 +34,6 @@ from .screens.expert_heat import ExpertHeatScreen
 from .screens.model_picker import ModelPickerScreen
 from .series_export import FORMATS, write_series
 from .widgets.first_steps import DEMO_PROMPTS
-from .widgets.routing_selector import RoutingSelector, mode_unavailable
 
 
 def screenshot_folder(data_dir: Path) -> Path:
@@ -89,7 +89,7 @@ class Edge0App(App[None]):
         if reopen:
             self.chat_screen.reopen = self.last_session.load() or self._latest_chat()
         if preferences is not None:
-            self.chat_screen.system_prompt = preferences.current.system_prompt
+            self.chat_screen.controller.system_prompt = preferences.current.system_prompt
         self._warned_unsaved = False
         # Another model being opened in place of the running one (`open_model`): the model as
         # named before, and how the new one starts; None when none is.
@@ -109,6 +109,7 @@ class Edge0App(App[None]):
         chose them; a kept max tokens that does not fit its context falls back. A K or mode this
         model no longer offers (its adapters moved) is said and skipped."""
         kept, chat = self.preferences, self.chat_screen
+        control = chat.controller
         if kept is None:
             return
         if kept.store.warning:
@@ -121,7 +122,7 @@ class Edge0App(App[None]):
             if warning:
                 kept.current = fitted
                 max_tokens = fitted.generation.max_tokens
-                chat.settings = dataclasses.replace(chat.settings, max_tokens=max_tokens)
+                control.settings = dataclasses.replace(control.settings, max_tokens=max_tokens)
                 chat.notify(warning, title="settings file", severity="warning")
         wanted = kept.current
         if wanted.mode and not kept.mode_from_command_line and wanted.mode != event.info["mode"]:
@@ -130,7 +131,7 @@ class Edge0App(App[None]):
             else:
                 chat.notify(f"the {wanted.mode} mode kept for this model is not available now")
         if wanted.k and not kept.k_from_command_line and wanted.k != event.info["k"]:
-            if wanted.k in chat.k_choices():
+            if wanted.k in control.k_choices():
                 chat.choose_k(wanted.k, remember=False)
             else:
                 chat.notify(f"K={wanted.k}, kept for this model, is not offered now")
@@ -264,7 +265,7 @@ class Edge0App(App[None]):
             "Each MoE layer's experts: in the cache, used, read cold, read ahead (f7)",
             self.action_expert_heat,
         )
-        if chat.model_name == DEMO:
+        if chat.controller.model_name == DEMO:
             for i, prompt in enumerate(DEMO_PROMPTS):
                 yield SystemCommand(
                     f"Suggested prompt: {prompt}",
@@ -286,8 +287,10 @@ class Edge0App(App[None]):
         chat = self.chat_screen
         if self.screen is not chat:
             return  # a dialog is open, or the model is loading
-        if not chat.ready:
-            chat.notify(f"cannot open another model now: {chat.state}", severity="warning")
+        if not chat.controller.ready:
+            chat.notify(
+                f"cannot open another model now: {chat.controller.state}", severity="warning"
+            )
             return
         store = self.preferences.store if self.preferences is not None else None
         picker = ModelPickerScreen(
@@ -302,8 +305,8 @@ class Edge0App(App[None]):
         chat = self.chat_screen
         if not model:
             return
-        if not chat.ready:  # something else began loading while the picker was open
-            chat.notify(f"cannot open {model} now: {chat.state}", severity="warning")
+        if not chat.controller.ready:  # something else began loading while the picker was open
+            chat.notify(f"cannot open {model} now: {chat.controller.state}", severity="warning")
             return
         if model_key(model) == model_key(self.session.model):
             chat.notify(f"{model} is the model in use")
@@ -338,7 +341,7 @@ class Edge0App(App[None]):
 
     def _engine_commands(self, chat: ChatScreen) -> Iterable[SystemCommand]:
         """What multiplies the matrices: the BLAS in use and how prefill computes the experts."""
-        info = chat.engine_info
+        info = chat.controller.engine_info
         if "blas" not in info:
             return
         blas = f"BLAS: {info['blas']['text']}"
@@ -350,14 +353,14 @@ class Edge0App(App[None]):
     def _switch_commands(self, chat: ChatScreen) -> Iterable[SystemCommand]:
         """K and mode, findable by "K", "mode" or a mode's name; a mode this engine cannot run
         here is listed too, saying why, so that searching for it is not a dead end."""
-        if not chat.ready:
+        offered = chat.controller  # the K profiles and modes, as the selector shows them
+        if not offered.ready:
             return
-        routing = chat.query_one(RoutingSelector)
         yield SystemCommand("Next K", "Cycle the routing width K (f4, k)", chat.action_next_k)
         yield SystemCommand(
             "Next mode", "Cycle the expert-loading mode (f5, m)", chat.action_next_mode
         )
-        for profile in routing.profiles:
+        for profile in offered.profiles:
             note = "" if profile.recovered else " (quality not recovered)"
             yield SystemCommand(
                 f"Routing width K={profile.k}",
@@ -365,7 +368,7 @@ class Edge0App(App[None]):
                 partial(chat.choose_k, profile.k),
             )
         for mode in MODES:
-            if mode in routing.modes:
+            if mode in offered.modes:
                 yield SystemCommand(
                     f"Mode: {mode}",
                     f"Expert loading: switch to {mode} mode",

@@ -7,7 +7,8 @@ The UI thread talks to that thread only through this object (method calls down):
   writing, so a reply stops within one decode step;
 - `request_k` / `request_mode` / `request_page_cache` take effect before the engine's next step,
   mid-reply too, and at once when idle; `reload` loads the model again in another mode;
-  `open_model` opens another model in its place (the chat stays: it is the screen's);
+  `open_model` opens another model in its place (the chat stays: the screen's controller
+  holds it);
 - `metrics` is the frozen snapshot the engine thread replaces after every token, and the UI reads.
 The engine thread answers with the messages in `edge0_tui.messages`, posted, never awaited
 (messages up): workers never touch widgets.

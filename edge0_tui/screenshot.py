@@ -35,7 +35,7 @@ async def capture(out: Path, data_dir: Path) -> None:
     )
     async with app.run_test(size=(132, 42), notifications=True) as pilot:
         chat = app.chat_screen
-        await _until(pilot, lambda: chat.ready, 300)
+        await _until(pilot, lambda: chat.controller.ready, 300)
         for n, question in enumerate(QUESTIONS):
             if n == 1:
                 chat.choose_mode("prerouter")
@@ -43,7 +43,9 @@ async def capture(out: Path, data_dir: Path) -> None:
             chat.query_one(PromptInput).text = question
             await pilot.press("enter")
             answered = 2 * (n + 1)  # messages once this reply is in
-            await _until(pilot, lambda a=answered: chat.reply is None and len(chat.messages) == a)
+            await _until(
+                pilot, lambda a=answered: chat.reply is None and len(chat.controller.messages) == a
+            )
         await pilot.pause(0.5)  # one more panel tick after the last token
         chat.panel_timer.pause()
         # Keep only the demo notice on screen, so the toasts hide no panel.

@@ -172,10 +172,10 @@ async def test_chat_app_offers_the_profiles_of_adapters(model, tmp_path):
     )
     async with app.run_test(size=(120, 40)) as pilot:
         for _ in range(500):
-            if app.chat_screen.ready:
+            if app.chat_screen.controller.ready:
                 break
             await pilot.pause(0.02)
-        assert app.chat_screen.ready
+        assert app.chat_screen.controller.ready
         profiles = app.chat_screen.query_one(RoutingSelector).profiles
         assert any(p.k == 4 and p.prerouter and p.lora for p in profiles)
         await pilot.press("ctrl+q")

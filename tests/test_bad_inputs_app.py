@@ -183,7 +183,9 @@ async def test_a_hostile_model_path_is_reported_cleanly(tmp_path):
     app = make_app(tmp_path / f"no[/x]{TITLE}model", tmp_path)
     notices = record_notifications(app)
     async with app.run_test(size=SIZE, notifications=True) as pilot:
-        await wait_until(pilot, lambda: app.chat_screen.state == "no model", "the load to fail")
+        await wait_until(
+            pilot, lambda: app.chat_screen.controller.state == "no model", "the load to fail"
+        )
         await pilot.pause(0.2)
         assert app.is_running
         assert "no[/x]" in shown(app)  # shown as written, not as markup
@@ -408,7 +410,9 @@ async def test_the_app_says_why_a_missing_path_cannot_load(tmp_path, monkeypatch
     app = Edge0App(model="./x", data_dir=tmp_path, cache_dir=tmp_path / "cache")
     notices = record_notifications(app)
     async with app.run_test(size=SIZE) as pilot:
-        await wait_until(pilot, lambda: app.chat_screen.state == "no model", "the load to fail")
+        await wait_until(
+            pilot, lambda: app.chat_screen.controller.state == "no model", "the load to fail"
+        )
         ((message, severity),) = notices
         assert severity == "error" and message.startswith("./x: no such local directory (/")
         assert message.endswith("/x does not exist)")
@@ -423,7 +427,9 @@ async def test_the_app_shows_the_real_reason_when_loading_breaks(model, tmp_path
     app = make_app(model, tmp_path)
     notices = record_notifications(app)
     async with app.run_test(size=SIZE) as pilot:
-        await wait_until(pilot, lambda: app.chat_screen.state == "no model", "the load to fail")
+        await wait_until(
+            pilot, lambda: app.chat_screen.controller.state == "no model", "the load to fail"
+        )
         assert notices == [("ValueError: config.json: expected a number", "error")]
         assert "engine stopped" not in status_text(app)
 

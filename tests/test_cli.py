@@ -107,7 +107,9 @@ def test_chat_hands_the_samplers_options_to_the_app(checkpoint_dir, monkeypatch)
     from edge0_tui.model_start import DEFAULT_SETTINGS
 
     seen = []
-    monkeypatch.setattr(Edge0App, "run", lambda app: seen.append(app.chat_screen.settings))
+    monkeypatch.setattr(
+        Edge0App, "run", lambda app: seen.append(app.chat_screen.controller.settings)
+    )
     model = str(checkpoint_dir("qwen3_moe"))
     assert main(["chat", model, "--min-p", "0.05", "--repetition-penalty", "1.2"]) == 0
     assert main(["chat", model]) == 0

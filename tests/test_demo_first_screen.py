@@ -37,12 +37,12 @@ def test_the_demo_settings_and_prompts_give_longer_replies():
 
 async def test_the_demo_opens_on_what_it_is_and_prompts_to_try(tmp_path):
     app = _build(["demo"], tmp_path)
-    assert app.chat_screen.settings == DEMO_SETTINGS  # nothing kept yet
+    assert app.chat_screen.controller.settings == DEMO_SETTINGS  # nothing kept yet
     async with app.run_test(size=(80, 24)) as pilot:
         steps = app.chat_screen.query_one(FirstSteps)
         # (A slow load shows its loading screen over the chat for a while: what the chat screen
         # shows is read once the model is ready.)
-        await wait_until(pilot, lambda: app.chat_screen.ready, "the demo", timeout=30)
+        await wait_until(pilot, lambda: app.chat_screen.controller.ready, "the demo", timeout=30)
         await wait_until(
             pilot,
             lambda: (

@@ -91,7 +91,7 @@ async def test_the_k_selector_shows_each_profiles_measured_quality(
     )
     async with app.run_test(size=(120, 40)) as pilot:
         for _ in range(500):
-            if app.chat_screen.ready:
+            if app.chat_screen.controller.ready:
                 break
             await pilot.pause(0.02)
         selector = app.chat_screen.query_one(RoutingSelector)

@@ -75,7 +75,7 @@ async def test_chat_by_the_demo_path_finds_the_settings_kept_under_demo(tmp_path
     store.save("demo", kept)
     app = _build(["assets/demo"], tmp_path)
     assert app.preferences.model == "demo"
-    assert app.chat_screen.settings.temperature == 0.3
+    assert app.chat_screen.controller.settings.temperature == 0.3
     # The demo's own defaults come with it: the small budgets that show the wall.
     assert app.session.engine_config.expert_cache_bytes == 4 << 20
     assert app.session.engine_config.page_cache_bytes == 4 << 20
@@ -88,6 +88,6 @@ async def test_chat_k_starts_at_that_k_over_the_kept_one(tmp_path):
     app = _build(["demo", "--k", "8"], tmp_path)
     assert app.session.engine_config.k == 8
     async with app.run_test(size=(120, 40)) as pilot:
-        await wait_until(pilot, lambda: app.chat_screen.ready, "the model", timeout=30)
+        await wait_until(pilot, lambda: app.chat_screen.controller.ready, "the model", timeout=30)
         await pilot.pause(0.3)
         assert app.session.engine.k == 8 and app.session.metrics.k == 8

@@ -147,8 +147,8 @@ async def test_choices_made_in_the_app_come_back_on_the_next_start(model, tmp_pa
         await ready(app, pilot)
         await wait_until(pilot, lambda: app.session.engine.k == 8, "the kept K=8")
         screen = app.chat_screen
-        assert screen.settings.seed == 11 and screen.settings.temperature == 0
-        assert screen.system_prompt == "You are terse."
+        assert screen.controller.settings.seed == 11 and screen.controller.settings.temperature == 0
+        assert screen.controller.system_prompt == "You are terse."
 
 
 def test_cli_chat_uses_kept_budgets_unless_given(checkpoint_dir, monkeypatch):

@@ -69,7 +69,7 @@ async def wait_until(pilot: Pilot, condition, what: str, timeout: float = 15.0) 
 
 
 async def ready(app: Edge0App, pilot: Pilot) -> None:
-    await wait_until(pilot, lambda: app.chat_screen.ready, "the model to load")
+    await wait_until(pilot, lambda: app.chat_screen.controller.ready, "the model to load")
     await pilot.pause()
 
 
@@ -85,7 +85,7 @@ async def send(app: Edge0App, pilot: Pilot, text: str) -> None:
 async def reply_done(app: Edge0App, pilot: Pilot) -> ChatMessage:
     await wait_until(pilot, lambda: app.chat_screen.reply is None, "the reply to end")
     await pilot.pause()
-    return app.chat_screen.messages[-1]
+    return app.chat_screen.controller.messages[-1]
 
 
 async def reply_streaming(app: Edge0App, pilot: Pilot) -> None:
@@ -228,11 +228,11 @@ async def test_escape_stops_within_a_step_and_next_message_works(model, tmp_path
         ending = app.chat_screen.query(AssistantTurn).last().query_one(".ending")
         assert "stopped by you" in str(ending.render())
 
-        app.chat_screen.settings = SHORT
+        app.chat_screen.controller.settings = SHORT
         await send(app, pilot, "and now briefly")
         second = await reply_done(app, pilot)
         assert second.stopped_by == "max_tokens"
-        assert [m.role for m in app.chat_screen.messages] == ["user", "assistant"] * 2
+        assert [m.role for m in app.chat_screen.controller.messages] == ["user", "assistant"] * 2
 
 
 async def test_k_switch_mid_reply_applies_and_next_reply_uses_it(model, tmp_path):
@@ -257,7 +257,7 @@ async def test_k_switch_mid_reply_applies_and_next_reply_uses_it(model, tmp_path
         await reply_done(app, pilot)
 
         # Idle: the engine applies the switch at once, not at the next reply.
-        app.chat_screen.settings = SHORT
+        app.chat_screen.controller.settings = SHORT
         await pilot.click("#k-8")
         await wait_until(pilot, lambda: "K 8  " in status_text(app), "K 8 in the status line")
         assert app.session.engine.k == 8 and app.chat_screen.reply is None
@@ -307,7 +307,9 @@ async def test_saved_chat_reopens_after_restart(model, tmp_path):
         await send(first, pilot, "remember this question")
         saved_reply = (await reply_done(first, pilot)).content
         await pilot.press("ctrl+n")  # a new chat: the screen empties, the saved one stays saved
-        assert first.chat_screen.chat_id is None and not first.chat_screen.query(UserTurn)
+        assert first.chat_screen.controller.chat_id is None and not first.chat_screen.query(
+            UserTurn
+        )
         await pilot.press("ctrl+q")
 
     second = make_app(model, tmp_path)
@@ -325,7 +327,9 @@ async def test_saved_chat_reopens_after_restart(model, tmp_path):
         assert reopened.source == saved_reply
         # A reopened chat shows its context size: its messages through the chat template.
         expected = len(
-            second.session.engine.encode_chat([m.as_prompt() for m in second.chat_screen.messages])
+            second.session.engine.encode_chat(
+                [m.as_prompt() for m in second.chat_screen.controller.messages]
+            )
         )
         await wait_until(
             pilot, lambda: f"context {expected} tokens" in status_text(second), "its context"
@@ -333,7 +337,7 @@ async def test_saved_chat_reopens_after_restart(model, tmp_path):
 
         await send(second, pilot, "and continue")
         await reply_done(second, pilot)
-        chat_id = second.chat_screen.chat_id
+        chat_id = second.chat_screen.controller.chat_id
     store = ChatStore(tmp_path)
     assert [c.message_count for c in store.chats()] == [4]
     assert [m.content for m in store.messages(chat_id)][:3] == [
@@ -374,7 +378,7 @@ async def test_read_error_is_a_notification_and_next_message_works(model, tmp_pa
             app.chat_screen.query(AssistantTurn).last().query_one(".ending").render()
         )
 
-        app.chat_screen.settings = SHORT
+        app.chat_screen.controller.settings = SHORT
         await send(app, pilot, "try again")
         assert (await reply_done(app, pilot)).stopped_by == "max_tokens"
 
@@ -383,13 +387,15 @@ async def test_missing_model_is_a_notification_not_a_crash(tmp_path):
     app = make_app(tmp_path / "no-such-model", tmp_path)
     notices = record_notifications(app)
     async with app.run_test(size=SIZE) as pilot:
-        await wait_until(pilot, lambda: app.chat_screen.state == "no model", "the load to fail")
+        await wait_until(
+            pilot, lambda: app.chat_screen.controller.state == "no model", "the load to fail"
+        )
         assert [s for _, s in notices] == ["error"]
         assert "no-such-model" in notices[0][0] and "\n" not in notices[0][0]
         app.chat_screen.query_one(PromptInput).text = "hello?"
         await pilot.press("enter")
         await pilot.pause()
-        assert app.chat_screen.reply is None and not app.chat_screen.messages
+        assert app.chat_screen.reply is None and not app.chat_screen.controller.messages
         assert app.chat_screen.query_one(PromptInput).text == "hello?"  # kept for later
         assert notices[-1][1] == "warning"
 
@@ -412,7 +418,9 @@ async def test_an_engine_bug_is_one_line_and_the_app_stays(model, tmp_path):
 
         app.session.engine.stream = stream_then_break
         await send(app, pilot, "hello")
-        await wait_until(pilot, lambda: app.chat_screen.state == "engine stopped", "the bug")
+        await wait_until(
+            pilot, lambda: app.chat_screen.controller.state == "engine stopped", "the bug"
+        )
         assert notices[-1] == ("the engine stopped on a bug: RuntimeError('a bug')", "error")
         assert app.chat_screen.reply is None  # the interrupted reply was ended
         assert app.session.closed.is_set()  # and the engine closed on its thread
@@ -450,7 +458,7 @@ async def test_settings_screen_sets_max_tokens_for_the_next_reply(model, tmp_pat
         await pilot.press("enter")  # the refused field has the focus; Enter saves too
         await pilot.pause()
         assert not isinstance(app.screen, SettingsScreen)
-        assert app.chat_screen.settings.max_tokens == 7
+        assert app.chat_screen.controller.settings.max_tokens == 7
         await send(app, pilot, "short")
         await reply_done(app, pilot)
         generated = app.session.metrics.context_tokens - len(
@@ -583,7 +591,9 @@ async def test_main_screen_snapshot(model, tmp_path, size, snapshot, panels):
         screen = app.chat_screen
         screen.panel_timer.pause()  # freeze: nothing time-dependent is drawn after this
         await screen.open_chat(chat_id)
-        await wait_until(pilot, lambda: screen.context_tokens, "the reopened chat's context")
+        await wait_until(
+            pilot, lambda: screen.controller.context_tokens, "the reopened chat's context"
+        )
         prompt = screen.query_one(PromptInput)
         prompt.cursor_blink = False
         if panels:

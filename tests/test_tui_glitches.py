@@ -54,7 +54,9 @@ async def test_a_regenerate_right_after_the_load_shows_no_zeros(model, tmp_path)
     app = make_app(model, tmp_path, LONG)  # long enough to look while it is written
     async with app.run_test(size=SIZE) as pilot:
         await ready(app, pilot)
-        await wait_until(pilot, lambda: app.chat_screen.chat_id == chat_id, "the reopened chat")
+        await wait_until(
+            pilot, lambda: app.chat_screen.controller.chat_id == chat_id, "the reopened chat"
+        )
         screen = app.chat_screen
         screen.panel_timer.pause()
         await pilot.press("ctrl+r")

@@ -27,8 +27,8 @@ from textual.widgets import Label, Markdown, RadioButton
 from textual.widgets._footer import FooterKey
 
 from edge0_tui.app import Edge0App
+from edge0_tui.chat_controller import STARTUP_NOTICE_S
 from edge0_tui.chat_store import ChatMessage, ChatStore
-from edge0_tui.screens.chat import STARTUP_NOTICE_S
 from edge0_tui.widgets.conversation import AssistantTurn
 from edge0_tui.widgets.prompt import PromptInput
 from engine import format_bytes
@@ -66,8 +66,10 @@ async def test_a_message_typed_in_one_burst_arrives_whole(model, tmp_path):
         prompt.focus()
         await pilot.pause()
         burst(app, LONG_MESSAGE, then="enter")
-        await wait_until(pilot, lambda: app.chat_screen.messages, "the message to be sent")
-        assert app.chat_screen.messages[0].content == LONG_MESSAGE
+        await wait_until(
+            pilot, lambda: app.chat_screen.controller.messages, "the message to be sent"
+        )
+        assert app.chat_screen.controller.messages[0].content == LONG_MESSAGE
         await reply_done(app, pilot)
         assert prompt.text == ""
 
@@ -84,8 +86,10 @@ async def test_keys_typed_after_enter_belong_to_the_next_message(model, tmp_path
         burst(app, "next message")
         await wait_until(pilot, lambda: prompt.text == "next message", "the keys after Enter")
         # The screen takes the sent text as a message of its own, maybe after the keys behind it.
-        await wait_until(pilot, lambda: app.chat_screen.messages, "the message to be sent")
-        assert app.chat_screen.messages[0].content == "first line\nsecond line"
+        await wait_until(
+            pilot, lambda: app.chat_screen.controller.messages, "the message to be sent"
+        )
+        assert app.chat_screen.controller.messages[0].content == "first line\nsecond line"
         await reply_done(app, pilot)
 
 
@@ -252,13 +256,17 @@ async def test_ctrl_r_writes_the_last_reply_again_in_its_place(model, tmp_path):
         prompt.text = "tell me"
         await pilot.press("enter")
         first = await reply_done(app, pilot)
-        screen.settings = replace(screen.settings, temperature=1.0, seed=5)  # another reply
+        screen.controller.settings = replace(
+            screen.controller.settings, temperature=1.0, seed=5
+        )  # another reply
         await pilot.press("ctrl+r")
-        await wait_until(pilot, lambda: screen.reply is not None or len(screen.messages) == 2, "")
+        await wait_until(
+            pilot, lambda: screen.reply is not None or len(screen.controller.messages) == 2, ""
+        )
         again = await reply_done(app, pilot)
-        assert [m.role for m in screen.messages] == ["user", "assistant"]
+        assert [m.role for m in screen.controller.messages] == ["user", "assistant"]
         assert len(screen.query(AssistantTurn)) == 1
-        chat_id = screen.chat_id
+        chat_id = screen.controller.chat_id
     store = ChatStore(tmp_path)
     saved = store.messages(chat_id)
     store.close()
@@ -309,7 +317,7 @@ async def test_saved_chats_can_be_searched_renamed_and_deleted(model, tmp_path):
         assert [c.title for c in listing.chats] == ["kings"]
         await pilot.press("escape")
         # The open chat was the one deleted: the screen starts a new chat.
-        await wait_until(pilot, lambda: app.chat_screen.chat is None, "a new chat")
+        await wait_until(pilot, lambda: app.chat_screen.controller.chat is None, "a new chat")
     store = ChatStore(tmp_path)
     assert [c.title for c in store.chats()] == ["kings"]
     store.close()
@@ -340,7 +348,11 @@ async def test_resident_is_chosen_in_the_app_after_a_confirmation_and_left_again
         await pilot.click(app.screen.query_one("#confirm", Button))
         await wait_until(
             pilot,
-            lambda: screen.ready and app.session.engine and app.session.engine.mode == "resident",
+            lambda: (
+                screen.controller.ready
+                and app.session.engine
+                and app.session.engine.mode == "resident"
+            ),
             "the model loaded resident",
         )
         await send(app, pilot, "hello")
@@ -349,10 +361,14 @@ async def test_resident_is_chosen_in_the_app_after_a_confirmation_and_left_again
         await pilot.press("f5")  # from resident, the next mode drops the experts again
         await wait_until(
             pilot,
-            lambda: screen.ready and app.session.engine and app.session.engine.mode == "on-demand",
+            lambda: (
+                screen.controller.ready
+                and app.session.engine
+                and app.session.engine.mode == "on-demand"
+            ),
             "back to on-demand",
         )
-        assert len(screen.messages) == 2  # the chat stayed
+        assert len(screen.controller.messages) == 2  # the chat stayed
 
 
 async def test_a_bracketed_paste_keeps_its_line_breaks_when_sent_as_cr(model, tmp_path):
@@ -371,10 +387,12 @@ async def test_a_bracketed_paste_keeps_its_line_breaks_when_sent_as_cr(model, tm
         await wait_until(pilot, lambda: prompt.text == expected, "the paste in the box")
         assert prompt.document.line_count == 5
         await pilot.press("enter")
-        await wait_until(pilot, lambda: app.chat_screen.messages, "the message to be sent")
+        await wait_until(
+            pilot, lambda: app.chat_screen.controller.messages, "the message to be sent"
+        )
         await reply_done(app, pilot)
-        chat_id = app.chat_screen.chat_id
-        assert app.chat_screen.messages[0].content == expected
+        chat_id = app.chat_screen.controller.chat_id
+        assert app.chat_screen.controller.messages[0].content == expected
     store = ChatStore(tmp_path)
     assert store.messages(chat_id)[0].content == expected
     store.close()

@@ -25,7 +25,7 @@ CHILD = textwrap.dedent(
             await send(app, pilot, "first question")
             while app.chat_screen.reply is not None:
                 await pilot.pause(0.05)
-            app.chat_screen.settings = LONG  # a reply long enough to be killed in the middle of
+            app.chat_screen.controller.settings = LONG  # a reply long enough to be killed in the middle of
             await send(app, pilot, "second question, killed mid-reply")
             start = time.monotonic()
             while time.monotonic() - start < 1.0:

@@ -30,7 +30,7 @@ async def test_the_chat_and_its_unsent_text_come_back_after_quit(model, tmp_path
         await ready(first, pilot)
         await send(first, pilot, "the first question")
         await reply_done(first, pilot)
-        chat_id = first.chat_screen.chat_id
+        chat_id = first.chat_screen.controller.chat_id
         prompt = first.chat_screen.query_one(PromptInput)
         prompt.insert("half a second question,\nover two lines")  # typed, never sent
         await pilot.press("ctrl+q")
@@ -40,7 +40,7 @@ async def test_the_chat_and_its_unsent_text_come_back_after_quit(model, tmp_path
     async with second.run_test(size=SIZE) as pilot:
         prompt = second.chat_screen.query_one(PromptInput)
         await wait_until(pilot, lambda: turns(second) == ["the first question"], "the last chat")
-        assert second.chat_screen.chat_id == chat_id
+        assert second.chat_screen.controller.chat_id == chat_id
         assert prompt.text == "half a second question,\nover two lines"
         await ready(second, pilot)
         await wait_until(pilot, lambda: "context – " not in status_text(second), "its context")
@@ -64,14 +64,14 @@ async def test_text_typed_in_a_new_chat_comes_back_in_a_new_chat(model, tmp_path
         await wait_until(pilot, lambda: turns(first) == ["an older chat"], "the latest chat")
         await ready(first, pilot)  # the loading dialog takes the keys until then
         await pilot.press("ctrl+n")
-        await wait_until(pilot, lambda: first.chat_screen.chat is None, "the new chat")
+        await wait_until(pilot, lambda: first.chat_screen.controller.chat is None, "the new chat")
         first.chat_screen.query_one(PromptInput).insert("a new thought \x1b]0;title\x07")
         await pilot.press("ctrl+q")
     second = make_app(model, tmp_path)
     async with second.run_test(size=SIZE) as pilot:
         prompt = second.chat_screen.query_one(PromptInput)
         await wait_until(pilot, lambda: prompt.text == "a new thought ", "the unsent text")
-        assert second.chat_screen.chat_id is None and turns(second) == []
+        assert second.chat_screen.controller.chat_id is None and turns(second) == []
 
 
 @pytest.mark.parametrize("kept", ["gone", "not json", "huge", "fifo", "wrong shape"])

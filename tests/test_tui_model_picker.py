@@ -125,17 +125,17 @@ async def test_another_model_opens_in_place_and_the_chat_goes_on(models, tmp_pat
         await pick(app, pilot, model_key(str(first)))  # the one in use: nothing reloads
         await wait_until(pilot, lambda: notices, "a word about it")
         assert "is the model in use" in notices[-1][0] and app.session.engine is first_engine
-        assert app.chat_screen.ready
+        assert app.chat_screen.controller.ready
 
         sent = []
         submit = app.session.submit
         app.session.submit = lambda request: (sent.append(request), submit(request))
         await pick(app, pilot, model_key(str(second)))
         # While it loads: the loading screen, and the prompt refuses to send.
-        assert isinstance(app.screen, ModelLoadingScreen) or app.chat_screen.ready
+        assert isinstance(app.screen, ModelLoadingScreen) or app.chat_screen.controller.ready
         await wait_until(
             pilot,
-            lambda: app.chat_screen.ready and app.session.engine is not first_engine,
+            lambda: app.chat_screen.controller.ready and app.session.engine is not first_engine,
             "the second model",
         )
         await wait_until(pilot, lambda: app.session.engine.k == 2, "its kept K=2")
@@ -143,7 +143,7 @@ async def test_another_model_opens_in_place_and_the_chat_goes_on(models, tmp_pat
         engine = app.session.engine
         assert engine.info()["family"] == "bailing_moe" and engine.model_dir == second
         assert app.preferences.model == model_key(str(second))  # its settings now
-        assert app.chat_screen.settings.max_tokens == 12
+        assert app.chat_screen.controller.settings.max_tokens == 12
         selector = app.chat_screen.query_one(RoutingSelector)
         assert selector.query_one("#k-2").value  # the K selector shows its K
         assert "K 2" in status_text(app) and "second" in status_text(app)
@@ -157,14 +157,14 @@ async def test_another_model_opens_in_place_and_the_chat_goes_on(models, tmp_pat
         history = [m["content"] for m in sent[-1].messages]
         assert history == ["Tell me of the king", first_reply.content, "And his daughters?"]
         assert sent[-1].generation.max_tokens == 12
-        assert [m.content for m in app.chat_screen.messages][:2] == history[:2]
+        assert [m.content for m in app.chat_screen.controller.messages][:2] == history[:2]
         assert app.session.metrics.k == 2 and app.session.metrics.last_step is not None
 
 
 async def test_a_reply_being_written_is_stopped_and_kept(models, tmp_path):
     first, second = models
     app = kept_app(first, second, tmp_path)
-    app.chat_screen.settings = GenerationConfig(max_tokens=5000, temperature=0.0)
+    app.chat_screen.controller.settings = GenerationConfig(max_tokens=5000, temperature=0.0)
     async with app.run_test(size=SIZE) as pilot:
         await ready(app, pilot)
         await send(app, pilot, "Speak at length")
@@ -176,11 +176,13 @@ async def test_a_reply_being_written_is_stopped_and_kept(models, tmp_path):
         options.highlighted = [r["name"] for r in picker.rows].index(model_key(str(second)))
         await pilot.press("enter")
         await wait_until(
-            pilot, lambda: app.chat_screen.ready and app.session.engine.k == 2, "the second model"
+            pilot,
+            lambda: app.chat_screen.controller.ready and app.session.engine.k == 2,
+            "the second model",
         )
-        stopped = [m for m in app.chat_screen.messages if m.role == "assistant"]
+        stopped = [m for m in app.chat_screen.controller.messages if m.role == "assistant"]
         assert len(stopped) == 1 and stopped[0].stopped_by == "cancelled" and stopped[0].content
-        assert app.chat_screen.state == "ready"
+        assert app.chat_screen.controller.state == "ready"
 
 
 def bad_models(root: Path, good: Path) -> dict[str, tuple[str, str]]:
@@ -223,7 +225,9 @@ async def test_a_bad_choice_is_one_line_and_the_model_before_stays(models, tmp_p
             message, severity = notices[before]
             assert severity == "error" and error in message, (typed, message)
             assert "\n" not in message and "Traceback" not in message
-            await wait_until(pilot, lambda: app.chat_screen.ready, "the model before, ready")
+            await wait_until(
+                pilot, lambda: app.chat_screen.controller.ready, "the model before, ready"
+            )
             assert not isinstance(app.screen, ModelLoadingScreen)
             if when == "check":  # refused before anything was closed: the same engine
                 assert app.session.engine is engine
@@ -231,7 +235,7 @@ async def test_a_bad_choice_is_one_line_and_the_model_before_stays(models, tmp_p
                 assert app.session.engine is not engine
             assert app.session.engine.model_dir == first
             assert app.preferences.model == model_key(str(first))
-            assert app.chat_screen.settings == SHORT
+            assert app.chat_screen.controller.settings == SHORT
             assert not app.chat_screen.query(ChatNote)
             await send(app, pilot, f"still there after {Path(typed).name}?")
             reply = await reply_done(app, pilot)
@@ -261,7 +265,9 @@ async def test_the_picker_and_the_note_fit(models, tmp_path, size):
         await pilot.press("escape")
         await pick(app, pilot, model_key(str(second)))
         await wait_until(
-            pilot, lambda: app.chat_screen.ready and app.session.engine.k == 2, "the second model"
+            pilot,
+            lambda: app.chat_screen.controller.ready and app.session.engine.k == 2,
+            "the second model",
         )
         await pilot.pause()
         (note,) = app.chat_screen.query(ChatNote)

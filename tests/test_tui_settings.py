@@ -38,13 +38,13 @@ async def test_settings_open_on_the_first_field_with_one_row_of_buttons(
 async def test_the_empty_page_cache_field_says_the_demo_runs_with_4m(tmp_path):
     app = _build(["demo"], tmp_path)
     async with app.run_test(size=(120, 40)) as pilot:
-        await wait_until(pilot, lambda: app.chat_screen.ready, "the demo", timeout=30)
+        await wait_until(pilot, lambda: app.chat_screen.controller.ready, "the demo", timeout=30)
         await pilot.press("f2")
         await wait_until(pilot, lambda: isinstance(app.screen, SettingsScreen), "the settings")
         box = app.screen.query_one("#page_cache", Input)
         assert box.value == "" and box.placeholder == "empty: this model's default (4.00 MiB now)"
         await pilot.press("escape")
-        app.chat_screen._set_page_cache(8 << 20)  # as Save does with 8M typed in
+        app.chat_screen.controller.set_page_cache(8 << 20)  # as Save does with 8M typed in
         await pilot.press("f2")
         await wait_until(pilot, lambda: isinstance(app.screen, SettingsScreen), "the settings")
         assert "(8.00 MiB now)" in app.screen.query_one("#page_cache", Input).placeholder

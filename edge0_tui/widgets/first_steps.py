@@ -49,3 +49,9 @@ class FirstSteps(Static):
 
     def show_for(self, demo: bool) -> None:
         self.update(first_steps_markup(demo))
+
+    def show_while_empty(self, empty: bool, demo: bool) -> None:
+        """Shown on an empty chat only, with the hints for the demo (`demo`) or another model."""
+        self.display = empty
+        if empty:
+            self.show_for(demo)

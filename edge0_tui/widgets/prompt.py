@@ -73,6 +73,12 @@ class PromptInput(TextArea):
     def action_newline(self) -> None:
         self.insert("\n")
 
+    def suggest(self, text: str) -> None:
+        """Put a suggested prompt in the box, in place of what is there, ready to send."""
+        self.text = text
+        self.move_cursor(self.document.end)
+        self.focus()
+
     def give_back(self, text: str) -> None:
         """Put back a message the screen could not send, before anything typed since."""
         self.text = f"{text}{self.text}"

@@ -16,9 +16,7 @@ from textual.containers import Vertical
 from textual.message import Message
 from textual.widgets import Label, RadioButton, RadioSet
 
-from engine import EXACT_MODES, HEAD_MODES, KProfile
-
-from ..messages import EngineReady
+from engine import EXACT_MODES, KProfile
 
 
 class RoutingSelector(Vertical):
@@ -141,29 +139,3 @@ def _k_label(profile: KProfile, quality: dict[str, float]) -> str:
     label = f"{profile.k}{'' if profile.recovered else '*'}"
     ratio = quality.get("heads + LoRA" if profile.lora else "heads only")
     return label if ratio is None else f"{label} {ratio - 1:+.1%} ppl"
-
-
-def offered_modes(event: EngineReady) -> list[str]:
-    """The modes the selector offers: the engine's own, and the others it reloads into
-    (resident from a streaming mode; the streaming modes from resident)."""
-    if event.modes == ["resident"]:
-        has_heads = any(p.prerouter for p in event.profiles)
-        return ["resident", "on-demand", *(HEAD_MODES if has_heads else ()), "prefetch"]
-    return [*event.modes, "resident"]
-
-
-def mode_unavailable(mode: str) -> str:
-    """Why `mode` is not offered by the running engine, and what to do about it."""
-    if mode in HEAD_MODES:
-        return (
-            f"{mode} mode needs prerouter heads for this model: train them with "
-            "`edge0 train heads MODEL --k K`, or pass `--adapters DIR|REPO_ID`"
-        )
-    return f"{mode} mode is not available while the model runs resident: restart without --mode"
-
-
-def next_choice(choices: list, current: object) -> object:
-    """The choice after `current`, wrapping round (the first one when `current` is not offered)."""
-    if current not in choices:
-        return choices[0]
-    return choices[(choices.index(current) + 1) % len(choices)]
