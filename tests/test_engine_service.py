@@ -48,6 +48,8 @@ class FakeEngine:
             ),
             0,
         )
+        snapshot = SimpleNamespace(page_cache_expert_bytes=0, **zeros)
+        self.memory = SimpleNamespace(snapshot=lambda: snapshot)  # the load's memory
         self.step = SimpleNamespace(
             phase="decode",
             k=4,

@@ -2,7 +2,7 @@
 work, synth that leaves no half checkpoint, adapter file names and LoRA scales, a low open-file
 limit. The contract of test_bad_inputs.py: exit 2, one `edge0: error:` line naming the file and
 what is wrong, no traceback, the user's files as they were. Settings and the chat database are in
-test_bad_state_round3.py."""
+test_bad_kept_state.py."""
 
 from __future__ import annotations
 
