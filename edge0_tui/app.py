@@ -112,6 +112,10 @@ class Edge0App(App[None]):
         control = chat.controller
         if kept is None:
             return
+        try:
+            kept.store.remember(kept.model)  # listed as used, whether or not a choice is kept
+        except Edge0Error as e:
+            chat.notify(str(e), title="settings not kept", severity="warning")
         if kept.store.warning:
             chat.notify(kept.store.warning, title="settings file", severity="warning")
         engine = self.session.engine

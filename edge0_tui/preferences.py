@@ -84,6 +84,19 @@ class PreferenceStore:
         written; the app shows it and carries on."""
         everything = self._read_all()
         everything[model] = preferences.as_json()
+        self._write(everything)
+
+    def remember(self, model: str) -> None:
+        """List `model` among the models used (`edge0 list`, the picker) once it has opened,
+        keeping no choice for it: an empty entry, where it has none. A file that could not be
+        read is left as it is. Raises Edge0Error when the file cannot be written."""
+        everything = self._read_all()
+        if model in everything or self.warning is not None:
+            return
+        everything[model] = {}
+        self._write(everything)
+
+    def _write(self, everything: dict) -> None:
         folder = self.path.parent
         try:
             folder.mkdir(parents=True, exist_ok=True, mode=PRIVATE_DIR)

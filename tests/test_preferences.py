@@ -163,3 +163,33 @@ def test_cli_chat_uses_kept_budgets_unless_given(checkpoint_dir, monkeypatch):
     assert cli.main(["chat", model, "--expert-cache", "5M", "--page-cache", "off"]) == 0
     config = launched[-1].session.engine_config
     assert config.expert_cache_bytes == 5 << 20 and config.page_cache_bytes is None
+
+
+def test_a_model_opened_is_remembered_without_keeping_any_choice(tmp_path):
+    """`edge0 list` and the picker list a model once opened, with no setting changed; its entry
+    pins nothing (the defaults still apply), an entry with choices keeps them, and a file that
+    could not be read is not rewritten."""
+    store = PreferenceStore(tmp_path / "config")
+    defaults = GenerationConfig(temperature=0.3)
+    store.remember("first")
+    assert store.models() == ["first"]
+    assert store.load("first", defaults) == ModelPreferences(generation=defaults)
+    store.save("second", ModelPreferences(defaults, k=2))
+    store.remember("second")
+    assert store.models() == ["first", "second"]
+    assert store.load("second", defaults).k == 2
+    store.path.write_text("{not json")
+    broken = PreferenceStore(tmp_path / "config")
+    broken.remember("third")
+    assert store.path.read_text() == "{not json"
+
+
+async def test_the_app_lists_the_model_it_opened(model, tmp_path):
+    """`edge0 chat /path/to/model`, no setting changed: the model is remembered once loaded,
+    so `edge0 list` and the picker show it (issue 51 item 4)."""
+    store = PreferenceStore(tmp_path / "config")
+    app = _app(model, tmp_path, _kept(store, model))
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(app, pilot)
+        await wait_until(pilot, lambda: model_key(str(model)) in store.models(), "remembered")
+    assert store.load(model_key(str(model)), SHORT) == ModelPreferences(generation=SHORT)
