@@ -400,7 +400,11 @@ class ChatController:
             stands = self.pending_mode or self.session.metrics.mode
             return Outcome(mode=stands, notices=(Notice(str(e), "error"),))
         self.pending_mode = None if mode == self.session.metrics.mode else mode
-        return Outcome(mode=mode, kept={"mode": mode, "k": profile.k}, changed=True)
+        small = mode == "prefetch" and self.engine_info.get("prefetch_reads_ahead") is False
+        notices = (PREFETCH_READS_NOTHING,) if small else ()
+        return Outcome(
+            mode=mode, kept={"mode": mode, "k": profile.k}, notices=notices, changed=True
+        )
 
     def expert_bytes(self) -> int:
         """What going resident reads into memory: every expert of the model loaded."""
@@ -436,6 +440,14 @@ class ChatController:
             self.pending_mode = None
             return True
         return False
+
+
+# Said when prefetch is chosen on a model whose experts are too small for a read ahead to pay:
+# the panels then show nothing read ahead, by design, not broken.
+PREFETCH_READS_NOTHING = Notice(
+    "prefetch reads nothing ahead on this model: its experts are under 1 MiB, cheaper read when "
+    "needed"
+)
 
 
 def offered_modes(event: EngineReady) -> list[str]:

@@ -636,3 +636,16 @@ def check_snapshot(svg: str, snapshot, tmp_path, what: str) -> None:
             f"{what} changed; new rendering at {tmp_path / snapshot.name}. "
             "If intended, rerun with EDGE0_UPDATE_SNAPSHOTS=1."
         )
+
+
+async def test_choosing_prefetch_says_when_it_reads_nothing_ahead(model, tmp_path):
+    """The tiny model's experts are under prefetch's size for a read ahead: choosing prefetch
+    says so, where the user then sees nothing read ahead (issue 51 item 2)."""
+    app = make_app(model, tmp_path)
+    notices = record_notifications(app)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(app, pilot)
+        assert app.session.engine.info()["prefetch_reads_ahead"] is False
+        app.chat_screen.choose_mode("prefetch")
+        await wait_until(pilot, lambda: app.session.engine.mode == "prefetch", "prefetch")
+        assert any("prefetch reads nothing ahead on this model" in text for text, _ in notices)

@@ -358,6 +358,10 @@ class Engine:
             "expert_bytes": index.expert_nbytes,
             # In effect: the banks' bytes, at most every expert (an `auto` budget may be larger).
             "expert_cache_bytes": self.memory_plan.expert_cache_bytes,
+            # Prefetch reads ahead only experts big enough for a read ahead to pay
+            # (EngineConfig.prefetch_min_expert_bytes); smaller ones are read when needed.
+            "prefetch_reads_ahead": self._largest_expert_bytes()
+            >= self.config.prefetch_min_expert_bytes,
             "memory_plan": self.memory_plan.as_dict(),
             # Metal only, None elsewhere: the wired limit this run set, and the most it could.
             "wired_limit_bytes": self.wired_bytes,
