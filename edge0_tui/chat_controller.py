@@ -11,6 +11,7 @@ never touches a widget, so it is tested without a terminal (tests/test_chat_cont
 from __future__ import annotations
 
 import sqlite3
+import time
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Literal
 
@@ -52,6 +53,8 @@ class Outcome:
     changed: bool = False
 
 
+# How often the panels are drawn while nothing happens (the timer runs at the live rate).
+IDLE_PANELS_S = 1.0
 # How long the notices shown once the model is loaded stay: toasts sit over the side panel's
 # K and mode selectors, so not for long (the demo's notice is one sentence).
 STARTUP_NOTICE_S = 8
@@ -79,6 +82,8 @@ class ChatController:
         self.model_name = session.model
         self.state = "loading model…"
         self.ready = False
+        self._panels_metrics: LiveMetrics | None = None  # what the panels last drew, and when
+        self._panels_at = float("-inf")
         self.engine_info: dict = {}  # Engine.info() once loaded (the palette shows its BLAS)
         self.wired_limit_bytes: int | None = None  # Metal's, from the engine once loaded
         # What the loaded engine offers, as the selector shows it: its K profiles and the modes.
@@ -440,6 +445,18 @@ class ChatController:
             self.pending_mode = None
             return True
         return False
+
+    def panels_due(self, metrics: LiveMetrics, writing: bool, now: float | None = None) -> bool:
+        """Whether the panels' timer should draw them now: always while a reply is written or
+        the engine published something new; idle, once every `IDLE_PANELS_S` (only the
+        machine's memory moves then, and reading and drawing it six times a second kept an idle
+        app busy)."""
+        now = time.monotonic() if now is None else now
+        idle = not writing and metrics is self._panels_metrics and self.pending_k is None
+        if idle and self.pending_mode is None and now - self._panels_at < IDLE_PANELS_S:
+            return False
+        self._panels_metrics, self._panels_at = metrics, now
+        return True
 
 
 # Said when prefetch is chosen on a model whose experts are too small for a read ahead to pay:

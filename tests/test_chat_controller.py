@@ -620,3 +620,22 @@ def test_the_controller_chats_and_switches_k_through_a_real_engine(engine_thread
     assert counted.chat_id == control.chat_id and counted.tokens > 0
     again.context_counted(counted.chat_id, counted.tokens, writing=False)
     assert again.context_tokens == counted.tokens
+
+
+def test_idle_panels_are_drawn_once_a_second_and_at_once_when_something_moves():
+    """The panels' timer runs at the live rate; idle (no reply written, nothing new from the
+    engine) they are drawn once a second, so an idle app does not keep a core busy (issue 51
+    item 7); anything new is drawn at once."""
+    from edge0_tui.chat_controller import IDLE_PANELS_S
+
+    control = ChatController.__new__(ChatController)  # only the panels' state is used here
+    control._panels_metrics, control._panels_at = None, float("-inf")
+    control.pending_k = control.pending_mode = None
+    idle = LiveMetrics()
+    assert control.panels_due(idle, writing=False, now=100.0)
+    assert not control.panels_due(idle, writing=False, now=100.2)  # nothing new: not yet
+    assert control.panels_due(idle, writing=False, now=100.0 + IDLE_PANELS_S)
+    assert control.panels_due(LiveMetrics(k=8), writing=False, now=101.1)  # new figures
+    assert control.panels_due(idle, writing=True, now=101.2)  # a reply: every tick
+    control.pending_k = 8
+    assert control.panels_due(idle, writing=False, now=101.3)  # a switch to show pending

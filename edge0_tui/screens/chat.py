@@ -114,8 +114,7 @@ class ChatScreen(Screen):
         return {**{key: bindings[key] for _, key in first}, **bindings}
 
     def notify(self, message: str, *, markup: bool = False, **options: Any) -> None:
-        # Plain text, never markup: what this screen reports quotes paths, model names and errors,
-        # and a `[/x]` in one of them would otherwise stop the app (Textual's MarkupError).
+        # Plain text: a path, model name or error it quotes holding `[/x]` would stop the app.
         super().notify(message, markup=markup, **options)
 
     def say(self, *notices: Notice | None) -> bool:
@@ -130,7 +129,7 @@ class ChatScreen(Screen):
         self.run_engine()
         self.panel_timer = self.set_interval(1 / PANEL_REFRESH_HZ, self.refresh_panels)
         self.query_one(PromptInput).focus()
-        self.refresh_panels()
+        self.refresh_panels(force=True)
         self.show_title_and_hints()
         if self.reopen is not None:
             self.call_later(self._reopen, self.reopen)
@@ -202,7 +201,7 @@ class ChatScreen(Screen):
         self.app.apply_kept_choices(event)
         self.refresh_bindings()  # F4/F5 are offered again (hidden while the model (re)loaded)
         control.count_context()  # a chat reopened at start
-        self.refresh_panels()
+        self.refresh_panels(force=True)
 
     def loading(self, what: str) -> None:
         """Another model is loading: as at start-up, nothing is sent until it is ready."""
@@ -405,7 +404,7 @@ class ChatScreen(Screen):
         self.say(*outcome.notices)
         if outcome.changed:
             self.refresh_bindings()
-            self.refresh_panels()
+            self.refresh_panels(force=True)
 
     def on_quality_kept(self, event: messages.QualityKept) -> None:
         """An eval run beside the app: the K selector's labels show its figures now."""
@@ -416,11 +415,12 @@ class ChatScreen(Screen):
 
     # -- the panels --------------------------------------------------------------------------------
 
-    def refresh_panels(self) -> None:
-        """The one timer's callback: read the engine's latest snapshot and show it."""
-        engine = self.session.engine  # its plan follows K (a K switch plans its expert cache)
-        plan = engine.memory_plan.line() if self.controller.ready and engine is not None else ""
-        self.show_panels(self.session.metrics, read_system_memory(), plan)
+    def refresh_panels(self, force: bool = False) -> None:
+        """The one timer's callback (idle: once a second): the engine's latest snapshot, shown."""
+        engine, metrics = self.session.engine, self.session.metrics  # (the plan follows K)
+        if self.controller.panels_due(metrics, self.reply is not None) or force:
+            plan = engine.memory_plan.line() if self.controller.ready and engine is not None else ""
+            self.show_panels(metrics, read_system_memory(), plan)
 
     def show_panels(self, metrics: LiveMetrics, memory: SystemMemory, plan: str = "") -> None:
         """`plan`: the memory plan's line, as `generate` and `serve` print it at start."""
