@@ -154,7 +154,7 @@ class RoutingState:
             self._predictions = None
             return None
         with self.tracer.span("head flush", "prerouter"):
-            indices, weights = self._head_graph(heads.owners)
+            indices, weights = self._head_graph()
         self._predictions = Predictions(list(heads.consumers), indices, weights)
         return self._predictions
 
@@ -167,36 +167,20 @@ class RoutingState:
             self._staged = {layer: frozenset(e.tolist()) for layer, e in staged.items()}
         return {layer: e.tolist() for layer, e in staged.items()}
 
-    def _head_graph(self, owners: list[int]) -> tuple[mx.array, mx.array]:
-        """The (lazy) routing the heads of `owners` predict for their consumers: indices and
-        weights, one row per owner (contiguous runs of the stacked heads at once)."""
+    def _head_graph(self) -> tuple[mx.array, mx.array]:
+        """The (lazy) routing every head predicts for its consumer: indices and weights, one row
+        per owner, the stacked heads run at once."""
         heads = self.heads
+        owners = heads.owners
         unknown = mx.full((self.k,), -1, mx.int32)  # no token before the request's first
-        rows = [heads.owners.index(o) for o in owners]
-        logits = []
-        for first, last in _runs(rows):
-            run = heads.owners[first : last + 1]
-            x = mx.stack([self._owner_x[o] for o in run]).astype(heads.fc1.dtype)
-            now = mx.stack([self._owner_now[o] for o in run])
-            before = [self._owner_before[o] for o in run]
-            before = mx.stack([unknown if b is None else b for b in before])
-            features = head_features(x, now, before, self.experts)
-            logits.append(heads(features, first, last + 1))
-        logits = mx.concatenate(logits) if len(logits) > 1 else logits[0]
-        consumers = [self.blocks[heads.consumers[i]] for i in rows]
+        x = mx.stack([self._owner_x[o] for o in owners]).astype(heads.fc1.dtype)
+        now = mx.stack([self._owner_now[o] for o in owners])
+        before = [self._owner_before[o] for o in owners]
+        before = mx.stack([unknown if b is None else b for b in before])
+        logits = heads(head_features(x, now, before, self.experts), 0, len(owners))
+        consumers = [self.blocks[layer] for layer in heads.consumers]
         biases = [c.expert_bias() for c in consumers]
         bias = mx.stack(biases) if all(b is not None for b in biases) else None
         if self.float_dtype is not None:
             logits = logits.astype(self.float_dtype)
         return route(logits, consumers[0].routing_spec, self.k, bias)
-
-
-def _runs(rows: list[int]) -> list[tuple[int, int]]:
-    """Sorted row indices as (first, last) runs of consecutive rows: [0, 1, 2, 5] -> (0, 2), (5, 5)."""
-    runs: list[tuple[int, int]] = []
-    for row in rows:
-        if runs and row == runs[-1][1] + 1:
-            runs[-1] = (runs[-1][0], row)
-        else:
-            runs.append((row, row))
-    return runs
