@@ -419,19 +419,16 @@ class CheckpointIndex:
         built (`edge0 list`): a stacked `gate_proj.weight` (one matrix an expert) marks a
         layer's routed experts, and every tensor under its module path is theirs, as the loader
         registers them from the built model."""
+        modules: dict[str, dict[str, tuple[int, ...]]] = {}  # path -> `projection.part` shapes
         for name, entry in self.tensors.items():
-            if not name.endswith(".gate_proj.weight") or len(entry.shape) != 3:
-                continue
-            path = name.removesuffix(".gate_proj.weight")
+            path = name.rpartition(".")[0].rpartition(".")[0]  # less `projection.part`
+            if path:
+                modules.setdefault(path, {})[name.removeprefix(f"{path}.")] = tuple(entry.shape)
+        for path, parts in modules.items():
+            gate = parts.get("gate_proj.weight")
             layer = _layer_number(path)
-            if layer is None:
-                continue
-            parts = {
-                other.removeprefix(f"{path}."): tuple(e.shape)
-                for other, e in self.tensors.items()
-                if other.startswith(f"{path}.") and "." in other.removeprefix(f"{path}.")
-            }
-            self.add_moe_layer(layer, path, entry.shape[0], parts)
+            if gate is not None and len(gate) == 3 and layer is not None:
+                self.add_moe_layer(layer, path, gate[0], parts)
 
     @property
     def expert_nbytes(self) -> int:

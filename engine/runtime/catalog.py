@@ -8,10 +8,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..adapters.profiles import search_profiles
-from ..checkpoint.families import family_of
-from ..checkpoint.index import CheckpointIndex, base_fingerprint, max_checkpoint_tensors
+from ..checkpoint.index import base_fingerprint
 from ..config import EngineConfig
-from .loader import check_checkpoint, read_config, routed_top_k
+from .loader import check_checkpoint, routed_top_k
 
 
 @dataclass(frozen=True)
@@ -38,12 +37,7 @@ def summarize_checkpoint(model_dir: str | Path, config: EngineConfig) -> Checkpo
     """The summary of the checkpoint in `model_dir`; Edge0Error for a folder `load` would refuse
     (`check_checkpoint`'s words). `config` gives the adapter search (data folder, --adapters)."""
     model_dir = Path(model_dir)
-    check_checkpoint(model_dir)
-    model_config = read_config(model_dir)
-    family = family_of(model_config, str(model_dir / "config.json"))
-    text = model_config.get("text_config") or model_config
-    layers = text.get("num_hidden_layers", model_config.get("num_hidden_layers"))
-    index = CheckpointIndex(model_dir, max_checkpoint_tensors(int(layers) if layers else None))
+    model_config, family, index = check_checkpoint(model_dir)  # the headers, read once
     index.add_moe_layers_by_name()  # the fingerprint covers the routed experts' tensors
     search = search_profiles(model_dir, base_fingerprint(index), config)
     return CheckpointSummary(

@@ -179,10 +179,11 @@ def routed_top_k(config: dict) -> int:
     return _positive_int(value) or 0
 
 
-def check_checkpoint(model_dir: str | Path) -> None:
+def check_checkpoint(model_dir: str | Path) -> tuple[dict, Family, CheckpointIndex]:
     """Raise Edge0Error for a directory `load` would refuse before building anything: config,
-    family, tokenizer and shard files, shard headers, config sizes. Reads headers, no weights."""
-    _checked(Path(model_dir))
+    family, tokenizer and shard files, shard headers, config sizes. Reads headers, no weights;
+    returns what it read (the config, the family, the shards' index)."""
+    return _checked(Path(model_dir))
 
 
 def _checked(model_dir: Path) -> tuple[dict, Family, CheckpointIndex]:
