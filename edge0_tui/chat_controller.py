@@ -255,7 +255,7 @@ class ChatController:
         if action == "pick_k":
             return parameters[0] in self.k_choices()  # only the K this model offers
         if action == "stop_reply":
-            return writing  # only shown while a reply is written
+            return True if writing else None  # dimmed when idle: the keys panel still lists Esc
         if action == "regenerate":  # the last message is a finished reply
             return self.ready and not writing and self.last_is_reply
         if action in ("new_chat", "open_chat"):

@@ -43,6 +43,7 @@ _ON_FIRST_USE = {
     "release_thread_streams": "engine.runtime.generation",
     "ExpertEvent": "engine.experts.heat",
     "HeatPicture": "engine.experts.heat",
+    "MemoryPlan": "engine.runtime.memory_plan",
     "StepMetrics": "engine.runtime.metrics",
     "MemorySnapshot": "engine.runtime.metrics",
     "peak_memory_line": "engine.runtime.metrics",

@@ -96,16 +96,16 @@ async def test_the_k_selector_shows_each_profiles_measured_quality(
             await pilot.pause(0.02)
         selector = app.chat_screen.query_one(RoutingSelector)
         labels = {b.id: str(b.label) for b in selector.query("RadioButton")}
-        assert labels["k-2"] == "2 +8.7% ppl"
+        assert labels["k-2"] == "2 +8.7%"
         assert labels["k-4"] == "4"  # the native K on its own router: no measured cost
         # An eval run beside the open app: its figures show without a reload, K as chosen.
         rows[1] = {"k": 2, "variant": "heads + LoRA", "vs_native": 1.042}
         keep_quality({"rows": rows}, fingerprint, data)
         for _ in range(500):
             labels = {b.id: str(b.label) for b in selector.query("RadioButton")}
-            if labels["k-2"] != "2 +8.7% ppl":
+            if labels["k-2"] != "2 +8.7%":
                 break
             await pilot.pause(0.02)
-        assert labels["k-2"] == "2 +4.2% ppl"
+        assert labels["k-2"] == "2 +4.2%"
         assert selector.query_one("#k-4", RadioButton).value  # the native K, still chosen
         await pilot.press("ctrl+q")

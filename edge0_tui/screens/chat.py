@@ -8,15 +8,15 @@ panels are refreshed by one timer that reads the engine's latest metrics snapsho
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from textual import on, work
 from textual.app import ComposeResult
 from textual.binding import Binding
-from textual.containers import Horizontal, Vertical
+from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import Screen
 from textual.timer import Timer
-from textual.widgets import Footer, Header
+from textual.widgets import Header
 from textual.worker import Worker, WorkerState, get_current_worker
 
 from engine import GenerationConfig
@@ -33,7 +33,9 @@ from ..sanitize import error_line
 from ..system_memory import SystemMemory, read_system_memory
 from ..widgets.conversation import AssistantTurn, Conversation
 from ..widgets.first_steps import DEMO_PROMPTS, FirstSteps
+from ..widgets.fitting_footer import FittingFooter
 from ..widgets.memory_bar import MemoryBreakdown
+from ..widgets.memory_panel import MemoryPanel
 from ..widgets.metrics_panel import MetricsPanel
 from ..widgets.prompt import PromptInput
 from ..widgets.routing_selector import RoutingSelector
@@ -44,20 +46,34 @@ from .confirm import ConfirmScreen, resident_question
 from .model_loading import ModelLoadingScreen
 from .settings import SettingsScreen
 
+if TYPE_CHECKING:
+    from engine import MemoryPlan
+
 # How often the panels read the engine's metrics snapshot (4-10 Hz reads as live).
 PANEL_REFRESH_HZ = 6
-# The switch keys, the heat view and Quit, listed before every other key in the footer and the
-# keys panel (F1): at 80 columns the footer cuts what comes after.
-SWITCH_BINDING_IDS = ("chat.next_k", "chat.next_mode", "chat.panels", "app.heat", "app.quit")
+# The switch keys, the heat view, the keys panel and Quit, listed before every other key in the
+# footer and the keys panel (F1): at 80 columns the footer has room for little more, and F1 lists
+# what it leaves out.
+SWITCH_BINDING_IDS = (
+    "chat.next_k",
+    "chat.next_mode",
+    "chat.panels",
+    "app.heat",
+    "app.keys",
+    "app.quit",
+    "chat.stop",
+)
 
 
 class ChatScreen(Screen):
     # Below 110 columns the side panel narrows, so an 80-column terminal still has room to chat.
-    # Below 100 columns or 30 rows the side panels do not fit beside a readable chat: the compact
+    # Below 100 columns or 36 rows the side panels do not fit beside a readable chat: the compact
     # layout shows the wall in one line above the prompt, and F6 swaps the chat for the panels.
-    # From 150 columns the side panel takes a share of the width (app.tcss, -widest).
+    # From 150 columns the side panel takes a share of the width (app.tcss, -widest). Under 56
+    # rows the panels take their dense form (one line for the speed and for the plan, no blank
+    # lines); from 56 rows, their full one.
     HORIZONTAL_BREAKPOINTS = [(0, "-cramped"), (100, "-narrow"), (110, "-wide"), (150, "-widest")]
-    VERTICAL_BREAKPOINTS = [(0, "-short"), (30, "-tall")]
+    VERTICAL_BREAKPOINTS = [(0, "-short"), (36, "-tall"), (56, "-tallest")]
     BINDINGS = [
         # F4/F5 work while typing (the prompt consumes letters and digits); k, m and 2/4/8 work
         # when the prompt does not have the focus (Tab or a click away from it). Textual leaves
@@ -95,11 +111,15 @@ class ChatScreen(Screen):
                 yield Conversation(id="conversation")
                 yield WallStrip(id="wall-strip")
                 yield self.prompt_input
-            with Vertical(id="side"):
+            # Two columns: the decode figures, then memory and the switches (side by side under
+            # F6 in the compact layout). It scrolls only on a terminal too short for either.
+            with VerticalScroll(id="side"):
                 yield MetricsPanel(id="metrics")
-                yield RoutingSelector(id="routing")
+                with Vertical(id="side-rest"):
+                    yield MemoryPanel(id="memory-panel")
+                    yield RoutingSelector(id="routing")
         yield StatusLine(id="status")
-        yield Footer()
+        yield FittingFooter()
 
     @property
     def active_bindings(self):
@@ -317,7 +337,7 @@ class ChatScreen(Screen):
 
     @property
     def compact(self) -> bool:
-        """True in the compact layout (a terminal under 100 columns or 30 rows)."""
+        """True in the compact layout (a terminal under 100 columns or 36 rows)."""
         return self.has_class("-cramped") or self.has_class("-short")
 
     def action_toggle_panels(self) -> None:
@@ -419,18 +439,21 @@ class ChatScreen(Screen):
         """The one timer's callback (idle: once a second): the engine's latest snapshot, shown."""
         engine, metrics = self.session.engine, self.session.metrics  # (the plan follows K)
         if self.controller.panels_due(metrics, self.reply is not None) or force:
-            plan = engine.memory_plan.line() if self.controller.ready and engine is not None else ""
+            plan = engine.memory_plan if self.controller.ready and engine is not None else None
             self.show_panels(metrics, read_system_memory(), plan)
 
-    def show_panels(self, metrics: LiveMetrics, memory: SystemMemory, plan: str = "") -> None:
-        """`plan`: the memory plan's line, as `generate` and `serve` print it at start."""
+    def show_panels(
+        self, metrics: LiveMetrics, memory: SystemMemory, plan: MemoryPlan | None = None
+    ) -> None:
+        """`plan`: the memory plan the engine keeps (None before a model is loaded)."""
         control, selector = self.controller, self.query_one(RoutingSelector)
         if control.settle(metrics):  # a mode switch applied, perhaps with its own K
             selector.select(k=metrics.k)
         breakdown = MemoryBreakdown.of(metrics, memory, control.wired_limit_bytes)
-        panel = self.query_one(MetricsPanel)
-        panel.show(metrics, breakdown)
-        panel.show_plan(plan)
+        self.query_one(MetricsPanel).show(metrics)
+        memory_panel = self.query_one(MemoryPanel)
+        memory_panel.show(breakdown)
+        memory_panel.show_plan(plan)
         self.query_one(WallStrip).show(metrics)
         if control.ready:
             selector.show_pending(metrics.k, control.pending_k, control.pending_mode)

@@ -11,10 +11,11 @@ from __future__ import annotations
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.screen import Screen
-from textual.widgets import Footer, Header
+from textual.widgets import Header
 
 from ..engine_session import EngineSession
 from ..widgets.expert_heat import ExpertHeatView
+from ..widgets.fitting_footer import FittingFooter
 from .chat import PANEL_REFRESH_HZ
 
 
@@ -28,7 +29,7 @@ class ExpertHeatScreen(Screen):
     def compose(self) -> ComposeResult:
         yield Header()
         yield ExpertHeatView(id="expert-heat")
-        yield Footer()
+        yield FittingFooter()
 
     def on_mount(self) -> None:
         self.sub_title = "expert heat"

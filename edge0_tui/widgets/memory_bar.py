@@ -109,6 +109,20 @@ def machine_lines(system: SystemMemory, own_bytes: int) -> tuple[str, str]:
     return total, f"{used}, file cache {format_bytes(system.file_cache_bytes)}"
 
 
+def fitted(line: str, width: int) -> list[str]:
+    """`line` as rows of at most `width`, broken after its commas (between "used ..." and "file
+    cache ..."), so a figure keeps its unit; a part longer than `width` alone is left to be cut."""
+    rows: list[str] = []
+    for part in line.split(", "):
+        if rows and len(rows[-1]) + 2 + len(part) <= width:
+            rows[-1] += ", " + part
+        else:
+            if rows:
+                rows[-1] += ","
+            rows.append(part)
+    return rows
+
+
 class MemoryBar(Widget):
     COMPONENT_CLASSES = {
         "memory-bar--wired",
@@ -168,10 +182,11 @@ class MemoryBar(Widget):
             )
             text.append("\n■ ", style)
             text.append(f"{name:<{name_width}} {size}")
-            if segment.detail:
-                text.append(f"\n  {segment.detail}", detail_style)
-        for line in machine_lines(self.breakdown.system, self.breakdown.own_bytes):
-            text.append(f"\n  {line}")
+            for line in fitted(segment.detail, width - 2) if segment.detail else ():
+                text.append(f"\n  {line}", detail_style)
+        for machine_line in machine_lines(self.breakdown.system, self.breakdown.own_bytes):
+            for line in fitted(machine_line, width - 2):
+                text.append(f"\n  {line}")
         if self.breakdown.wired_limit_bytes:
             text.append(f"\n  Metal wired limit {format_bytes(self.breakdown.wired_limit_bytes)}")
         return text

@@ -1,28 +1,29 @@
-"""The live panels: decode speed, time blocked on expert loads, cold pages, loads, memory.
+"""The decode panel: decode speed, time blocked on expert loads, cold pages and loads.
 
 The panel only displays: the chat screen's timer calls `show` a few times a second with the latest
 snapshot. Sparklines scale to their data's own min..max (no zero baseline), so the range is printed
-next to each, or a flat trace would look like noise.
+next to each, or a flat trace would look like noise. The speed has two forms: big digits where the
+terminal is tall enough, one line otherwise; the app's stylesheet shows one of the two.
 """
 
 from __future__ import annotations
 
 from textual.app import ComposeResult
-from textual.containers import VerticalScroll
+from textual.containers import Vertical
 from textual.widgets import Digits, Label, ProgressBar, Sparkline
 
 from ..live_metrics import LiveMetrics
-from .memory_bar import MemoryBar, MemoryBreakdown
 
 # Above this share of a token's time spent waiting for expert bytes, the blocked figure turns to a
 # warning colour: the step is then more I/O than compute.
 BLOCKED_WARN_SHARE = 0.5
 
 
-class MetricsPanel(VerticalScroll):
+class MetricsPanel(Vertical):
     def compose(self) -> ComposeResult:
         yield Label("decode tok/s", classes="panel-title")
         yield Digits("0.0", id="tok-per-s")
+        yield Label("", id="tok-per-s-line", classes="panel-value")
         yield Sparkline([], id="tok-per-s-history")
         yield Label("", id="tok-per-s-range", classes="panel-note")
         yield Label("blocked on expert loads", classes="panel-title")
@@ -34,14 +35,13 @@ class MetricsPanel(VerticalScroll):
         yield Label("", id="loads", classes="panel-value")
         yield Label("", id="routed-from", classes="panel-note")
         yield Label("", id="prefill", classes="panel-note")
-        yield Label("edge0's memory", classes="panel-title")
-        yield MemoryBar(id="memory")
-        # What the engine planned to hold, as `generate` and `serve` print it at start.
-        yield Label("", id="memory-plan", classes="panel-note", markup=False)
 
-    def show(self, metrics: LiveMetrics, memory: MemoryBreakdown) -> None:
+    def show(self, metrics: LiveMetrics) -> None:
         speed = metrics.tok_per_s_history
         self.query_one("#tok-per-s", Digits).update(f"{metrics.tok_per_s:.1f}")
+        self.query_one("#tok-per-s-line", Label).update(
+            f"{metrics.tok_per_s:.1f} tok/s" + (f"   {_range(speed, '')}".rstrip() if speed else "")
+        )
         self.query_one("#tok-per-s-history", Sparkline).data = speed
         self.query_one("#tok-per-s-range", Label).update(_range(speed, "tok/s"))
 
@@ -62,35 +62,21 @@ class MetricsPanel(VerticalScroll):
         )
         self.query_one("#routed-from", Label).update(routed_line(metrics))
         self.query_one("#prefill", Label).update(prefill_line(metrics))
-        self.query_one("#memory", MemoryBar).show(memory)
-
-    def show_plan(self, line: str) -> None:
-        """The engine's memory plan (`MemoryPlan.line()`); "" before a model is loaded."""
-        label = self.query_one("#memory-plan", Label)
-        text = plan_lines(line)
-        if str(label.content) != text:
-            label.update(text)
-
-
-def plan_lines(line: str) -> str:
-    """`MemoryPlan.line()` (what generate and serve print) one term a line: wrapped at the
-    panel's width, a term's figure and unit came apart. The line's own text, only reflowed."""
-    head, sep, terms = line.rpartition(": ")
-    if not sep or ": " not in head:  # not the plan line's shape: as it is
-        return line
-    return head + ":\n" + "\n".join(f"  {term}" for term in terms.split(", "))
 
 
 def routed_line(metrics: LiveMetrics) -> str:
-    """Where the routed experts came from, and the lookahead's recall layer by layer."""
+    """Where the routed experts came from, and the lookahead's recall: its mean over the layers
+    and its lowest layer's (a line a layer would not fit a model of 60 layers)."""
     shares = metrics.routed_shares
     if not shares:
         return ""
     read_ahead = shares["heads"] + shares["lookahead"]
     line = f"resident {shares['resident']:.0%}, read ahead {read_ahead:.0%}, missed {shares['missed']:.0%}"
-    recall = metrics.lookahead_recall_by_layer
+    recall = list(metrics.lookahead_recall_by_layer.values())
     if recall:
-        line += "\nlookahead recall by layer: " + " ".join(f"{r:.2f}" for r in recall.values())
+        line += (
+            f"\nlookahead recall {sum(recall) / len(recall):.2f}, lowest layer {min(recall):.2f}"
+        )
     return line
 
 

@@ -91,7 +91,7 @@ class RoutingSelector(Vertical):
         unrecovered = not all(p.recovered for p in self.profiles)
         notes = ["* quality not recovered at this K"] if unrecovered else []
         if any(p.k in self.quality for p in self.profiles):
-            notes.append("ppl: prerouter's perplexity against the native model, measured")
+            notes.append("%: measured perplexity over native")
         return "\n".join(notes)
 
     def select(self, k: int | None = None, mode: str | None = None) -> None:
@@ -134,8 +134,12 @@ def _mode_label(mode: str) -> str:
 
 
 def _k_label(profile: KProfile, quality: dict[str, float]) -> str:
-    """`4`, `4*` (quality not recovered), or `4 +8.7% ppl`: the profile as it routes in
-    prerouter mode (with its LoRA where it has one), measured by `edge0 eval --profiles`."""
+    """`4`, `4*` (quality not recovered), `4 +8.7%` or `4 +23%`: the profile's perplexity over
+    the native model's as it routes in prerouter mode (with its LoRA where it has one), measured by
+    `edge0 eval --profiles` (the note under the buttons says so: three labels fit a line)."""
     label = f"{profile.k}{'' if profile.recovered else '*'}"
     ratio = quality.get("heads + LoRA" if profile.lora else "heads only")
-    return label if ratio is None else f"{label} {ratio - 1:+.1%} ppl"
+    if ratio is None:
+        return label
+    percent = 100 * (ratio - 1)
+    return f"{label} {percent:+.{1 if abs(percent) < 10 else 0}f}%"
