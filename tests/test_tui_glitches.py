@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from test_bad_inputs_app import shown
 from test_tui_app import LONG, SIZE, make_app, ready, reply_done, status_text, wait_until
-from textual.widgets import Input, OptionList
+from textual.widgets import Input, Label, OptionList, ProgressBar, RadioButton
 from textual.widgets._footer import FooterKey
 from textual.widgets._toast import Toast
 
@@ -17,6 +17,8 @@ from edge0_tui.chat_store import ChatMessage, ChatStore
 from edge0_tui.live_metrics import LiveMetrics
 from edge0_tui.screens.chat_list import ChatListScreen, RenameScreen, match_snippet
 from edge0_tui.screens.confirm import ConfirmScreen
+from edge0_tui.screens.model_loading import ModelLoadingScreen
+from edge0_tui.widgets.routing_selector import RoutingSelector
 from edge0_tui.widgets.status_line import Status
 
 
@@ -144,3 +146,33 @@ def test_a_match_snippet_is_one_line_around_the_match():
     assert "\n" not in snippet.plain and "\x1b" not in snippet.plain
     assert snippet.plain.startswith("…") and snippet.plain.endswith("…")
     assert "two KING three" in snippet.plain
+
+
+async def test_progress_before_the_loading_screen_is_drawn_is_shown_once_it_is(model, tmp_path):
+    """A fresh clone's `make test` crashed the app (issue 47 item 13): the engine's first progress
+    reached the loading screen before it had composed its widgets (`NoMatches: '#what'`)."""
+    app = make_app(model, tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(app, pilot)
+        loading = ModelLoadingScreen()
+        loading.report("reading \x1b[31mthe model", 3, 8)  # not composed yet: kept
+        await app.push_screen(loading)
+        await pilot.pause()
+        assert str(loading.query_one("#what", Label).content) == "reading the model"
+        bar = loading.query_one("#progress", ProgressBar)
+        assert (bar.progress, bar.total) == (3, 8)
+        loading.report("written", 8, 8)  # drawn: shown at once
+        assert str(loading.query_one("#what", Label).content) == "written"
+
+
+async def test_a_choice_without_its_button_is_left_to_the_choices_to_come(model, tmp_path):
+    """The K selector is told a K (or mode) it has no button for, as another model loads: not a
+    crash; the choices that model offers show what stands."""
+    app = make_app(model, tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(app, pilot)
+        selector = app.chat_screen.query_one(RoutingSelector)
+        selector.select(k=16, mode="nonesuch")
+        selector.set_quality({16: {"heads only": 1.5}})
+        await selector.set_choices(selector.profiles, selector.modes, 4, "on-demand")
+        assert selector.query_one("#k-4", RadioButton).value

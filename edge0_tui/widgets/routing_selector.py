@@ -83,9 +83,10 @@ class RoutingSelector(Vertical):
         panel timer a moment without the selector's widgets); the choices shown stay."""
         self.quality = quality
         for profile in self.profiles:
-            button = self.query_one(f"#k-{profile.k}", RadioButton)
-            button.label = _k_label(profile, quality.get(profile.k, {}))
-        self.query_one("#k-notes", Label).update(self._k_notes())
+            for button in self.query(f"#k-{profile.k}").results(RadioButton):
+                button.label = _k_label(profile, quality.get(profile.k, {}))
+        for notes in self.query("#k-notes").results(Label):
+            notes.update(self._k_notes())
 
     def _k_notes(self) -> str:
         unrecovered = not all(p.recovered for p in self.profiles)
@@ -98,12 +99,16 @@ class RoutingSelector(Vertical):
         """Show `k` and/or `mode` as chosen."""
         # Record what is shown before pressing a button, so the Changed it posts is not taken
         # for the user's choice (see on_radio_set_changed).
+        # A choice without its button (a model's K before its choices are offered, or a set
+        # being rebuilt) is left to `set_choices`, which shows what stands.
         if k is not None and k != self._shown_k:
-            self._shown_k = k
-            self.query_one(f"#k-{k}", RadioButton).value = True
+            for button in self.query(f"#k-{k}").results(RadioButton):
+                self._shown_k = k
+                button.value = True
         if mode is not None and mode != self._shown_mode:
-            self._shown_mode = mode
-            self.query_one(f"#mode-{mode}", RadioButton).value = True
+            for button in self.query(f"#mode-{mode}").results(RadioButton):
+                self._shown_mode = mode
+                button.value = True
 
     def show_pending(self, k: int, pending_k: int | None, pending_mode: str | None) -> None:
         """Mark a switch the engine will apply at its next step as loading."""
