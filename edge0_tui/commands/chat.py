@@ -9,7 +9,6 @@ from typing import TYPE_CHECKING
 
 from edge0_tui.commands import options
 from edge0_tui.model_start import model_start
-from engine import EngineConfig
 
 if TYPE_CHECKING:
     from edge0_tui.app import Edge0App
@@ -76,11 +75,8 @@ def build_app(args: argparse.Namespace) -> Edge0App:
     # What the user chose for this model last time; the command line wins for this run.
     store = PreferenceStore(options.config_dir() or user_config_path("edge0"))
     data_dir = args.data_dir or options.data_dir()  # one folder for chats and trained adapters
-    base = EngineConfig(
-        exact_kernels=args.exact,
-        adapter_dirs=tuple(args.adapters),  # the session fetches Hub repos on its thread
-        data_dir=data_dir,
-    )
+    # The mode, K and caches: the command line's over the model's kept choices (model_start).
+    base = options.engine_config(args, fetch_adapters=False, data_dir=data_dir)
     start = model_start(
         args.model,
         store,

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from edge0_tui.commands import options
 from edge0_tui.commands.common import print_stderr, print_warnings
-from engine import Edge0Error, EngineConfig, GenerationConfig, format_bytes
+from engine import Edge0Error, GenerationConfig, format_bytes
 
 if TYPE_CHECKING:
     from engine import Tracer
@@ -72,18 +72,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from engine import NO_TRACE, Engine, Tracer
 
-    config = EngineConfig(
-        mode=args.mode,
-        **options.expert_cache_config(args.expert_cache),
-        page_cache_bytes=options.page_cache_bytes(args.page_cache),
-        eviction=args.eviction,
-        k=args.k,
-        lora=not args.no_lora,
-        shadow_router=args.shadow_router,
-        exact_kernels=args.exact,
-        adapter_dirs=options.adapter_dirs(args.adapters),
-        data_dir=options.data_dir(),
-    )
+    config = options.engine_config(args)
     gen = GenerationConfig(
         max_tokens=args.max_tokens,
         temperature=args.temp,

@@ -7,7 +7,7 @@ import json
 
 from edge0_tui.commands import options
 from edge0_tui.commands.common import print_warnings
-from engine import EngineConfig, format_bytes
+from engine import format_bytes
 
 NAME = "info"
 
@@ -34,15 +34,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from engine import Engine
 
-    config = EngineConfig(
-        mode=args.mode,
-        k=args.k,
-        **options.expert_cache_config(args.expert_cache),
-        exact_kernels=args.exact,
-        refuse_over_plan=False,  # a plan that does not fit is shown, not refused
-        adapter_dirs=options.adapter_dirs(args.adapters),
-        data_dir=options.data_dir(),
-    )
+    # A plan that does not fit is shown, not refused.
+    config = options.engine_config(args, refuse_over_plan=False)
     with Engine(args.model, config) as engine:
         info = engine.info()
         search = engine.adapter_search

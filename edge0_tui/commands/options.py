@@ -18,7 +18,15 @@ from edge0_tui.model_start import (  # noqa: F401
     expert_cache_config,
     page_cache_bytes,
 )
-from engine import MAX_SEED, MODES, Edge0Error, format_bytes, parse_duration, parse_size
+from engine import (
+    MAX_SEED,
+    MODES,
+    Edge0Error,
+    EngineConfig,
+    format_bytes,
+    parse_duration,
+    parse_size,
+)
 
 # edge0's user data folder (trained adapters, chats) when set; read here, at the top, only.
 DATA_DIR_ENV = "EDGE0_DATA_DIR"
@@ -310,6 +318,35 @@ def data_dir() -> Path | None:
     """edge0's user data folder from EDGE0_DATA_DIR; None: the platform's."""
     value = os.environ.get(DATA_DIR_ENV)
     return Path(value).expanduser() if value else None
+
+
+def engine_config(
+    args: argparse.Namespace, fetch_adapters: bool = True, **fields: object
+) -> EngineConfig:
+    """The engine's config from the engine options `args` has (--mode, --k, --expert-cache,
+    --page-cache, --eviction, --exact, --adapters, --no-lora, --shadow-router; one not given, or
+    None, keeps EngineConfig's default), the data folder from the environment, then `fields`
+    over them. `fetch_adapters`: Hub repos that --adapters names are downloaded now; False leaves
+    them to the engine's thread (the app and the server, which show progress their own way)."""
+    given = {name: value for name, value in vars(args).items() if value is not None}
+    config: dict = {"data_dir": data_dir()}
+    for option, field in (("mode", "mode"), ("k", "k"), ("eviction", "eviction")):
+        if option in given:
+            config[field] = given[option]
+    if "expert_cache" in given:
+        config.update(expert_cache_config(given["expert_cache"]))
+    if "page_cache" in given:
+        config["page_cache_bytes"] = page_cache_bytes(given["page_cache"])
+    if "exact" in given:
+        config["exact_kernels"] = given["exact"]
+    if "adapters" in given:
+        specs = given["adapters"]
+        config["adapter_dirs"] = adapter_dirs(specs) if fetch_adapters else tuple(specs)
+    if "no_lora" in given:
+        config["lora"] = not given["no_lora"]
+    if "shadow_router" in given:
+        config["shadow_router"] = given["shadow_router"]
+    return EngineConfig(**{**config, **fields})
 
 
 def adapter_dirs(specs: list[str]) -> tuple[Path, ...]:

@@ -6,7 +6,7 @@ import argparse
 import os
 
 from edge0_tui.commands import options
-from engine import Edge0Error, EngineConfig
+from engine import Edge0Error
 
 NAME = "serve"
 
@@ -133,14 +133,11 @@ def run(args: argparse.Namespace) -> int:
     default_cache, default_page_cache = default_budgets(args.model == "demo", args.mode)
     expert_cache = args.expert_cache or default_cache
     page_cache = default_page_cache if args.page_cache is None else args.page_cache
-    config = EngineConfig(
-        mode=args.mode,
+    config = options.engine_config(
+        args,
+        fetch_adapters=False,  # Hub repos are fetched on the engine thread
         **options.expert_cache_config(expert_cache),
         page_cache_bytes=options.page_cache_bytes(page_cache),
-        k=args.k,
-        exact_kernels=args.exact,
-        adapter_dirs=tuple(args.adapters),  # Hub repos are fetched on the engine thread
-        data_dir=options.data_dir(),
     )
     open_engine = open_engine_for(args.model, config, user_cache_path("edge0"))
     serve_model(

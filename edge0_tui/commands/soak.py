@@ -7,7 +7,7 @@ import json
 
 from edge0_tui.commands import options
 from edge0_tui.commands.common import print_stderr
-from engine import EngineConfig, format_bytes
+from engine import format_bytes
 
 NAME = "soak"
 
@@ -30,7 +30,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from engine.measure.soak import soak
 
-    config = EngineConfig(mode=args.mode, **options.expert_cache_config(args.expert_cache))
+    config = options.engine_config(args)
     log = print_stderr if args.json else print
     report = soak(args.model, config, args.turns, args.steps, progress=log, fresh=args.fresh)
     if args.json:
