@@ -4,19 +4,16 @@ The next start opens that chat again with the text back in the prompt, as oterm 
 theirs. One small JSON file beside the chats (`last_session.json`), private like them, written
 through a temp file renamed into place. The file is treated as hostile like every file: one that is
 too big, not a regular file or not what this module writes is ignored (the app starts on the latest
-chat instead), never a traceback.
+chat instead), never a traceback. What is written is bounded as what is read: a session too big to
+be read back is refused when it is kept, not ignored at the next start.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import stat
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine import Edge0Error
+from engine import Edge0Error, read_json_file, write_json_file
 
 from .chat_store import PRIVATE_FILE
 from .sanitize import sanitize
@@ -39,11 +36,8 @@ class LastSessionFile:
     def load(self) -> LastSession | None:
         """The session kept at the last quit; None when there is none or it cannot be read."""
         try:
-            info = os.stat(self.path, follow_symlinks=False)
-            if not stat.S_ISREG(info.st_mode) or info.st_size > MAX_FILE_BYTES:
-                return None
-            kept = json.loads(self.path.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
+            kept = read_json_file(self.path, max_bytes=MAX_FILE_BYTES)
+        except Edge0Error:
             return None
         if not isinstance(kept, dict):
             return None
@@ -53,19 +47,9 @@ class LastSessionFile:
         return LastSession(chat_id, sanitize(draft) if isinstance(draft, str) else "")
 
     def save(self, session: LastSession) -> None:
-        """Keep `session` for the next start. Raises Edge0Error when it cannot be written."""
-        text = json.dumps({"chat_id": session.chat_id, "draft": session.draft})
-        try:
-            handle, temp = tempfile.mkstemp(dir=self.path.parent, prefix=".last_session-")
-            try:
-                os.fchmod(handle, PRIVATE_FILE)
-                with os.fdopen(handle, "w", encoding="utf-8") as out:
-                    out.write(text)
-                os.replace(temp, self.path)
-            except BaseException:
-                os.unlink(temp)
-                raise
-        except OSError as e:
-            raise Edge0Error(
-                f"{self.path}: cannot keep the unsent text ({e.strerror or e})"
-            ) from None
+        """Keep `session` for the next start, as `load` reads it back. Raises Edge0Error when it
+        cannot be written, or is too big to be read back (the file left as it was)."""
+        kept = {"chat_id": session.chat_id, "draft": session.draft}
+        write_json_file(
+            self.path, kept, MAX_FILE_BYTES, "the unsent text", mode=PRIVATE_FILE, indent=None
+        )

@@ -7,21 +7,20 @@ Options given on the command line win over stored ones for that run.
 
 The file is the user's, and treated as hostile like every file: one that is too big, not a regular
 file, not JSON or holding values out of range is ignored (field by field where it can be) with a
-one-line warning, never a traceback, and rewritten whole on the next save. Writes go to a temp
-file renamed into place, so a crash leaves the old file or the new one. Private like the chats:
-the folder 0700, the file 0600.
+one-line warning, never a traceback. A file that cannot be read at all is kept aside by the next
+save (`models.json.unreadable`), never written over. Writes go to a temp file renamed into place,
+so a crash leaves the old file or the new one, and are bounded as reads are: a save that would
+make a file too big to read back is refused, and the file stays as it was. Private like the
+chats: the folder 0700, the file 0600.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import stat
-import tempfile
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from engine import MODES, Edge0Error, GenerationConfig
+from engine import MODES, Edge0Error, GenerationConfig, read_json_file, write_json_file
 
 from .chat_store import PRIVATE_DIR, PRIVATE_FILE
 from .model_source import DEMO, is_bundled_demo, local_path
@@ -67,7 +66,7 @@ class PreferenceStore:
 
     def load(self, model: str, defaults: GenerationConfig) -> ModelPreferences:
         """`model`'s preferences over `defaults`; what cannot be read is left at its default."""
-        stored = self._read_all().get(model)
+        stored = (self._read_all() or {}).get(model)
         if stored is None:
             return ModelPreferences(generation=defaults)
         if not isinstance(stored, dict):
@@ -77,63 +76,87 @@ class PreferenceStore:
 
     def models(self) -> list[str]:
         """The models settings are kept for, by key (`model_key`), in the file's order."""
-        return list(self._read_all())
+        return list(self._read_all() or {})
 
     def save(self, model: str, preferences: ModelPreferences) -> None:
-        """Store `model`'s preferences (others kept). Raises Edge0Error when the file cannot be
-        written; the app shows it and carries on."""
+        """Store `model`'s preferences, the other models' kept. A file that could not be read is
+        kept aside (`aside_path`), not written over. Raises Edge0Error when the file cannot be
+        written, or would be too big to read back; the app shows it and carries on."""
         everything = self._read_all()
-        everything[model] = preferences.as_json()
-        self._write(everything)
+        if everything is None:
+            self._write_aside({model: preferences.as_json()})
+        else:
+            self._write({**everything, model: preferences.as_json()})
 
     def remember(self, model: str) -> None:
         """List `model` among the models used (`edge0 list`, the picker) once it has opened,
         keeping no choice for it: an empty entry, where it has none. A file that could not be
         read is left as it is. Raises Edge0Error when the file cannot be written."""
         everything = self._read_all()
-        if model in everything or self.warning is not None:
+        if everything is None or model in everything:
             return
-        everything[model] = {}
-        self._write(everything)
+        self._write({**everything, model: {}})
+
+    def aside_path(self) -> Path:
+        """Where a save keeps a settings file it could not read: the first free of
+        `models.json.unreadable`, `models.json.unreadable-2`, ..."""
+        aside, n = self.path.with_name(f"{FILE_NAME}.unreadable"), 1
+        while os.path.lexists(aside):
+            n += 1
+            aside = self.path.with_name(f"{FILE_NAME}.unreadable-{n}")
+        return aside
 
     def _write(self, everything: dict) -> None:
+        # The same bound as `_read_all`'s: a file too big to read back is refused, unwritten.
         folder = self.path.parent
         try:
             folder.mkdir(parents=True, exist_ok=True, mode=PRIVATE_DIR)
             os.chmod(folder, PRIVATE_DIR)
-            fd, temp = tempfile.mkstemp(dir=folder, prefix=".models-", suffix=".json")
-            try:
-                with os.fdopen(fd, "w", encoding="utf-8") as out:
-                    json.dump({"version": 1, "models": everything}, out, indent=2)
-                os.chmod(temp, PRIVATE_FILE)
-                os.replace(temp, self.path)
-            except BaseException:
-                os.unlink(temp)
-                raise
         except OSError as e:
             raise Edge0Error(f"{self.path}: cannot save the settings ({e.strerror or e})") from None
+        document = {"version": 1, "models": everything}
+        write_json_file(
+            self.path, document, MAX_FILE_BYTES, "the settings", mode=PRIVATE_FILE, indent=2
+        )
+
+    def _write_aside(self, everything: dict) -> None:
+        """Write `everything` where a file stands that could not be read, that file renamed
+        to `aside_path` first (and back, where the new one cannot be written)."""
+        aside = self.aside_path()
+        try:
+            os.rename(self.path, aside)
+        except OSError as e:
+            raise Edge0Error(
+                f"{self.path}: cannot save the settings: cannot keep the unreadable file as "
+                f"{aside.name} ({e.strerror or e})"
+            ) from None
+        try:
+            self._write(everything)
+        except Edge0Error:
+            os.rename(aside, self.path)
+            raise
 
     # -- reading a hostile file --------------------------------------------------------------------
 
-    def _read_all(self) -> dict:
-        try:
-            info = self.path.lstat()
-        except FileNotFoundError:
+    def _read_all(self) -> dict | None:
+        """Every model's entry; None (and `warning` set) when the file cannot be read whole."""
+        if not os.path.lexists(self.path):
             return {}
-        except OSError as e:
-            return self._warn(f"cannot read ({e.strerror or e})")
-        if not stat.S_ISREG(info.st_mode):
-            return self._warn("not a regular file")
-        if info.st_size > MAX_FILE_BYTES:
-            return self._warn(f"{info.st_size} bytes, more than a settings file holds")
         try:
-            data = json.loads(self.path.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
-            return self._warn(f"not valid JSON ({type(e).__name__})")
+            data = read_json_file(self.path, "not valid JSON ({})", MAX_FILE_BYTES)
+        except Edge0Error as e:
+            return self._unreadable(str(e).removeprefix(f"{self.path}: "))
         models = data.get("models") if isinstance(data, dict) else None
         if not isinstance(models, dict):
-            return self._warn('no "models" object')
+            return self._unreadable('no "models" object')
         return models
+
+    def _unreadable(self, why: str) -> None:
+        self.warning = (
+            f"{self.path}: {sanitize(why)[:200]}; using the defaults (the next save keeps this "
+            f"file as {self.aside_path().name})"
+        )
+        return None
 
     def _parse(self, stored: dict, defaults: GenerationConfig) -> ModelPreferences:
         generation = defaults
@@ -178,9 +201,8 @@ class PreferenceStore:
                 self._warn(f"page_cache: {page_cache!r} is neither a number of bytes nor 'off'")
         return prefs
 
-    def _warn(self, why: str) -> dict:
+    def _warn(self, why: str) -> None:
         self.warning = f"{self.path}: {sanitize(why)[:200]}; using the defaults there"
-        return {}
 
 
 def fit_to_model(

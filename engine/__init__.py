@@ -67,6 +67,8 @@ _ON_FIRST_USE = {
     "preload_fast_blas": "engine.runtime.blas",
     "check_adapter_out": "engine.adapters.metadata",
     "check_regular_file": "engine.checkpoint.index",
+    "read_json_file": "engine.checkpoint.json_files",
+    "write_json_file": "engine.checkpoint.json_files",
     "check_output_file": "engine.checkpoint.outputs",
     "check_output_folder": "engine.checkpoint.outputs",
     "fit_mlx_lm_to_the_open_file_limit": "engine.runtime.open_file_limit",

@@ -27,6 +27,7 @@ CHECKS = {
     "device",
     "BLAS",
     "threads",
+    "temp folder",
     "on-demand = resident (demo)",
     "on-demand = resident (synthetic qwen3_next)",
     "on-demand = resident (synthetic gpt_oss)",
@@ -248,6 +249,37 @@ def test_a_gpu_left_unused_fails():
 def test_the_thread_layout_is_reported():
     check = doctor_machine.check_threads()
     assert check.status == OK and check.figures["reader_threads"] >= 1
+
+
+def test_a_missing_temp_folder_is_one_fail_and_the_engine_checks_are_not_run(tiny, monkeypatch):
+    """Issue 47 item 12: with TMPDIR=/nonexistent, MLX's kernels could not be compiled and every
+    exactness check FAILed with `temp_directory_path`, blaming the engine for the environment."""
+    monkeypatch.setenv("TMPDIR", "/nonexistent")
+    done = run_cli("doctor", str(tiny), "--quick")
+    assert done.returncode == 1, done.stdout + done.stderr
+    lines = done.stdout.splitlines()[1:]
+    failed = [line for line in lines if line.startswith("FAIL")]
+    assert failed[0] == (
+        "FAIL     temp folder: /nonexistent (TMPDIR): no such directory; set TMPDIR to a folder "
+        "you can write"
+    )
+    assert failed[1:] == [
+        "FAIL     verdict: 1 check failed (temp folder): fix what its line says, then run "
+        "`edge0 doctor` again"
+    ]
+    not_run = [line for line in lines if line.endswith("(not run: the temp folder check failed)")]
+    assert len(not_run) == 8  # the seven exactness lines and the slot writes
+    assert "temp_directory_path" not in done.stdout
+
+
+def test_a_full_disk_is_the_temp_folders_fail(tmp_path, monkeypatch):
+    assert doctor_machine.check_temp_folder(str(tmp_path), "TMPDIR").status == OK
+    monkeypatch.setattr(doctor_machine, "free_bytes", lambda folder: 1 << 20)
+    check = doctor_machine.check_temp_folder(str(tmp_path), "TMPDIR")
+    assert check.status == FAIL and "1.00 MiB free, the checks write up to" in check.detail
+    (tmp_path / "file").touch()
+    check = doctor_machine.check_temp_folder(str(tmp_path / "file"), "TMP")
+    assert check.status == FAIL and "(TMP): not a directory" in check.detail
 
 
 # -- verdict -------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ import shutil
 
 import pytest
 from adapters import write_random_profile
+from cli_runner import run_cli
 
 from edge0_tui.cli import main
 from engine.adapters.locations import auto_adapter_dir
@@ -37,27 +38,59 @@ def test_every_profile_is_measured_against_the_native_model_and_kept(
     # The LoRA changes what the student computes: the two rows differ.
     assert heads["perplexity"] != lora["perplexity"]
     quality = kept_quality(table["fingerprint"])
-    assert quality == {2: {"heads only": heads["vs_native"], "heads + LoRA": lora["vs_native"]}}
+    assert quality.warning is None and quality.table == {
+        2: {"heads only": heads["vs_native"], "heads + LoRA": lora["vs_native"]}
+    }
     assert main(args) == 0
     printed = capsys.readouterr().out
     assert "| 2 | heads + LoRA |" in printed and "kept in" in printed
 
 
+def _row(k: object = 2, ratio: object = 1.1) -> dict:
+    return {"k": k, "variant": "heads only", "vs_native": ratio}
+
+
 @pytest.mark.parametrize(
-    "content",
+    "content, why",
     [
-        "not json",
-        json.dumps({"rows": "no"}),
-        json.dumps({"rows": [{}, {"k": 2, "variant": "heads only", "vs_native": "NaN"}]}),
-        json.dumps({"rows": [{}, {"k": 2, "variant": "heads only", "vs_native": float("inf")}]}),
-        "x" * (2 << 20),
+        ("not json", "invalid JSON"),
+        (json.dumps({"rows": "no"}), '"rows"'),
+        (json.dumps({"rows": [{}, _row(ratio="NaN")]}), "vs_native"),
+        (json.dumps({"rows": [{}, _row(ratio=float("inf"))]}), "Infinity"),
+        ("x" * (2 << 20), "bytes, more than"),
+        # Issue 47 item 8: each was a traceback in `edge0 info`, `serve` and the app.
+        ('{"rows": [{}, {"k": 1e400, "variant": "heads only", "vs_native": 1.1}]}', "rows[1].k"),
+        (json.dumps({"rows": [{}, _row(k=2.5)]}), "rows[1].k"),
+        (json.dumps({"rows": [{}, _row(ratio=10**400)]}), "rows[1].vs_native"),
+        ("[" * 100_000, "nested too deeply"),
     ],
 )
-def test_a_kept_table_that_is_not_ours_adds_nothing(tmp_path, content):
+def test_a_kept_table_that_is_not_ours_adds_nothing_and_one_warning(tmp_path, content, why):
     folder = auto_adapter_dir("f" * 16, tmp_path)
     folder.mkdir(parents=True)
     (folder / QUALITY_FILE).write_text(content)
-    assert kept_quality("f" * 16, tmp_path) == {}
+    kept = kept_quality("f" * 16, tmp_path)
+    assert kept.table == {}
+    assert kept.warning.startswith(f"{folder / QUALITY_FILE}: ") and why in kept.warning
+
+
+def test_edge0_info_over_a_kept_table_out_of_range_is_one_warning(checkpoint_dir, private_data_dir):
+    """Issue 47 item 8: `{"k": 1e400}` was an OverflowError traceback in `edge0 info` (and the
+    app's engine, and `serve`, which calls the same `info()` at open)."""
+    from engine.checkpoint.index import CheckpointIndex, base_fingerprint
+
+    model = checkpoint_dir("qwen3_moe")
+    index = CheckpointIndex(model)
+    index.add_moe_layers_by_name()  # as the catalog finds the fingerprint, without loading
+    fingerprint = base_fingerprint(index)
+    folder = auto_adapter_dir(fingerprint, private_data_dir)
+    folder.mkdir(parents=True)
+    (folder / QUALITY_FILE).write_text('{"rows": [{}, {"k": 1e400, "variant": "heads only"}]}')
+    done = run_cli("info", str(model), "--json")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["profile_quality"] == {}
+    assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr
+    assert done.stderr.startswith(f"edge0: warning: {folder / QUALITY_FILE}: rows[1].k: inf")
 
 
 async def test_the_k_selector_shows_each_profiles_measured_quality(

@@ -16,13 +16,14 @@ from edge0_tui.app import Edge0App
 from edge0_tui.commands import options
 from edge0_tui.preferences import (
     FILE_NAME,
+    MAX_SYSTEM_PROMPT_CHARS,
     KeptPreferences,
     ModelPreferences,
     PreferenceStore,
     model_key,
 )
 from edge0_tui.screens.settings import SettingsScreen
-from engine import EngineConfig, GenerationConfig
+from engine import Edge0Error, EngineConfig, GenerationConfig
 
 
 @pytest.fixture
@@ -92,6 +93,53 @@ def test_a_huge_or_special_preferences_file_is_not_read(tmp_path):
     store = PreferenceStore(tmp_path)
     assert store.load("demo", SHORT) == ModelPreferences(SHORT)
     assert "not a regular file" in store.warning
+
+
+# The longest system prompt allowed, in characters that JSON's \u escapes made 12 bytes each.
+LONG_PROMPT = "\U0001f600" * MAX_SYSTEM_PROMPT_CHARS
+
+
+def test_what_a_save_writes_the_next_start_reads_back(tmp_path):
+    """Issue 47 item 9: six models with the longest prompt made a file over the reader's bound;
+    the next start ignored every model's settings. A save that would not read back is refused,
+    naming the file, and every model saved before it is still there."""
+    store = PreferenceStore(tmp_path)
+    saved = []
+    with pytest.raises(Edge0Error) as refused:
+        for i in range(40):
+            store.save(f"m{i}", ModelPreferences(system_prompt=LONG_PROMPT, k=i + 1))
+            saved.append(f"m{i}")
+    assert str(refused.value).startswith(f"{tmp_path / FILE_NAME}: cannot save the settings (")
+    assert "bytes, more than" in str(refused.value)
+    assert len(saved) > 6  # the issue's six, and more
+    again = PreferenceStore(tmp_path)
+    assert again.models() == saved
+    for i, name in enumerate(saved):
+        assert again.load(name, SHORT) == ModelPreferences(system_prompt=LONG_PROMPT, k=i + 1)
+    assert again.warning is None
+
+
+def test_a_save_keeps_a_file_it_could_not_read_aside(tmp_path):
+    """Was: the next save wrote over a file it could not read, and one model was left of six."""
+    path = tmp_path / FILE_NAME
+    models = {f"m{i}": {"system_prompt": LONG_PROMPT} for i in range(6)}
+    path.write_text(json.dumps({"version": 1, "models": models}, indent=2))  # as saves wrote it
+    before = path.read_bytes()
+    store = PreferenceStore(tmp_path)
+    assert store.load("m0", SHORT) == ModelPreferences(SHORT)
+    assert f"{FILE_NAME}.unreadable" in store.warning
+    store.save("m0", ModelPreferences(k=2))
+    assert (tmp_path / f"{FILE_NAME}.unreadable").read_bytes() == before
+    assert PreferenceStore(tmp_path).load("m0", SHORT).k == 2
+    # One more unreadable file is kept beside the first, and a save refused puts it back.
+    path.write_text("{not json")
+    with pytest.raises(Edge0Error):
+        store.save("m0", ModelPreferences(system_prompt=LONG_PROMPT * 20))
+    assert path.read_text() == "{not json"
+    assert not (tmp_path / f"{FILE_NAME}.unreadable-2").exists()
+    store.save("m0", ModelPreferences(k=3))
+    assert (tmp_path / f"{FILE_NAME}.unreadable-2").read_text() == "{not json"
+    assert (tmp_path / f"{FILE_NAME}.unreadable").read_bytes() == before
 
 
 def _app(model, data_dir, kept: KeptPreferences) -> Edge0App:

@@ -10,9 +10,10 @@ import pytest
 from test_tui_app import SIZE, make_app, ready, reply_done, send, status_text, wait_until
 
 from edge0_tui.chat_store import ChatMessage, ChatStore
-from edge0_tui.last_session import FILE_NAME, LastSessionFile
+from edge0_tui.last_session import FILE_NAME, MAX_FILE_BYTES, LastSession, LastSessionFile
 from edge0_tui.widgets.conversation import UserTurn
 from edge0_tui.widgets.prompt import PromptInput
+from engine import Edge0Error
 
 
 @pytest.fixture
@@ -95,3 +96,18 @@ async def test_a_missing_or_bad_session_file_opens_the_latest_chat(model, tmp_pa
     async with app.run_test(size=SIZE) as pilot:
         await wait_until(pilot, lambda: turns(app) == ["latest"], "the latest chat")
         assert app.chat_screen.query_one(PromptInput).text == ""
+
+
+def test_what_is_kept_at_quit_is_read_back_or_refused(tmp_path):
+    """Issue 47 item 9, the same class: a long draft was written (in 12-byte `\\u` escapes) past
+    the reader's bound, and the next start lost the chat and the draft. It is kept as the
+    reader reads it; one too big to read back is refused, naming the file, the old one kept."""
+    kept = LastSessionFile(tmp_path)
+    long_draft = "\U0001f600" * (MAX_FILE_BYTES // 6)  # 4 bytes each in UTF-8
+    kept.save(LastSession(3, long_draft))
+    assert kept.load() == LastSession(3, long_draft)
+    with pytest.raises(Edge0Error, match=f"^{tmp_path / FILE_NAME}: cannot save the unsent text"):
+        kept.save(LastSession(4, long_draft * 2))
+    assert kept.load() == LastSession(3, long_draft)
+    (tmp_path / FILE_NAME).write_text("[" * 100_000)  # was a RecursionError at the start
+    assert kept.load() is None

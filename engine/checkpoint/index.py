@@ -23,6 +23,7 @@ from functools import cached_property
 from pathlib import Path
 
 from ..errors import Edge0Error
+from .json_files import parse_json, read_json_file
 
 # Bytes per element of every safetensors dtype MLX loads (it has no F64).
 DTYPE_SIZES = {
@@ -226,39 +227,6 @@ def read_safetensors(
     }
     _check_no_overlap(path, entries)
     return entries, metadata
-
-
-def parse_json(raw: bytes | str, check_surrogates: bool = False) -> object:
-    """Strict JSON: UTF-8, no NaN or Infinity; any defect is a ValueError saying what is wrong.
-
-    With `check_surrogates`, strings holding an unpaired UTF-16 surrogate (`"\\ud800"`, which Python
-    reads but C++ readers such as MLX's refuse) are refused too.
-    """
-    try:
-        text = raw.decode("utf-8") if isinstance(raw, bytes) else raw
-        value = json.loads(text, parse_constant=_refuse_constant)
-        if check_surrogates and "\\u" in text:
-            json.dumps(value, ensure_ascii=False).encode("utf-8")
-    except UnicodeEncodeError:
-        raise ValueError("a string holds an unpaired UTF-16 surrogate") from None
-    except RecursionError:
-        raise ValueError("nested too deeply") from None
-    return value
-
-
-def read_json_file(path: Path, invalid: str = "invalid JSON ({})") -> object:
-    """The strict JSON value (`parse_json`) of the file at `path`. An unreadable or invalid file
-    is an Edge0Error naming it: "cannot read (why)", or `invalid` with what is wrong."""
-    try:
-        return parse_json(path.read_bytes())
-    except OSError as e:
-        raise Edge0Error(f"{path}: cannot read ({e.strerror or e})") from None
-    except ValueError as e:
-        raise Edge0Error(f"{path}: {invalid.format(e)}") from None
-
-
-def _refuse_constant(name: str) -> object:
-    raise ValueError(f"{name} is not valid JSON")
 
 
 def _parse_entry(path: Path, name: str, info: object, data_start: int, size: int) -> TensorEntry:

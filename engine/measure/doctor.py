@@ -14,7 +14,8 @@ and sound there, and hands them a report to paste into an issue:
 3. the disk (`doctor_disk.py`): cold read bandwidth (eviction proven with mincore), the fixed cost
    of one load, F_NOCACHE on macOS;
 4. memory and 5. backend (`doctor_machine.py`): the memory plan against the machine, the panel's
-   counters, Metal's working set; MLX, device, BLAS, threads;
+   counters, Metal's working set; MLX, device, BLAS, threads, and the temp folder, checked before
+   the checks that write there (a missing TMPDIR or a full disk is that one line's FAIL);
 6. the verdict: the decode speed to expect from the measured compute and bandwidth.
 
 Each check takes its faults from `Faults`: tests break every check on purpose and see it FAIL.
@@ -30,12 +31,16 @@ from pathlib import Path
 
 from ..config import format_bytes
 from . import doctor_disk, doctor_exactness, doctor_machine, doctor_slots
-from .doctor_checks import FAIL, Check, Faults, MachineMemory, fail, ok
+from .doctor_checks import FAIL, Check, Faults, MachineMemory, fail, ok, skipped
 
 # The tiny synthetic checkpoints the exactness check also runs, written on the fly: families
 # whose blocks differ most from the demo's Qwen3-MoE (linear attention and a gated shared
 # expert; mxfp4 experts with biases; group routing and latent attention).
 FAMILIES = ("qwen3_next", "gpt_oss", "deepseek_v3")
+# Why a check that runs the engine did not run.
+NOT_RUN = "not run: the temp folder check failed"
+# Checks of the machine's setup rather than of edge0.
+ENVIRONMENT_CHECKS = {"temp folder"}
 
 
 @dataclass(frozen=True)
@@ -78,41 +83,55 @@ def run_doctor(
     report("backend", "device", doctor_machine.check_device)
     report("backend", "BLAS", doctor_machine.check_blas)
     report("backend", "threads", doctor_machine.check_threads)
+    temp, named_by = doctor_machine.temp_folder()
+    temp_check = report(
+        "backend", "temp folder", lambda: doctor_machine.check_temp_folder(temp, named_by)
+    )
+
+    def computes(group: str, name: str, measure: Callable[[], Check | tuple]) -> Check:
+        """A check that runs the engine: MLX compiles its kernels into the temp folder, and the
+        synthetic checkpoints are written there. Without one, it is not run (the temp folder's
+        line says why), rather than a FAIL that blames the engine."""
+        if temp_check.status == FAIL:
+            return report(group, name, lambda: skipped(group, name, NOT_RUN))
+        return report(group, name, measure)
+
+    def synthetic(family: str) -> Check:
+        with tempfile.TemporaryDirectory(prefix="edge0-doctor-", dir=temp) as folder:
+            return doctor_exactness.check_family(Path(folder), family, config.tokens)
+
     # (A model the engine cannot open stops here: its one-line error is the command's.)
     budget = doctor_exactness.evicting_budget(model)
-    on_demand = report(
+    on_demand = computes(
         "exactness",
         f"on-demand = resident ({config.model_name})",
         lambda: doctor_exactness.check_on_demand(
             model, config.model_name, config.tokens, budget, faults
         ),
     )
-    with tempfile.TemporaryDirectory(prefix="edge0-doctor-") as folder:
-        for family in config.families:
-            report(
-                "exactness",
-                f"on-demand = resident (synthetic {family})",
-                lambda family=family: doctor_exactness.check_family(
-                    Path(folder), family, config.tokens
-                ),
-            )
+    for family in config.families:
+        computes(
+            "exactness",
+            f"on-demand = resident (synthetic {family})",
+            lambda family=family: synthetic(family),
+        )
     tokens = on_demand.figures.get("tokens")
-    report(
+    computes(
         "exactness",
         "prefetch = on-demand",
         lambda: doctor_exactness.check_prefetch(model, tokens, config.tokens, budget, faults),
     )
-    report(
+    computes(
         "exactness",
         "prerouter routes by its prediction",
         lambda: doctor_exactness.check_prerouter(model, config.tokens, budget, faults),
     )
-    report(
+    computes(
         "exactness",
         "fast prefill within its bound",
         lambda: doctor_exactness.check_fast_prefill(model, faults),
     )
-    slots = report(
+    slots = computes(
         "slots",
         doctor_slots.TITLE,
         lambda: doctor_slots.check_slot_writes(model, config.stress_steps, budget, faults),
@@ -173,11 +192,16 @@ def verdict(checks: list[Check], slots: dict, cold: dict, model: dict) -> Check:
             f"{figures['overlap_limit_tok_per_s']:.1f} (the overlap limit)"
         )
     if failed:
+        # The machine's own setup (the temp folder) is the user's to fix, not an issue to file.
+        advice = (
+            "fix what its line says, then run `edge0 doctor` again"
+            if set(failed) <= ENVIRONMENT_CHECKS
+            else "run `edge0 doctor --json` and attach its output to an issue"
+        )
         return fail(
             "verdict",
             "verdict",
-            f"{len(failed)} check{'s' * (len(failed) != 1)} failed ({', '.join(failed)}): "
-            "run `edge0 doctor --json` and attach its output to an issue",
+            f"{len(failed)} check{'s' * (len(failed) != 1)} failed ({', '.join(failed)}): {advice}",
             **figures,
         )
     return ok("verdict", "verdict", speed or "every check ok or skipped", **figures)

@@ -1,13 +1,15 @@
-"""The doctor's machine checks: backend (MLX, device, BLAS, threads) and memory (the plan, the
-panel's counters, Metal's working set)."""
+"""The doctor's machine checks: backend (MLX, device, BLAS, threads, the temp folder) and memory
+(the plan, the panel's counters, Metal's working set)."""
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import mlx.core as mx
@@ -23,6 +25,12 @@ from .doctor_checks import Check, MachineMemory, fail, ok, skipped
 RSS_AGREEMENT = 0.10
 # The BLAS symbol MLX's dense products call.
 GEMM_SYMBOL = "cblas_sgemm"
+# What the checks write to the temp folder (the synthetic checkpoints, MLX's compiled kernels),
+# with room to spare: a folder with less free is a full disk to them.
+TEMP_BYTES_NEEDED = 64 << 20
+# The variables C++'s `std::filesystem::temp_directory_path` reads, in its order (MLX compiles
+# kernels into that folder on the CPU); with none set it is /tmp.
+TEMP_VARIABLES = ("TMPDIR", "TMP", "TEMP", "TEMPDIR")
 
 
 # -- backend ---------------------------------------------------------------------------------------
@@ -102,6 +110,49 @@ def _mlx_library() -> str | None:
         if (folder / name).exists():
             return str(folder / name)
     return None
+
+
+def temp_folder() -> tuple[str, str]:
+    """The folder MLX's compiled kernels go to, and what names it (a variable, or the default)."""
+    for name in TEMP_VARIABLES:
+        value = os.environ.get(name)
+        if value is not None:
+            return value, name
+    return "/tmp", "the default"
+
+
+def free_bytes(folder: str) -> int | None:
+    """The bytes free on `folder`'s file system; None when it cannot be told."""
+    try:
+        return shutil.disk_usage(folder).free
+    except OSError:
+        return None
+
+
+def check_temp_folder(folder: str, named_by: str) -> Check:
+    """The temp folder is a folder, takes a file and has room for what the checks write. Run
+    before them: without it they fail inside MLX, which would blame the engine for this."""
+    title, where = "temp folder", f"{folder or repr(folder)} ({named_by})"
+    if not os.path.isdir(folder):
+        what = "not a directory" if os.path.exists(folder) else "no such directory"
+        return fail("backend", title, f"{where}: {what}; set TMPDIR to a folder you can write")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".edge0-doctor-", dir=folder)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        return fail("backend", title, f"{where}: cannot write a file there ({e.strerror or e})")
+    free = free_bytes(folder)
+    if free is not None and free < TEMP_BYTES_NEEDED:
+        return fail(
+            "backend",
+            title,
+            f"{where}: {format_bytes(free)} free, the checks write up to "
+            f"{format_bytes(TEMP_BYTES_NEEDED)}; free some space, or set TMPDIR to another disk",
+            free_bytes=free,
+        )
+    room = "free space unknown" if free is None else f"{format_bytes(free)} free"
+    return ok("backend", title, f"{where}: writable, {room}", free_bytes=free)
 
 
 def check_blas(resolved: str | None = None) -> Check:

@@ -336,8 +336,9 @@ class Engine:
 
     def profile_quality(self) -> dict[int, dict[str, float]]:
         """Each K profile's perplexity over the native model's, where `edge0 eval --profiles`
-        kept a table (read from disk each time: an eval may run while the engine is open)."""
-        return kept_quality(self.fingerprint, self.config.data_dir)
+        kept a table (read from disk each time: an eval may run while the engine is open); a
+        table that does not check out is one of `warnings`."""
+        return kept_quality(self.fingerprint, self.config.data_dir).table
 
     def info(self) -> dict:
         """What a status line or `edge0 info` shows about this engine."""
@@ -379,7 +380,8 @@ class Engine:
     @property
     def warnings(self) -> list[str]:
         """Problems that do not stop the model from running: stray shards, adapter files ignored
-        (a K named otherwise than canonically, a K above the model's experts)."""
+        (a K named otherwise than canonically, a K above the model's experts), a kept quality
+        table ignored."""
         experts = self.loaded.num_experts
         too_wide = [
             f"{files.prerouter or files.lora}: ignored: K={k} is above the model's {experts} "
@@ -387,7 +389,13 @@ class Engine:
             for k, files in sorted(self.adapters.items())
             if k > experts
         ]
-        return [*self.loaded.index.warnings, *self.adapter_search.warnings, *too_wide]
+        quality = kept_quality(self.fingerprint, self.config.data_dir).warning
+        return [
+            *self.loaded.index.warnings,
+            *self.adapter_search.warnings,
+            *too_wide,
+            *([quality] if quality else []),
+        ]
 
     # -- generation ----------------------------------------------------------------------------------
 
