@@ -271,7 +271,11 @@ class EngineSession:
                 source.path,
                 dataclasses.replace(self.engine_config, **{"adapter_dirs": adapter_dirs}),
             )
-        notices = [n for n in (fell_back, source.notice, engine.quality_note()) if n]
+        # What the engine warns of (stray shards, ignored adapter files or quality table) is
+        # said as the server and `generate` say it.
+        notices = [
+            n for n in (fell_back, source.notice, engine.quality_note(), *engine.warnings) if n
+        ]
         self._opened = (source.name, notices)
         return engine
 

@@ -93,6 +93,26 @@ def test_edge0_info_over_a_kept_table_out_of_range_is_one_warning(checkpoint_dir
     assert done.stderr.startswith(f"edge0: warning: {folder / QUALITY_FILE}: rows[1].k: inf")
 
 
+async def test_the_app_says_a_kept_table_it_ignores(checkpoint_dir, private_data_dir, tmp_path):
+    """The app's engine opens over the same table with one warning, as `info` and `serve`."""
+    from test_tui_app import make_app, ready, record_notifications
+
+    from engine.checkpoint.index import CheckpointIndex, base_fingerprint
+
+    model = checkpoint_dir("qwen3_moe")
+    index = CheckpointIndex(model)
+    index.add_moe_layers_by_name()
+    folder = auto_adapter_dir(base_fingerprint(index), private_data_dir)
+    folder.mkdir(parents=True)
+    (folder / QUALITY_FILE).write_text('{"rows": [{}, {"k": 1e400, "variant": "heads only"}]}')
+    app = make_app(model, tmp_path)
+    notices = record_notifications(app)
+    async with app.run_test() as pilot:
+        await ready(app, pilot)
+        said = [text for text, severity in notices if severity == "warning"]
+        assert any(t.startswith(f"{folder / QUALITY_FILE}: rows[1].k: inf") for t in said), said
+
+
 async def test_the_k_selector_shows_each_profiles_measured_quality(
     checkpoint_dir, tmp_path, monkeypatch
 ):
