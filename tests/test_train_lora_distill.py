@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
 import pydoc_data.topics
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import mlx.core as mx
@@ -28,6 +31,7 @@ from engine.train.distill import (
     train_distill,
 )
 from engine.train.lora import TrainLoRAConfig, forward_kl, train_lora
+from engine.train.run import RunLock
 from engine.train.student import LoRAInit, load_student, lora_kind
 from engine.train.synth import write_synthetic_teacher
 from engine.train.teacher import load_teacher
@@ -250,7 +254,65 @@ def phase2(profiled, tmp_path_factory):
         model_dir, teacher, TEXT, config, out_dir=root / "run", log=lines.append
     )
     print("\n" + "\n".join(lines))
+    (root / "log.txt").write_text("\n".join(lines))
     return model_dir, teacher, config, out, history, root
+
+
+def test_writing_the_teacher_rows_says_how_far_it_is_and_what_is_left(phase2):
+    """28 rows sampled 14 at a time: after the first 14, what the other 14 will take."""
+    lines = (phase2[-1] / "log.txt").read_text().splitlines()
+    first = [line for line in lines if line.startswith("the first teacher rows: 14 rows in")]
+    assert len(first) == 1 and "the 14 rows left take about" in first[0], lines
+    assert any(line.startswith("teacher rows: 28 of 28 rows (100%") for line in lines), lines
+
+
+def test_a_second_run_into_the_same_folder_is_refused_naming_the_first(profiled, tmp_path):
+    """The first run holds the folder's lock (here this process); the second is refused before
+    any row is written, and the folder is free again once the first has ended."""
+    config = TrainLoRAConfig(k=2, rows=8, holdout_rows=2, prompt_tokens=4, gen_tokens=4, steps=1)
+    with RunLock(tmp_path / "run", "the first run"):
+        with pytest.raises(Edge0Error, match=rf"in use by another run \(pid {os.getpid()}, "):
+            train_lora(
+                profiled("qwen3_moe"),
+                None,
+                TEXT,
+                config,
+                out=tmp_path / "lora.safetensors",
+                out_dir=tmp_path / "run",
+                rows_path=tmp_path / "rows.npz",
+                log=lambda _: None,
+            )
+    assert not (tmp_path / "rows.npz").exists() and not (tmp_path / "lora.safetensors").exists()
+    with RunLock(tmp_path / "run"):
+        pass
+
+
+HOLD_THE_LOCK = """
+import sys
+from engine.train.run import RunLock
+with RunLock(sys.argv[1], "a run in a child"):
+    print("held", flush=True)
+    sys.stdin.read()
+"""
+
+
+def test_the_lock_is_the_process_s_and_goes_with_it(tmp_path):
+    child = subprocess.Popen(
+        [sys.executable, "-c", HOLD_THE_LOCK, str(tmp_path)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=Path(__file__).resolve().parent.parent,
+    )
+    try:
+        assert child.stdout.readline() == "held\n"
+        with pytest.raises(Edge0Error, match=rf"pid {child.pid}, started .*a run in a child"):
+            RunLock(tmp_path).__enter__()
+    finally:
+        child.kill()  # killed, not ended: the OS releases its lock all the same
+        child.wait(timeout=60)
+    with RunLock(tmp_path):
+        pass
 
 
 def test_sft_lowers_its_loss_and_serves(phase2):

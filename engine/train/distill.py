@@ -38,6 +38,7 @@ from .data import corpus_tokens, draw_prompts, masked_mean, sample_served
 from .lora import teacher_bytes
 from .run import (
     Log,
+    RunLock,
     TrainingRun,
     check_outputs,
     check_token_rows,
@@ -125,6 +126,26 @@ def train_distill(
     out_dir = Path(out_dir or student.adapter_folder / "train" / f"distill_k{config.k}")
     out = Path(out or lora_path)
     check_outputs(out, out_dir)  # before the rollouts and the steps, not after them
+    # One run a folder: two would write its state and the adapter in turns.
+    with RunLock(out_dir, f"edge0 train distill K={config.k}"):
+        return _train(
+            student, model_dir, teacher_dir, text, config, out, out_dir, log, bar, engine_config
+        )
+
+
+def _train(
+    student: Student,
+    model_dir: Path,
+    teacher_dir: str | Path | None,
+    text: str,
+    config: TrainDistillConfig,
+    out: Path,
+    out_dir: Path,
+    log: Log,
+    bar: bool,
+    engine_config: EngineConfig,
+) -> tuple[Path, list[dict]]:
+    """`train_distill` once its student is loaded and its outputs are checked (and locked)."""
     teacher = load_teacher(teacher_dir, student)
     corpus = corpus_tokens(student.tokenizer, text, config.max_corpus_tokens)
     p = config.prompt_tokens

@@ -43,6 +43,8 @@ from ..runtime.metrics import peak_memory_line
 from .data import continuation_mask, corpus_tokens, draw_prompts, masked_mean, sample
 from .run import (
     Log,
+    ProgressLines,
+    RunLock,
     TrainingRun,
     check_outputs,
     check_token_rows,
@@ -136,6 +138,26 @@ def train_lora(
     out = Path(out or folder / f"lora_k{config.k}.safetensors")
     check_outputs(out, out_dir)  # before the teacher rows and the steps, not after them
     rows_path = Path(rows_path or folder / "train" / "teacher_rows.npz")
+    # One run a folder: two would write its state and the adapter in turns.
+    with RunLock(out_dir, f"edge0 train lora K={config.k}"):
+        return _train(
+            student, model_dir, teacher_dir, text, config, out, out_dir, rows_path, log, bar
+        )
+
+
+def _train(
+    student: Student,
+    model_dir: Path,
+    teacher_dir: str | Path | None,
+    text: str,
+    config: TrainLoRAConfig,
+    out: Path,
+    out_dir: Path,
+    rows_path: Path,
+    log: Log,
+    bar: bool,
+) -> tuple[Path, list[dict]]:
+    """`train_lora` once its student is loaded and its outputs are checked (and locked)."""
     teacher = load_teacher(teacher_dir, student)
     log(f"teacher: {teacher_dir or 'the checkpoint itself (its own routers, native K, no LoRA)'}")
 
@@ -163,7 +185,9 @@ def train_lora(
     kept = None  # the teacher's top-k targets on disk
     if config.targets == "teacher" and config.teacher_top_k:
         text_config = student.loaded.config.get("text_config", student.loaded.config)
-        if not 1 <= config.teacher_top_k < int(text_config.get("vocab_size") or 1 << 30):
+        # The logits' width: every mlx-lm model sizes its embedding and head by it.
+        vocab = int(text_config.get("vocab_size") or 0)
+        if not 1 <= config.teacher_top_k < vocab:
             raise Edge0Error(
                 f"teacher_top_k={config.teacher_top_k} must be between 1 and the vocabulary size"
             )
@@ -174,7 +198,7 @@ def train_lora(
         folder = rows_path.with_name(rows_path.stem + ".targets")
         kept = teacher_targets(
             teacher, tokens[:, :-1], p - 1, config.teacher_top_k, folder, key, config.batch,
-            log, bar,
+            vocab, log, bar,
         )  # fmt: skip
 
     # -- 2. train ----------------------------------------------------------------------------------
@@ -291,6 +315,7 @@ def teacher_rows(
     if teacher is None:
         teacher = load_teacher(teacher_dir, student)
     path.parent.mkdir(parents=True, exist_ok=True)
+    lines = ProgressLines(log, "teacher rows", "rows", config.rows, len(prompts))
     with training_progress(bar) as progress:
         task = progress.add_task(
             "teacher rows", total=config.rows, completed=len(prompts), status=""
@@ -310,6 +335,7 @@ def teacher_rows(
             )
             os.replace(tmp, path)
             progress.update(task, completed=len(prompts))
+            lines.advance(min(len(prompts), config.rows))
     log(
         f"{config.rows} teacher rows of {config.gen_tokens} tokens ({len(prompts)} cached in {path})"
     )
