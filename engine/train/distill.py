@@ -45,7 +45,7 @@ from .run import (
     read_cache,
     training_progress,
 )
-from .student import PROFILE_LORA, Student, load_student
+from .student import PROFILE_LORA, Step, Student, load_student
 from .teacher import load_teacher
 
 
@@ -119,7 +119,11 @@ def train_distill(
         engine_config,
         teacher_bytes(teacher_dir, engine_config),
         streamed,
-        step=(config.prompts_per_step, config.prompt_tokens + config.gen_tokens - 1),
+        step=Step(
+            config.prompts_per_step,
+            config.prompt_tokens + config.gen_tokens - 1,
+            prompt=config.prompt_tokens,
+        ),
     )
     lora_path = student.lora.path
     log(student.describe(config.prompts_per_step, config.prompt_tokens + config.gen_tokens - 1))

@@ -37,7 +37,7 @@ import mlx.nn as nn
 import numpy as np
 
 from ..checkpoint.index import checkpoint_shards
-from ..config import EngineConfig
+from ..config import EngineConfig, format_bytes
 from ..errors import Edge0Error
 from ..runtime.metrics import peak_memory_line
 from .data import continuation_mask, corpus_tokens, draw_prompts, masked_mean, sample
@@ -51,7 +51,7 @@ from .run import (
     read_cache,
     training_progress,
 )
-from .student import LoRAInit, Student, dequantized_bytes, float_size, load_student
+from .student import LoRAInit, Step, Student, dequantized_bytes, float_size, load_student
 from .teacher import CheckpointTeacher, load_teacher
 from .teacher_targets import teacher_targets, topk_forward_kl
 
@@ -82,7 +82,13 @@ class TrainLoRAConfig:
     alpha: float = 32.0
     # optimization
     steps: int = 300
-    batch: int = 8  # rows per step
+    batch: int = 8  # rows per step (the most, where `fit_batch`)
+    # Where the streamed student's memory plan does not hold `batch` rows a step: take the most
+    # that fit (else refuse), and where none fits with the teacher's whole distribution, keep
+    # its top tokens on disk (`teacher_top_k`) if `fit_teacher_top_k`. The CLI's --batch and
+    # --teacher-top-k turn them off: what a user asks for is refused, not changed.
+    fit_batch: bool = True
+    fit_teacher_top_k: bool = True
     lr: float = 1e-3
     weight_decay: float = 0.0
     grad_clip: float = 1.0
@@ -117,6 +123,17 @@ def train_lora(
     if config.continuations not in ("sampled", "text"):
         raise Edge0Error(f"continuations={config.continuations!r}: must be 'sampled' or 'text'")
     lora = LoRAInit(config.r, config.alpha, config.seed)
+    length = config.prompt_tokens + config.gen_tokens - 1
+    whole = config.targets == "teacher" and not config.teacher_top_k
+    step = Step(
+        config.batch,
+        length,
+        config.teacher_top_k if config.targets == "teacher" else 0,
+        fit_rows=config.fit_batch,
+        fit_top_k=config.fit_teacher_top_k and whole,
+        prompt=config.prompt_tokens,
+        top_k_option=True,
+    )
     student = load_student(
         model_dir,
         config.k,
@@ -125,9 +142,10 @@ def train_lora(
         engine_config,
         teacher_bytes(teacher_dir, engine_config),
         streamed,
-        step=(config.batch, config.prompt_tokens + config.gen_tokens - 1),
+        step=step,
     )
-    log(student.describe(config.batch, config.prompt_tokens + config.gen_tokens - 1))
+    config = fitted(config, step, student, log)
+    log(student.describe(config.batch, length))
     if student.streamed and config.gen_batch > config.batch:
         # The plan holds a training step's rows, not more: a batch of 64 rows sampled at once
         # (its prompt's logits and whole-layer activations) is what overran it in a cgroup.
@@ -246,6 +264,28 @@ def _train(
     log(f"wrote {out}")
     log(peak_memory_line())  # what the run needed at most: a RAM limit must leave room for it
     return out, run.history
+
+
+def fitted(config: TrainLoRAConfig, asked: Step, student: Student, log: Log) -> TrainLoRAConfig:
+    """`config` with the step the memory plan holds (`load_for_step`), and a line for what
+    it changed."""
+    step = student.planned_step
+    if step is None or step == asked:
+        return config
+    plan = student.loaded.memory_plan
+    of = f" of {format_bytes(plan.limit_bytes)}" if plan.limit_bytes is not None else ""
+    if step.rows != asked.rows:
+        log(
+            f"batch {step.rows}: the most rows a step (of {asked.rows}) that the memory plan "
+            f"holds ({format_bytes(plan.total_bytes)}{of}); --batch sets it"
+        )
+    if step.kept_top_k != asked.kept_top_k:
+        log(
+            f"teacher targets: its top {step.kept_top_k} tokens a position, kept on disk: its "
+            "whole distribution does not fit the memory plan at 1 row a step; "
+            "--teacher-top-k sets it"
+        )
+    return replace(config, batch=step.rows, teacher_top_k=step.kept_top_k)
 
 
 def forward_kl(teacher_logits: mx.array, student_logits: mx.array) -> mx.array:

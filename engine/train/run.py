@@ -289,12 +289,14 @@ def restore(model: nn.Module, optimizer: optim.Optimizer, arrays: dict[str, mx.a
     mx.eval(model.parameters(), optimizer.state)
 
 
-def changed_settings(
-    saved: dict, config, free: tuple[str, ...] = ("steps", "checkpoint_every", "log_every")
-) -> list[str]:
-    """The settings of `config` (a dataclass) that differ from a saved run's; those in `free` may
-    change between runs (`steps`: a longer run continues a shorter one; how often it saves and
-    logs changes no step)."""
+# Settings a rerun may change: `steps` (a longer run continues a shorter one); how often it
+# saves and logs, and whether phase 2 may fit its batch to the plan, change no step (the batch
+# it trains with is compared).
+FREE_SETTINGS = ("steps", "checkpoint_every", "log_every", "fit_batch", "fit_teacher_top_k")
+
+
+def changed_settings(saved: dict, config, free: tuple[str, ...] = FREE_SETTINGS) -> list[str]:
+    """The settings of `config` (a dataclass) that differ from a saved run's, but `free`."""
     current = asdict(config)
     return sorted(k for k, v in saved.items() if k not in free and current.get(k) != v)
 

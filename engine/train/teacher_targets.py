@@ -14,7 +14,9 @@ tokens), where a whole distribution over a 151k vocabulary in float32 is 604 KB 
 loss is then KL(teacher || student) over those k tokens plus one bucket for the rest
 (`topk_forward_kl`), exact when the k tokens hold the teacher's whole mass. The arrays are
 written batch by batch with the number done in a JSON beside them, so a killed run resumes
-where it stopped; arrays made for other rows, another teacher or another k are made again.
+where it stopped; arrays made for other rows, another teacher or another k are made again, and
+so are arrays that do not check out (`kept_rows`: their size, dtype and shape, the ids within the
+vocabulary, the log-probabilities finite), said in one line: never trained on.
 """
 
 from __future__ import annotations
