@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
 import pydoc_data.topics
 import shutil
+import subprocess
+import sys
+from dataclasses import replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -28,6 +32,7 @@ from engine.train.distill import (
     train_distill,
 )
 from engine.train.lora import TrainLoRAConfig, forward_kl, train_lora
+from engine.train.run import RunLock
 from engine.train.student import LoRAInit, load_student, lora_kind
 from engine.train.synth import write_synthetic_teacher
 from engine.train.teacher import load_teacher
@@ -250,7 +255,65 @@ def phase2(profiled, tmp_path_factory):
         model_dir, teacher, TEXT, config, out_dir=root / "run", log=lines.append
     )
     print("\n" + "\n".join(lines))
+    (root / "log.txt").write_text("\n".join(lines))
     return model_dir, teacher, config, out, history, root
+
+
+def test_writing_the_teacher_rows_says_how_far_it_is_and_what_is_left(phase2):
+    """28 rows sampled 14 at a time: after the first 14, what the other 14 will take."""
+    lines = (phase2[-1] / "log.txt").read_text().splitlines()
+    first = [line for line in lines if line.startswith("the first teacher rows: 14 rows in")]
+    assert len(first) == 1 and "the 14 rows left take about" in first[0], lines
+    assert any(line.startswith("teacher rows: 28 of 28 rows (100%") for line in lines), lines
+
+
+def test_a_second_run_into_the_same_folder_is_refused_naming_the_first(profiled, tmp_path):
+    """The first run holds the folder's lock (here this process); the second is refused before
+    any row is written, and the folder is free again once the first has ended."""
+    config = TrainLoRAConfig(k=2, rows=8, holdout_rows=2, prompt_tokens=4, gen_tokens=4, steps=1)
+    with RunLock(tmp_path / "run", "the first run"):
+        with pytest.raises(Edge0Error, match=rf"in use by another run \(pid {os.getpid()}, "):
+            train_lora(
+                profiled("qwen3_moe"),
+                None,
+                TEXT,
+                config,
+                out=tmp_path / "lora.safetensors",
+                out_dir=tmp_path / "run",
+                rows_path=tmp_path / "rows.npz",
+                log=lambda _: None,
+            )
+    assert not (tmp_path / "rows.npz").exists() and not (tmp_path / "lora.safetensors").exists()
+    with RunLock(tmp_path / "run"):
+        pass
+
+
+HOLD_THE_LOCK = """
+import sys
+from engine.train.run import RunLock
+with RunLock(sys.argv[1], "a run in a child"):
+    print("held", flush=True)
+    sys.stdin.read()
+"""
+
+
+def test_the_lock_is_the_process_s_and_goes_with_it(tmp_path):
+    child = subprocess.Popen(
+        [sys.executable, "-c", HOLD_THE_LOCK, str(tmp_path)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=Path(__file__).resolve().parent.parent,
+    )
+    try:
+        assert child.stdout.readline() == "held\n"
+        with pytest.raises(Edge0Error, match=rf"pid {child.pid}, started .*a run in a child"):
+            RunLock(tmp_path).__enter__()
+    finally:
+        child.kill()  # killed, not ended: the OS releases its lock all the same
+        child.wait(timeout=60)
+    with RunLock(tmp_path):
+        pass
 
 
 def test_sft_lowers_its_loss_and_serves(phase2):
@@ -530,3 +593,79 @@ def test_sft_on_the_texts_own_continuations_lowers_its_loss(phase2):
     assert not (root / "text" / "unused_rows.npz").exists()
     held = [e["heldout"] for e in history if "heldout" in e]
     assert held[-1] < 0.95 * held[0], held
+
+
+# -- a step the memory plan holds ---------------------------------------------------------------
+
+
+def _plan_in(monkeypatch, limit: int) -> None:
+    """Plans made against `limit`, with a runtime term that does not move between loads."""
+    import engine.runtime.memory_plan as memory_plan
+
+    monkeypatch.setattr(memory_plan, "process_rss_bytes", lambda: 64 << 20)
+    monkeypatch.setattr(memory_plan, "memory_limit", lambda: (limit, "a test limit"))
+
+
+def test_the_default_batch_is_the_most_rows_the_plan_holds(profiled, monkeypatch):
+    """Where 8 rows a step do not fit the plan, the streamed student takes the most that do
+    (3 here, by a limit half a row above them) and says so; a step of 8 asked for is refused,
+    naming every knob that would make it fit."""
+    from engine.runtime.loader import load, read_config
+    from engine.runtime.memory_plan import PlanRefused
+    from engine.train.lora import fitted
+    from engine.train.streamed_student import streaming_config
+    from engine.train.student import Step, step_room
+
+    model_dir = profiled("qwen3_moe")
+    model_config = read_config(model_dir)
+    asked = Step(8, 31, fit_rows=True, fit_top_k=True, prompt=8, top_k_option=True)
+    # What the plan holds beside a step, found from a refusal at a limit nothing fits.
+    _plan_in(monkeypatch, 1 << 20)
+    auto = EngineConfig(expert_cache_auto=True)  # the CLI's --expert-cache auto
+    config = streaming_config(auto)
+    with pytest.raises(PlanRefused) as refused:
+        load(model_dir, replace(config, context_tokens=asked.length))
+    others = (1 << 20) - step_room(refused.value, True)
+    held = [replace(asked, rows=n).held(model_config, 2) for n in (3, 4)]
+    _plan_in(monkeypatch, others + held[0] + (held[1] - held[0]) // 2)
+
+    student = load_student(model_dir, 2, True, LoRAInit(), auto, 0, True, step=asked)
+    assert student.planned_step == replace(asked, rows=3) and student.loaded.memory_plan.fits
+    lines: list[str] = []
+    chosen = fitted(
+        TrainLoRAConfig(k=2, prompt_tokens=8, gen_tokens=24), asked, student, lines.append
+    )
+    assert chosen.batch == 3 and chosen.teacher_top_k == 0
+    assert lines[0].startswith("batch 3: the most rows a step (of 8) that the memory plan holds")
+
+    fixed = replace(asked, fit_rows=False, fit_top_k=False)
+    cache = EngineConfig(expert_cache_bytes=int(student.loaded.memory_plan.expert_cache_bytes))
+    with pytest.raises(Edge0Error) as refusal:
+        load_student(model_dir, 2, True, LoRAInit(), cache, 0, True, step=fixed)
+    message = str(refusal.value)
+    assert message.startswith(f"{model_dir}: the memory plan needs ")
+    for knob in ("--batch 3;", "--continuation-tokens ", "--teacher-top-k 64 at --batch "):
+        assert knob in message, message
+    assert "more memory" in message and "\n" not in message
+
+
+def test_where_no_rows_fit_the_teacher_s_top_tokens_are_kept():
+    """The step's fit, on figures alone: the most rows with the teacher's whole distribution;
+    where not even one row fits with it, its top 64 tokens kept on disk at the most rows."""
+    from engine.train.student import Step, fitting_step
+
+    model_config = {
+        "num_hidden_layers": 4,
+        "hidden_size": 64,
+        "vocab_size": 50_000,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+    }
+    asked = Step(8, 100, fit_rows=True, fit_top_k=True)
+    held = {n: replace(asked, rows=n).held(model_config, 2) for n in range(1, 9)}
+    assert fitting_step(asked, held[5], model_config, 2) == replace(asked, rows=5)
+    assert fitting_step(asked, held[5] - 1, model_config, 2) == replace(asked, rows=4)
+    kept = fitting_step(asked, held[1] - 1, model_config, 2)
+    assert kept is not None and kept.kept_top_k == 64 and kept.rows >= 1
+    assert fitting_step(replace(asked, fit_top_k=False), held[1] - 1, model_config, 2) is None
+    assert fitting_step(replace(asked, fit_rows=False), held[5], model_config, 2) is None

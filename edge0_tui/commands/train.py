@@ -161,7 +161,8 @@ def _add_lora_and_distill(phases: argparse._SubParsersAction) -> None:
             "--batch",
             type=options.count(1),
             default=None,
-            help="rows (lora) or rollouts (distill) per step",
+            help="rows (lora) or rollouts (distill) per step; lora's default: 8, or the most "
+            "that a streamed student's memory plan holds (it says which)",
         )
         phase.add_argument(
             "--checkpoint-every",
@@ -218,12 +219,13 @@ def _add_lora_and_distill(phases: argparse._SubParsersAction) -> None:
     lora.add_argument(
         "--teacher-top-k",
         type=options.int_between(0, 1 << 16),
-        default=0,
+        default=None,
         metavar="K",
         help="keep the teacher's K likeliest tokens per position on disk, computed once beside "
         "the rows (K*6+4 bytes a position; 388 KB per 1k tokens at 64) instead of its whole "
         "distribution computed at every step: a teacher forward less per step, exact only where "
-        "K tokens hold its mass (default 0: the whole distribution)",
+        "K tokens hold its mass (default: the whole distribution, or 64 where a streamed student's "
+        "memory plan holds no step with it)",
     )
 
 
@@ -341,7 +343,6 @@ def run_lora_or_distill(args: argparse.Namespace) -> int:
             k=args.k,
             rows=args.generate,
             steps=args.steps,
-            teacher_top_k=args.teacher_top_k,
             continuations=args.continuations,
         )
         extra["rows_path"] = args.rows
@@ -350,7 +351,9 @@ def run_lora_or_distill(args: argparse.Namespace) -> int:
 
             check_regular_file(args.rows)
         if args.batch is not None:
-            config.batch = args.batch
+            config.batch, config.fit_batch = args.batch, False
+        if args.teacher_top_k is not None:
+            config.teacher_top_k, config.fit_teacher_top_k = args.teacher_top_k, False
     else:
         from engine.train.distill import TrainDistillConfig as Config
         from engine.train.distill import train_distill as train

@@ -163,6 +163,15 @@ class MemoryPlan:
         )
 
 
+class PlanRefused(Edge0Error):
+    """A load refused because its plan does not fit, with the plan and the smallest expert cache
+    it could have: a caller with a knob of its own (a training step's rows) can find what fits."""
+
+    def __init__(self, message: str, plan: MemoryPlan, smallest_cache_bytes: int) -> None:
+        super().__init__(message)
+        self.plan, self.smallest_cache_bytes = plan, smallest_cache_bytes
+
+
 def memory_limit(
     proc: Path = Path("/proc"), cgroup_root: Path = Path("/sys/fs/cgroup")
 ) -> tuple[int | None, str]:
@@ -394,7 +403,7 @@ def plan_load(
         config = replace(config, whole_layer_prefill=plan.whole_layer_prefill)
     if not plan.fits and config.refuse_over_plan:
         smallest = cache_bytes(0) if streamed else 0
-        raise Edge0Error(plan.refusal(str(index.model_dir), smallest))
+        raise PlanRefused(plan.refusal(str(index.model_dir), smallest), plan, smallest)
 
     def plan_at(other_k: int) -> MemoryPlan:
         return replace(

@@ -38,13 +38,14 @@ from .data import corpus_tokens, draw_prompts, masked_mean, sample_served
 from .lora import teacher_bytes
 from .run import (
     Log,
+    RunLock,
     TrainingRun,
     check_outputs,
     check_token_rows,
     read_cache,
     training_progress,
 )
-from .student import PROFILE_LORA, Student, load_student
+from .student import PROFILE_LORA, Step, Student, load_student
 from .teacher import load_teacher
 
 
@@ -118,13 +119,37 @@ def train_distill(
         engine_config,
         teacher_bytes(teacher_dir, engine_config),
         streamed,
-        step=(config.prompts_per_step, config.prompt_tokens + config.gen_tokens - 1),
+        step=Step(
+            config.prompts_per_step,
+            config.prompt_tokens + config.gen_tokens - 1,
+            prompt=config.prompt_tokens,
+        ),
     )
     lora_path = student.lora.path
     log(student.describe(config.prompts_per_step, config.prompt_tokens + config.gen_tokens - 1))
     out_dir = Path(out_dir or student.adapter_folder / "train" / f"distill_k{config.k}")
     out = Path(out or lora_path)
     check_outputs(out, out_dir)  # before the rollouts and the steps, not after them
+    # One run a folder: two would write its state and the adapter in turns.
+    with RunLock(out_dir, f"edge0 train distill K={config.k}"):
+        return _train(
+            student, model_dir, teacher_dir, text, config, out, out_dir, log, bar, engine_config
+        )
+
+
+def _train(
+    student: Student,
+    model_dir: Path,
+    teacher_dir: str | Path | None,
+    text: str,
+    config: TrainDistillConfig,
+    out: Path,
+    out_dir: Path,
+    log: Log,
+    bar: bool,
+    engine_config: EngineConfig,
+) -> tuple[Path, list[dict]]:
+    """`train_distill` once its student is loaded and its outputs are checked (and locked)."""
     teacher = load_teacher(teacher_dir, student)
     corpus = corpus_tokens(student.tokenizer, text, config.max_corpus_tokens)
     p = config.prompt_tokens

@@ -37,19 +37,21 @@ import mlx.nn as nn
 import numpy as np
 
 from ..checkpoint.index import checkpoint_shards
-from ..config import EngineConfig
+from ..config import EngineConfig, format_bytes
 from ..errors import Edge0Error
 from ..runtime.metrics import peak_memory_line
 from .data import continuation_mask, corpus_tokens, draw_prompts, masked_mean, sample
 from .run import (
     Log,
+    ProgressLines,
+    RunLock,
     TrainingRun,
     check_outputs,
     check_token_rows,
     read_cache,
     training_progress,
 )
-from .student import LoRAInit, Student, dequantized_bytes, float_size, load_student
+from .student import LoRAInit, Step, Student, dequantized_bytes, float_size, load_student
 from .teacher import CheckpointTeacher, load_teacher
 from .teacher_targets import teacher_targets, topk_forward_kl
 
@@ -80,7 +82,13 @@ class TrainLoRAConfig:
     alpha: float = 32.0
     # optimization
     steps: int = 300
-    batch: int = 8  # rows per step
+    batch: int = 8  # rows per step (the most, where `fit_batch`)
+    # Where the streamed student's memory plan does not hold `batch` rows a step: take the most
+    # that fit (else refuse), and where none fits with the teacher's whole distribution, keep
+    # its top tokens on disk (`teacher_top_k`) if `fit_teacher_top_k`. The CLI's --batch and
+    # --teacher-top-k turn them off: what a user asks for is refused, not changed.
+    fit_batch: bool = True
+    fit_teacher_top_k: bool = True
     lr: float = 1e-3
     weight_decay: float = 0.0
     grad_clip: float = 1.0
@@ -115,6 +123,17 @@ def train_lora(
     if config.continuations not in ("sampled", "text"):
         raise Edge0Error(f"continuations={config.continuations!r}: must be 'sampled' or 'text'")
     lora = LoRAInit(config.r, config.alpha, config.seed)
+    length = config.prompt_tokens + config.gen_tokens - 1
+    whole = config.targets == "teacher" and not config.teacher_top_k
+    step = Step(
+        config.batch,
+        length,
+        config.teacher_top_k if config.targets == "teacher" else 0,
+        fit_rows=config.fit_batch,
+        fit_top_k=config.fit_teacher_top_k and whole,
+        prompt=config.prompt_tokens,
+        top_k_option=True,
+    )
     student = load_student(
         model_dir,
         config.k,
@@ -123,9 +142,10 @@ def train_lora(
         engine_config,
         teacher_bytes(teacher_dir, engine_config),
         streamed,
-        step=(config.batch, config.prompt_tokens + config.gen_tokens - 1),
+        step=step,
     )
-    log(student.describe(config.batch, config.prompt_tokens + config.gen_tokens - 1))
+    config = fitted(config, step, student, log)
+    log(student.describe(config.batch, length))
     if student.streamed and config.gen_batch > config.batch:
         # The plan holds a training step's rows, not more: a batch of 64 rows sampled at once
         # (its prompt's logits and whole-layer activations) is what overran it in a cgroup.
@@ -136,6 +156,26 @@ def train_lora(
     out = Path(out or folder / f"lora_k{config.k}.safetensors")
     check_outputs(out, out_dir)  # before the teacher rows and the steps, not after them
     rows_path = Path(rows_path or folder / "train" / "teacher_rows.npz")
+    # One run a folder: two would write its state and the adapter in turns.
+    with RunLock(out_dir, f"edge0 train lora K={config.k}"):
+        return _train(
+            student, model_dir, teacher_dir, text, config, out, out_dir, rows_path, log, bar
+        )
+
+
+def _train(
+    student: Student,
+    model_dir: Path,
+    teacher_dir: str | Path | None,
+    text: str,
+    config: TrainLoRAConfig,
+    out: Path,
+    out_dir: Path,
+    rows_path: Path,
+    log: Log,
+    bar: bool,
+) -> tuple[Path, list[dict]]:
+    """`train_lora` once its student is loaded and its outputs are checked (and locked)."""
     teacher = load_teacher(teacher_dir, student)
     log(f"teacher: {teacher_dir or 'the checkpoint itself (its own routers, native K, no LoRA)'}")
 
@@ -163,7 +203,9 @@ def train_lora(
     kept = None  # the teacher's top-k targets on disk
     if config.targets == "teacher" and config.teacher_top_k:
         text_config = student.loaded.config.get("text_config", student.loaded.config)
-        if not 1 <= config.teacher_top_k < int(text_config.get("vocab_size") or 1 << 30):
+        # The logits' width: every mlx-lm model sizes its embedding and head by it.
+        vocab = int(text_config.get("vocab_size") or 0)
+        if not 1 <= config.teacher_top_k < vocab:
             raise Edge0Error(
                 f"teacher_top_k={config.teacher_top_k} must be between 1 and the vocabulary size"
             )
@@ -174,7 +216,7 @@ def train_lora(
         folder = rows_path.with_name(rows_path.stem + ".targets")
         kept = teacher_targets(
             teacher, tokens[:, :-1], p - 1, config.teacher_top_k, folder, key, config.batch,
-            log, bar,
+            vocab, log, bar,
         )  # fmt: skip
 
     # -- 2. train ----------------------------------------------------------------------------------
@@ -222,6 +264,28 @@ def train_lora(
     log(f"wrote {out}")
     log(peak_memory_line())  # what the run needed at most: a RAM limit must leave room for it
     return out, run.history
+
+
+def fitted(config: TrainLoRAConfig, asked: Step, student: Student, log: Log) -> TrainLoRAConfig:
+    """`config` with the step the memory plan holds (`load_for_step`), and a line for what
+    it changed."""
+    step = student.planned_step
+    if step is None or step == asked:
+        return config
+    plan = student.loaded.memory_plan
+    of = f" of {format_bytes(plan.limit_bytes)}" if plan.limit_bytes is not None else ""
+    if step.rows != asked.rows:
+        log(
+            f"batch {step.rows}: the most rows a step (of {asked.rows}) that the memory plan "
+            f"holds ({format_bytes(plan.total_bytes)}{of}); --batch sets it"
+        )
+    if step.kept_top_k != asked.kept_top_k:
+        log(
+            f"teacher targets: its top {step.kept_top_k} tokens a position, kept on disk: its "
+            "whole distribution does not fit the memory plan at 1 row a step; "
+            "--teacher-top-k sets it"
+        )
+    return replace(config, batch=step.rows, teacher_top_k=step.kept_top_k)
 
 
 def forward_kl(teacher_logits: mx.array, student_logits: mx.array) -> mx.array:
@@ -291,6 +355,7 @@ def teacher_rows(
     if teacher is None:
         teacher = load_teacher(teacher_dir, student)
     path.parent.mkdir(parents=True, exist_ok=True)
+    lines = ProgressLines(log, "teacher rows", "rows", config.rows, len(prompts))
     with training_progress(bar) as progress:
         task = progress.add_task(
             "teacher rows", total=config.rows, completed=len(prompts), status=""
@@ -310,6 +375,7 @@ def teacher_rows(
             )
             os.replace(tmp, path)
             progress.update(task, completed=len(prompts))
+            lines.advance(min(len(prompts), config.rows))
     log(
         f"{config.rows} teacher rows of {config.gen_tokens} tokens ({len(prompts)} cached in {path})"
     )

@@ -9,6 +9,7 @@ rerun with the same settings continues from the last save.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import pickle
@@ -54,6 +55,95 @@ def training_progress(enabled: bool) -> Progress:
         console=Console(stderr=True),
         disable=not enabled,
     )
+
+
+class ProgressLines:
+    """A long phase's progress on the log, which a run whose output is not a terminal reads
+    (the bar shows only on one): after the first piece of work, what it took and what the rest
+    will take; then at every tenth of the whole (or after `QUIET_S` without a line), how far it
+    is and what is left. `train heads` writing its text, phase 2's teacher rows and targets."""
+
+    EVERY = 0.1
+    QUIET_S = 300.0
+
+    def __init__(
+        self, log: Log, what: str, unit: str, total: int, done: int = 0, first: str = ""
+    ) -> None:
+        self.log, self.what, self.unit, self.total = log, what, unit, total
+        self.first = first or f"the first {what}"
+        self.had = done
+        self.started = self.last_line = time.perf_counter()
+        self.next_line = done + self.EVERY * total
+
+    def advance(self, done: int) -> None:
+        """`done` of the total are done now."""
+        now = time.perf_counter()
+        elapsed = max(now - self.started, 1e-9)
+        rate, left = (done - self.had) / elapsed, self.total - done
+        if self.last_line == self.started and left > 0:  # the first piece: the estimate
+            self.log(
+                f"{self.first}: {done - self.had:,} {self.unit} in {elapsed:.1f} s "
+                f"({_rate(rate, self.unit)}): the {left:,} {self.unit} left take about "
+                f"{duration_text(left / max(rate, 1e-9))}"
+            )
+        elif done >= self.next_line or left <= 0 or now - self.last_line >= self.QUIET_S:
+            self.log(
+                f"{self.what}: {done:,} of {self.total:,} {self.unit} "
+                f"({done / max(self.total, 1):.0%}, {_rate(rate, self.unit)}"
+                + (f", about {duration_text(left / max(rate, 1e-9))} left)" if left > 0 else ")")
+            )
+            self.next_line = done + self.EVERY * self.total
+        else:
+            return
+        self.last_line = now
+
+
+def _rate(per_second: float, unit: str) -> str:
+    return f"{per_second:.0f} {unit}/s" if per_second >= 10 else f"{per_second:.2g} {unit}/s"
+
+
+# -- one run a folder ----------------------------------------------------------------------------------
+
+
+class RunLock:
+    """An exclusive lock on a training folder for the life of a run (`flock` on `FOLDER/lock`,
+    which the OS releases when the process ends, however it ends): a second run into the same
+    folder is refused, naming the first, instead of both writing its state and its adapter."""
+
+    NAME = "lock"
+
+    def __init__(self, folder: Path, what: str = "a training run") -> None:
+        self.folder, self.what = Path(folder), what
+        self.file = None
+
+    def __enter__(self) -> RunLock:
+        path = self.folder / self.NAME
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            file = open(path, "a+")  # not truncated: the holder's line stays readable
+        except OSError as e:
+            raise Edge0Error(f"{path}: cannot take the run's lock ({e.strerror or e})") from None
+        try:
+            fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            file.seek(0)
+            holder = file.read(200).strip() or "a process that has not said which"
+            file.close()
+            raise Edge0Error(
+                f"{self.folder}: in use by another run ({holder}); wait for it to end, or "
+                "choose another --out-dir"
+            ) from None
+        started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime())
+        file.truncate(0)
+        file.write(f"pid {os.getpid()}, started {started}, {self.what}\n")
+        file.flush()
+        self.file = file
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.file is not None:
+            self.file.close()  # closing releases the lock; the file stays for the next run
+            self.file = None
 
 
 # -- resumable state ---------------------------------------------------------------------------------
@@ -199,12 +289,14 @@ def restore(model: nn.Module, optimizer: optim.Optimizer, arrays: dict[str, mx.a
     mx.eval(model.parameters(), optimizer.state)
 
 
-def changed_settings(
-    saved: dict, config, free: tuple[str, ...] = ("steps", "checkpoint_every", "log_every")
-) -> list[str]:
-    """The settings of `config` (a dataclass) that differ from a saved run's; those in `free` may
-    change between runs (`steps`: a longer run continues a shorter one; how often it saves and
-    logs changes no step)."""
+# Settings a rerun may change: `steps` (a longer run continues a shorter one); how often it
+# saves and logs, and whether phase 2 may fit its batch to the plan, change no step (the batch
+# it trains with is compared).
+FREE_SETTINGS = ("steps", "checkpoint_every", "log_every", "fit_batch", "fit_teacher_top_k")
+
+
+def changed_settings(saved: dict, config, free: tuple[str, ...] = FREE_SETTINGS) -> list[str]:
+    """The settings of `config` (a dataclass) that differ from a saved run's, but `free`."""
     current = asdict(config)
     return sorted(k for k, v in saved.items() if k not in free and current.get(k) != v)
 

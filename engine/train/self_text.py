@@ -29,7 +29,6 @@ import dataclasses
 import hashlib
 import json
 import os
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,14 +38,12 @@ from ..checkpoint.outputs import check_output_folder
 from ..config import MAX_SEED, GenerationConfig
 from ..errors import Edge0Error
 from ..runtime.generation import Engine
-from .run import Log, duration_text, training_progress
+from .run import Log, ProgressLines, training_progress
 from .self_prompts import PROMPT_SET_VERSION, PROMPTS, Prompt, held_out_prompts
 
 FORMAT_VERSION = 1
 SAMPLES = "samples.jsonl"
 SETTINGS = "settings.json"
-# Progress lines at every this share of the tokens (the bar, where there is one, moves per reply).
-PROGRESS_EVERY = 0.1
 # The shortest reply cap a small budget gives (`_stream`).
 MIN_REPLY_TOKENS = 16
 
@@ -292,8 +289,8 @@ def _write(
     bar: bool,
 ) -> None:
     """Write the replies each stream lacks, in order, keeping each as it is written."""
-    started, done = time.perf_counter(), had
-    next_line = had + PROGRESS_EVERY * config.tokens
+    done = had
+    lines = ProgressLines(log, "own text", "tokens", config.tokens, had, "the first reply")
     with training_progress(bar) as bars:
         task = bars.add_task("write text", total=config.tokens, completed=had, status="")
         for stream in streams.values():
@@ -306,29 +303,12 @@ def _write(
                     top_p=config.top_p,
                     seed=reply_seed(config.seed, round_, prompt),
                 )
-                reply_started = time.perf_counter()
                 result = engine.generate(rendered[prompt], gen)
                 sample = rendered[prompt] + result.tokens
                 written.append(round_, prompt, sample, result.text)
                 counted = min(len(sample), stream.budget - len(stream.tokens))
                 stream.tokens += sample
                 stream.next += 1
-                left, first = config.tokens - done - counted, done == had
                 done += counted
-                elapsed = time.perf_counter() - started
-                rate = (done - had) / max(elapsed, 1e-9)
-                bars.update(task, advance=counted, status=f"{rate:.0f} tok/s")
-                if first and left > 0:
-                    took = max(time.perf_counter() - reply_started, 1e-9)
-                    log(
-                        f"the first reply: {len(sample):,} tokens in {took:.1f} s "
-                        f"({len(sample) / took:.0f} tok/s, its prompt included): the "
-                        f"{left:,} tokens left take about {duration_text(left * took / len(sample))}"
-                    )
-                elif done >= next_line or left <= 0:
-                    log(
-                        f"written {done:,} of {config.tokens:,} tokens "
-                        f"({done / config.tokens:.0%}, {rate:.0f} tok/s"
-                        + (f", about {duration_text(left / rate)} left)" if left > 0 else ")")
-                    )
-                    next_line = done + PROGRESS_EVERY * config.tokens
+                bars.update(task, advance=counted)
+                lines.advance(done)

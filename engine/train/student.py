@@ -51,6 +51,7 @@ from ..routing.prerouter import (
 )
 from ..runtime.linux_memory import available_memory_bytes
 from ..runtime.loader import LoadedModel, compute_dtype, load, read_config, routed_top_k
+from ..runtime.memory_plan import PlanRefused
 from .streamed_student import LayerwiseGrad, make_experts_trainable, streaming_config
 
 # LoRA targets by kind: a linear layer whose module path holds one of these markers. Routers
@@ -166,6 +167,7 @@ class Student:
         self.k = k
         self.heads = heads
         self.lora = lora
+        self.planned_step: Step | None = None  # the training step the plan holds (`load_for_step`)
         self.routing_plan = _Plan(k)
         ops = ops_for(loaded.family.name)
         self.blocks: dict[int, StudentMoE] = {}
@@ -224,7 +226,8 @@ class Student:
         if not self.streamed:
             return "student: in memory (the base dequantized; the faster path where it fits)"
         plan = self.loaded.memory_plan
-        training = step_bytes(self.loaded.config, rows, length, self.k)
+        kept = self.planned_step.kept_top_k if self.planned_step is not None else 0
+        training = step_bytes(self.loaded.config, rows, length, self.k, kept)
         lora = sum(a.size + b.size for a, b in self.lora_weights().values())
         training["LoRA and AdamW"] = 4 * lora * 4  # weights, gradient and two moments, float32
         # The plan holds the step's layer inputs and logits already (`held_bytes`).
@@ -280,10 +283,13 @@ class Student:
         save_lora(path, self.lora_weights(), self.lora.r, self.lora.alpha, self.k, self.fingerprint)
 
 
-def step_bytes(model_config: dict, rows: int, length: int, k: int = 0) -> dict[str, int]:
+def step_bytes(
+    model_config: dict, rows: int, length: int, k: int = 0, kept_top_k: int = 0
+) -> dict[str, int]:
     """What one streamed training step of `rows` sequences of `length` tokens holds beyond the
     engine: each layer's input and its routed experts' output at K kept for the backward, the
-    logits (student, teacher and their gradient), and one layer's backward
+    logits (student, teacher and their gradient; with the teacher's `kept_top_k` tokens read
+    from disk instead of its logits, those targets), and one layer's backward
     (`streamed_student.expert_input_grad`): one expert's dequantized weights with their
     gradient's work, and the routed experts' activations of the step's tokens at the wider of K
     and the native K (the teacher's). From config.json, so the plan can count them before
@@ -302,7 +308,7 @@ def step_bytes(model_config: dict, rows: int, length: int, k: int = 0) -> dict[s
     return {
         "layer inputs": layers * tokens * hidden * itemsize,
         "expert outputs": layers * tokens * (k or routed_top_k(model_config)) * hidden * itemsize,
-        "logits": 3 * tokens * vocab * itemsize,
+        "logits": (2 * vocab + 3 * kept_top_k if kept_top_k else 3 * vocab) * tokens * itemsize,
         "layer backward": 2 * (3 * hidden * width + assignments * width) * itemsize,
     }
 
@@ -315,7 +321,7 @@ def load_student(
     engine_config: EngineConfig | None = None,
     extra_bytes: int = 0,
     streamed: bool | None = None,
-    step: tuple[int, int] | None = None,
+    step: Step | tuple[int, int] | None = None,
 ) -> Student:
     """The student for width K: the base, the K profile's heads (when `heads`, found over
     `engine_config`'s adapter search), and a LoRA read from a file, the profile's own
@@ -326,23 +332,22 @@ def load_student(
     slower, bounded by the memory plan). `streamed` True or False forces one; False is refused
     up front where the dequantized model cannot fit. `step`: (rows, tokens) of a training step,
     whose layer inputs and logits the streamed student's memory plan holds beside the engine
-    (its context is one row: no KV cache is kept), so the expert cache leaves room for them."""
+    (its context is one row: no KV cache is kept), so the expert cache leaves room for them;
+    where the plan does not hold it, the step that `Step` lets be made smaller and does fit
+    (`student.planned_step`), else a refusal naming what would make it fit."""
     model_dir = Path(model_dir)
     engine_config = engine_config or EngineConfig()
     if streamed is None:
         streamed = student_bytes(model_dir, engine_config, extra_bytes) > (
             available_memory_bytes() or float("inf")
         )
+    step = Step(*step) if isinstance(step, tuple) else step
     if streamed:
         config = streaming_config(engine_config)
-        if step is not None:
-            model_config = read_config(model_dir)
-            config = replace(
-                config,
-                held_bytes=sum(step_bytes(model_config, *step, k or 0).values()),
-                context_tokens=step[1],
-            )
-        loaded = load(model_dir, config)
+        if step is None:
+            loaded = load(model_dir, config)
+        else:
+            loaded, step = load_for_step(model_dir, config, step, k or 0)
     else:
         check_student_fits(model_dir, engine_config, extra_bytes)
         loaded = load(model_dir, replace(engine_config, mode="resident"))
@@ -369,12 +374,126 @@ def load_student(
     elif lora is not None:
         adapter = load_lora(Path(lora), fingerprint)
     student = Student(loaded, k, prerouter, adapter, folder)
+    student.planned_step = step
     if adapter is not None:
         AppliedLoRA(student.model, adapter, loaded.float_dtype)
     student.model.freeze()
     for module in student.lora_modules().values():
         module.unfreeze(keys=["lora_a", "lora_b"], recurse=False)
     return student
+
+
+# -- a training step that fits the plan -------------------------------------------------------------
+
+# The teacher's tokens a position kept on disk where its whole distribution does not fit a step.
+FALLBACK_TOP_K = 64
+
+
+@dataclass(frozen=True)
+class Step:
+    """A training step as the streamed student's plan holds it: `rows` sequences of `length`
+    tokens, the teacher's `kept_top_k` tokens a position read from disk (0: its whole
+    distribution computed in the step). `fit_rows`: fewer rows may be taken where the plan does
+    not hold `rows`; `fit_top_k`: the teacher's top `FALLBACK_TOP_K` may be kept where no
+    number of rows fits with its whole distribution. `prompt`: the tokens of a row that are
+    its prompt (for the refusal's --continuation-tokens); `top_k_option`: the phase takes
+    --teacher-top-k (for the refusal)."""
+
+    rows: int
+    length: int
+    kept_top_k: int = 0
+    fit_rows: bool = False
+    fit_top_k: bool = False
+    prompt: int = 0
+    top_k_option: bool = False
+
+    def held(self, model_config: dict, k: int) -> int:
+        return sum(step_bytes(model_config, self.rows, self.length, k, self.kept_top_k).values())
+
+
+def load_for_step(
+    model_dir: Path, config: EngineConfig, step: Step, k: int
+) -> tuple[LoadedModel, Step]:
+    """The streamed model loaded with a plan that holds `step`, or the largest step it may be
+    lowered to that fits (each refusal comes before any weight is read); else an Edge0Error
+    naming every knob that would make it fit."""
+    model_config = read_config(model_dir)
+    while True:
+        planned = replace(config, held_bytes=step.held(model_config, k), context_tokens=step.length)
+        try:
+            return load(model_dir, planned), step
+        except PlanRefused as refused:
+            room = step_room(refused, config.expert_cache_auto)
+            smaller = fitting_step(step, room, model_config, k)
+            if smaller is None or smaller == step:
+                why = step_refusal(refused, step, room, model_config, k, config)
+                raise Edge0Error(f"{model_dir}: the memory plan {why}") from None
+            step = smaller
+
+
+def step_room(refused: PlanRefused, auto_cache: bool) -> int:
+    """What a refused plan leaves for a training step: the limit less every other term, the
+    expert cache at its smallest where it is automatic."""
+    plan = refused.plan
+    cache = refused.smallest_cache_bytes if auto_cache else plan.expert_cache_bytes
+    others = plan.total_bytes - plan.held_bytes - plan.expert_cache_bytes + cache
+    return (plan.limit_bytes or 0) - others
+
+
+def fitting_step(step: Step, room: int, model_config: dict, k: int) -> Step | None:
+    """The largest step `step` may be lowered to whose bytes fit `room`: the most rows (with
+    the teacher's whole distribution, then with its top tokens kept); None where none fits."""
+    rows = range(step.rows, 0, -1) if step.fit_rows else [step.rows]
+    kept = [step.kept_top_k]
+    if step.fit_top_k and not step.kept_top_k and FALLBACK_TOP_K < _vocab(model_config):
+        kept.append(FALLBACK_TOP_K)
+    for top_k in kept:
+        for n in rows:
+            candidate = replace(step, rows=n, kept_top_k=top_k)
+            if candidate.held(model_config, k) <= room:
+                return candidate
+    return None
+
+
+def step_refusal(
+    refused: PlanRefused, step: Step, room: int, model_config: dict, k: int, config: EngineConfig
+) -> str:
+    """Why the plan refuses a training step (after "MODEL: the memory plan "), with every knob
+    that would make it fit."""
+    plan, smallest = refused.plan, refused.smallest_cache_bytes
+    need = plan.total_bytes - plan.held_bytes + step.held(model_config, k)
+    over = need - (plan.limit_bytes or 0)
+    knobs = []
+    if step.rows > 1 and (fit := fitting_step(replace(step, fit_rows=True), room, model_config, k)):
+        knobs.append(f"--batch {fit.rows}")
+    for rows in dict.fromkeys((step.rows, 1)):  # at the rows asked, else at one
+        shorter = (
+            replace(step, rows=rows, length=n) for n in range(step.length - 1, step.prompt, -1)
+        )
+        if fit := next((c for c in shorter if c.held(model_config, k) <= room), None):
+            at = f" at --batch {rows}" if rows != step.rows else ""
+            knobs.append(f"--continuation-tokens {fit.length - step.prompt + 1}{at}")
+            break
+    if step.top_k_option and not step.kept_top_k and FALLBACK_TOP_K < _vocab(model_config):
+        kept = replace(step, kept_top_k=FALLBACK_TOP_K, fit_rows=True, fit_top_k=False)
+        if fit := fitting_step(kept, room, model_config, k):
+            at = f" at --batch {fit.rows}" if fit.rows != step.rows else ""
+            knobs.append(f"--teacher-top-k {FALLBACK_TOP_K}{at}")
+    if not config.expert_cache_auto and plan.expert_cache_bytes - over >= smallest:
+        knobs.append(f"--expert-cache {format_bytes(plan.expert_cache_bytes - over)}")
+    if smallest and over <= smallest - smallest // max(k, 1):
+        knobs.append("a lower --k (the expert cache holds K experts a layer)")
+    knobs.append(f"a machine with {format_bytes(max(over, 0))} more memory")
+    return (
+        f"needs {format_bytes(need)} for a step of {step.rows} rows of "
+        f"{step.length} tokens but {format_bytes(plan.limit_bytes or 0)} is available "
+        f"({plan.limit_source}); it would fit with {'; or '.join(knobs)} "
+        "(`edge0 info MODEL --memory` shows every term)"
+    )
+
+
+def _vocab(model_config: dict) -> int:
+    return int(model_config.get("text_config", model_config).get("vocab_size") or 0)
 
 
 def _profile(model_dir: Path, k: int, search: ProfileSearch, needs_lora: bool) -> AdapterFiles:
