@@ -288,6 +288,13 @@ def test_a_second_run_into_the_same_folder_is_refused_naming_the_first(profiled,
         pass
 
 
+def test_a_lock_that_is_not_a_file_is_refused_not_waited_on(tmp_path):
+    os.mkfifo(tmp_path / RunLock.NAME)  # an open for reading and writing would wait forever
+    with pytest.raises(Edge0Error, match=r"lock: not a regular file"):
+        with RunLock(tmp_path):
+            pass
+
+
 HOLD_THE_LOCK = """
 import sys
 from engine.train.run import RunLock

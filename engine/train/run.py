@@ -13,6 +13,7 @@ import fcntl
 import json
 import os
 import pickle
+import stat
 import time
 import zipfile
 import zlib
@@ -120,9 +121,15 @@ class RunLock:
         path = self.folder / self.NAME
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
-            file = open(path, "a+")  # not truncated: the holder's line stays readable
+            # Not truncated: the holder's line stays readable. Non-blocking: a FIFO put there
+            # would otherwise hang the open.
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NONBLOCK, 0o644)
         except OSError as e:
             raise Edge0Error(f"{path}: cannot take the run's lock ({e.strerror or e})") from None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise Edge0Error(f"{path}: not a regular file; remove it, or choose another --out-dir")
+        file = os.fdopen(fd, "r+")
         try:
             fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
@@ -134,6 +141,7 @@ class RunLock:
                 "choose another --out-dir"
             ) from None
         started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime())
+        file.seek(0)
         file.truncate(0)
         file.write(f"pid {os.getpid()}, started {started}, {self.what}\n")
         file.flush()
