@@ -277,12 +277,12 @@ def download_from_hub(
         # snapshot_download already fell back to the cache: the Hub is unreachable (or answered
         # with an error status) and no copy is cached.
         status = getattr(getattr(e.__cause__, "response", None), "status_code", None)
-        reached = (
+        failure = (
             f"the Hugging Face Hub answered HTTP {status}"
             if status
             else "cannot reach the Hugging Face Hub"
         )
-        raise Edge0Error(f"{repo_id}: {reached}, and no complete copy is cached") from None
+        raise Edge0Error(f"{repo_id}: {failure}, and no complete copy is cached") from None
     except OSError as e:  # the connection dropped mid-download, a disk filled up, ...
         return cached_copy(f"download failed ({e.strerror or e})")
     except Exception as e:

@@ -36,6 +36,7 @@ _API = re.compile(
     r"/api/models/(?P<repo>[^/]+/[^/]+)(?:/(?P<what>revision|tree)/(?P<rev>[^/]+))?/?"
 )
 _RESOLVE = re.compile(r"/(?P<repo>[^/]+/[^/]+)/resolve/(?P<rev>[^/]+)/(?P<file>.+)")
+CHUNK_BYTES = 1 << 20
 _RANGE = re.compile(r"bytes=(\d+)-(\d*)")
 
 
@@ -158,13 +159,24 @@ class _Handler(BaseHTTPRequestHandler):
                 return self._send(416, b"", headers, body)
             status = 206
             headers["Content-Range"] = f"bytes {start}-{end}/{size}"
+        headers["Content-Length"] = str(end - start + 1)
+        self._send(status, b"", headers, body, length_set=True)
+        if body:
+            self._send_file(repo_id, name, path, start, end - start + 1)
+
+    def _send_file(self, repo_id: str, name: str, path: Path, start: int, length: int) -> None:
+        """`length` bytes of the file from `start`, a chunk at a time (a client that stops
+        reading, as one reading a header does, ends it), each chunk counted as it is sent."""
         with open(path, "rb") as f:
             f.seek(start)
-            data = f.read(end - start + 1) if body else b""
-        headers["Content-Length"] = str(end - start + 1)
-        self._send(status, data, headers, body, length_set=True)
-        if body:
-            self.hub.count(repo_id, name, len(data))
+            while length > 0:
+                chunk = f.read(min(length, CHUNK_BYTES))
+                try:
+                    self.wfile.write(chunk)
+                except (BrokenPipeError, ConnectionResetError):
+                    return
+                self.hub.count(repo_id, name, len(chunk))
+                length -= len(chunk)
 
     def _send(
         self,

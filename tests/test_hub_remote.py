@@ -2,13 +2,16 @@
 
 - `edge0 generate OWNER/NAME` downloads the repo from it and runs;
 - `edge0 info OWNER/NAME --memory` plans a repo with no copy here from its headers alone: less
-  than 1% of its bytes transferred, the same plan as `edge0 info COPY --memory` prints;
+  than 1% of its bytes transferred (of the memory-wall checkpoint's 6.4 GiB), the same plan as
+  `edge0 info COPY --memory` prints;
 - a hub that answers wrongly (a JSON shape, a 500, a truncated header, a redirect loop, a 100 GB
   header length) is one line naming the repo and what was wrong.
 """
 
 from __future__ import annotations
 
+import json
+import shutil
 import struct
 from pathlib import Path
 
@@ -45,6 +48,43 @@ def fixed_machine(monkeypatch):
     monkeypatch.setattr(memory_plan, "memory_limit", lambda: (8 << 30, "MemAvailable"))
 
 
+# safetensors names of the dtypes a synthetic checkpoint holds.
+SAFETENSORS_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32", "uint32": "U32"}
+
+
+@pytest.fixture(scope="session")
+def sparse_wall(checkpoint_dir, tmp_path_factory) -> Path:
+    """The synthetic memory-wall checkpoint (qwen3_moe), its headers as synth would write them
+    and its data left as holes (sparse files: gigabytes that take no disk and no time to write).
+    Neither plan reads a routed expert; the local one reads the resident weights as zeros. The
+    tokenizer is the tiny checkpoint's (a plan does not use it)."""
+    from mlx.utils import tree_flatten
+
+    from engine.train import synth
+
+    out = tmp_path_factory.mktemp("sparse") / "qwen3_moe-wall"
+    out.mkdir()
+    model, config = synth._build_model(synth._model_config("qwen3_moe", "wall"))
+    weights = dict(tree_flatten(model.parameters()))
+    header: dict = {"__metadata__": {"format": "mlx"}}
+    offset = 0
+    for name in sorted(weights):  # shapes and dtypes only: nothing is evaluated
+        array = weights[name]
+        dtype = SAFETENSORS_DTYPES[str(array.dtype).rpartition(".")[2]]
+        end = offset + array.nbytes
+        header[name] = {"dtype": dtype, "shape": list(array.shape), "data_offsets": [offset, end]}
+        offset = end
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(out / "model.safetensors", "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        f.truncate(8 + len(raw) + offset)
+    (out / "config.json").write_text(json.dumps(config))
+    for tokenizer in checkpoint_dir("qwen3_moe", "tiny").glob("tokenizer*.json"):
+        shutil.copy(tokenizer, out)
+    return out
+
+
 def plan_lines(output: str) -> list[str]:
     lines = output.splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith("memory plan ("))
@@ -63,9 +103,9 @@ def test_generate_downloads_a_hub_repo_and_runs(hub, checkpoint_dir, capsys):
     assert hub.bytes_served(f"{OWNER}/tiny") == sum(p.stat().st_size for p in files_of(model))
 
 
-def test_info_memory_plans_a_hub_repo_from_its_headers(hub, checkpoint_dir, fixed_machine, capsys):
-    model = checkpoint_dir("qwen3_moe", "small")
-    repo = f"{OWNER}/small"
+def test_info_memory_plans_a_hub_repo_from_its_headers(hub, sparse_wall, fixed_machine, capsys):
+    model = sparse_wall
+    repo = f"{OWNER}/wall"
     hub.serve(repo, model)
 
     code = cli.main(["info", repo, "--memory"])
@@ -74,7 +114,8 @@ def test_info_memory_plans_a_hub_repo_from_its_headers(hub, checkpoint_dir, fixe
     checkpoint_bytes = sum(p.stat().st_size for p in files_of(model))
     assert 0 < hub.bytes_served(repo) < checkpoint_bytes / 100
     assert "nothing downloaded" in remote.splitlines()[0]
-    assert not list((Path(hub_home()) / "hub").glob("models--*small*/snapshots/*/*"))
+    assert checkpoint_bytes > 6 << 30
+    assert not list((Path(hub_home()) / "hub").glob("models--*wall*/snapshots/*/*"))
 
     assert cli.main(["info", str(model), "--memory"]) == 0
     local, _ = capsys.readouterr()
@@ -138,6 +179,15 @@ def test_a_hostile_hub_is_one_line_naming_the_repo(hub, tmp_path, capsys, case, 
     assert err.count("\n") == 1 and "Traceback" not in err, err
     assert f"{repo}/{expected}" in err or f"{repo}: {expected}" in err, err
     assert hub.bytes_served(repo) < 4096
+
+
+def test_a_repo_the_hub_does_not_have_is_one_line(hub, capsys):
+    assert cli.main(["info", f"{OWNER}/nowhere", "--memory"]) == 2
+    _, err = capsys.readouterr()
+    assert (
+        err
+        == f"edge0: error: {OWNER}/nowhere: no such model on the Hugging Face Hub (or it is private: `hf auth login`)\n"
+    )
 
 
 @pytest.mark.parametrize(

@@ -75,6 +75,12 @@ class HubRepo:
             headers["Range"] = f"bytes={start}-{start + length - 1}"
         timeout = constants.HF_HUB_DOWNLOAD_TIMEOUT
         with get_session().stream("GET", url, headers=headers, timeout=timeout) as response:
+            no_repo = response.headers.get("X-Error-Code") == "RepoNotFound"
+            if response.status_code in (401, 403) or no_repo:
+                raise Edge0Error(
+                    f"{self.repo_id}: no such model on the Hugging Face Hub (or it is private: "
+                    "`hf auth login`)"
+                )
             if response.status_code == 404:
                 raise _Missing(name)
             if response.status_code >= 400:
