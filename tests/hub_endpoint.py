@@ -11,7 +11,8 @@ It answers what huggingface_hub's `snapshot_download`, `hf_hub_download`, `HfApi
 Every byte of a file body it sends is counted per (repo, file), so a test can say how much a
 command transferred. `fault(repo, kind)` makes one repo misbehave, for the hostile-hub tests:
 `"500"` (every request fails), `"json_shape"` (the API answers a JSON list where an object is
-expected, the tree an object where a list is), `"redirect_loop"` (every file redirects to itself).
+expected, the tree an object where a list is), `"redirect_loop"` (every file redirects to itself),
+`"short_body"` (every file's body stops half way, the connection closed).
 
 Point huggingface_hub at it with `pointed_at(endpoint, hf_home)`.
 """
@@ -167,6 +168,9 @@ class _Handler(BaseHTTPRequestHandler):
     def _send_file(self, repo_id: str, name: str, path: Path, start: int, length: int) -> None:
         """`length` bytes of the file from `start`, a chunk at a time (a client that stops
         reading, as one reading a header does, ends it), each chunk counted as it is sent."""
+        if self.hub.faults.get(repo_id) == "short_body":  # the connection drops half way
+            length //= 2
+            self.close_connection = True
         with open(path, "rb") as f:
             f.seek(start)
             while length > 0:

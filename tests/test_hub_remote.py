@@ -145,6 +145,7 @@ HOSTILE_REPOS = {
     "index_shape": (2, b"{}", "{}", None),
     "500": (2, b"{}", "{}", "500"),
     "redirect_loop": (2, b"{}", "{}", "redirect_loop"),
+    "short_body": (2, b"{}", "{}", "short_body"),
     "huge_header": (100_000_000_000, b"{}" * 64, "{}", None),
     "truncated_header": (1000, b'{"a": {"dtype"', "{}", None),
 }
@@ -157,6 +158,7 @@ HOSTILE_REPOS = {
         ("index_shape", "model.safetensors.index.json: corrupt index (no weight_map object)"),
         ("500", "config.json: the Hub answered HTTP 500"),
         ("redirect_loop", "config.json: cannot read it from the Hub (TooManyRedirects"),
+        ("short_body", "config.json: cannot read it from the Hub (RemoteProtocolError"),
         ("huge_header", "model.safetensors: corrupt safetensors header (declares 100000000000"),
         ("truncated_header", "model.safetensors: corrupt safetensors header (declares 1000 header"),
     ],
