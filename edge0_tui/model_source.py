@@ -142,6 +142,23 @@ def check_model(spec: str, offline: bool = False) -> None:
             raise Edge0Error(f"no local directory {spec}; {e}") from None
 
 
+def needs_hub_plan(spec: str) -> bool:
+    """True for MODEL naming a Hub repo that has no local folder and no complete cached copy,
+    while the Hub may be asked: `edge0 info --memory` then plans it from its headers rather than
+    downloading it."""
+    if spec == DEMO or local_path(spec).exists() or _names_a_path(spec) or not is_hub_id(spec):
+        return False
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return False  # the cached copy or the offline error, as for every command
+    try:
+        download_from_hub(spec, lambda *_: None, offline=True)
+    except Edge0Error:
+        return True
+    return False
+
+
 def resolve_adapters(
     spec: str,
     on_progress: ProgressCallback,
@@ -256,14 +273,29 @@ def download_from_hub(
         raise Edge0Error(
             f"{repo_id}: no such model on the Hugging Face Hub (or it is private: `hf auth login`)"
         ) from None
-    except LocalEntryNotFoundError:
-        # snapshot_download already fell back to the cache: the Hub is unreachable and no copy is.
-        raise Edge0Error(
-            f"{repo_id}: cannot reach the Hugging Face Hub, and no complete copy is cached"
-        ) from None
+    except LocalEntryNotFoundError as e:
+        # snapshot_download already fell back to the cache: the Hub is unreachable (or answered
+        # with an error status) and no copy is cached.
+        status = getattr(getattr(e.__cause__, "response", None), "status_code", None)
+        failure = (
+            f"the Hugging Face Hub answered HTTP {status}"
+            if status
+            else "cannot reach the Hugging Face Hub"
+        )
+        raise Edge0Error(f"{repo_id}: {failure}, and no complete copy is cached") from None
     except OSError as e:  # the connection dropped mid-download, a disk filled up, ...
         return cached_copy(f"download failed ({e.strerror or e})")
+    except Exception as e:
+        # What huggingface_hub raises on an answer it cannot use: a JSON shape it does not
+        # expect (TypeError, KeyError), a redirect loop (its HTTP client's errors), ...
+        return cached_copy(f"the Hugging Face Hub's answer cannot be used ({_one_line(e)})")
     return Path(folder)
+
+
+def _one_line(error: BaseException) -> str:
+    """An exception as one short line: its type and its message's first line."""
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0][:200]}" if lines else type(error).__name__
 
 
 def _reporting_progress_bar(on_progress: ProgressCallback) -> type:

@@ -50,6 +50,7 @@ _ON_FIRST_USE = {
     "process_lifetime_peaks": "engine.runtime.metrics",
     "routed_by_layer": "engine.runtime.metrics",
     "check_checkpoint": "engine.runtime.loader",
+    "plan_hub_model": "engine.runtime.header_plan",
     "summarize_checkpoint": "engine.runtime.catalog",
     "CgroupMemory": "engine.runtime.linux_memory",
     "cgroup_memory": "engine.runtime.linux_memory",

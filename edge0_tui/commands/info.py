@@ -1,13 +1,21 @@
-"""`edge0 info`: a checkpoint's family, layers, experts, expert bytes and K profiles."""
+"""`edge0 info`: a checkpoint's family, layers, experts, expert bytes and K profiles.
+
+`edge0 info OWNER/NAME --memory` for a Hub repo with no copy here plans it without downloading
+it: from its config.json, safetensors index and shard headers (`engine.plan_hub_model`), the
+plan printed as for a local copy."""
 
 from __future__ import annotations
 
 import argparse
 import json
+from typing import TYPE_CHECKING
 
 from edge0_tui.commands import options
 from edge0_tui.commands.common import print_warnings
 from engine import format_bytes
+
+if TYPE_CHECKING:
+    from engine import MemoryPlan
 
 NAME = "info"
 
@@ -15,6 +23,7 @@ NAME = "info"
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(NAME, help="family, layers, experts, expert bytes, K profiles")
     options.add_model(parser)
+    parser.set_defaults(resolve_model=False)  # `run` resolves it: a Hub repo may be planned
     options.add_adapters(parser)
     parser.add_argument(
         "--memory",
@@ -32,8 +41,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from edge0_tui.model_source import needs_hub_plan
     from engine import Engine
 
+    if args.memory and needs_hub_plan(args.model):
+        return _run_hub_plan(args)
+    args.model = options.model_path(args.model)
     # A plan that does not fit is shown, not refused.
     config = options.engine_config(args, refuse_over_plan=False)
     with Engine(args.model, config) as engine:
@@ -74,9 +87,38 @@ def run(args: argparse.Namespace) -> int:
     for folder in info["adapter_folders"]:
         print(f"  adapters searched: {folder['origin']} {folder['path']}")
     if args.memory:
-        cache = args.expert_cache if args.expert_cache == options.AUTO else "as given"
-        print(f"memory plan ({args.mode}, K={plan.k}, expert cache {cache}):")
-        print(plan.table())
+        _print_plan(args, plan)
     else:
         print(f"  {plan.line()}")
     return 0 if plan.fits or not args.memory else 2
+
+
+def _print_plan(args: argparse.Namespace, plan: MemoryPlan) -> None:
+    cache = args.expert_cache if args.expert_cache == options.AUTO else "as given"
+    print(f"memory plan ({args.mode}, K={plan.k}, expert cache {cache}):")
+    print(plan.table())
+
+
+def _run_hub_plan(args: argparse.Namespace) -> int:
+    """The memory plan of a Hub repo from its headers: what the model is, and the plan."""
+    from engine import plan_hub_model
+
+    config = options.engine_config(args, refuse_over_plan=False)
+    planned = plan_hub_model(args.model, config)
+    if args.json:
+        report = {**planned.__dict__, "model": args.model}
+        report.pop("plan")
+        print(json.dumps({**report, "memory_plan": planned.plan.as_dict()}))
+        return 0 if planned.plan.fits else 2
+    print(
+        f"{args.model}: {planned.family}, {planned.layers} layers ({planned.moe_layers} MoE), "
+        f"planned from the Hub's headers ({format_bytes(planned.bytes_read)} read of "
+        f"{format_bytes(planned.checkpoint_bytes)}; nothing downloaded)"
+    )
+    print(
+        f"  {planned.experts} routed experts per layer, native K={planned.native_k}, "
+        f"hidden {planned.hidden}"
+    )
+    print(f"  routed-expert bytes {format_bytes(planned.expert_bytes)}")
+    _print_plan(args, planned.plan)
+    return 0 if planned.plan.fits else 2

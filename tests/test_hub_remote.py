@@ -1,0 +1,215 @@
+"""edge0 against a real HTTP hub: the HF-compatible endpoint of tests/hub_endpoint.py on 127.0.0.1.
+
+- `edge0 generate OWNER/NAME` downloads the repo from it and runs;
+- `edge0 info OWNER/NAME --memory` plans a repo with no copy here from its headers alone: less
+  than 1% of its bytes transferred (of the memory-wall checkpoint's 6.4 GiB), the same plan as
+  `edge0 info COPY --memory` prints;
+- a hub that answers wrongly (a JSON shape, a 500, a truncated header, a redirect loop, a 100 GB
+  header length) is one line naming the repo and what was wrong.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+from pathlib import Path
+
+import pytest
+from hub_endpoint import HubEndpoint, files_of, pointed_at
+
+from edge0_tui import cli
+
+OWNER = "edge0-test"
+
+
+@pytest.fixture(scope="session")
+def endpoint():
+    """The endpoint, started once per test run."""
+    hub = HubEndpoint().start()
+    yield hub
+    hub.stop()
+
+
+@pytest.fixture
+def hub(endpoint, tmp_path):
+    """huggingface_hub pointed at the endpoint, its cache in a fresh folder (no real cache)."""
+    with pointed_at(endpoint, tmp_path / "hf-home"):
+        yield endpoint
+
+
+@pytest.fixture
+def fixed_machine(monkeypatch):
+    """The plan's two measured figures (this process's size, what the machine leaves) held
+    still, so that two plans made at different moments print the same."""
+    import engine.runtime.memory_plan as memory_plan
+
+    monkeypatch.setattr(memory_plan, "process_rss_bytes", lambda: 300 << 20)
+    monkeypatch.setattr(memory_plan, "memory_limit", lambda: (8 << 30, "MemAvailable"))
+
+
+# safetensors names of the dtypes a synthetic checkpoint holds.
+SAFETENSORS_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32", "uint32": "U32"}
+
+
+@pytest.fixture(scope="session")
+def sparse_wall(checkpoint_dir, tmp_path_factory) -> Path:
+    """The synthetic memory-wall checkpoint (qwen3_moe), its headers as synth would write them
+    and its data left as holes (sparse files: gigabytes that take no disk and no time to write).
+    Neither plan reads a routed expert; the local one reads the resident weights as zeros. The
+    tokenizer is the tiny checkpoint's (a plan does not use it)."""
+    from mlx.utils import tree_flatten
+
+    from engine.train import synth
+
+    out = tmp_path_factory.mktemp("sparse") / "qwen3_moe-wall"
+    out.mkdir()
+    model, config = synth._build_model(synth._model_config("qwen3_moe", "wall"))
+    weights = dict(tree_flatten(model.parameters()))
+    header: dict = {"__metadata__": {"format": "mlx"}}
+    offset = 0
+    for name in sorted(weights):  # shapes and dtypes only: nothing is evaluated
+        array = weights[name]
+        dtype = SAFETENSORS_DTYPES[str(array.dtype).rpartition(".")[2]]
+        end = offset + array.nbytes
+        header[name] = {"dtype": dtype, "shape": list(array.shape), "data_offsets": [offset, end]}
+        offset = end
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(out / "model.safetensors", "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        f.truncate(8 + len(raw) + offset)
+    (out / "config.json").write_text(json.dumps(config))
+    for tokenizer in checkpoint_dir("qwen3_moe", "tiny").glob("tokenizer*.json"):
+        shutil.copy(tokenizer, out)
+    return out
+
+
+def plan_lines(output: str) -> list[str]:
+    lines = output.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("memory plan ("))
+    return lines[start:]
+
+
+def test_generate_downloads_a_hub_repo_and_runs(hub, checkpoint_dir, capsys):
+    model = checkpoint_dir("qwen3_moe", "tiny")
+    hub.serve(f"{OWNER}/tiny", model)
+
+    code = cli.main(["generate", f"{OWNER}/tiny", "--prompt", "hi", "--max-tokens", "2"])
+
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert out.strip()
+    assert hub.bytes_served(f"{OWNER}/tiny") == sum(p.stat().st_size for p in files_of(model))
+
+
+def test_info_memory_plans_a_hub_repo_from_its_headers(hub, sparse_wall, fixed_machine, capsys):
+    model = sparse_wall
+    repo = f"{OWNER}/wall"
+    hub.serve(repo, model)
+
+    code = cli.main(["info", repo, "--memory"])
+    remote, err = capsys.readouterr()
+    assert code == 0, err
+    checkpoint_bytes = sum(p.stat().st_size for p in files_of(model))
+    assert 0 < hub.bytes_served(repo) < checkpoint_bytes / 100
+    assert "nothing downloaded" in remote.splitlines()[0]
+    assert checkpoint_bytes > 6 << 30
+    assert not list((Path(hub_home()) / "hub").glob("models--*wall*/snapshots/*/*"))
+
+    assert cli.main(["info", str(model), "--memory"]) == 0
+    local, _ = capsys.readouterr()
+    assert plan_lines(remote) == plan_lines(local)
+    assert plan_lines(remote)[-1].endswith(": fits")
+
+
+def hub_home() -> str:
+    import huggingface_hub.constants as constants
+
+    return constants.HF_HOME
+
+
+def shard_with_header_length(
+    folder: Path, header_len: int, body: bytes, config: str = '{"num_hidden_layers": 2}'
+) -> Path:
+    """A repo whose one shard declares `header_len` header bytes and holds `body` after them."""
+    folder.mkdir()
+    (folder / "config.json").write_text(config)
+    (folder / "model.safetensors").write_bytes(struct.pack("<Q", header_len) + body)
+    return folder
+
+
+HOSTILE_REPOS = {
+    # case: (the shard's header length, what follows it, config.json, the endpoint's fault)
+    "json_shape": (2, b"{}", "[]", None),
+    "index_shape": (2, b"{}", "{}", None),
+    "500": (2, b"{}", "{}", "500"),
+    "redirect_loop": (2, b"{}", "{}", "redirect_loop"),
+    "short_body": (2, b"{}", "{}", "short_body"),
+    "huge_header": (100_000_000_000, b"{}" * 64, "{}", None),
+    "truncated_header": (1000, b'{"a": {"dtype"', "{}", None),
+}
+
+
+@pytest.mark.parametrize(
+    "case, expected",
+    [
+        ("json_shape", "config.json: expected a JSON object"),
+        ("index_shape", "model.safetensors.index.json: corrupt index (no weight_map object)"),
+        ("500", "config.json: the Hub answered HTTP 500"),
+        ("redirect_loop", "config.json: cannot read it from the Hub (TooManyRedirects"),
+        ("short_body", "config.json: cannot read it from the Hub (RemoteProtocolError"),
+        ("huge_header", "model.safetensors: corrupt safetensors header (declares 100000000000"),
+        ("truncated_header", "model.safetensors: corrupt safetensors header (declares 1000 header"),
+    ],
+)
+def test_a_hostile_hub_is_one_line_naming_the_repo(hub, tmp_path, capsys, case, expected):
+    repo = f"{OWNER}/bad-{case.replace('_', '-')}"
+    header_len, body, config, fault = HOSTILE_REPOS[case]
+    folder = shard_with_header_length(tmp_path / "repo", header_len, body, config)
+    if case == "index_shape":
+        (folder / "model.safetensors.index.json").write_text('{"weight_map": ["a"]}')
+    if fault:
+        hub.fault(repo, fault)
+    hub.serve(repo, folder)
+
+    code = cli.main(["info", repo, "--memory"])
+
+    out, err = capsys.readouterr()
+    assert code == 2
+    assert out == ""
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert f"{repo}/{expected}" in err or f"{repo}: {expected}" in err, err
+    assert hub.bytes_served(repo) < 4096
+
+
+def test_a_repo_the_hub_does_not_have_is_one_line(hub, capsys):
+    assert cli.main(["info", f"{OWNER}/nowhere", "--memory"]) == 2
+    _, err = capsys.readouterr()
+    assert (
+        err
+        == f"edge0: error: {OWNER}/nowhere: no such model on the Hugging Face Hub (or it is private: `hf auth login`)\n"
+    )
+
+
+@pytest.mark.parametrize(
+    "case, expected",
+    [
+        ("json_shape", "the Hugging Face Hub's answer cannot be used (TypeError: "),
+        ("500", "the Hugging Face Hub answered HTTP 500, and no complete copy is cached"),
+        ("redirect_loop", "the Hugging Face Hub's answer cannot be used (TooManyRedirects: "),
+    ],
+)
+def test_a_hostile_hub_download_is_one_line(hub, tmp_path, capsys, case, expected):
+    """The download path (`edge0 info OWNER/NAME` fetches the repo) says what the Hub did wrong
+    too: the unexpected JSON shape was a TypeError traceback from inside huggingface_hub."""
+    repo = f"{OWNER}/bad-download-{case.replace('_', '-')}"
+    hub.serve(repo, shard_with_header_length(tmp_path / "repo", 2, b"{}"))
+    hub.fault(repo, case)
+
+    code = cli.main(["info", repo])
+
+    _, err = capsys.readouterr()
+    assert code == 2
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert f"{repo}: {expected}" in err, err
