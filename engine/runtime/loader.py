@@ -179,6 +179,12 @@ def routed_top_k(config: dict) -> int:
     return _positive_int(value) or 0
 
 
+def check_headers(model_dir: Path) -> tuple[dict, Family, CheckpointIndex]:
+    """`check_checkpoint` for a copy of a checkpoint's config and shard headers only (no
+    tokenizer, no weights: `header_plan`)."""
+    return _checked(model_dir, tokenizer=False)
+
+
 def check_checkpoint(model_dir: str | Path) -> tuple[dict, Family, CheckpointIndex]:
     """Raise Edge0Error for a directory `load` would refuse before building anything: config,
     family, tokenizer and shard files, shard headers, config sizes. Reads headers, no weights;
@@ -186,7 +192,9 @@ def check_checkpoint(model_dir: str | Path) -> tuple[dict, Family, CheckpointInd
     return _checked(Path(model_dir))
 
 
-def _checked(model_dir: Path) -> tuple[dict, Family, CheckpointIndex]:
+def _checked(model_dir: Path, tokenizer: bool = True) -> tuple[dict, Family, CheckpointIndex]:
+    """`tokenizer`: check the tokenizer's files too (False for a copy of the headers only,
+    which a memory plan reads without a tokenizer)."""
     model_config = read_config(model_dir)
     if "model_file" in model_config:
         raise Edge0Error(
@@ -194,7 +202,8 @@ def _checked(model_dir: Path) -> tuple[dict, Family, CheckpointIndex]:
             f"({model_config['model_file']!r}); edge0 never runs code that comes with a model"
         )
     family = family_of(model_config, str(model_dir / "config.json"))
-    check_loader_files(model_dir)
+    if tokenizer:
+        check_loader_files(model_dir)
     # Validates every shard header before mlx-lm reads a byte, bounded by the layer count.
     text = model_config.get("text_config") or model_config
     layers = _positive_int(text.get("num_hidden_layers", model_config.get("num_hidden_layers")))
@@ -205,33 +214,48 @@ def _checked(model_dir: Path) -> tuple[dict, Family, CheckpointIndex]:
     return model_config, family, index
 
 
-def load(model_dir: str | Path, config: EngineConfig, tracer: Tracer = NO_TRACE) -> LoadedModel:
-    model_dir = Path(model_dir)
-    return_large_frees_to_os()  # freed read buffers go back to the OS, not to thread arenas
-    model_config, family, index = _checked(model_dir)
+@dataclass(frozen=True)
+class ModelPlan:
+    """What `plan_model` finds before any weight is read: the MoE layers, the compute dtype,
+    the native and the chosen K, the K profiles, and the memory plan with the config that keeps
+    it (`plan_load`'s)."""
 
-    model, model_config = _build_model(model_dir, model_config, index.shards, family)
-    _check_dtypes(model, index, model_dir)
-    tokenizer = quiet_load_tokenizer(model_dir, model_config, family)
+    sites: list[MoESite]
+    float_dtype: mx.Dtype | None
+    top_k: int
+    num_experts: int
+    dense_rows: int | None
+    fingerprint: str
+    profiles: ProfileSearch
+    k: int
+    plan: MemoryPlan
+    config: EngineConfig
+    plan_at: Callable[[int], MemoryPlan]
 
+
+def plan_model(
+    model_dir: Path,
+    model: nn.Module,
+    model_config: dict,
+    family: Family,
+    index: CheckpointIndex,
+    config: EngineConfig,
+) -> ModelPlan:
+    """`load`'s steps from mlx-lm's (lazy) model to its memory plan, reading no weight: also
+    what plans a model from its headers alone (`header_plan`)."""
     sites = find_moe_sites(model)
     check_moe_sites(model, sites, family, model_dir)
-    _check_finite(model, sites, index, model_dir)  # before the swap below renames the blocks
     float_dtype = compute_dtype(config)
     top_k = routed_top_k(model_config)
-
     for site in sites:
         shapes = {name: tuple(a.shape) for name, a in tree_flatten(site.switch.parameters())}
         index.add_moe_layer(site.layer, site.path, shapes["gate_proj.weight"][0], shapes)
-
     num_experts = index.layers[sites[0].layer].num_experts
     if not 1 <= top_k <= num_experts:
         raise Edge0Error(
             f"{model_dir / 'config.json'}: num_experts_per_tok must be between 1 and the "
             f"{num_experts} routed experts of a layer"
         )
-    store, routing, blocks = None, None, {}
-    host_reads = HostReads(config.sync_cost_s)
     dense_rows = dense_prefill_rows(config)
     # The K profiles' files: the largest one's heads and LoRA are planned (any may be chosen).
     fingerprint = base_fingerprint(index)
@@ -250,6 +274,36 @@ def load(model_dir: str | Path, config: EngineConfig, tracer: Tracer = NO_TRACE)
         dense_rows is not None,
         profile_bytes(profiles, (float_dtype or mx.float32).size),  # heads' dtype, `load_heads`
     )
+    return ModelPlan(
+        sites,
+        float_dtype,
+        top_k,
+        num_experts,
+        dense_rows,
+        fingerprint,
+        profiles,
+        k,
+        plan,
+        config,
+        plan_at,
+    )
+
+
+def load(model_dir: str | Path, config: EngineConfig, tracer: Tracer = NO_TRACE) -> LoadedModel:
+    model_dir = Path(model_dir)
+    return_large_frees_to_os()  # freed read buffers go back to the OS, not to thread arenas
+    model_config, family, index = _checked(model_dir)
+
+    model, model_config = build_model(model_dir, model_config, index.shards, family)
+    _check_dtypes(model, index, model_dir)
+    tokenizer = quiet_load_tokenizer(model_dir, model_config, family)
+    p = plan_model(model_dir, model, model_config, family, index, config)
+    sites, float_dtype, top_k, num_experts = p.sites, p.float_dtype, p.top_k, p.num_experts
+    plan, config, plan_at, dense_rows = p.plan, p.config, p.plan_at, p.dense_rows
+    fingerprint, profiles, k = p.fingerprint, p.profiles, p.k
+    _check_finite(model, sites, index, model_dir)  # before the swap below renames the blocks
+    store, routing, blocks = None, None, {}
+    host_reads = HostReads(config.sync_cost_s)
     if dense_rows is not None:
         dense_prefill_linears(model)  # attention, shared experts, routers: dense from 4 rows
     if config.mode == "resident" and dense_rows is not None:
@@ -345,7 +399,7 @@ def check_moe_sites(
             )
 
 
-def _build_model(
+def build_model(
     model_dir: Path, config: dict, shards: list[Path], family: Family
 ) -> tuple[nn.Module, dict]:
     """mlx-lm's `load_model` on exactly these shards and this (checked) config.
