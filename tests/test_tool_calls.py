@@ -3,10 +3,21 @@ whole and fed in every two-piece split (a split inside a tag included)."""
 
 from __future__ import annotations
 
+import asyncio
+import json
+import threading
+import time
+
 import pytest
 
+from edge0_tui.server.anthropic_shapes import AnthropicWriter, parse_messages
+from edge0_tui.server.app import GenerationResponse
+from edge0_tui.server.engine_worker import Finished, Text
+from edge0_tui.server.metrics import ServerStats
+from edge0_tui.server.openai_replies import OpenAIWriter
+from edge0_tui.server.openai_shapes import parse_chat
 from edge0_tui.server.reply_parts import ReplyParts, TemplateFacts
-from edge0_tui.server.tool_calls import DIALECTS, dialect_of
+from edge0_tui.server.tool_calls import DIALECTS, Dialect, dialect_of
 
 WEATHER = {"city": "Paris", "days": 2}
 
@@ -114,3 +125,171 @@ def test_without_think_tags_or_tools_the_text_is_content_as_written():
 def test_the_dialect_is_read_from_the_chat_template(template, dialect):
     found = dialect_of(template)
     assert (found.name if found else None) == dialect
+
+
+# -- calls that cannot be sent on (issue 47 items 1 and 2) ---------------------------------------
+
+# Each dialect's call with one argument `x`, its value as JSON text where VALUE stands.
+ONE_ARGUMENT = [
+    ("qwen", '<tool_call>{"name": "f", "arguments": {"x": VALUE}}</tool_call>'),
+    ("qwen", "<tool_call><function=f><parameter=x>VALUE</parameter></function></tool_call>"),
+    ("glm", "<tool_call>f<arg_key>x</arg_key><arg_value>VALUE</arg_value></tool_call>"),
+    ("deepseek", "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>f\n```json\n"
+     '{"x": VALUE}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>'),
+    ("deepseek", "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>f<｜tool▁sep｜>"
+     '{"x": VALUE}<｜tool▁call▁end｜><｜tool▁calls▁end｜>'),
+    ("kimi", "<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0"
+     '<|tool_call_argument_begin|>{"x": VALUE}<|tool_call_end|><|tool_calls_section_end|>'),
+    ("harmony", "<|channel|>commentary to=functions.f <|constrain|>json<|message|>"
+     '{"x": VALUE}<|call|>'),
+    ("mistral", '[TOOL_CALLS] [{"name": "f", "arguments": {"x": VALUE}}]'),
+    ("minimax", '<minimax:tool_call><invoke name="f"><parameter name="x">VALUE</parameter>'
+     "</invoke></minimax:tool_call>"),
+    ("minimax", '<tool_calls>\n{"name": "f", "arguments": {"x": VALUE}}\n</tool_calls>'),
+]  # fmt: skip
+DEEP = "[" * 5000 + "]" * 5000  # JSON, nested past what a decoder's recursion takes
+LONE_SURROGATE = '"\\ud800"'  # JSON for a string UTF-8 cannot carry
+
+
+def finished(dialect: str, reply: str) -> tuple[str, list]:
+    """The content and calls ReplyParts gives for `reply`, fed whole."""
+    parts = ReplyParts(TemplateFacts(False, DIALECTS[dialect]), thinking=False, tools=True)
+    pieces = parts.feed(reply)
+    last, calls = parts.finish()
+    return "".join(text for _, text in pieces + last), calls
+
+
+@pytest.mark.parametrize("dialect, call", ONE_ARGUMENT, ids=[d for d, _ in ONE_ARGUMENT])
+def test_a_call_nested_too_deep_or_not_utf8_is_text_in_every_dialect(dialect, call):
+    for value in (DEEP, LONE_SURROGATE, "[" * 50000):
+        reply = call.replace("VALUE", value)
+        assert finished(dialect, reply) == (reply, []), value[:10]
+    nested = [[[[[[[[[[[]]]]]]]]]]]  # within the bound: still a call
+    assert finished(dialect, call.replace("VALUE", json.dumps(nested)))[1][0].arguments == {
+        "x": nested
+    }
+
+
+# -- work linear in the reply (issue 47 item 3) --------------------------------------------------
+
+N = 200_000  # characters of each hostile reply
+# Replies made of what looks like the start of a call over and over: the regexes these parsers
+# had backtracked over the rest of the reply from each start, minutes at this length.
+HOSTILE = [
+    ("harmony", "<|channel|>commentary to=functions.get_weather" + " " * N),
+    ("harmony", "<|channel|>commentary to=functions.f" + " " * N + "x<|message|>{}"),
+    ("qwen", "<tool_call>" + "<function=" * (N // 10)),
+    ("qwen", "<tool_call><function=f>" + "<parameter=" * (N // 11)),
+    ("qwen", "<tool_call><function=f>" + ("<parameter=a>" + "x" * 99) * (N // 112)
+     + "</parameter>"),
+    ("qwen", '<tool_call>["' + '\\"' * (N // 2)),
+    ("glm", "<tool_call>f" + "<arg_key>" * (N // 9)),
+    ("glm", "<tool_call>f" + "<arg_key>k</arg_key>" * (N // 20) + "<arg_value>1"),
+    ("kimi", "<|tool_calls_section_begin|>" + "<|tool_call_begin|>" * (N // 19)
+     + "<|tool_call_argument_begin|>{}"),
+    ("deepseek", "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>f\n```json"
+     + " " * N + "x"),
+    ("minimax", "<minimax:tool_call>" + '<invoke name="' * (N // 14)),
+    ("minimax", "<minimax:tool_call>" + '<invoke name="f">' * (N // 17) + "</invoke>"),
+]  # fmt: skip
+# Far above what a linear parse of N characters takes, far below what the old one took.
+BOUND_S = 5.0
+
+
+@pytest.mark.parametrize("dialect, reply", HOSTILE, ids=[d for d, _ in HOSTILE])
+def test_each_parser_is_linear_in_a_hostile_reply(dialect, reply):
+    started = time.perf_counter()
+    content, calls = finished(dialect, reply)
+    assert time.perf_counter() - started < BOUND_S
+    assert content == reply or calls  # text, or the calls it also holds
+
+
+@pytest.mark.parametrize("thinking, piece", [(True, "\n\n\n\n"), (False, "    ")])
+def test_blank_the_split_holds_back_is_not_split_again_at_every_piece(thinking, piece):
+    # Newlines in reasoning may be the closing tag's, and blank before a think tag may be the
+    # tag's: both are held until the text after them says. Each piece of a long run of them
+    # had scanned the whole run again.
+    parts = ReplyParts(TemplateFacts(True, DIALECTS["qwen"]), thinking=thinking, tools=True)
+    started = time.perf_counter()
+    pieces = [p for _ in range(2 * N // len(piece)) for p in parts.feed(piece)]
+    pieces += parts.feed("x")
+    assert time.perf_counter() - started < BOUND_S
+    kind = "reasoning" if thinking else "content"
+    assert [(k, len(t)) for k, t in pieces + parts.finish()[0]] == [
+        (kind, 1 if thinking else 2 * N + 1)
+    ]
+
+
+# -- through the server's reply path -------------------------------------------------------------
+
+FIGURES = {
+    "reused_prompt_tokens": 0, "ttft_ms": 1.0, "decode_tok_per_s": 1.0,
+    "blocked_ms_per_step": 0.0, "cold_fraction": 0.0, "k": 4, "mode": "exact",
+}  # fmt: skip
+
+
+class _Job:
+    def cancel(self) -> None:
+        pass
+
+
+def served_reply(dialect: Dialect, reply: str, stream: bool, anthropic: bool) -> list[dict]:
+    """What the server sends for a model's `reply` (as ASGI messages), through
+    app.GenerationResponse with the API's writer, the engine's events queued beforehand."""
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": stream}
+    body["max_tokens"] = 8
+    request = (parse_messages if anthropic else parse_chat)(body, ("m",))
+    writer = AnthropicWriter(request, lambda: False) if anthropic else OpenAIWriter(request)
+    parts = ReplyParts(TemplateFacts(False, dialect), thinking=False, tools=True)
+    sent: list[dict] = []
+
+    async def run() -> None:
+        events: asyncio.Queue = asyncio.Queue()
+        events.put_nowait(Text(reply[:20]))
+        events.put_nowait(Finished(reply[20:], "stop", 3, 5, FIGURES))
+        response = GenerationResponse(request, _Job(), events, ServerStats(), writer, parts)
+
+        async def receive() -> dict:
+            await asyncio.Event().wait()  # the client stays
+
+        async def send(message: dict) -> None:
+            sent.append(message)
+
+        await response({"type": "http"}, receive, send)
+
+    asyncio.run(run())
+    return sent
+
+
+@pytest.mark.parametrize("anthropic", [False, True], ids=["openai", "anthropic"])
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_a_call_that_cannot_be_sent_is_text_and_the_reply_completes(stream, anthropic):
+    call = '<tool_call>{"name": "f", "arguments": {"x": VALUE}}</tool_call>'
+    for value in (DEEP, LONE_SURROGATE):
+        reply = call.replace("VALUE", value)
+        sent = served_reply(DIALECTS["qwen"], reply, stream, anthropic)
+        data = b"".join(m.get("body", b"") for m in sent)
+        assert sent[0]["status"] == 200
+        if not stream:
+            answer = json.loads(data)
+            text = (
+                answer["content"][0]["text"]
+                if anthropic
+                else answer["choices"][0]["message"]["content"]
+            )
+            assert text == reply
+        else:
+            last_event = data.rstrip().split(b"\n\n")[-1]
+            assert last_event.startswith(b"event: message_stop" if anthropic else b"data: [DONE]")
+            assert b'"tool_calls"' not in data and b"tool_use" not in data
+
+
+def test_the_reply_is_parsed_off_the_event_loop():
+    threads = []
+
+    def read(text: str):
+        threads.append(threading.current_thread())
+        return text, []
+
+    served_reply(Dialect("probe", ("<tool_call>",), read), "<tool_call>x", True, False)
+    assert threads and threads[0] is not threading.main_thread()

@@ -284,7 +284,7 @@ class GenerationResponse:
                 return
             pieces += self.parts.feed(event.text)
             logprobs += event.logprobs
-            last, calls = self.parts.finish()
+            last, calls = await self._finish_parts()
             pieces += last
             content = "".join(text for kind, text in pieces if kind == "content")
             reasoning = "".join(text for kind, text in pieces if kind == "reasoning")
@@ -342,7 +342,7 @@ class GenerationResponse:
             pieces = self.parts.feed(event.text)
             calls = []
             if isinstance(event, Finished):
-                last, calls = self.parts.finish()
+                last, calls = await self._finish_parts()
                 pieces += last
             for kind, text in pieces:
                 await self._send(send, writer.delta(kind, text, logprobs))
@@ -352,6 +352,11 @@ class GenerationResponse:
                 await self._send(send, writer.end(reason, calls, used, event.figures))
                 return
             event = await self._first()
+
+    async def _finish_parts(self):
+        """The reply's last pieces and its tool calls, parsed on a worker thread: a long reply's
+        parse must not hold the event loop that every other request is answered on."""
+        return await asyncio.to_thread(self.parts.finish)
 
     @staticmethod
     async def _send(send, chunks: list[bytes]) -> None:

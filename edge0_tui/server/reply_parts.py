@@ -12,6 +12,7 @@ dialect's parse that finds no call gives the text back as content.
 
 from __future__ import annotations
 
+import string
 from dataclasses import dataclass
 
 from .tool_calls import Dialect, ToolCall
@@ -52,28 +53,46 @@ class ReplyParts:
         self.started = False  # content has begun: a think tag now is text
         self.thought = False  # reasoning has begun (its leading newlines are the tag's)
         self.pending = ""  # text not yet given out
-        self.calls_text: str | None = None  # from the first call's marker on
+        # While `pending` is all blank that the split holds back (newlines in reasoning, blank
+        # before a think tag), more of the same waits here unsplit: splitting it again at every
+        # piece would scan all of it every time. `blank_of`: the characters it is made of.
+        self.blank_of: str | None = None
+        self.blank: list[str] = []
+        # From the first call's marker on, the pieces as they came: joined once, at the end
+        # (adding each to one string would copy the held text at every piece).
+        self.calls_pieces: list[str] | None = None
 
     def feed(self, text: str) -> list[tuple[str, str]]:
-        if self.calls_text is not None:
-            self.calls_text += text
+        if self.calls_pieces is not None:
+            self.calls_pieces.append(text)
             return []
+        if self.blank_of is not None and not text.strip(self.blank_of):
+            self.blank.append(text)
+            return []
+        self._take_blank()
         self.pending += text
         return self._split(final=False)
 
     def finish(self) -> tuple[list[tuple[str, str]], list[ToolCall]]:
+        self._take_blank()
         pieces = self._split(final=True)
-        if self.calls_text is None:
+        if self.calls_pieces is None:
             return pieces, []
-        text, calls = self.dialect.parse(self.calls_text)
+        calls_text = "".join(self.calls_pieces)
+        text, calls = self.dialect.parse(calls_text)
         if not calls:
-            return [*pieces, ("content", self.calls_text)], []
+            return [*pieces, ("content", calls_text)], []
         if text:
             pieces.append(("content", text))
         return pieces, [call.with_id() for call in calls]
 
+    def _take_blank(self) -> None:
+        self.pending += "".join(self.blank)
+        self.blank.clear()
+
     def _split(self, final: bool) -> list[tuple[str, str]]:
         pieces: list[tuple[str, str]] = []
+        self.blank_of = None
         while self.pending:
             if self.reasoning:
                 end = self.pending.find(THINK_CLOSE)
@@ -84,6 +103,8 @@ class ReplyParts:
                         keep += len(body) - len(body.rstrip("\n"))
                     self._give(pieces, "reasoning", self.pending[: len(self.pending) - keep])
                     self.pending = self.pending[len(self.pending) - keep :]
+                    if self.pending and not self.pending.strip("\n"):
+                        self.blank_of = "\n"
                     return pieces
                 self._give(pieces, "reasoning", self.pending[:end].rstrip("\n"))
                 self.pending = self.pending[end + len(THINK_CLOSE) :].lstrip("\n")
@@ -96,13 +117,15 @@ class ReplyParts:
                     self.reasoning = True
                     continue
                 if not final and THINK_OPEN.startswith(stripped):
+                    if not stripped:
+                        self.blank_of = string.whitespace
                     return pieces  # may still become the tag
             starts = self.dialect.starts if self.dialect is not None else ()
             found = [i for i in (self.pending.find(s) for s in starts) if i >= 0]
             if found:
                 at = min(found)
                 self._give(pieces, "content", self.pending[:at])
-                self.calls_text, self.pending = self.pending[at:], ""
+                self.calls_pieces, self.pending = [self.pending[at:]], ""
                 return pieces
             keep = 0 if final else _held(self.pending, starts)
             self._give(pieces, "content", self.pending[: len(self.pending) - keep])

@@ -6,6 +6,13 @@ the markers that open a call in the reply (`Dialect.starts`: from there on the r
 back, not streamed as text) and a parser: a plain function from the reply's text to the text
 outside calls and the calls found (`ToolCall`: a name and its arguments as a JSON object).
 
+The reply is the model's, so it may be anything. Two rules hold for every dialect:
+- its JSON is decoded by `_decode` alone, which refuses nesting past MAX_DEPTH, and each call
+  found is checked to encode as UTF-8; a call that fails either is `NotACall`, and
+  `Dialect.parse` gives the whole reply back as text;
+- its tags are found with `str.find` (through `_Finder`) and regexes that match a character one
+  way only, so the work is linear in the reply's length, however it repeats a call's start.
+
 Dialects (as the families' chat templates write them):
 - qwen: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (Qwen3, Hermes) or, inside the
   same tags, `<function=NAME><parameter=P>value</parameter></function>` (Qwen3-Coder, Qwen3.5);
@@ -25,10 +32,20 @@ Dialects (as the families' chat templates write them):
 from __future__ import annotations
 
 import json
+import math
 import re
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+
+# How deep a call's JSON may nest. Decoding and encoding JSON recurse once a level, so a reply of
+# nothing but `[` would end in a RecursionError; no tool's arguments come near this.
+MAX_DEPTH = 64
+
+
+class NotACall(Exception):
+    """A call that cannot be sent on (nested past MAX_DEPTH, or text UTF-8 cannot carry): the
+    reply it is in is given back as text. Not a ValueError: `_value` must not take it for text."""
 
 
 @dataclass(frozen=True)
@@ -51,21 +68,90 @@ Parsed = tuple[str, list[ToolCall]]  # the text outside calls, and the calls
 class Dialect:
     name: str
     starts: tuple[str, ...]  # what opens a call in the reply
-    parse: Callable[[str], Parsed]
+    read: Callable[[str], Parsed]  # the dialect's parser; may raise NotACall
+
+    def parse(self, text: str) -> Parsed:
+        """The text outside calls and the calls; a reply with a call that cannot be sent on is
+        all text, no calls."""
+        try:
+            left, calls = self.read(text)
+            for call in calls:
+                _check_sendable(call)
+        except NotACall:
+            return text.strip(), []
+        return left, calls
+
+
+def _check_sendable(call: ToolCall) -> None:
+    """Raise NotACall unless the call's name and arguments encode as UTF-8 (a lone surrogate,
+    which a JSON `\\ud800` decodes to, does not: the reply would fail as it is sent)."""
+    try:
+        call.name.encode()
+        call.arguments_json().encode()
+    except UnicodeEncodeError:
+        raise NotACall from None
+
+
+# -- bounded JSON: every dialect decodes its JSON here ------------------------------------------
+
+# A JSON string (each character matched one way only: linear), a bracket, or a quote that opens
+# a string never closed (where the scan stops: the text is not JSON past it).
+_JSON_TOKEN = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{}]|"', re.S)
+_NESTING = {"[": 1, "{": 1, "]": -1, "}": -1}
+
+
+def _check_depth(text: str) -> None:
+    """Raise NotACall where the brackets outside strings nest past MAX_DEPTH."""
+    depth = 0
+    for token in _JSON_TOKEN.finditer(text):
+        step = _NESTING.get(token.group())
+        if step is None:
+            if len(token.group()) == 1:  # an unclosed string
+                return
+            continue
+        depth += step
+        if depth > MAX_DEPTH:
+            raise NotACall
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e400: JSON has no infinity to send it back as
+        raise ValueError(f"{text} is out of range")
+    return value
+
+
+def _not_json(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
+_DECODER = json.JSONDecoder(parse_float=_finite, parse_constant=_not_json)
+
+
+def _decode(text: str) -> object:
+    """JSON `text`'s value. ValueError: not JSON; NotACall: nested past MAX_DEPTH."""
+    _check_depth(text)
+    return _DECODER.decode(text)
+
+
+def _decode_prefix(text: str) -> tuple[object, int]:
+    """The JSON value `text` starts with, and where it ends; raises as `_decode`."""
+    _check_depth(text)
+    return _DECODER.raw_decode(text)
 
 
 def _value(text: str):
     """A parameter's value as written in XML-ish dialects: JSON where it is JSON, else text."""
     text = text.strip("\n")
     try:
-        return json.loads(text)
+        return _decode(text)
     except ValueError:
         return text
 
 
 def _json_object(text: str) -> dict | None:
     try:
-        value = json.loads(text)
+        value = _decode(text)
     except ValueError:
         return None
     return value if isinstance(value, dict) else None
@@ -83,6 +169,71 @@ def _call_of_json(value: object) -> ToolCall | None:
     return ToolCall(value["name"], arguments)
 
 
+# -- linear scanning: every dialect finds its tags here -----------------------------------------
+# No regex here repeats over text another part of it may also take: a reply made to look like
+# many unfinished calls costs time in its length, not its square.
+
+
+class _Finder:
+    """`str.find` on one text, remembering each needle's last answer: asked again from a later
+    point no further than that answer, it answers without searching. So a scan that asks from
+    each of many starts before one far occurrence searches the text between once."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+        self._last: dict[str, tuple[int, int]] = {}  # needle -> (searched from, found at)
+
+    def find(self, needle: str, start: int) -> int:
+        searched, at = self._last.get(needle, (-1, -1))
+        if 0 <= searched <= start and (at < 0 or at >= start):
+            return at
+        at = self.text.find(needle, start)
+        self._last[needle] = (start, at)
+        return at
+
+
+# What a name between tags never holds: a stray tag or a broken line means it is not a name.
+_NOT_IN_NAMES = '\n"<>'
+
+
+def _last_flaw(name: str) -> int:
+    return max(name.rfind(c) for c in _NOT_IN_NAMES)
+
+
+def _tags(
+    text: str, open_tag: str, name_end: str, close_tag: str, stop_at: str | None = None
+) -> list[tuple[str, str]]:
+    """(name, body) of each `open_tag NAME name_end BODY close_tag` in `text`: NAME runs to the
+    first name_end, is not empty and holds nothing of _NOT_IN_NAMES; BODY runs to the first
+    close_tag, or to `stop_at` (which begins the next), or to the end."""
+    found = _Finder(text)
+    tags = []
+    at = found.find(open_tag, 0)
+    while at >= 0:
+        name_from = at + len(open_tag)
+        name_to = found.find(name_end, name_from)
+        if name_to < 0:
+            break
+        name = text[name_from:name_to]
+        flaw = _last_flaw(name)
+        if not name or flaw >= 0:
+            # A tag that opens before the flaw has it in its name too: look past it.
+            at = found.find(open_tag, max(at + 1, name_from + flaw - len(open_tag) + 1))
+            continue
+        body_from = name_to + len(name_end)
+        close = found.find(close_tag, body_from)
+        stop = found.find(stop_at, body_from) if stop_at else -1
+        if stop >= 0 and (close < 0 or stop < close):
+            body_to, after = stop, stop
+        elif close >= 0:
+            body_to, after = close, close + len(close_tag)
+        else:
+            body_to = after = len(text)
+        tags.append((name, text[body_from:body_to]))
+        at = found.find(open_tag, after)
+    return tags
+
+
 def _blocks(
     text: str, open_tag: str, close_tag: str, body: Callable[[str], list[ToolCall]]
 ) -> Parsed:
@@ -90,38 +241,32 @@ def _blocks(
     text outside them is kept. A block that does not parse stays in the text."""
     calls: list[ToolCall] = []
     kept: list[str] = []
-    rest = text
-    while True:
-        start = rest.find(open_tag)
-        if start < 0:
-            kept.append(rest)
-            break
-        end = rest.find(close_tag, start + len(open_tag))
-        stop = len(rest) if end < 0 else end + len(close_tag)
-        inner = rest[start + len(open_tag) : end if end >= 0 else len(rest)]
-        found = body(inner)
-        kept.append(rest[:start])
+    done = 0
+    while (start := text.find(open_tag, done)) >= 0:
+        end = text.find(close_tag, start + len(open_tag))
+        inner_to = len(text) if end < 0 else end
+        stop = len(text) if end < 0 else end + len(close_tag)
+        found = body(text[start + len(open_tag) : inner_to])
+        kept.append(text[done:start])
         if found:
             calls.extend(found)
         else:
-            kept.append(rest[start:stop])
-        rest = rest[stop:]
+            kept.append(text[start:stop])
+        done = stop
+    kept.append(text[done:])
     return "".join(kept).strip(), calls
 
 
 # -- qwen ---------------------------------------------------------------------------------------
-
-_QWEN_FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)(?:</function>|$)", re.S)
-_QWEN_PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|$)", re.S)
 
 
 def _qwen_body(inner: str) -> list[ToolCall]:
     inner = inner.strip()
     if inner.startswith("<function="):
         calls = []
-        for name, body in _QWEN_FUNCTION.findall(inner):
-            arguments = {k.strip(): _value(v) for k, v in _QWEN_PARAMETER.findall(body)}
-            calls.append(ToolCall(name.strip(), arguments))
+        for name, body in _tags(inner, "<function=", ">", "</function>"):
+            parameters = _tags(body, "<parameter=", ">", "</parameter>", stop_at="<parameter=")
+            calls.append(ToolCall(name.strip(), {k.strip(): _value(v) for k, v in parameters}))
         return calls
     call = _call_of_json(_json_object(inner))
     return [call] if call else []
@@ -133,7 +278,29 @@ def parse_qwen(text: str) -> Parsed:
 
 # -- glm / ling ---------------------------------------------------------------------------------
 
-_GLM_ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)(?:</arg_value>|$)", re.S)
+_GLM_VALUE_OPEN = re.compile(r"\s*<arg_value>")
+
+
+def _glm_arguments(text: str) -> dict:
+    """<arg_key>K</arg_key> <arg_value>V</arg_value>, each; a key with no value is skipped."""
+    found = _Finder(text)
+    arguments = {}
+    at = found.find("<arg_key>", 0)
+    while at >= 0:
+        key_from = at + len("<arg_key>")
+        key_to = found.find("</arg_key>", key_from)
+        if key_to < 0:
+            break
+        value_open = _GLM_VALUE_OPEN.match(text, key_to + len("</arg_key>"))
+        if value_open is None:
+            at = found.find("<arg_key>", key_to)
+            continue
+        value_to = found.find("</arg_value>", value_open.end())
+        if value_to < 0:
+            value_to = len(text)
+        arguments[text[key_from:key_to].strip()] = _value(text[value_open.end() : value_to])
+        at = found.find("<arg_key>", value_to)
+    return arguments
 
 
 def _glm_body(inner: str) -> list[ToolCall]:
@@ -141,8 +308,7 @@ def _glm_body(inner: str) -> list[ToolCall]:
     name = name.strip()
     if not name or "<" in name:
         return []
-    arguments = {k.strip(): _value(v) for k, v in _GLM_ARG.findall("<arg_key>" + rest)}
-    return [ToolCall(name, arguments)]
+    return [ToolCall(name, _glm_arguments("<arg_key>" + rest))]
 
 
 def parse_glm(text: str) -> Parsed:
@@ -157,7 +323,15 @@ DS_CALL_BEGIN, DS_CALL_END, DS_SEP = (
     "<｜tool▁call▁end｜>",
     "<｜tool▁sep｜>",
 )
-_FENCED = re.compile(r"```(?:json)?\s*(.*?)\s*```", re.S)
+
+
+def _unfenced(body: str) -> str:
+    """What the first ``` fence holds (```json opens one too); `body` itself without a fence."""
+    start = body.find("```")
+    end = body.find("```", start + 3) if start >= 0 else -1
+    if end < 0:
+        return body
+    return body[start + 3 : end].removeprefix("json").strip()
 
 
 def _deepseek_call(inner: str) -> list[ToolCall]:
@@ -166,8 +340,7 @@ def _deepseek_call(inner: str) -> list[ToolCall]:
         return []
     if head.strip() == "function":  # V3: function<sep>NAME\n```json ... ```
         name, _, body = body.partition("\n")
-        fenced = _FENCED.search(body)
-        body = fenced.group(1) if fenced else body
+        body = _unfenced(body)
     else:  # V3.1: NAME<sep>{...}
         name = head
     arguments = _json_object(body.strip())
@@ -188,11 +361,14 @@ def parse_deepseek(text: str) -> Parsed:
 # -- kimi ---------------------------------------------------------------------------------------
 
 KIMI_BEGIN, KIMI_END = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
-_KIMI_CALL = re.compile(
-    r"<\|tool_call_begin\|>\s*(?:functions\.)?([\w.\-]+?)(?::\d+)?\s*"
-    r"<\|tool_call_argument_begin\|>(.*?)(?:<\|tool_call_end\|>|$)",
-    re.S,
+KIMI_CALL, KIMI_ARGUMENTS, KIMI_CALL_END = (
+    "<|tool_call_begin|>",
+    "<|tool_call_argument_begin|>",
+    "<|tool_call_end|>",
 )
+# What comes between a call's two tags: `functions.NAME:0` (a name holds no `:`, so the split is
+# one way only).
+_KIMI_HEAD = re.compile(r"\s*(?:functions\.)?([\w.\-]+?)(?::\d+)?\s*")
 
 
 def parse_kimi(text: str) -> Parsed:
@@ -200,34 +376,71 @@ def parse_kimi(text: str) -> Parsed:
     if not sep:
         return text.strip(), []
     section, _, after = section.partition(KIMI_END)
+    found = _Finder(section)
     calls = []
-    for name, body in _KIMI_CALL.findall(section):
-        arguments = _json_object(body.strip())
+    at = found.find(KIMI_CALL, 0)
+    while at >= 0:
+        head_from = at + len(KIMI_CALL)
+        arguments_at = found.find(KIMI_ARGUMENTS, head_from)
+        if arguments_at < 0:
+            break
+        head = _KIMI_HEAD.fullmatch(section, head_from, arguments_at)
+        if head is None:
+            at = found.find(KIMI_CALL, head_from)
+            continue
+        body_from = arguments_at + len(KIMI_ARGUMENTS)
+        end = found.find(KIMI_CALL_END, body_from)
+        body_to = len(section) if end < 0 else end
+        arguments = _json_object(section[body_from:body_to].strip())
         if arguments is None:
             return text.strip(), []
-        calls.append(ToolCall(name, arguments))
+        calls.append(ToolCall(head.group(1), arguments))
+        at = found.find(KIMI_CALL, body_to)
     return (before + after).strip(), calls
 
 
 # -- harmony (gpt-oss) --------------------------------------------------------------------------
 
-_HARMONY_CALL = re.compile(
-    r"(?:<\|start\|>assistant)?<\|channel\|>commentary to=functions\.([\w.\-]+)\s*"
-    r"(?:<\|constrain\|>\s*json)?\s*<\|message\|>(.*?)(?:<\|call\|>|$)",
-    re.S,
+HARMONY_CALL, HARMONY_MESSAGE, HARMONY_END = (
+    "<|channel|>commentary to=functions.",
+    "<|message|>",
+    "<|call|>",
 )
+HARMONY_START = "<|start|>assistant"  # may come before a call: it goes with it
+_HARMONY_NAME = re.compile(r"[\w.\-]+")
+# Between the name and the message: `<|constrain|>json`, or nothing (spaces aside).
+_HARMONY_CONSTRAINT = re.compile(r"\s*(?:<\|constrain\|>\s*json\s*)?")
 
 
 def parse_harmony(text: str) -> Parsed:
-    calls = []
-    for name, body in _HARMONY_CALL.findall(text):
-        arguments = _json_object(body.strip())
+    found = _Finder(text)
+    calls: list[ToolCall] = []
+    kept: list[str] = []
+    done = 0
+    at = found.find(HARMONY_CALL, 0)
+    while at >= 0:
+        name_from = at + len(HARMONY_CALL)
+        message = found.find(HARMONY_MESSAGE, name_from)
+        if message < 0:
+            break
+        name = _HARMONY_NAME.match(text, name_from, message)
+        if name is None or not _HARMONY_CONSTRAINT.fullmatch(text, name.end(), message):
+            at = found.find(HARMONY_CALL, name_from)
+            continue
+        body_from = message + len(HARMONY_MESSAGE)
+        end = found.find(HARMONY_END, body_from)
+        body_to = len(text) if end < 0 else end
+        arguments = _json_object(text[body_from:body_to].strip())
         if arguments is None:
             return text.strip(), []
-        calls.append(ToolCall(name, arguments))
+        calls.append(ToolCall(name.group(), arguments))
+        kept.append(text[done:at].removesuffix(HARMONY_START))
+        done = len(text) if end < 0 else end + len(HARMONY_END)
+        at = found.find(HARMONY_CALL, done)
     if not calls:
         return text.strip(), []
-    return _HARMONY_CALL.sub("", text).strip(), calls
+    kept.append(text[done:])
+    return "".join(kept).strip(), calls
 
 
 # -- mistral ------------------------------------------------------------------------------------
@@ -237,27 +450,28 @@ def parse_mistral(text: str) -> Parsed:
     before, sep, body = text.partition("[TOOL_CALLS]")
     if not sep:
         return text.strip(), []
+    body = body.strip()
     try:
-        value, end = json.JSONDecoder().raw_decode(body.strip())
+        value, end = _decode_prefix(body)
     except ValueError:
         return text.strip(), []
     values = value if isinstance(value, list) else [value]
     calls = [_call_of_json(v) for v in values]
     if not calls or None in calls:
         return text.strip(), []
-    return (before + body.strip()[end:]).strip(), calls
+    return (before + body[end:]).strip(), calls
 
 
 # -- minimax ------------------------------------------------------------------------------------
 
-_MINIMAX_INVOKE = re.compile(r'<invoke name="([^"]+)">(.*?)(?:</invoke>|$)', re.S)
-_MINIMAX_PARAMETER = re.compile(r'<parameter name="([^"]+)">(.*?)(?:</parameter>|$)', re.S)
-
 
 def _minimax_m2_body(inner: str) -> list[ToolCall]:
     return [
-        ToolCall(name, {k: _value(v) for k, v in _MINIMAX_PARAMETER.findall(body)})
-        for name, body in _MINIMAX_INVOKE.findall(inner)
+        ToolCall(
+            name,
+            {k: _value(v) for k, v in _tags(body, '<parameter name="', '">', "</parameter>")},
+        )
+        for name, body in _tags(inner, '<invoke name="', '">', "</invoke>")
     ]
 
 
