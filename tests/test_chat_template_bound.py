@@ -8,6 +8,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 from adapters import copy_model
@@ -111,3 +112,58 @@ def test_bound_applies_to_edge0_rendering_only(checkpoint_dir, tmp_path):
     assert chat_template_utils._compile_jinja_template is stock_compile
     assert stock_compile(BIG_POWER).render() == "70001"
     assert ImmutableSandboxedEnvironment().from_string(BIG_POWER).render() == "70001"
+
+
+# -- issue 47 item 7: a long rendering holds up no other, and its bound is wall time ---------------
+
+
+def template_global(monkeypatch, name: str, function) -> None:
+    """`function` callable by `name` in chat templates edge0 renders (the keyword arguments of a
+    rendering reach a template as data, not as functions)."""
+    environment = chat_template_module._bounded_environment(
+        chat_template_utils._compile_jinja_template
+    )
+    monkeypatch.setitem(environment.globals, name, function)
+
+
+def test_a_rendering_in_one_thread_holds_up_no_other(checkpoint_dir, tmp_path, monkeypatch):
+    """While one thread is inside its rendering (held there), another renders and finishes."""
+    model = copy_model(checkpoint_dir("qwen3_moe"), tmp_path)
+    chat_template("{{ hold() }}{% for m in messages %}{{ m.content }}{% endfor %}")(model)
+    inside, release = threading.Event(), threading.Event()
+
+    def hold() -> str:
+        if not inside.is_set():  # the first rendering only
+            inside.set()
+            release.wait(20)
+        return ""
+
+    template_global(monkeypatch, "hold", hold)
+    with Engine(model, EngineConfig()) as engine:
+        held = threading.Thread(
+            target=engine.encode_chat, args=([{"role": "user", "content": "a"}],)
+        )
+        held.start()
+        assert inside.wait(20)
+        other: list = []
+        free = threading.Thread(
+            target=lambda: other.append(engine.encode_chat([{"role": "user", "content": "hi"}]))
+        )
+        free.start()
+        free.join(timeout=20)
+        finished_while_held = not free.is_alive() and not release.is_set()
+        release.set()
+        held.join(timeout=20)
+        assert finished_while_held and engine.tokenizer.decode(other[0]) == "hi"
+
+
+def test_the_chat_template_bound_counts_waiting_too(checkpoint_dir, tmp_path, monkeypatch):
+    """A template that waits (here on a sleeping function; as a busy machine makes it wait)
+    uses little CPU: the bound is the time since it began, which others waiting see."""
+    model = copy_model(checkpoint_dir("qwen3_moe"), tmp_path)
+    chat_template("{% for i in range(3000) %}{{ pause() }}{% endfor %}")(model)
+    monkeypatch.setattr(chat_template_module, "CHAT_TEMPLATE_SECONDS", 0.2)
+    template_global(monkeypatch, "pause", lambda: time.sleep(0.001) or "")
+    with Engine(model, EngineConfig()) as engine:
+        with pytest.raises(Edge0Error, match="ran for more than 0.2 s"):
+            engine.encode_chat([{"role": "user", "content": "hi"}])

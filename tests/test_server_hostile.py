@@ -475,6 +475,30 @@ def test_a_prompt_that_fits_its_characters_but_not_its_tokens_is_refused_before_
     served(server)
 
 
+def test_many_turns_are_refused_before_the_template_renders_them(server):
+    """100 000 one-character turns (issue 47 item 7) pass the character bound but take several
+    tokens a turn in the template: refused by the bound known before rendering (the refusal
+    says "at least", and counts the turns), not after seconds of encoding under the lock."""
+    turns = [{"role": "user", "content": "x"}] * 100_000
+    status, reply = post(server, "/v1/chat/completions", {"messages": turns, "max_tokens": 2})
+    assert status == 400 and error_of(reply)["code"] == "context_length_exceeded"
+    assert "at least" in reply["error"]["message"] and "100000 turns" in reply["error"]["message"]
+    served(server)
+
+
+def test_the_turn_bound_never_refuses_a_prompt_that_fits(server):
+    """The bound is a lower bound: many turns that fit are served, and a conversation the bound
+    lets through but whose tokens do not fit is refused once encoded, by its real count."""
+    turns = [{"role": "user", "content": "x"}]
+    status, reply = post(server, "/v1/chat/completions", {"messages": turns * 100, "max_tokens": 1})
+    assert status == 200, reply
+    status, reply = post(
+        server, "/v1/chat/completions", {"messages": turns * 6000, "max_tokens": 1}
+    )
+    assert status == 400 and error_of(reply)["code"] == "context_length_exceeded"
+    assert reply["error"]["message"].startswith("prompt of "), reply
+
+
 # -- 6 and 12: client input that gave tracebacks ---------------------------------------------------
 
 LONE = "caf\ud800e"
@@ -494,6 +518,18 @@ BAD = [
     ("lone surrogate in model", "/v1/completions", {"prompt": "a", "model": LONE}, 404, "model"),
     ("top_k past the vocabulary", "/v1/completions",
      {"prompt": "a", "top_k": 5000, "max_tokens": 2}, 400, "top_k"),
+    # Issue 47 item 4: these were 500s.
+    ("logit_bias key a superscript", "/v1/completions",
+     {"prompt": "a", "logit_bias": {"\u00b2": 1}, "max_tokens": 2}, 400, "logit_bias"),
+    ("logit_bias key of 5000 digits", "/v1/completions",
+     {"prompt": "a", "logit_bias": {"9" * 5000: 1}, "max_tokens": 2}, 400, "logit_bias"),
+    ("chat_template_kwargs return_tensors", "/v1/chat/completions",
+     {**GOOD_CHAT, "chat_template_kwargs": {"return_tensors": "np"}}, 400,
+     "chat_template_kwargs"),
+    ("chat_template_kwargs chat_template", "/v1/chat/completions",
+     {**GOOD_CHAT, "chat_template_kwargs": {"chat_template": "{{ 1 }}"}}, 400,
+     "chat_template_kwargs"),
+    ("a tool that is a number", "/v1/chat/completions", {**GOOD_CHAT, "tools": [5]}, 400, "tools"),
 ]  # fmt: skip
 
 
@@ -504,6 +540,58 @@ def test_client_mistakes_are_400s_naming_the_field(server, case):
     assert got == status, reply
     assert error_of(reply)["param"] == param
     served(server)
+
+
+def test_chat_template_kwargs_refuse_every_argument_of_the_rendering():
+    """The arguments refused are transformers' own (apply_chat_template's parameters): one that
+    a newer transformers adds would otherwise change how the prompt is made."""
+    import inspect
+
+    from transformers import PreTrainedTokenizerBase
+
+    from edge0_tui.server.openai_shapes import RENDERING_ARGUMENTS
+
+    signature = inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters
+    taken = {name for name, p in signature.items() if p.kind is p.POSITIONAL_OR_KEYWORD}
+    assert taken - {"self"} <= RENDERING_ARGUMENTS
+
+
+# Issue 47 item 6: the Messages API's errors name its own fields.
+ANTHROPIC_BAD = [
+    ("five stop_sequences", {"stop_sequences": ["a", "b", "c", "d", "e"]}, "stop_sequences"),
+    ("a tool_use input that is a string",
+     {"messages": [{"role": "user", "content": "hi"},
+                   {"role": "assistant",
+                    "content": [{"type": "tool_use", "id": "t1", "name": "f", "input": "x"}]}]},
+     "messages[1].content[0].input"),
+    ("a lone surrogate in system", {"system": LONE}, "system"),
+    ("a lone surrogate in a text block",
+     {"messages": [{"role": "user", "content": [{"type": "text", "text": LONE}]}]},
+     "messages[0].content[0].text"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", ANTHROPIC_BAD, ids=[c[0] for c in ANTHROPIC_BAD])
+def test_anthropic_mistakes_name_the_messages_apis_field(server, case):
+    _, fields, param = case
+    body = {"max_tokens": 2, "messages": [{"role": "user", "content": "hi"}], **fields}
+    status, reply = post(server, "/v1/messages", json.dumps(body).encode())
+    assert status == 400 and reply["type"] == "error", reply
+    assert reply["error"]["message"].endswith(f"({param})"), reply
+
+
+def test_engine_messages_in_replies_lose_the_servers_paths():
+    """A chat template's failure (issue 47 item 5) names what the request gave it, and no path
+    of the server's: the model's folder is its name, any other path its last part."""
+    from edge0_tui.server.engine_worker import api_error, template_refusal
+    from engine import Edge0Error
+
+    model = Path("/srv/my models/tiny-moe")
+    error = Edge0Error(f"{model}: the chat template failed (OSError: /etc/edge0/x.json)")
+    refusal = template_refusal(error, "chat", model)
+    assert refusal.status == 400 and refusal.param == "messages"
+    assert refusal.message == "tiny-moe: the chat template failed (OSError: x.json)"
+    assert "/" not in api_error(Edge0Error("cannot read /var/lib/a/b"), 3).message
 
 
 def test_no_traceback_in_the_log_for_client_mistakes(server):

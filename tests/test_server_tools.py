@@ -17,6 +17,9 @@ import pytest
 from agent_model import QWEN_LIKE_TEMPLATE, WEATHER_TOOL
 from test_server import API_KEY, model_dir, private_env, start_server, stop_server
 
+from edge0_tui.server.openai_shapes import parse_chat
+from engine import Engine, EngineConfig
+
 __all__ = ["model_dir"]  # a fixture, used here by name
 
 
@@ -196,3 +199,92 @@ def test_anthropic_errors_are_in_anthropics_shape(server):
         model="tiny-agent", max_tokens=2, messages=hi, metadata={"user_id": "u1"}
     )
     assert reply.type == "message"
+
+
+# -- issue 47 item 5: what the template cannot render is refused, naming the field ---------------
+
+LONE = "caf\ud800e"
+DEEP = (
+    "[" * 900 + "]" * 900
+)  # parses as JSON; a template writing it out would recurse past the limit
+
+
+def tool(name: str = "f", description: str = "d", parameters: str = '{"type": "object"}') -> str:
+    return (
+        f'{{"type": "function", "function": {{"name": {json.dumps(name)}, '
+        f'"description": {json.dumps(description)}, "parameters": {parameters}}}}}'
+    )
+
+
+TEMPLATE_BAD = [
+    ("a deep tool schema", "/v1/chat/completions", tool(parameters=DEEP), "tools[0].function"),
+    ("a lone surrogate in a tool's name", "/v1/chat/completions", tool(name=LONE),
+     "tools[0].function.name"),
+    ("a lone surrogate in a tool's description", "/v1/chat/completions",
+     tool(description=LONE), "tools[0].function.description"),
+    ("a deep input_schema", "/v1/messages",
+     f'{{"name": "f", "input_schema": {DEEP}}}', "tools[0]"),
+    ("a lone surrogate in an Anthropic tool's description", "/v1/messages",
+     f'{{"name": "f", "description": {json.dumps(LONE)}, "input_schema": {{}}}}',
+     "tools[0].description"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", TEMPLATE_BAD, ids=[c[0] for c in TEMPLATE_BAD])
+def test_what_the_template_cannot_render_is_a_400_naming_the_field(server, case):
+    _, path, tool_json, param = case
+    body = (
+        '{"max_tokens": 2, "messages": [{"role": "user", "content": "hi"}], '
+        f'"tools": [{tool_json}]}}'
+    ).encode()
+    status, raw = server.http("POST", path, body)
+    reply = json.loads(raw)
+    assert status == 400, reply
+    if path == "/v1/messages":
+        message = reply["error"]["message"]
+        assert message.endswith(f"({param})"), reply
+    else:
+        message = reply["error"]["message"]
+        assert reply["error"]["param"] == param, reply
+    assert str(server.model.parent) not in message and "/" not in message, message
+
+
+# -- issue 47 item 7: the bound known before rendering is below what the template makes ----------
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "x"}] * 50,
+    [
+        {"role": "system", "content": "Be brief. \u00e9t\u00e9 \u4e2d\u6587"},
+        {"role": "user", "content": "Weather in Paris?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "c1", "type": "function",
+                 "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": ""},
+        {"role": "tool", "tool_call_id": "c2", "content": "Rain"},
+        {"role": "assistant", "content": "<think>long reasoning</think>Sunny."},
+        {"role": "user", "content": ""},
+    ],
+]  # fmt: skip
+
+
+def test_the_turn_bound_is_at_most_the_prompts_tokens(agent_model):
+    """For the Qwen-like template: with and without tools, the count taken before rendering
+    (text and each turn's markup) is never more than the rendered prompt's tokens, and it
+    counts markup for each role (it is not vacuous)."""
+    from edge0_tui.server.engine_worker import least_prompt_tokens, turn_tokens
+
+    with Engine(agent_model, EngineConfig()) as engine:
+        markup = turn_tokens(engine)
+        assert all(markup.get(role, 0) > 0 for role in ("system", "user", "assistant", "tool"))
+        longest = max(map(len, engine.tokenizer.get_vocab()))
+        for conversation in CONVERSATIONS:
+            for tools in (None, [WEATHER_TOOL]):
+                body = {"messages": conversation, **({"tools": tools} if tools else {})}
+                request = parse_chat(body, ("tiny-agent",))
+                tokens = engine.encode_chat(list(request.messages), request.tools)
+                assert least_prompt_tokens(request, longest, markup) <= len(tokens)

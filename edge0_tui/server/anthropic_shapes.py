@@ -10,7 +10,9 @@ sequences, the reasoning split and the tool-call parsers are the same; only the 
 - `thinking: {"type": "enabled"}` turns the template's thinking on, and reasoning comes back as
   `thinking` blocks;
 - replies stream as message_start, content_block_start/delta/stop, message_delta, message_stop;
-- errors are `{"type": "error", "error": {"type": ..., "message": ...}}`.
+- errors are `{"type": "error", "error": {"type": ..., "message": ...}}`, naming the field as
+  this API calls it (`stop_sequences`, `messages[1].content[0].input`): every field is checked
+  here, with the checks the OpenAI API uses, before it is given OpenAI's shape.
 """
 
 from __future__ import annotations
@@ -19,7 +21,15 @@ import uuid
 from dataclasses import replace
 
 from .openai_replies import sse
-from .openai_shapes import ApiError, GenerationRequest, bad, parse_chat
+from .openai_shapes import (
+    ApiError,
+    GenerationRequest,
+    bad,
+    check_stop,
+    check_template_value,
+    check_text,
+    parse_chat,
+)
 from .tool_calls import ToolCall
 
 ERROR_TYPES = {
@@ -52,17 +62,32 @@ def error_body(error: ApiError) -> dict:
 def _text_of(blocks: object, where: str) -> str:
     """A string, or text blocks joined."""
     if isinstance(blocks, str):
-        return blocks
+        return check_text(blocks, where)
     if not isinstance(blocks, list):
         raise bad(f"{where} must be a string or an array of content blocks", where)
     parts = []
-    for block in blocks:
+    for j, block in enumerate(blocks):
         if not isinstance(block, dict) or block.get("type") != "text":
             raise bad(f"{where}: only text blocks are supported here", where)
         if not isinstance(block.get("text"), str):
             raise bad(f"{where}: a text block needs a string `text`", where)
-        parts.append(block["text"])
+        parts.append(check_text(block["text"], f"{where}[{j}].text"))
     return "".join(parts)
+
+
+def _tool_use(block: dict, where: str) -> dict:
+    """An assistant's `tool_use` block as an OpenAI tool call (arguments as an object)."""
+    arguments = block.get("input")
+    if arguments is None:
+        arguments = {}
+    if not isinstance(arguments, dict):
+        raise bad(f"{where}.input must be an object", f"{where}.input")
+    check_template_value(arguments, f"{where}.input")
+    return {
+        "id": check_text(str(block.get("id", "")), f"{where}.id"),
+        "type": "function",
+        "function": {"name": check_text(block["name"], f"{where}.name"), "arguments": arguments},
+    }
 
 
 def _turns(message: dict, i: int) -> list[dict]:
@@ -74,29 +99,26 @@ def _turns(message: dict, i: int) -> list[dict]:
         raise bad(f"{where}.role must be user or assistant", f"{where}.role")
     content = message.get("content")
     if isinstance(content, str):
-        return [{"role": role, "content": content}]
+        return [{"role": role, "content": check_text(content, f"{where}.content")}]
     if not isinstance(content, list):
         raise bad(f"{where}.content must be a string or an array of blocks", f"{where}.content")
     texts, calls, results = [], [], []
-    for block in content:
+    for j, block in enumerate(content):
         kind = block.get("type") if isinstance(block, dict) else None
+        at = f"{where}.content[{j}]"
         if kind == "text" and isinstance(block.get("text"), str):
-            texts.append(block["text"])
+            texts.append(check_text(block["text"], f"{at}.text"))
         elif kind == "tool_use" and role == "assistant" and isinstance(block.get("name"), str):
-            calls.append(
-                {
-                    "id": str(block.get("id", "")),
-                    "type": "function",
-                    "function": {"name": block["name"], "arguments": block.get("input") or {}},
-                }
-            )
+            calls.append(_tool_use(block, at))
         elif kind == "tool_result" and role == "user":
             result = block.get("content", "")
             results.append(
                 {
                     "role": "tool",
-                    "tool_call_id": str(block.get("tool_use_id", "")),
-                    "content": _text_of(result, f"{where}.content"),
+                    "tool_call_id": check_text(
+                        str(block.get("tool_use_id", "")), f"{at}.tool_use_id"
+                    ),
+                    "content": _text_of(result, f"{at}.content"),
                 }
             )
         elif kind in ("thinking", "redacted_thinking") and role == "assistant":
@@ -123,6 +145,7 @@ def _tools(body: dict) -> list[dict] | None:
     for i, tool in enumerate(tools):
         if not isinstance(tool, dict) or not isinstance(tool.get("name"), str):
             raise bad(f"tools[{i}] needs a name", "tools")
+        check_template_value(tool, f"tools[{i}]")
         # In the order OpenAI clients send a function (templates write tools as JSON): the same
         # tool renders the same prompt through either API.
         function = {"name": tool["name"]}
@@ -172,7 +195,7 @@ def parse_messages(body: dict, model_ids: tuple[str, ...]) -> GenerationRequest:
             "tool_choice",
         )
     thinking = body.get("thinking")
-    stop = body.get("stop_sequences")
+    stop = list(check_stop(body.get("stop_sequences"), "stop_sequences")) or None
     chat = {
         "model": body.get("model"),
         "messages": turns,

@@ -37,7 +37,7 @@ from . import metrics as prometheus
 from .access_log import CLIENT_CLOSED, AccessLog, note
 from .anthropic_shapes import AnthropicWriter, parse_messages
 from .anthropic_shapes import error_body as anthropic_error
-from .engine_worker import EngineWorker, Failed, Finished, Job, Text, not_ready
+from .engine_worker import EngineWorker, Failed, Finished, Job, Text, not_ready, request_chars
 from .limits import (
     CLIENT_TIMEOUT_S,
     LOOPBACK_NAMES,
@@ -52,6 +52,10 @@ MAX_BODY_BYTES = 4 * 1024 * 1024
 # A body over the limit is still read (and dropped) up to this size, so that the client, still
 # sending, reads the 413 instead of a reset connection; past it the connection is closed.
 DRAIN_BYTES = 64 * 1024 * 1024
+
+# A prompt of fewer characters than this encodes in a moment: it waits only behind others like
+# it, never behind a long one (one of each kind is encoded at a time: each takes memory).
+SHORT_PROMPT_CHARS = 64 * 1024
 
 Log = Callable[[str], None]
 
@@ -367,7 +371,7 @@ class GenerationResponse:
 def create_app(worker: EngineWorker, settings: ServerSettings) -> Starlette:
     """The ASGI app. Starts the worker when the app starts, shuts it down when the app stops."""
     stats = prometheus.ServerStats()
-    encoding = asyncio.Lock()
+    encoding = {"short": asyncio.Lock(), "long": asyncio.Lock()}
     settings.created = settings.created or int(time.time())
 
     def check_key(request: Request) -> None:
@@ -403,7 +407,8 @@ def create_app(worker: EngineWorker, settings: ServerSettings) -> Starlette:
     async def generate(request: Request, parse, anthropic: bool = False):
         body = await read_json(request, settings.max_body_bytes, settings.client_timeout_s)
         parsed: GenerationRequest = parse(body, settings.model_ids)
-        async with encoding:  # one prompt at a time: each may take seconds and much memory
+        lane = "short" if request_chars(parsed) < SHORT_PROMPT_CHARS else "long"
+        async with encoding[lane]:  # a long prompt may take seconds and much memory
             tokens = await asyncio.to_thread(worker.encode, parsed)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()

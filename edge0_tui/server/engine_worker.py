@@ -16,7 +16,6 @@ on a thread of its own. This adapter turns what the event loop needs into the se
 
 from __future__ import annotations
 
-import json
 import re
 import sys
 from collections.abc import Callable
@@ -47,6 +46,10 @@ from .tool_calls import dialect_of
 
 # The request fields an engine-side check names at the start of its message (`top_k=...`).
 SAMPLING_FIELD = re.compile(r"(top_k|top_p|temperature|seed|max_tokens|logit_bias)=")
+
+# An absolute path in an engine's message (the model's folder, a file in it): a reply shows its
+# last part only, never where the server keeps its files.
+ABSOLUTE_PATH = re.compile(r"(?<![\w.~])(?:/[^\s/:'\"()\[\],]+)+/?")
 
 # How often an idle engine thread re-reads MLX and page-cache memory for /metrics.
 IDLE_REFRESH_S = 1.0
@@ -143,8 +146,33 @@ class Job(ReplyJob):
         )
 
 
+def without_paths(message: str, model_dir: Path | None = None) -> str:
+    """`message` with each absolute path cut to its last part (`model_dir` first, whole, since
+    its name may hold spaces)."""
+    if model_dir is not None:
+        message = message.replace(str(model_dir), model_dir.name)
+    return ABSOLUTE_PATH.sub(lambda found: Path(found.group()).name or "/", message)
+
+
+def template_refusal(error: Edge0Error, kind: str, model_dir: Path | None) -> ApiError:
+    """A prompt the model's template or tokenizer could not make: a 400 naming what the request
+    gave it (`messages`, or a completion's `prompt`), said without the server's paths. What
+    the request checks can name more closely (a tool, a call's arguments) is refused before."""
+    message = without_paths(str(error), model_dir)
+    if "exceeds the model's context" in message:
+        return ApiError(400, message, code="context_length_exceeded")
+    return ApiError(400, message, param="messages" if kind == "chat" else "prompt")
+
+
 def api_error(error: Exception, generated: int) -> ApiError:
-    """The HTTP answer to a request that failed after `generated` tokens."""
+    """The HTTP answer to a request that failed after `generated` tokens, said without the
+    server's paths."""
+    answer = _answer(error, generated)
+    answer.message = without_paths(answer.message)
+    return answer
+
+
+def _answer(error: Exception, generated: int) -> ApiError:
     if isinstance(error, EngineUnavailable):
         return not_ready(error.state, error.error)
     if isinstance(error, SwitchRefused):
@@ -180,6 +208,8 @@ class EngineWorker:
         self.configured: tuple[int, str] | None = None
         # What the model's chat template says of replies: think tags, its tool-call dialect.
         self.template_facts = TemplateFacts(thinks=False, dialect=None)
+        # The fewest tokens the chat template writes for a turn of each role (measured at open).
+        self.turn_tokens: dict[str, int] = {}
         self.service = EngineService(
             open_engine,  # runs on the engine thread; returns an Engine
             on_event=self._on_event,
@@ -191,6 +221,7 @@ class EngineWorker:
         if isinstance(event, EngineOpened):
             self.configured = (self.service.live.k, self.service.live.mode)
             self.template_facts = template_facts(self.service.engine)
+            self.turn_tokens = turn_tokens(self.service.engine)
             if self._on_ready is not None:
                 self._on_ready(self)
         elif isinstance(event, OpenFailed) and self._on_failed is not None:
@@ -229,12 +260,15 @@ class EngineWorker:
             return None
         limit = engine.context_limit
         param = "messages" if request.kind == "chat" else "prompt"
-        chars = prompt_chars(request)
-        if chars > limit * self._longest_token(engine):
+        room = 1 if request.default_max_tokens else request.generation.max_tokens
+        least = least_prompt_tokens(request, self._longest_token(engine), self.turn_tokens)
+        if least + room > limit:
             raise ApiError(
                 400,
-                f"the prompt's {chars} characters are more than the model's context of {limit} "
-                f"tokens can hold (a token has at most {self._longest_token(engine)} characters)",
+                f"the prompt takes at least {least} tokens ({prompt_chars(request)} characters "
+                f"of at most {self._longest_token(engine)} a token"
+                + (f", {len(request.messages)} turns" if request.kind == "chat" else "")
+                + f") plus {room} new tokens: more than the model's context of {limit}",
                 param=param,
                 code="context_length_exceeded",
             )
@@ -245,9 +279,8 @@ class EngineWorker:
                 )
             else:
                 tokens = engine.encode(request.prompt)
-        except Edge0Error as e:  # a chat template that fails: the model's, said as the engine says
-            raise api_error(e, 0) from None
-        room = 1 if request.default_max_tokens else request.generation.max_tokens
+        except Edge0Error as e:  # a chat template that fails: the model's
+            raise template_refusal(e, request.kind, getattr(engine, "model_dir", None)) from None
         if len(tokens) + room > limit:
             raise ApiError(
                 400,
@@ -347,12 +380,61 @@ def template_facts(engine) -> TemplateFacts:
     )
 
 
+# The roles whose text a chat template writes whole. An assistant turn's may be cut (templates
+# drop earlier reasoning), and tools may be written in part (a name and a description only).
+WHOLE_TEXT_ROLES = frozenset({"system", "user", "tool"})
+
+
 def prompt_chars(request: GenerationRequest) -> int:
-    """The characters of text a request brings (the chat template adds more, never fewer)."""
+    """The characters of text the prompt holds at least: a completion's prompt, or what the chat
+    template writes whole (WHOLE_TEXT_ROLES)."""
     if request.kind == "chat":
-        tools = len(json.dumps(request.tools)) if request.tools else 0
-        return tools + sum(len(m.get("content") or "") for m in request.messages)
+        return sum(
+            len(m.get("content") or "") for m in request.messages if m["role"] in WHOLE_TEXT_ROLES
+        )
     return len(request.prompt)
+
+
+def request_chars(request: GenerationRequest) -> int:
+    """The size of what a request brings to be encoded, in characters: its prompt, or its turns
+    and tools as the chat template is given them (a turn's keys count: many short turns are
+    much to render)."""
+    if request.kind != "chat":
+        return len(request.prompt)
+    return sum(len(str(item)) for item in (*request.messages, *(request.tools or ())))
+
+
+def least_prompt_tokens(
+    request: GenerationRequest, longest_token: int, turn_tokens: dict[str, int]
+) -> int:
+    """The fewest tokens the request's prompt can take, known before the template renders it:
+    its text (`prompt_chars`) in tokens of `longest_token` characters, and each turn's markup
+    (`turn_tokens`). A prompt past the context by this count is past it once encoded too."""
+    text = -(-prompt_chars(request) // longest_token)
+    if request.kind != "chat":
+        return text
+    return text + sum(turn_tokens.get(m["role"], 0) for m in request.messages)
+
+
+def turn_tokens(engine) -> dict[str, int]:
+    """The fewest tokens the model's chat template writes around a turn of each role: the least
+    one more empty turn adds to a conversation, after a user turn and after one of its own role
+    (a template may write consecutive turns of a role in one block, as Qwen's does tool
+    results), less two tokens (a turn's text may merge with the markup at either edge). A role
+    the template refuses there (or an engine without one) is left out: no bound is taken."""
+    first = [{"role": "user", "content": "a"}]
+    counts = {}
+    for role in sorted(WHOLE_TEXT_ROLES | {"assistant"}):
+        lengths = []
+        for n in range(3):  # a template that refuses the repeat refuses such requests too
+            try:
+                lengths.append(len(engine.encode_chat(first + [{"role": role, "content": ""}] * n)))
+            except Exception:  # whatever fails here takes no bound, and never fails the open
+                break
+        added = [after - before for before, after in zip(lengths, lengths[1:])]
+        if added:
+            counts[role] = max(0, min(added) - 2)
+    return counts
 
 
 def not_ready(state: str, error: str | None) -> ApiError:
@@ -362,7 +444,7 @@ def not_ready(state: str, error: str | None) -> ApiError:
         )
     return ApiError(
         503,
-        f"the model is not available: {error or 'the server is shutting down'}",
+        f"the model is not available: {without_paths(error or 'the server is shutting down')}",
         "server_error",
         None,
         "model_unavailable",

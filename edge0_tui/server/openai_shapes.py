@@ -25,6 +25,25 @@ MAX_STOP_CHARS = 1000
 # A lone surrogate (a JSON "\ud800" escape without its pair) is not text: no tokenizer encodes
 # it and no reply can carry it back.
 LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+# A token id as logit_bias writes it: ASCII digits (str.isdigit() also takes "²" and other
+# digits int() refuses), no more of them than any vocabulary's ids have.
+TOKEN_ID = re.compile("[0-9]{1,10}")
+# The deepest nesting of a JSON value handed to the chat template (a tool's schema, a call's
+# arguments, chat_template_kwargs): templates write them out recursively (`tojson`), and Python's
+# recursion limit is not a client's business. Real schemas nest a handful of levels.
+MAX_TEMPLATE_NESTING = 64
+# transformers' apply_chat_template takes these itself (its parameters), so that in
+# chat_template_kwargs they would change how the prompt is made (tensors instead of token ids,
+# another template, truncation) instead of reaching the template as variables.
+# test_server_hostile.py checks the list against transformers' signature.
+RENDERING_ARGUMENTS = frozenset(
+    {
+        "conversation", "messages", "tools", "documents", "chat_template",
+        "add_generation_prompt", "continue_final_message", "tokenize", "sanitize_control_tokens",
+        "padding", "truncation", "max_length", "return_tensors", "return_dict",
+        "return_assistant_tokens_mask", "tokenizer_kwargs",
+    }
+)  # fmt: skip
 ROLES = {
     "system": "system",
     "developer": "system",
@@ -113,7 +132,7 @@ def _shown(value: object) -> str:
     return _json_type(value)
 
 
-def _text(value: str, where: str) -> str:
+def check_text(value: str, where: str) -> str:
     """`value`, refused (naming `where`) when it holds a lone surrogate."""
     found = LONE_SURROGATE.search(value)
     if found:
@@ -123,6 +142,25 @@ def _text(value: str, where: str) -> str:
             where,
         )
     return value
+
+
+def check_template_value(value: object, where: str) -> None:
+    """A JSON value the chat template is given, refused (naming `where` and the part of it at
+    fault) when a string in it, key or value, holds a lone surrogate, or when it nests deeper than
+    MAX_TEMPLATE_NESTING. Walked without recursion: the depth is what is being checked."""
+    pending = [(value, where, 0)]
+    while pending:
+        item, path, depth = pending.pop()
+        if depth > MAX_TEMPLATE_NESTING:
+            raise bad(f"{where} nests more than {MAX_TEMPLATE_NESTING} levels deep", where)
+        if isinstance(item, str):
+            check_text(item, path)
+        elif isinstance(item, dict):
+            for key, inner in item.items():
+                check_text(key, path)
+                pending.append((inner, f"{path}.{key}", depth + 1))
+        elif isinstance(item, list):
+            pending += [(inner, f"{path}[{i}]", depth + 1) for i, inner in enumerate(item)]
 
 
 def _json_type(value: object) -> str:
@@ -197,10 +235,10 @@ def _logit_bias(body: dict) -> dict[int, float]:
     bias = _optional(body, "logit_bias", lambda v: isinstance(v, dict), "an object")
     out = {}
     for key, value in (bias or {}).items():
-        if not key.isdigit() or not _is_number(value):
+        if not TOKEN_ID.fullmatch(key) or not _is_number(value):
             raise bad(
-                f"logit_bias maps token ids (decimal strings) to numbers, not {_shown(key)}: "
-                f"{_json_type(value)}",
+                f"logit_bias maps token ids (strings of up to 10 digits) to numbers, not "
+                f"{_shown(key)}: {_json_type(value)}",
                 "logit_bias",
             )
         out[int(key)] = value
@@ -225,25 +263,27 @@ def _no_max_tokens(body: dict, fields: tuple[str, ...]) -> bool:
     return all(body.get(name) is None for name in fields)
 
 
-def _stop(body: dict) -> tuple[str, ...]:
-    stop = body.get("stop")
+def check_stop(stop: object, name: str = "stop") -> tuple[str, ...]:
+    """Stop sequences (a string or an array of strings, None: none), checked; `name` is the
+    field as the request's API calls it (OpenAI's `stop`, Anthropic's `stop_sequences`)."""
     if stop is None:
         return ()
     if isinstance(stop, str):
         stop = [stop]
     if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
-        raise bad("stop must be a string or an array of strings", "stop")
+        raise bad(f"{name} must be a string or an array of strings", name)
     if len(stop) > MAX_STOP:
-        raise bad(f"stop takes at most {MAX_STOP} sequences, not {len(stop)}", "stop")
+        raise bad(f"{name} takes at most {MAX_STOP} sequences, not {len(stop)}", name)
     if any(s == "" for s in stop):
-        raise bad("stop sequences must not be empty", "stop")
+        raise bad(f"{name}: stop sequences must not be empty", name)
     longest = max(len(s) for s in stop)
     if longest > MAX_STOP_CHARS:
         raise bad(
-            f"stop sequences may have at most {MAX_STOP_CHARS} characters each, not {longest}",
-            "stop",
+            f"{name}: stop sequences may have at most {MAX_STOP_CHARS} characters each, not "
+            f"{longest}",
+            name,
         )
-    return tuple(_text(s, "stop") for s in stop)
+    return tuple(check_text(s, name) for s in stop)
 
 
 def _profile(body: dict) -> tuple[int | None, str | None]:
@@ -293,7 +333,7 @@ def _content(message: dict, index: int) -> str:
             return ""
         raise bad(f"{where} is missing", where)
     if isinstance(content, str):
-        return _text(content, where)
+        return check_text(content, where)
     if isinstance(content, list):
         parts = []
         for part in content:
@@ -301,7 +341,7 @@ def _content(message: dict, index: int) -> str:
                 raise bad(f"{where}: only text parts are supported", where)
             if not isinstance(part.get("text"), str):
                 raise bad(f"{where}: a text part needs a string `text`", where)
-            parts.append(_text(part["text"], where))
+            parts.append(check_text(part["text"], where))
         return "".join(parts)
     raise bad(f"{where} must be a string or an array of text parts", where)
 
@@ -328,7 +368,7 @@ def _messages(body: dict) -> tuple[dict, ...]:
         if role == "tool":
             for field in ("tool_call_id", "name"):
                 if isinstance(message.get(field), str):
-                    entry[field] = message[field]
+                    entry[field] = check_text(message[field], f"messages[{i}].{field}")
         out.append(entry)
     return tuple(out)
 
@@ -339,7 +379,7 @@ def _history_calls(calls: object, index: int) -> list[dict]:
     if not isinstance(calls, list):
         raise bad(f"{where} must be an array", where)
     out = []
-    for call in calls:
+    for j, call in enumerate(calls):
         function = call.get("function") if isinstance(call, dict) else None
         if not isinstance(function, dict) or not isinstance(function.get("name"), str):
             raise bad(f"{where}: each call needs a function with a name", where)
@@ -347,11 +387,14 @@ def _history_calls(calls: object, index: int) -> list[dict]:
         if isinstance(arguments, str):
             try:
                 arguments = json.loads(arguments or "{}")
-            except ValueError:
+            except (ValueError, RecursionError):
                 raise bad(
-                    f"{where}: arguments of {function['name']!r} are not JSON", where
+                    f"{where}: arguments of {_shown(function['name'])} are not JSON", where
                 ) from None
         call_id = call.get("id") if isinstance(call.get("id"), str) else ""
+        check_text(call_id, f"{where}[{j}].id")
+        check_text(function["name"], f"{where}[{j}].function.name")
+        check_template_value(arguments, f"{where}[{j}].function.arguments")
         out.append(
             {
                 "id": call_id,
@@ -379,10 +422,13 @@ def _tools(body: dict) -> tuple[dict, ...] | None:
         raise bad("tools must be an array", "tools")
     for i, tool in enumerate(tools):
         function = tool.get("function") if isinstance(tool, dict) else None
-        if tool.get("type") != "function" or not isinstance(function, dict):
+        if not isinstance(function, dict) or tool.get("type") != "function":
             raise bad(f'tools[{i}] must be {{"type": "function", "function": {{...}}}}', "tools")
         if not isinstance(function.get("name"), str) or not function["name"]:
             raise bad(f"tools[{i}].function needs a name", "tools")
+        # The function nests as deep as an Anthropic tool: both APIs refuse the same schemas.
+        check_template_value(function, f"tools[{i}].function")
+        check_template_value({k: v for k, v in tool.items() if k != "function"}, f"tools[{i}]")
     return None if choice == "none" else tuple(tools)
 
 
@@ -394,12 +440,14 @@ def _template_kwargs(body: dict) -> dict:
     thinking = _optional(body, "enable_thinking", lambda v: isinstance(v, bool), "a boolean")
     if thinking is not None:
         out["enable_thinking"] = thinking
-    reserved = {"messages", "tools", "add_generation_prompt", "tokenize"} & set(out)
+    reserved = RENDERING_ARGUMENTS & set(out)
     if reserved:
         raise bad(
-            f"chat_template_kwargs may not set {', '.join(sorted(reserved))}",
+            f"chat_template_kwargs may not set {', '.join(sorted(reserved))}: the server makes "
+            "the prompt with them",
             "chat_template_kwargs",
         )
+    check_template_value(out, "chat_template_kwargs")
     return out
 
 
@@ -423,7 +471,7 @@ def parse_completion(body: dict, model_ids: tuple[str, ...]) -> GenerationReques
         raise bad("prompt must be a string (one prompt per request)", "prompt")
     if not prompt:
         raise bad("prompt must not be empty", "prompt")
-    return _request(body, "completion", model, ("max_tokens",), prompt=_text(prompt, "prompt"))
+    return _request(body, "completion", model, ("max_tokens",), prompt=check_text(prompt, "prompt"))
 
 
 def _request(
@@ -445,7 +493,7 @@ def _request(
         prompt=prompt,
         generation=_generation(body, max_token_fields, kind == "chat"),
         default_max_tokens=_no_max_tokens(body, max_token_fields),
-        stop=_stop(body),
+        stop=check_stop(body.get("stop")),
         stream=stream,
         include_usage=include_usage,
         k=k,

@@ -1,7 +1,7 @@
 """A chat template rendered within bounds: it is code that comes with the checkpoint, so its
-rendering is bounded in CPU time of the rendering thread and in characters rendered, in a jinja2
-sandbox whose operators refuse what would compute past those bounds (real templates use a small
-fraction of both: little time, and little more text than the conversation). A broken or hostile
+rendering is bounded in time and in characters rendered, in a jinja2 sandbox whose operators
+refuse what would compute past those bounds (real templates use a small fraction of both: little
+time, and little more text than the conversation). A broken or hostile
 template fails with an Edge0Error instead of hanging; jinja2's and transformers' own classes stay
 as they are (tests/test_chat_template_bound.py)."""
 
@@ -85,47 +85,58 @@ def _compile_bounded(chat_template: str, stock_compile) -> Template:
     return _bounded_environment(stock_compile).from_string(chat_template)
 
 
-# One edge0 rendering at a time holds transformers' compiler (see `_bounded_templates`).
-_TEMPLATES_LOCK = threading.Lock()
+# The threads rendering a chat template under edge0's bound now; the lock guards the set and
+# the name transformers compiles by, never a rendering (see `_bounded_templates`).
+_RENDERING: set[int] = set()
+_RENDERING_LOCK = threading.Lock()
+_STOCK_COMPILE: list = []  # transformers' own compiler while edge0's stands in for it
+
+
+def _compile_for_rendering_threads(chat_template: str) -> Template:
+    stock_compile = _STOCK_COMPILE[0]
+    if threading.get_ident() in _RENDERING:
+        return _compile_bounded(chat_template, stock_compile)
+    return stock_compile(chat_template)
 
 
 @contextlib.contextmanager
 def _bounded_templates():
     """While edge0 renders a chat template: transformers compiles templates in
     `_compile_jinja_template`, cached by template text and looked up by name at each rendering,
-    so for the rendering thread, and only for it, that name gives `_compile_bounded`; any other
-    thread, and anything after, gets transformers' own compiler. Nothing is changed at import,
-    and nothing of jinja2 at all. (A transformers without that name fails here, loudly, rather
-    than render unbounded: the tests of the bound catch it.)"""
+    so for the rendering threads, and only for them, that name gives `_compile_bounded`; any
+    other thread, and anything after the last rendering, gets transformers' own compiler.
+    Renderings in several threads run at once: one long rendering holds up no other. Nothing
+    is changed at import, and nothing of jinja2 at all. (A transformers without that name
+    fails here, loudly, rather than render unbounded: the tests of the bound catch it.)"""
     owner = threading.get_ident()
-    with _TEMPLATES_LOCK:
-        stock_compile = chat_template_utils._compile_jinja_template
-
-        def compile_for_this_thread(chat_template: str) -> Template:
-            if threading.get_ident() == owner:
-                return _compile_bounded(chat_template, stock_compile)
-            return stock_compile(chat_template)
-
-        chat_template_utils._compile_jinja_template = compile_for_this_thread
-        try:
-            yield
-        finally:
-            chat_template_utils._compile_jinja_template = stock_compile
+    with _RENDERING_LOCK:
+        if not _RENDERING:
+            _STOCK_COMPILE[:] = [chat_template_utils._compile_jinja_template]
+            chat_template_utils._compile_jinja_template = _compile_for_rendering_threads
+        _RENDERING.add(owner)
+    try:
+        yield
+    finally:
+        with _RENDERING_LOCK:
+            _RENDERING.discard(owner)
+            if not _RENDERING:
+                chat_template_utils._compile_jinja_template = _STOCK_COMPILE.pop()
 
 
 class _TemplateBudget:
     """A trace function that bounds a Jinja rendering in the thread that renders it (a signal
     would work only in the main thread). Jinja compiles a template to Python code whose file name
-    is `<template>`, so its loops run line events there: each checks the thread's CPU time, and
-    every piece the template yields (a `return` event) counts toward the output bound. A single
+    is `<template>`, so its loops run line events there: each checks the time since the rendering
+    began (wall time, not the thread's CPU time: others wait for it in wall time), and every piece
+    the template yields (a `return` event) counts toward the output bound. A single
     long operation inside C is not interrupted: `_bounded_binop` refuses the repetitions and
     powers; a string method given a huge width (`'a'.ljust(10**10)`) still runs."""
 
-    # Reading the thread's CPU clock is a system call: look at it every this many events.
+    # Look at the clock every this many events, not at every one.
     CLOCK_EVERY = 1000
 
     def __init__(self, seconds: float, chars: int) -> None:
-        self.deadline = time.thread_time() + seconds
+        self.deadline = time.monotonic() + seconds
         self.seconds = seconds
         self.chars_left = chars
         self.chars = chars
@@ -141,7 +152,7 @@ class _TemplateBudget:
             if self.chars_left < 0:
                 raise ChatTemplateBudgetError(f"renders more than {self.chars} characters")
         self.events += 1
-        if self.events % self.CLOCK_EVERY == 0 and time.thread_time() > self.deadline:
+        if self.events % self.CLOCK_EVERY == 0 and time.monotonic() > self.deadline:
             raise ChatTemplateBudgetError(f"ran for more than {self.seconds:g} s")
         return self._step
 
