@@ -213,3 +213,35 @@ def test_a_hostile_hub_download_is_one_line(hub, tmp_path, capsys, case, expecte
     assert code == 2
     assert err.count("\n") == 1 and "Traceback" not in err, err
     assert f"{repo}: {expected}" in err, err
+
+
+async def test_the_picker_says_whether_a_typed_hub_id_fits_before_downloading(
+    hub, sparse_wall, checkpoint_dir, tmp_path
+):
+    """Issue 49 item 1, in the app: an id typed in the model picker is planned from its headers
+    once typing pauses, and the note under the box says whether it fits; nothing is downloaded."""
+    from test_tui_app import make_app, ready, wait_until
+    from textual.widgets import Input, Label
+
+    from edge0_tui.screens.model_picker import ModelPickerScreen
+
+    repo = f"{OWNER}/wall"
+    hub.serve(repo, sparse_wall)
+    app = make_app(checkpoint_dir("qwen3_moe", "tiny"), tmp_path / "app")
+    async with app.run_test(size=(120, 40)) as pilot:
+        await ready(app, pilot)
+        await pilot.press("ctrl+l")
+        await wait_until(pilot, lambda: isinstance(app.screen, ModelPickerScreen), "the picker")
+        picker = app.screen
+        picker.query_one("#path", Input).value = repo
+        note = picker.query_one("#plan-note", Label)
+        await wait_until(pilot, lambda: str(note.content).startswith(f"{repo}: "), "the plan", 60)
+        line = str(note.content)
+        assert " this machine: memory plan " in line and "nothing downloaded" in line, line
+        assert ("fits" in line) != ("does NOT fit" in line)
+        served = hub.bytes_served(repo)
+        assert 0 < served < sum(p.stat().st_size for p in files_of(sparse_wall)) / 100
+        # Another text: the note goes; a folder is not sent to the Hub.
+        picker.query_one("#path", Input).value = str(tmp_path)
+        await pilot.pause(1.0)
+        assert str(note.content) == "" and hub.bytes_served(repo) == served

@@ -4,10 +4,15 @@ each with family, size, native K and the K profiles found, and a box to type a f
 The list is read off the UI thread (it scans the Hugging Face cache: config files and shard headers
 of every repo there, at most MAX_HUB_REPOS of them) and arrives as a message. Dismissed with what
 to open (as `edge0 chat MODEL` takes it: demo, a folder, a repo id), or None.
+
+A Hub id typed in the box, with no copy here, is planned from its headers (as `edge0 info
+OWNER/NAME --memory` does: nothing downloaded), on a worker thread once typing pauses: the note
+under the box says whether it fits this machine before a byte of its weights is fetched.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from rich.text import Text
@@ -23,12 +28,16 @@ from textual.widgets.option_list import Option
 from engine import Edge0Error, EngineConfig, format_bytes
 
 from ..model_list import NOT_RECOVERED_NOTE, any_not_recovered, known_models, profiles_text
+from ..model_source import is_hub_id, needs_hub_plan
+from ..model_start import AUTO, DEFAULT_MODE, expert_cache_config
 from ..preferences import PreferenceStore, model_key
 from ..sanitize import error_line, sanitize
 
 # Hugging Face cache repos read for the list: each costs a few small file reads, and a cache
 # can hold hundreds of repos (most of them no MoE).
 MAX_HUB_REPOS = 200
+# A typed Hub id is planned once typing has paused this long (each plan asks the Hub).
+PLAN_AFTER_S = 0.6
 
 
 def describe(row: dict, in_use: bool) -> Text:
@@ -61,6 +70,13 @@ class ModelPickerScreen(ModalScreen[str | None]):
         left: int  # HF cache repos not read (past MAX_HUB_REPOS)
         error: str | None = None
 
+    @dataclass
+    class Planned(Message):
+        """A typed Hub id's memory plan from its headers (or why there is none), as one line."""
+
+        model: str
+        line: str
+
     def __init__(
         self,
         store: PreferenceStore | None,
@@ -77,6 +93,7 @@ class ModelPickerScreen(ModalScreen[str | None]):
         self.in_use = model_key(in_use)
         self.writing = writing
         self.rows: list[dict] = []
+        self.plan_timer = None
 
     def compose(self) -> ComposeResult:
         with Vertical(id="dialog", classes="models-dialog"):
@@ -86,6 +103,7 @@ class ModelPickerScreen(ModalScreen[str | None]):
                 id="path",
                 select_on_focus=False,  # typing moves here from the list: keep what it typed
             )
+            yield Label("", id="plan-note", classes="panel-note", markup=False)
             yield OptionList(id="models")
             yield Label("looking for models…", id="models-note", classes="panel-note", markup=False)
             keys = "Enter opens · Tab moves · Escape closes; the chat stays"
@@ -144,6 +162,38 @@ class ModelPickerScreen(ModalScreen[str | None]):
 
     def on_option_list_option_selected(self, event: OptionList.OptionSelected) -> None:
         self.dismiss(self.rows[event.option_index]["name"])
+
+    @on(Input.Changed, "#path")
+    def plan_when_typing_pauses(self, event: Input.Changed) -> None:
+        model = event.value.strip()
+        self.query_one("#plan-note", Label).update("")
+        if self.plan_timer is not None:
+            self.plan_timer.stop()
+        if is_hub_id(model):
+            self.plan_timer = self.set_timer(PLAN_AFTER_S, lambda: self.plan_hub_model(model))
+
+    @work(thread=True, exclusive=True, group="plan", exit_on_error=False)
+    def plan_hub_model(self, model: str) -> None:
+        """On a worker thread: the plan of a Hub repo with no copy here, posted back as a line
+        (the plan the app would open it with: the default mode, the expert cache `auto`)."""
+        from engine import plan_hub_model
+
+        if not needs_hub_plan(model):
+            return  # a folder, or a cached copy: the list and the load say what it is
+        config = dataclasses.replace(
+            self.config, mode=DEFAULT_MODE, **expert_cache_config(AUTO), refuse_over_plan=False
+        )
+        try:
+            line = plan_hub_model(model, config).verdict_line()
+        except Edge0Error as e:
+            line = str(e)
+        except Exception as e:  # a hub answering in a way nobody foresaw: said, not raised
+            line = f"{model}: cannot plan it from the Hub ({error_line(e)})"
+        self.post_message(self.Planned(model, line))
+
+    def on_model_picker_screen_planned(self, event: Planned) -> None:
+        if event.model == self.query_one("#path", Input).value.strip():  # still what is typed
+            self.query_one("#plan-note", Label).update(sanitize(event.line))
 
     @on(Input.Submitted, "#path")
     def typed(self, event: Input.Submitted) -> None:

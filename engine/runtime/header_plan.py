@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..checkpoint.remote import HubRepo, fetch_header_copy
-from ..config import EngineConfig
+from ..config import EngineConfig, format_bytes
 from ..errors import Edge0Error
 from .loader import build_model, check_headers, plan_model
 from .memory_plan import MemoryPlan
@@ -38,6 +38,21 @@ class HeaderPlan:
     checkpoint_bytes: int  # every shard, as stored
     plan: MemoryPlan
     bytes_read: int = 0  # what reading the headers transferred (a Hub repo's)
+    model: str = ""  # the repo id (a Hub repo's)
+
+    def verdict_line(self) -> str:
+        """Whether the model fits, with the plan's total and K, and what was read to know it."""
+        verdict = "fits" if self.plan.fits else "does NOT fit"
+        limit = (
+            f" of {format_bytes(self.plan.limit_bytes)}"
+            if self.plan.limit_bytes is not None
+            else ""
+        )
+        return (
+            f"{self.model}: {verdict} this machine: memory plan {format_bytes(self.plan.total_bytes)}"
+            f"{limit} at K={self.plan.k} ({self.family}, {format_bytes(self.checkpoint_bytes)}; "
+            f"{format_bytes(self.bytes_read)} of headers read, nothing downloaded)"
+        )
 
 
 def plan_from_headers(model_dir: Path, config: EngineConfig) -> HeaderPlan:
@@ -68,4 +83,4 @@ def plan_hub_model(repo_id: str, config: EngineConfig, revision: str | None = No
             planned = plan_from_headers(fetch_header_copy(repo, Path(folder)), config)
         except Edge0Error as e:
             raise Edge0Error(str(e).replace(folder, repo_id)) from None
-    return HeaderPlan(**{**planned.__dict__, "bytes_read": repo.bytes_read})
+    return HeaderPlan(**{**planned.__dict__, "bytes_read": repo.bytes_read, "model": repo_id})
