@@ -10,6 +10,8 @@ sequences, the reasoning split and the tool-call parsers are the same; only the 
 - `thinking: {"type": "enabled"}` turns the template's thinking on, and reasoning comes back as
   `thinking` blocks;
 - replies stream as message_start, content_block_start/delta/stop, message_delta, message_stop;
+- `POST /v1/messages/count_tokens` takes a request's prompt fields and counts the tokens that
+  request's prompt would be encoded to (`parse_count_tokens`);
 - errors are `{"type": "error", "error": {"type": ..., "message": ...}}`, naming the field as
   this API calls it (`stop_sequences`, `messages[1].content[0].input`): every field is checked
   here, with the checks the OpenAI API uses, before it is given OpenAI's shape.
