@@ -570,6 +570,84 @@ def test_a_conversation_continues_from_its_kv_cache(server):
     )
     reused = second.model_extra["edge0"]["reused_prompt_tokens"]
     assert reused >= first.usage.prompt_tokens, (reused, first.usage.prompt_tokens)
+    # OpenAI's own field for it; the weights and the K profile as the system fingerprint.
+    assert second.usage.prompt_tokens_details.cached_tokens == reused
+    assert first.usage.prompt_tokens_details.cached_tokens < first.usage.prompt_tokens
+    assert re.fullmatch(r"edge0-[0-9a-f]{16}-k4", second.system_fingerprint), second
+    stream = client.chat.completions.create(
+        model="tiny-moe", messages=messages, max_tokens=2, stream=True, extra_body={"k": 2}
+    )
+    assert {chunk.system_fingerprint for chunk in stream} == {
+        second.system_fingerprint.replace("-k4", "-k2")
+    }
+
+
+def test_any_model_name_is_answered_by_the_served_model(server):
+    """Front ends send a default name: the one model answers, the reply names it, the log says
+    which name was asked; /v1/models lists the model's own id."""
+    client = server.client()
+    reply = client.chat.completions.create(
+        model="gpt-4o", messages=[{"role": "user", "content": "hi"}], max_tokens=2
+    )
+    assert reply.model == "tiny-moe" and reply.choices[0].finish_reason in ("length", "stop")
+    completion = client.completions.create(model="default_model", prompt="Once", max_tokens=2)
+    assert completion.model == "tiny-moe"
+    assert [m.id for m in client.models.list()] == ["tiny-moe"]
+    log = server.log.read_text()
+    assert "chat for model 'gpt-4o' (answered by tiny-moe) " in log
+    assert "completion for model 'default_model' (answered by tiny-moe) " in log
+
+
+def test_strict_model_name_refuses_other_names(monkeypatch):
+    """--strict-model-name reaches the server's settings, and with it another name is a 404."""
+    import edge0_tui.server as server_module
+    from edge0_tui.cli import main
+    from edge0_tui.server.openai_shapes import ApiError, parse_chat
+
+    body = {"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}]}
+    assert parse_chat(body, ("tiny-moe", "edge0")).model == "tiny-moe"
+    with pytest.raises(ApiError) as refused:
+        parse_chat(body, ("tiny-moe", "edge0"), strict=True)
+    assert refused.value.status == 404 and refused.value.code == "model_not_found"
+    assert parse_chat({**body, "model": "edge0"}, ("tiny-moe", "edge0"), strict=True)
+    given = []
+    monkeypatch.setattr(server_module, "open_engine_for", lambda *a: None)
+    monkeypatch.setattr(server_module, "serve_model", lambda *a, **kw: given.append(kw))
+    monkeypatch.setattr("edge0_tui.model_source.check_model", lambda model: None)
+    assert main(["serve", "demo", "--strict-model-name"]) == 0
+    assert main(["serve", "demo"]) == 0
+    assert [kw["strict_model_name"] for kw in given] == [True, False]
+
+
+def test_every_reply_has_a_request_id(server):
+    """The client's own x-request-id when sane (else a new one), on replies and refusals alike,
+    and in the request's log line."""
+    client = server.client()
+    hi = [{"role": "user", "content": "hi"}]
+    mine = client.chat.completions.with_raw_response.create(
+        model="tiny-moe", messages=hi, max_tokens=1, extra_headers={"x-request-id": "req-abc.1"}
+    )
+    assert mine.headers["x-request-id"] == "req-abc.1"
+    made = client.chat.completions.with_raw_response.create(
+        model="tiny-moe", messages=hi, max_tokens=1, extra_headers={"x-request-id": "a b\\"}
+    )
+    assert re.fullmatch(r"[0-9a-f]{32}", made.headers["x-request-id"])
+    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    connection.request("GET", "/v1/nowhere", headers={"x-request-id": "x" * 129})
+    refused = connection.getresponse()
+    refused.read()
+    connection.close()
+    assert refused.status == 404
+    assert re.fullmatch(r"[0-9a-f]{32}", refused.getheader("x-request-id"))
+    log = server.log.read_text()
+    assert re.search(
+        r"POST /v1/chat/completions 200 \d+ ms: chat .* \[x-request-id req-abc\.1\]", log
+    )
+    made_id = made.headers["x-request-id"]
+    assert (
+        f"[x-request-id {made_id}]" in log
+        and f"[x-request-id {refused.getheader('x-request-id')}]" in log
+    )
 
 
 GOOD = json.dumps(
@@ -640,7 +718,8 @@ BAD_INPUTS = [
      {}, 400, "messages[0].tool_calls"),
     ("prompt missing", "/v1/completions", b'{"model": "tiny-moe"}', {}, 400, "prompt"),
     ("prompt tokens", "/v1/completions", b'{"prompt": [1, 2]}', {}, 400, "prompt"),
-    ("unknown model", "/v1/chat/completions", chat_body(model="gpt-4"), {}, 404, "model_not_found"),
+    ("stream_options without stream", "/v1/chat/completions",
+     chat_body(stream_options={"include_usage": True}), {}, 400, "stream_options"),
     ("unknown path", "/v1/embeddings", GOOD, {}, 404, "not_found"),
     ("wrong method", "/v1/chat/completions", None, {"X-Method": "GET"}, 405, None),
     ("wrong API key", "/v1/chat/completions", GOOD, {"Authorization": "Bearer nope"}, 401, "invalid_api_key"),
@@ -674,9 +753,7 @@ def test_the_openai_client_sees_typed_errors(server):
     with pytest.raises(openai.AuthenticationError):
         server.client(api_key="wrong").models.list()
     with pytest.raises(openai.NotFoundError):
-        server.client().chat.completions.create(
-            model="nope", messages=[{"role": "user", "content": "hi"}]
-        )
+        server.client().models.retrieve("nope")
     with pytest.raises(openai.BadRequestError) as refused:
         server.client().chat.completions.create(
             model="tiny-moe", messages=[{"role": "user", "content": "hi"}], max_tokens=-1

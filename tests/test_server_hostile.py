@@ -515,7 +515,7 @@ BAD = [
      {"messages": [{"role": "user", "content": [{"type": "text", "text": LONE}]}]},
      400, "messages[0].content"),
     ("lone surrogate in stop", "/v1/completions", {"prompt": "a", "stop": LONE}, 400, "stop"),
-    ("lone surrogate in model", "/v1/completions", {"prompt": "a", "model": LONE}, 404, "model"),
+    ("lone surrogate in model", "/v1/completions", {"prompt": "a", "model": LONE}, 400, "model"),
     ("top_k past the vocabulary", "/v1/completions",
      {"prompt": "a", "top_k": 5000, "max_tokens": 2}, 400, "top_k"),
     # Issue 47 item 4: these were 500s.
@@ -671,6 +671,55 @@ def test_web_pages_are_refused_unless_allowed(server, tight):
     connection.close()
     got, raw = tight.http("POST", "/v1/completions", body, {"Origin": ALLOWED_ORIGIN})
     assert got == 200, raw
+
+
+def preflight(server: Server, asked_headers: str) -> http.client.HTTPResponse:
+    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    connection.putrequest("OPTIONS", "/v1/messages")
+    for name, value in (
+        ("Origin", ALLOWED_ORIGIN),
+        ("Access-Control-Request-Method", "POST"),
+        ("Access-Control-Request-Headers", asked_headers),
+    ):
+        connection.putheader(name, value)
+    connection.endheaders()
+    response = connection.getresponse()
+    response.body = response.read()
+    connection.close()
+    return response
+
+
+# What the official SDKs send from a browser (openai's and anthropic's, with their
+# `dangerouslyAllowBrowser`): each asks for its own headers in the preflight.
+SDK_HEADERS = (
+    "authorization, content-type, openai-organization, openai-project, x-stainless-arch, "
+    "x-stainless-lang, x-stainless-os, x-stainless-package-version, x-stainless-retry-count, "
+    "x-stainless-runtime, x-stainless-runtime-version, x-stainless-timeout, anthropic-version, "
+    "anthropic-dangerous-direct-browser-access, x-api-key, X-Request-Id"
+)
+
+
+def test_an_allowed_pages_preflight_gets_the_headers_it_asks_for(tight):
+    """Once the origin is allowed, the headers the preflight names are: the SDKs' own included
+    (they were `400 Disallowed CORS headers`); the answer lists them as checked, and only
+    header names within bounds are taken. The request id is readable by the page."""
+    allowed = preflight(tight, SDK_HEADERS)
+    assert allowed.status == 200, allowed.body
+    said = allowed.getheader("access-control-allow-headers").split(", ")
+    assert said == [name.strip().lower() for name in SDK_HEADERS.split(",")]
+    assert allowed.getheader("access-control-allow-origin") == ALLOWED_ORIGIN
+    for bad in ("x-a\tb", "x-a: 1", ", ".join(f"x-h{i}" for i in range(65)), "x" * 65, ""):
+        refused = preflight(tight, bad)
+        assert refused.status == 400, bad
+        assert refused.body.startswith(b"Disallowed CORS headers")
+    status, raw = tight.http("GET", "/v1/models", None, {"Origin": ALLOWED_ORIGIN})
+    assert status == 200, raw
+    connection = http.client.HTTPConnection("127.0.0.1", tight.port, timeout=30)
+    connection.request("GET", "/health", headers={"Origin": ALLOWED_ORIGIN})
+    reply = connection.getresponse()
+    reply.read()
+    connection.close()
+    assert "x-request-id" in reply.getheader("access-control-expose-headers")
 
 
 def test_the_host_names_a_server_answers_to_follow_its_address():

@@ -92,10 +92,9 @@ def test_thinking_is_split_into_reasoning_content(server):
     off = client.chat.completions.create(
         **common, temperature=0, extra_body={"chat_template_kwargs": {"enable_thinking": False}}
     )
-    assert (
-        off.choices[0].message.content
-        and off.choices[0].message.model_extra["reasoning_content"] == ""
-    )
+    # Thinking off: the template closed the think block empty, which is no reasoning at all.
+    assert off.choices[0].message.content
+    assert "reasoning_content" not in off.choices[0].message.model_extra
     streamed = client.chat.completions.create(
         **common, temperature=0, stream=True, extra_body={"enable_thinking": True}
     )
@@ -178,10 +177,11 @@ def test_anthropic_errors_are_in_anthropics_shape(server):
         )  # fmt: skip
     assert forced.value.body["type"] == "error"
     assert "tool_choice" in forced.value.body["error"]["message"]
-    with pytest.raises(anthropic.NotFoundError):
-        client.messages.create(
-            model="claude-x", max_tokens=2, messages=[{"role": "user", "content": "hi"}]
-        )
+    # Any model name is answered by the one model, and the reply names it.
+    other = client.messages.create(
+        model="claude-x", max_tokens=2, messages=[{"role": "user", "content": "hi"}]
+    )
+    assert other.model == "tiny-agent"
     # A field edge0 cannot honour is refused, naming it, never ignored; edge0's own per-request
     # profile is taken as through the OpenAI API.
     hi = [{"role": "user", "content": "hi"}]
@@ -199,6 +199,45 @@ def test_anthropic_errors_are_in_anthropics_shape(server):
         model="tiny-agent", max_tokens=2, messages=hi, metadata={"user_id": "u1"}
     )
     assert reply.type == "message"
+
+
+def test_count_tokens_counts_the_prompt_a_message_request_would_have(server):
+    """The anthropic client's count_tokens: the tokens a Messages request with that prompt is
+    encoded to (system, tools, thinking included); edge0 says which part of a prompt its KV
+    cache already held as Anthropic does (cache_read_input_tokens)."""
+    client = anthropic_client(server)
+    tools = [{"name": "get_weather", "input_schema": {"type": "object"}}]
+    prompt = dict(
+        model="claude-sonnet-4-5",  # any name: the one model answers
+        system="You are terse.",
+        messages=[{"role": "user", "content": "Weather in Paris?"}],
+        tools=tools,
+        thinking={"type": "enabled", "budget_tokens": 1024},
+    )
+    counted = client.messages.count_tokens(**prompt).input_tokens
+    first = client.messages.create(max_tokens=1, **prompt)
+    assert first.model == "tiny-agent" and counted == first.usage.input_tokens
+    assert counted != client.messages.count_tokens(**{**prompt, "tools": []}).input_tokens
+    again = client.messages.create(max_tokens=1, **prompt)  # the same prompt again
+    reused = again.model_extra["edge0"]["reused_prompt_tokens"]
+    assert 0 < again.usage.cache_read_input_tokens == min(reused, counted)
+
+
+def test_count_tokens_refuses_in_anthropics_shape_within_the_prompt_bounds(server):
+    client = anthropic_client(server)
+    hi = [{"role": "user", "content": "hi"}]
+    with pytest.raises(anthropic.BadRequestError) as extra:
+        client.messages.count_tokens(model="m", messages=hi, extra_body={"max_tokens": 5})
+    assert extra.value.body["type"] == "error"
+    assert "max_tokens is not supported by count_tokens" in extra.value.body["error"]["message"]
+    with pytest.raises(anthropic.BadRequestError) as empty:
+        client.messages.count_tokens(model="m", messages=[])
+    assert empty.value.body["error"]["message"].endswith("(messages)")
+    # Past the context by its length alone: refused before it is encoded, as a request is.
+    huge = [{"role": "user", "content": "x" * 2_000_000}]
+    with pytest.raises(anthropic.BadRequestError) as past:
+        client.messages.count_tokens(model="m", messages=huge)
+    assert "more than the model's context" in past.value.body["error"]["message"]
 
 
 # -- issue 47 item 5: what the template cannot render is refused, naming the field ---------------

@@ -81,6 +81,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         metavar="SECONDS",
         help="the time a client has to send a request's headers, and then its body (default 30)",
     )
+    parser.add_argument(
+        "--strict-model-name",
+        action="store_true",
+        help="refuse (404) a request naming another model than MODEL or edge0; by default any "
+        "name is answered by the one model served, and the log says which name was asked",
+    )
     options.add_exact(parser)
     options.add_adapters(parser)
 
@@ -151,5 +157,6 @@ def run(args: argparse.Namespace) -> int:
         # None: the server's defaults (limits.py; not imported here, where every command parses)
         max_connections=args.max_connections,
         client_timeout_s=args.client_timeout,
+        strict_model_name=args.strict_model_name,
     )
     return 0

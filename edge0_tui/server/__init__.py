@@ -42,8 +42,9 @@ def serve_model(
     queue_limit: int = 16,
     **limits,
 ) -> None:
-    """`edge0 serve MODEL`: the model answers to its name and to `edge0`. `limits`: the
-    ServerSettings of origins, max_connections and client_timeout_s."""
+    """`edge0 serve MODEL`: the model answers to its name and to `edge0` (and to any other name
+    unless `strict_model_name`). `limits`: the ServerSettings of origins, max_connections,
+    client_timeout_s and strict_model_name."""
     name = model_name(spec)
     ids = (name,) if name == "edge0" else (name, "edge0")
     given = {name: value for name, value in limits.items() if value is not None}

@@ -10,6 +10,8 @@ sequences, the reasoning split and the tool-call parsers are the same; only the 
 - `thinking: {"type": "enabled"}` turns the template's thinking on, and reasoning comes back as
   `thinking` blocks;
 - replies stream as message_start, content_block_start/delta/stop, message_delta, message_stop;
+- `POST /v1/messages/count_tokens` takes a request's prompt fields and counts the tokens that
+  request's prompt would be encoded to (`parse_count_tokens`);
 - errors are `{"type": "error", "error": {"type": ..., "message": ...}}`, naming the field as
   this API calls it (`stop_sequences`, `messages[1].content[0].input`): every field is checked
   here, with the checks the OpenAI API uses, before it is given OpenAI's shape.
@@ -169,8 +171,26 @@ MESSAGES_FIELDS = frozenset(
 )  # fmt: skip
 
 
-def parse_messages(body: dict, model_ids: tuple[str, ...]) -> GenerationRequest:
-    """An Anthropic Messages request as a chat request, checked field by field."""
+# What `POST /v1/messages/count_tokens` takes: the prompt's fields of a Messages request.
+COUNT_TOKENS_FIELDS = frozenset({"model", "messages", "system", "tools", "tool_choice", "thinking"})
+
+
+def parse_count_tokens(
+    body: dict, model_ids: tuple[str, ...], strict: bool = False
+) -> GenerationRequest:
+    """A count_tokens request, checked as a Messages request with the same prompt is: its
+    tokens are those that request's prompt would be encoded to."""
+    for name in body:
+        if name not in COUNT_TOKENS_FIELDS:
+            raise bad(f"{name} is not supported by count_tokens", str(name))
+    return parse_messages({**body, "max_tokens": 1}, model_ids, strict)
+
+
+def parse_messages(
+    body: dict, model_ids: tuple[str, ...], strict: bool = False
+) -> GenerationRequest:
+    """An Anthropic Messages request as a chat request, checked field by field (`model_ids`,
+    `strict`: as openai_shapes.parse_chat's)."""
     for name in body:
         if name not in MESSAGES_FIELDS:
             raise bad(f"{name} is not supported by edge0's Messages API", str(name))
@@ -212,8 +232,21 @@ def parse_messages(body: dict, model_ids: tuple[str, ...]) -> GenerationRequest:
     }
     if isinstance(thinking, dict):
         chat["enable_thinking"] = thinking.get("type") == "enabled"
-    request = parse_chat({k: v for k, v in chat.items() if v is not None}, model_ids)
+    request = parse_chat({k: v for k, v in chat.items() if v is not None}, model_ids, strict)
     return replace(request, include_usage=False)
+
+
+def _usage(used: dict) -> dict:
+    """Anthropic's usage of OpenAI's (openai_replies.usage). `input_tokens` is the whole prompt,
+    as edge0 has always said it; `cache_read_input_tokens` the part of it the engine's KV cache
+    already held (the prompt-cache reuse it measures)."""
+    cached = used.get("prompt_tokens_details", {}).get("cached_tokens", 0)
+    return {
+        "input_tokens": used["prompt_tokens"],
+        "output_tokens": used["completion_tokens"],
+        "cache_read_input_tokens": cached,
+        "cache_creation_input_tokens": 0,
+    }
 
 
 class AnthropicWriter:
@@ -236,10 +269,7 @@ class AnthropicWriter:
             "content": content,
             "stop_reason": stop_reason,
             "stop_sequence": self._stop_sequence(stop_reason),
-            "usage": {
-                "input_tokens": used["prompt_tokens"],
-                "output_tokens": used["completion_tokens"],
-            },
+            "usage": _usage(used),
         }
 
     def _stop_reason(self, finish_reason: str) -> str:
@@ -300,7 +330,7 @@ class AnthropicWriter:
                 "stop_reason": stop_reason,
                 "stop_sequence": self._stop_sequence(stop_reason),
             },
-            "usage": {"output_tokens": used["completion_tokens"]},
+            "usage": _usage(used),
             "edge0": figures,
         }
         return out + [sse(delta, "message_delta"), sse({"type": "message_stop"}, "message_stop")]

@@ -27,24 +27,24 @@ from dataclasses import dataclass
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
-from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from ..sanitize import escape_controls
 from . import metrics as prometheus
-from .access_log import CLIENT_CLOSED, AccessLog, note
-from .anthropic_shapes import AnthropicWriter, parse_messages
+from .access_log import CLIENT_CLOSED, REQUEST_ID, AccessLog, note
+from .anthropic_shapes import AnthropicWriter, parse_count_tokens, parse_messages
 from .anthropic_shapes import error_body as anthropic_error
 from .engine_worker import EngineWorker, Failed, Finished, Job, Text, not_ready, request_chars
 from .limits import (
     CLIENT_TIMEOUT_S,
     LOOPBACK_NAMES,
     MAX_CONNECTIONS,
+    BrowserCORS,
     RequestGuard,
 )
-from .openai_replies import OpenAIWriter, model_card, usage
+from .openai_replies import OpenAIWriter, model_card, system_fingerprint, usage
 from .openai_shapes import ApiError, GenerationRequest, error_body, parse_chat, parse_completion
 from .reply_parts import ReplyParts
 
@@ -58,6 +58,9 @@ DRAIN_BYTES = 64 * 1024 * 1024
 SHORT_PROMPT_CHARS = 64 * 1024
 
 Log = Callable[[str], None]
+
+# The reply headers a web page's script may read (CORS): the request's id, edge0's warning.
+EXPOSED_HEADERS = (REQUEST_ID, "x-edge0-warning")
 
 
 def _stderr(line: str) -> None:
@@ -77,6 +80,9 @@ class ServerSettings:
     origins: tuple[str, ...] = ()  # browser origins allowed (--cors); "*": any
     client_timeout_s: float = CLIENT_TIMEOUT_S  # for a request's headers, and for its body
     max_connections: int = MAX_CONNECTIONS
+    # Refuse a request naming another model than model_ids (404) instead of answering it with
+    # the one served (--strict-model-name).
+    strict_model_name: bool = False
 
 
 def error_response(
@@ -256,14 +262,19 @@ class GenerationResponse:
         asked = " (asked)" if self.request.k is not None or self.request.mode is not None else ""
         called = f", called {', '.join(c.name for c in calls)}" if calls else ""
         called += f"; {self.warning}" if self.warning else ""
+        asked_model = self.request.asked_model
+        kind = self.request.kind
+        if asked_model is not None:  # any name is answered by the one model: say which
+            kind += f" for model {asked_model!r} (answered by {self.request.model})"
         note(
             self.scope,
-            f"{self.request.kind} {event.prompt_tokens}+{event.completion_tokens} tokens "
+            f"{kind} {event.prompt_tokens}+{event.completion_tokens} tokens "
             f"({f['reused_prompt_tokens']} reused), {f['ttft_ms']:.0f} ms to first token, "
             f"{f['decode_tok_per_s']:.1f} tok/s, blocked {f['blocked_ms_per_step']:.1f} ms/step, "
             f"cold {f['cold_fraction']:.0%}, K={f['k']} {f['mode']}{asked}, {reason}{called}",
         )
-        return reason, usage(event.prompt_tokens, event.completion_tokens)
+        reused = min(f["reused_prompt_tokens"], event.prompt_tokens)
+        return reason, usage(event.prompt_tokens, event.completion_tokens, reused)
 
     def _warning_header(self) -> dict[str, str]:
         return {"x-edge0-warning": self.warning} if self.warning else {}
@@ -404,12 +415,18 @@ def create_app(worker: EngineWorker, settings: ServerSettings) -> Starlette:
 
         return endpoint
 
-    async def generate(request: Request, parse, anthropic: bool = False):
+    async def encoded(request: Request, parse) -> tuple[GenerationRequest, list[int] | None]:
+        """The request's body checked by `parse` and its prompt encoded (None: the model is not
+        ready), within the prompt bounds every request has (EngineWorker.encode)."""
         body = await read_json(request, settings.max_body_bytes, settings.client_timeout_s)
-        parsed: GenerationRequest = parse(body, settings.model_ids)
+        parsed: GenerationRequest = parse(body, settings.model_ids, settings.strict_model_name)
         lane = "short" if request_chars(parsed) < SHORT_PROMPT_CHARS else "long"
         async with encoding[lane]:  # a long prompt may take seconds and much memory
             tokens = await asyncio.to_thread(worker.encode, parsed)
+        return parsed, tokens
+
+    async def generate(request: Request, parse, anthropic: bool = False):
+        parsed, tokens = await encoded(request, parse)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
 
@@ -429,9 +446,9 @@ def create_app(worker: EngineWorker, settings: ServerSettings) -> Starlette:
             return GenerationResponse(
                 parsed, job, events, stats, writer, parts, anthropic_error, warning
             )
-        return GenerationResponse(
-            parsed, job, events, stats, OpenAIWriter(parsed), parts, warning=warning
-        )
+        k = parsed.k if parsed.k is not None else (worker.configured or (None,))[0]
+        writer = OpenAIWriter(parsed, system_fingerprint(worker.fingerprint, k))
+        return GenerationResponse(parsed, job, events, stats, writer, parts, warning=warning)
 
     async def chat_completions(request: Request):
         return await generate(request, parse_chat)
@@ -441,6 +458,15 @@ def create_app(worker: EngineWorker, settings: ServerSettings) -> Starlette:
 
     async def messages(request: Request):
         return await generate(request, parse_messages, anthropic=True)
+
+    async def count_tokens(request: Request):
+        """Anthropic's `POST /v1/messages/count_tokens`: the tokens a Messages request with
+        this prompt would be encoded to, by the same path and bounds."""
+        parsed, tokens = await encoded(request, parse_count_tokens)
+        if tokens is None:
+            raise not_ready(worker.state, worker.error)
+        note(request.scope, f"count_tokens: {len(tokens)} tokens")
+        return JSONResponse({"input_tokens": len(tokens)})
 
     def card(model_id: str) -> dict:
         k, mode = worker.configured or (None, None)
@@ -505,6 +531,11 @@ def create_app(worker: EngineWorker, settings: ServerSettings) -> Starlette:
             Route("/v1/chat/completions", guarded(chat_completions), methods=["POST"]),
             Route("/v1/completions", guarded(completions), methods=["POST"]),
             Route("/v1/messages", guarded(messages, anthropic_error), methods=["POST"]),
+            Route(
+                "/v1/messages/count_tokens",
+                guarded(count_tokens, anthropic_error),
+                methods=["POST"],
+            ),
             Route("/v1/models", guarded(models), methods=["GET"]),
             Route("/v1/models/{model:path}", guarded(model), methods=["GET"]),
             Route("/metrics", guarded(metrics), methods=["GET"]),
@@ -529,11 +560,6 @@ def _middleware(settings: ServerSettings, stats: prometheus.ServerStats) -> list
     ]
     if settings.origins:
         middleware.append(
-            Middleware(
-                CORSMiddleware,
-                allow_origins=list(settings.origins),
-                allow_methods=["GET", "POST"],
-                allow_headers=["authorization", "content-type", "x-api-key", "anthropic-version"],
-            )
+            Middleware(BrowserCORS, origins=settings.origins, expose_headers=EXPOSED_HEADERS)
         )
     return middleware

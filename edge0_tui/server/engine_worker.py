@@ -359,6 +359,11 @@ class EngineWorker:
         return {k: info[k] for k in (*keys, "expert_cache_bytes", "expert_bytes") if k in info}
 
     @property
+    def fingerprint(self) -> str | None:
+        """The model's fingerprint (its config and routed experts' tensors), once loaded."""
+        return self.service.info.get("fingerprint")
+
+    @property
     def profiles(self) -> list[dict]:
         return [p.__dict__ for p in self.service.profiles]
 

@@ -23,13 +23,16 @@ import ipaddress
 import json
 import logging
 import os
+import re
 import resource
 import socket
 import threading
 import time
 from collections.abc import Callable, Iterable
 
-from starlette.responses import JSONResponse
+from starlette.datastructures import Headers
+from starlette.middleware.cors import CORSMiddleware
+from starlette.responses import JSONResponse, PlainTextResponse, Response
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from .openai_shapes import ApiError
@@ -326,6 +329,57 @@ class RequestGuard:
                     code="origin_not_allowed",
                 )
         return None
+
+
+# A preflight's Access-Control-Request-Headers: header names (HTTP tokens), comma-separated.
+# Browsers ask for the headers a page's script sets, and the official SDKs set their own
+# (`x-stainless-*`, `openai-organization`, `anthropic-dangerous-direct-browser-access`): once the
+# origin is allowed, any name is, within these bounds on what the answer echoes back.
+HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]{1,64}")
+MAX_PREFLIGHT_HEADERS = 64
+MAX_PREFLIGHT_CHARS = 2048
+
+
+def preflight_header_names(value: str) -> list[str] | None:
+    """The header names a preflight asks for, lower-cased; None when the value is not a short
+    list of header names (a control character, a value, too many, too long)."""
+    if len(value) > MAX_PREFLIGHT_CHARS:
+        return None
+    names = [name.strip(" ").lower() for name in value.split(",")]
+    if len(names) > MAX_PREFLIGHT_HEADERS or not all(HEADER_NAME.fullmatch(n) for n in names):
+        return None
+    return names
+
+
+class BrowserCORS(CORSMiddleware):
+    """Starlette's CORS for the origins allowed (--cors), allowing the request headers a
+    preflight names when they are header names within bounds (`preflight_header_names`);
+    `expose_headers`: the reply headers a page's script may read."""
+
+    def __init__(self, app, origins: Iterable[str], expose_headers: Iterable[str]) -> None:
+        super().__init__(
+            app,
+            allow_origins=list(origins),
+            allow_methods=["GET", "POST"],
+            allow_headers=["*"],
+            expose_headers=list(expose_headers),
+        )
+
+    def preflight_response(self, request_headers: Headers) -> Response:
+        asked = request_headers.get("access-control-request-headers")
+        if asked is None:
+            return super().preflight_response(request_headers)
+        names = preflight_header_names(asked)
+        if names is None:
+            return PlainTextResponse(
+                f"Disallowed CORS headers: Access-Control-Request-Headers must list at most "
+                f"{MAX_PREFLIGHT_HEADERS} header names in {MAX_PREFLIGHT_CHARS} characters",
+                status_code=400,
+            )
+        response = super().preflight_response(request_headers)
+        if response.status_code == 200:  # the names as checked, not the client's bytes
+            response.headers["Access-Control-Allow-Headers"] = ", ".join(names)
+        return response
 
 
 def _shorten(value: str) -> str:

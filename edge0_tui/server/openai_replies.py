@@ -18,8 +18,9 @@ from .tool_calls import ToolCall
 class ReplyShapes:
     """The JSON of one reply, streamed chunk by chunk or whole, in the request's kind."""
 
-    def __init__(self, request: GenerationRequest) -> None:
+    def __init__(self, request: GenerationRequest, fingerprint: str | None = None) -> None:
         self.request = request
+        self.fingerprint = fingerprint  # the reply's system_fingerprint
         chat = request.kind == "chat"
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
@@ -32,6 +33,7 @@ class ReplyShapes:
             "object": object_name,
             "created": self.created,
             "model": self.request.model,
+            "system_fingerprint": self.fingerprint,
         }
 
     def _usage_field(self) -> dict:
@@ -106,7 +108,7 @@ class ReplyShapes:
     ) -> dict:
         if self.chat:
             message: dict = {"role": "assistant", "content": text}
-            if reasoning is not None:
+            if reasoning:  # an empty think block is no reasoning
                 message["reasoning_content"] = reasoning
             if tool_calls:
                 message["tool_calls"] = tool_calls
@@ -129,12 +131,23 @@ class ReplyShapes:
         return {**head, "choices": [choice], "usage": usage, "edge0": figures}
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """OpenAI's usage; `cached_tokens`: the prompt's tokens the engine's KV cache already held
+    (not computed again: the prompt-cache reuse the engine measures)."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
+
+
+def system_fingerprint(model_fingerprint: str | None, k: int | None) -> str:
+    """What OpenAI's `system_fingerprint` stands for here: the weights (the model's fingerprint:
+    its config and routed experts' tensors) and the K profile a reply runs with, e.g.
+    `edge0-1a2b3c4d5e6f7a8b-k4`."""
+    weights = model_fingerprint or "unknown"
+    return f"edge0-{weights}" + (f"-k{k}" if k is not None else "")
 
 
 def model_card(model_id: str, created: int, details: dict) -> dict:
@@ -166,8 +179,8 @@ def tool_call_json(call: ToolCall, index: int | None = None) -> dict:
 class OpenAIWriter:
     """A reply in OpenAI's shapes, for app.GenerationResponse: SSE chunks or one body."""
 
-    def __init__(self, request: GenerationRequest) -> None:
-        self.shapes = ReplyShapes(request)
+    def __init__(self, request: GenerationRequest, fingerprint: str | None = None) -> None:
+        self.shapes = ReplyShapes(request, fingerprint)
         self.request = request
 
     def start(self) -> list[bytes]:

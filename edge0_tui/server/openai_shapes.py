@@ -88,7 +88,7 @@ class GenerationRequest:
     """What the engine thread needs for one reply, checked."""
 
     kind: str  # "chat" or "completion"
-    model: str  # the id the reply names
+    model: str  # the id the reply names: the served model's own
     messages: tuple[dict, ...] | None  # chat: role/content dicts for the chat template
     prompt: str | None  # completion: encoded as is
     generation: GenerationConfig
@@ -104,6 +104,9 @@ class GenerationRequest:
     # No max_tokens in the request: DEFAULT_MAX_TOKENS, or what the context has left after the
     # prompt when that is less (the engine thread knows the prompt's length).
     default_max_tokens: bool = False
+    # The name the request asked for when it is none of the served model's (any name is
+    # answered by the one model, unless the server runs with --strict-model-name): for the log.
+    asked_model: str | None = None
 
 
 # -- checking fields ---------------------------------------------------------------------------
@@ -183,19 +186,21 @@ def _refuse_unless(body: dict, name: str, allowed, why: str) -> None:
         raise bad(f"{name} is not supported: {why}", name)
 
 
-def check_model(body: dict, model_ids: tuple[str, ...]) -> str:
-    """The model the request names: one of `model_ids` (the first when it names none)."""
+def check_model(body: dict, model_ids: tuple[str, ...], strict: bool = False) -> str | None:
+    """The name the request asks for when it is none of `model_ids` (None: one of them, or no
+    name). One model is served: any name gets it (front ends send a default, `gpt-4o`), unless
+    `strict`, where another name is a 404."""
     model = _optional(body, "model", lambda v: isinstance(v, str), "a string")
-    if model is None:
-        return model_ids[0]
-    if model not in model_ids:
+    if model is None or model in model_ids:
+        return None
+    if strict:
         raise ApiError(
             404,
             f"the model {_shown(model)} does not exist here (this server runs {model_ids[0]!r})",
             param="model",
             code="model_not_found",
         )
-    return model
+    return check_text(model, "model")
 
 
 def _generation(body: dict, max_tokens_field: tuple[str, ...], chat: bool) -> GenerationConfig:
@@ -297,17 +302,14 @@ def _profile(body: dict) -> tuple[int | None, str | None]:
 def _stream(body: dict) -> tuple[bool, bool]:
     stream = bool(_optional(body, "stream", lambda v: isinstance(v, bool), "a boolean"))
     options = _optional(body, "stream_options", lambda v: isinstance(v, dict), "an object")
-    include_usage = False
-    if options is not None:
-        include_usage = bool(
-            _optional(
-                options,
-                "include_usage",
-                lambda v: isinstance(v, bool),
-                "a boolean (stream_options)",
-            )
-        )
-    return stream, include_usage and stream
+    if options is None:
+        return stream, False
+    if not stream:  # as OpenAI answers it: the options of a stream that is not one
+        raise bad("stream_options is only allowed when stream is true", "stream_options")
+    include_usage = _optional(
+        options, "include_usage", lambda v: isinstance(v, bool), "a boolean (stream_options)"
+    )
+    return stream, bool(include_usage)
 
 
 def _unsupported(body: dict) -> None:
@@ -451,17 +453,24 @@ def _template_kwargs(body: dict) -> dict:
     return out
 
 
-def parse_chat(body: dict, model_ids: tuple[str, ...]) -> GenerationRequest:
-    model = check_model(body, model_ids)
+def parse_chat(body: dict, model_ids: tuple[str, ...], strict: bool = False) -> GenerationRequest:
+    """A chat completion request, checked; `model_ids`: the served model's ids, its own first
+    (`strict`: refuse any other name)."""
+    asked = check_model(body, model_ids, strict)
     messages = _messages(body)
     request = _request(
-        body, "chat", model, ("max_completion_tokens", "max_tokens"), messages=messages
+        body, "chat", model_ids[0], ("max_completion_tokens", "max_tokens"), messages=messages
     )
-    return replace(request, tools=_tools(body), template_kwargs=_template_kwargs(body))
+    return replace(
+        request, tools=_tools(body), template_kwargs=_template_kwargs(body), asked_model=asked
+    )
 
 
-def parse_completion(body: dict, model_ids: tuple[str, ...]) -> GenerationRequest:
-    model = check_model(body, model_ids)
+def parse_completion(
+    body: dict, model_ids: tuple[str, ...], strict: bool = False
+) -> GenerationRequest:
+    """A text completion request, checked (`model_ids`, `strict`: as parse_chat's)."""
+    asked = check_model(body, model_ids, strict)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
@@ -471,7 +480,10 @@ def parse_completion(body: dict, model_ids: tuple[str, ...]) -> GenerationReques
         raise bad("prompt must be a string (one prompt per request)", "prompt")
     if not prompt:
         raise bad("prompt must not be empty", "prompt")
-    return _request(body, "completion", model, ("max_tokens",), prompt=check_text(prompt, "prompt"))
+    request = _request(
+        body, "completion", model_ids[0], ("max_tokens",), prompt=check_text(prompt, "prompt")
+    )
+    return replace(request, asked_model=asked)
 
 
 def _request(

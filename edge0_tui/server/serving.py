@@ -131,6 +131,8 @@ def startup_lines(settings: ServerSettings, worker: EngineWorker, url: str) -> l
     and APIs, the model's ids, the profile requests run with, and the memory plan."""
     name, *aliases = settings.model_ids
     also = f", also answers to {', '.join(aliases)}" if aliases else ""
+    if not settings.strict_model_name:
+        also += " and any other model name" if aliases else ", answers to any model name"
     k, mode = worker.configured or (worker.live.k, worker.live.mode)
     ks = ", ".join(str(p["k"]) for p in worker.profiles) or str(k)
     engine = worker.service.engine
@@ -139,7 +141,7 @@ def startup_lines(settings: ServerSettings, worker: EngineWorker, url: str) -> l
     lines = [
         f"edge0: ready: {name} ({worker.info.get('family')}){also}",
         f"edge0:   OpenAI API     {url}/v1/chat/completions, /v1/completions, /v1/models",
-        f"edge0:   Anthropic API  {url}/v1/messages",
+        f"edge0:   Anthropic API  {url}/v1/messages, /v1/messages/count_tokens",
         f"edge0:   profile        K={k} {mode}; a request may name its own k ({ks}) and mode "
         f"({', '.join(worker.modes)}), for itself only",
         f"edge0:   {plan.line() if plan is not None else 'memory plan: none (resident)'}",
