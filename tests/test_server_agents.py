@@ -143,7 +143,8 @@ def test_anthropic_client_gets_tool_use_and_answers_from_the_tool_result(server)
     openai_prompt = server.client().chat.completions.create(
         model=MODEL_ID, messages=openai_ask(), tools=[WEATHER_TOOL], max_tokens=1
     )
-    assert first.usage.input_tokens == openai_prompt.usage.prompt_tokens
+    prompt_tokens = first.usage.input_tokens + first.usage.cache_read_input_tokens
+    assert prompt_tokens == openai_prompt.usage.prompt_tokens
     # As Anthropic's docs run the loop: the assistant's content as it came, then the result.
     history = [
         *anthropic_ask(),
@@ -162,9 +163,9 @@ def test_anthropic_client_gets_tool_use_and_answers_from_the_tool_result(server)
         events = list(stream)
         streamed = stream.get_final_message()
     assert "input_json" in [event.type for event in events] and streamed.stop_reason == "tool_use"
-    # message_start counts the prompt already, as the whole reply does.
+    # message_start counts the prompt already (before it is computed: all of it as input).
     assert events[0].type == "message_start"
-    assert events[0].message.usage.input_tokens == first.usage.input_tokens
+    assert events[0].message.usage.input_tokens == prompt_tokens
     [streamed_use] = streamed.content
     assert streamed_use.type == "tool_use" and streamed_use.name == "get_weather"
     assert streamed_use.input == CALL_ARGUMENTS

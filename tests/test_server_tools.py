@@ -160,7 +160,11 @@ def test_the_anthropic_client_sends_tools_and_tool_results(server):
         },
     ]  # fmt: skip
     second = client.messages.create(model="tiny-agent", max_tokens=2, messages=history, tools=tools)
-    assert second.usage.input_tokens > first.usage.input_tokens + 10
+
+    def prompt_tokens(reply) -> int:  # Anthropic's: input plus what the KV cache held
+        return reply.usage.input_tokens + (reply.usage.cache_read_input_tokens or 0)
+
+    assert prompt_tokens(second) > prompt_tokens(first) + 10
 
 
 def test_anthropic_errors_are_in_anthropics_shape(server):
@@ -216,11 +220,14 @@ def test_count_tokens_counts_the_prompt_a_message_request_would_have(server):
     )
     counted = client.messages.count_tokens(**prompt).input_tokens
     first = client.messages.create(max_tokens=1, **prompt)
-    assert first.model == "tiny-agent" and counted == first.usage.input_tokens
+    assert first.model == "tiny-agent"
+    assert counted == first.usage.input_tokens + first.usage.cache_read_input_tokens
     assert counted != client.messages.count_tokens(**{**prompt, "tools": []}).input_tokens
     again = client.messages.create(max_tokens=1, **prompt)  # the same prompt again
     reused = again.model_extra["edge0"]["reused_prompt_tokens"]
     assert 0 < again.usage.cache_read_input_tokens == min(reused, counted)
+    # As Anthropic counts: the cached part is not input again (a sum counts it once).
+    assert again.usage.input_tokens == counted - again.usage.cache_read_input_tokens
 
 
 def test_count_tokens_refuses_in_anthropics_shape_within_the_prompt_bounds(server):

@@ -237,12 +237,13 @@ def parse_messages(
 
 
 def _usage(used: dict) -> dict:
-    """Anthropic's usage of OpenAI's (openai_replies.usage). `input_tokens` is the whole prompt,
-    as edge0 has always said it; `cache_read_input_tokens` the part of it the engine's KV cache
-    already held (the prompt-cache reuse it measures)."""
+    """Anthropic's usage of OpenAI's (openai_replies.usage), in Anthropic's meaning: the prompt
+    is `input_tokens` plus `cache_read_input_tokens`, the part of it the engine's KV cache already
+    held (the prompt-cache reuse it measures), so a client adding them counts it once. (The
+    message_start event, sent before the prompt is computed, counts the whole prompt as input.)"""
     cached = used.get("prompt_tokens_details", {}).get("cached_tokens", 0)
     return {
-        "input_tokens": used["prompt_tokens"],
+        "input_tokens": used["prompt_tokens"] - cached,
         "output_tokens": used["completion_tokens"],
         "cache_read_input_tokens": cached,
         "cache_creation_input_tokens": 0,
