@@ -40,7 +40,7 @@ class MetricsPanel(Vertical):
         speed = metrics.tok_per_s_history
         self.query_one("#tok-per-s", Digits).update(f"{metrics.tok_per_s:.1f}")
         self.query_one("#tok-per-s-line", Label).update(
-            f"{metrics.tok_per_s:.1f} tok/s" + (f"   {_range(speed, '')}".rstrip() if speed else "")
+            f"{metrics.tok_per_s:.1f} tok/s" + (f"   {_range(speed)}" if speed else "")
         )
         self.query_one("#tok-per-s-history", Sparkline).data = speed
         self.query_one("#tok-per-s-range", Label).update(_range(speed, "tok/s"))
@@ -92,5 +92,8 @@ def prefill_line(metrics: LiveMetrics) -> str:
     )
 
 
-def _range(values: list[float], unit: str) -> str:
-    return f"min {min(values):.1f}  max {max(values):.1f} {unit}" if values else ""
+def _range(values: list[float], unit: str = "") -> str:
+    """ "min A  max B UNIT" (no unit: the line it follows has said it); "" without values."""
+    if not values:
+        return ""
+    return f"min {min(values):.1f}  max {max(values):.1f}" + (f" {unit}" if unit else "")
