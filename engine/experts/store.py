@@ -21,6 +21,7 @@ from collections.abc import Iterable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from functools import partial
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 import numpy as np
@@ -40,6 +41,9 @@ from .read_pacing import ReadPacer
 from .reader_core import pin_threads, reader_cores, unpin_all_threads
 from .reads import MLX_DTYPES, ExpertReader, ReadResult, to_mlx
 from .slot_bank import SlotBank, SlotPart
+
+if TYPE_CHECKING:
+    from ..routing.lookahead import Guess, Lookahead
 
 
 @dataclass
@@ -95,6 +99,20 @@ class LoadCounters:
     heads_not_read: int = 0  # predicted experts not read ahead: the heads name them less
     # precisely than the lookahead (prefetch mode, `head_reads.py`)
     layers: dict[int, LayerRouted] = field(default_factory=dict)  # by layer, decode and prefill
+
+
+@dataclass
+class LayerSlots:
+    """Where a layer's routed experts are for one forward, as `StreamingSwitchGLU.compute` takes
+    them: the bank holding them and the routing as rows of it, on the device (`device`) and, where
+    the host knows it, on the host (`host`); or, for a prefill chunk routed to more experts than
+    the bank holds, `groups`: bankfuls (experts, their slots, the bank), each read as the caller
+    asks for it, once the group before has computed."""
+
+    bank: dict[str, mx.array] | None = None
+    device: mx.array | None = None
+    host: np.ndarray | None = None
+    groups: Iterator[tuple[list[int], list[int], dict[str, mx.array]]] | None = None
 
 
 class ExpertStore:
@@ -157,6 +175,9 @@ class ExpertStore:
         # engine; off, every prediction is read (prerouter mode routes by them).
         self.gate_head_reads = False
         self.head_gate = HeadReadGate()
+        # The exact lookahead (`routing/lookahead.py`), set by the engine where it guesses: a
+        # layer whose routing is read back brings the next layer's guess in the same wait.
+        self.lookahead: Lookahead | None = None
         self._predicted: dict[int, set[int]] = {}  # layer -> the heads' prediction, this step
         self._predicted_next: dict[int, set[int]] = {}  # ... for the next step
         # Layers to hold (`hold_layers`), and the routing of held layers this step, still on the
@@ -408,6 +429,69 @@ class ExpertStore:
             self._read_every_expert(layer)
         self.end_step()
 
+    # -- one layer's experts for one forward -------------------------------------------------------
+
+    def layer_slots(
+        self, layer: int, indices: mx.array, routed: np.ndarray | None = None
+    ) -> tuple[LayerSlots, np.ndarray | mx.array]:
+        """Where `layer`'s experts routed to `indices` are for this forward, reading what is
+        missing; and the routing as now known: on the host where it is known there, else the
+        device array (a held layer at decode).
+
+        `routed` is the routing already on the host (a prediction): no wait on the device. A held
+        layer at decode maps the routing to slots on the device: no wait either. Otherwise the
+        reads need the routing on the host, and reading it back waits for the device: the one
+        host read a layer may cost."""
+        tokens = indices.size // indices.shape[-1]
+        table = self.slot_table(layer) if tokens == 1 else None
+        if table is not None:
+            if routed is None:
+                self.routed_on_device(layer, indices)
+            else:
+                self.routing_known(layer, _distinct(routed))
+            known = indices if routed is None else routed
+            return LayerSlots(self.bank(layer).arrays, device=table[indices]), known
+        guess = None
+        if routed is None:
+            routed, guess = self._read_routing(layer, indices, tokens)
+        distinct = _distinct(routed)
+        if tokens == 1:
+            self.routing_known(layer, distinct)
+        if tokens > 1 and self.wants_whole_layer(layer, len(distinct)):
+            # The layer's stacked tensors are indexed by expert id: the routing is its own slots.
+            return LayerSlots(self.whole_layer(layer), device=indices, host=routed), routed
+        if len(distinct) > self.pool.room(layer):
+            return LayerSlots(groups=self._bankfuls_with_bank(layer, distinct)), routed
+        slot_of = np.zeros(self.index.layers[layer].num_experts, dtype=np.uint32)
+        slot_of[distinct] = self.fetch(layer, distinct)
+        if guess is not None:
+            # Issued once this layer's own misses are in: the guess's reads never delay them,
+            # and land while this layer computes and the next one runs its attention.
+            self.look_ahead(guess.layer, guess.likely)
+        return LayerSlots(self.bank(layer).arrays, host=slot_of[routed]), routed
+
+    def _read_routing(
+        self, layer: int, indices: mx.array, tokens: int
+    ) -> tuple[np.ndarray, Guess | None]:
+        """The layer's routing read back to the host, with the next layer's guess (decode, in the
+        modes that read ahead) in the same wait. The wait computes every layer before, so their
+        experts' slots may be reused."""
+        lookahead = self.lookahead
+        guess = lookahead.guess_after(layer) if lookahead is not None and tokens == 1 else None
+        with self.tracer.span(f"router sync {layer}", "compute"):
+            wanted = [indices] if guess is None else [indices, guess.indices]
+            host = self.host_reads.read(wanted, "the routing a layer's reads need")
+        if guess is not None:
+            guess.host = host[1]
+        self.layer_computed(layer - 1)
+        return host[0], guess
+
+    def _bankfuls_with_bank(
+        self, layer: int, experts: list[int]
+    ) -> Iterator[tuple[list[int], list[int], dict[str, mx.array]]]:
+        for group, slots in self.bankfuls(layer, experts):
+            yield group, slots, self.bank(layer).arrays
+
     # -- per-expert path ---------------------------------------------------------------------------
 
     def fetch(self, layer: int, experts: list[int]) -> list[int]:
@@ -574,6 +658,12 @@ def expert_layout(
         key = f"{tensor.projection}.{tensor.part}"
         parts.append(SlotPart(key, tuple(tensor.expert_shape), dtype, tensor.entry.dtype))
     return tuple(parts)
+
+
+def _distinct(routed: np.ndarray) -> list[int]:
+    """The experts a routing names, each once, in order (cheaper than np.unique for a decode
+    step's few)."""
+    return sorted(set(routed.ravel().tolist()))
 
 
 def _read_event(how: str, result: ReadResult) -> ExpertEvent:

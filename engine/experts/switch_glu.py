@@ -42,7 +42,7 @@ from mlx_lm.models.switch_layers import (
 
 from ..errors import Edge0Error
 from ..host_reads import HostReads
-from .store import ExpertStore
+from .store import ExpertStore, LayerSlots
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 # An expert with at least this many rows in a prefill chunk is dequantized and multiplied in fp32
@@ -92,7 +92,12 @@ def projection_specs(switch: SwitchGLU, where: str) -> tuple[ProjectionSpec, ...
 
 
 class StreamingSwitchGLU(nn.Module):
-    """Drop-in for `SwitchGLU` whose expert weights are read on demand."""
+    """Drop-in for `SwitchGLU` whose expert weights live in the expert store's slot banks.
+
+    `compute` is pure compute, as mlx-lm's `SwitchGLU` is: the routed experts' outputs over the
+    slots the store gives (`ExpertStore.layer_slots`). The engine's MoE block
+    (`routing.moe_block.RoutedMoE`) routes, asks the store for the slots, then computes; a
+    family whose own block routes calls `switch_mlp(x, indices)`, which does both."""
 
     def __init__(
         self,
@@ -112,8 +117,6 @@ class StreamingSwitchGLU(nn.Module):
         self._dense_rows = dense_threshold(dense_rows, specs)
         self._host_reads = store.host_reads
         self.activation = activation
-        # Set by the engine (`routing.lookahead`): guesses the next MoE layer's routing.
-        self.lookahead = None
 
     @property
     def store(self) -> ExpertStore:
@@ -126,92 +129,40 @@ class StreamingSwitchGLU(nn.Module):
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         """As mlx-lm's `SwitchGLU`: a family's own block calls the streamed experts so."""
-        return self.run(x, indices)[0]
+        slots, routed = self._store.layer_slots(self._layer, indices)
+        return self.compute(x, routed, slots)
 
-    def run(
-        self, x: mx.array, indices: mx.array, routed: np.ndarray | None = None
-    ) -> tuple[mx.array, np.ndarray | mx.array]:
-        """The routed experts' outputs, and the routing they were computed with: on the host
-        where it is known there, else the device array (a held layer at decode).
+    def compute(self, x: mx.array, routed: np.ndarray | mx.array, slots: LayerSlots) -> mx.array:
+        """The routed experts' outputs, `[..., k, hidden]`, for `x` routed to `routed` (on the
+        host, or the device array of a held layer), whose experts are at `slots`."""
+        if slots.groups is not None:
+            return self._by_expert_groups(x, routed, slots.groups)
+        if slots.host is not None and self._goes_dense(routed):
+            return mixed_glu(self, x, routed, slots.bank, slots.host)
+        rows = slots.device if slots.device is not None else mx.array(slots.host)
+        return self._gather_glu(x, rows, slots.bank)
 
-        `routed` is the routing already on the host (a prediction): no wait on the device. A
-        held layer (every expert resident, `ExpertStore.hold_layers`) at decode maps the routing
-        to slots on the device: no wait either. Otherwise the reads need the routing on the
-        host, and reading it back waits for the device: the one host read a layer may cost."""
-        store = self._store
-        tokens = indices.size // indices.shape[-1]
-        table = store.slot_table(self._layer) if tokens == 1 else None
-        if table is not None:
-            bank = store.bank(self._layer).arrays
-            if routed is None:
-                store.routed_on_device(self._layer, indices)
-                return self._gather_glu(x, table[indices], bank), indices
-            store.routing_known(self._layer, _distinct(routed))
-            return self._gather_glu(x, table[indices], bank), routed
-        guess = None
-        if routed is None:
-            # The next layer's guess (decode, in the modes that read ahead) comes back with this
-            # layer's routing, in the same wait.
-            if self.lookahead is not None and tokens == 1:
-                guess = self.lookahead.guess_after(self._layer)
-            # This waits for every layer before, which have therefore computed (their experts'
-            # slots may be reused).
-            with store.tracer.span(f"router sync {self._layer}", "compute"):
-                wanted = [indices] if guess is None else [indices, guess.indices]
-                host = store.host_reads.read(wanted, "the routing a layer's reads need")
-            routed = host[0]
-            if guess is not None:
-                guess.host = host[1]
-            store.layer_computed(self._layer - 1)
-        return self._compute(x, indices, routed, guess), routed
+    def _goes_dense(self, routed: np.ndarray) -> bool:
+        return self._dense_rows is not None and goes_dense(routed.size, self._num_experts, self)
 
-    def _compute(self, x: mx.array, indices: mx.array, routed: np.ndarray, guess) -> mx.array:
-        store = self._store
-        distinct = _distinct(routed)
-        tokens = routed.size // routed.shape[-1]
-        if tokens == 1:
-            store.routing_known(self._layer, distinct)
-        dense = self._dense_rows is not None and goes_dense(routed.size, self._num_experts, self)
-        if tokens > 1 and store.wants_whole_layer(self._layer, len(distinct)):
-            bank = store.whole_layer(self._layer)
-            if dense:
-                return mixed_glu(self, x, routed, bank, routed)
-            return self._gather_glu(x, indices, bank)
-        if len(distinct) > store.pool.room(self._layer):
-            return self._by_expert_groups(x, routed, distinct, dense)
-        # The routed experts' slots in the layer's bank, and the routing remapped to them.
-        slot_of = np.zeros(self._num_experts, dtype=np.uint32)
-        slot_of[distinct] = store.fetch(self._layer, distinct)
-        if guess is not None:
-            # Issued once this layer's own misses are in: the guess's reads never delay them,
-            # and land while this layer computes and the next one runs its attention.
-            store.look_ahead(guess.layer, guess.likely)
-        slots = slot_of[routed]
-        bank = store.bank(self._layer).arrays
-        if dense:
-            return mixed_glu(self, x, routed, bank, slots)
-        return self._gather_glu(x, mx.array(slots), bank)
-
-    def _by_expert_groups(
-        self, x: mx.array, routed: np.ndarray, distinct: list[int], dense: bool
-    ) -> mx.array:
+    def _by_expert_groups(self, x: mx.array, routed: np.ndarray, groups) -> mx.array:
         """A prefill chunk routed to more experts than the bank holds, when whole-layer reads do
         not fit the memory plan: the experts go through the bank a bankful at a time, and each
         group's assignments are computed (and evaluated, freeing its slots) before the next
         group is read. Every assignment is computed as the whole chunk would compute it (the
         sorted kernel, or the dense path for experts with enough rows), so the values are the
         same; the memory is the bank's."""
-        store, k = self._store, routed.shape[-1]
+        k = routed.shape[-1]
+        dense = self._goes_dense(routed)
         flat_x = x.reshape(-1, x.shape[-1])
         experts = routed.reshape(-1)
         outputs: list[mx.array] = []
         done: list[np.ndarray] = []
-        for group, slots in store.bankfuls(self._layer, distinct):
+        for group, slots, bank in groups:
             slot_of = np.zeros(self._num_experts, dtype=np.uint32)
             slot_of[group] = slots
             ids = np.flatnonzero(np.isin(experts, group))
             ids = ids[np.argsort(experts[ids], kind="stable")]  # grouped by expert, in order
-            bank = store.bank(self._layer).arrays
             # The dense path computes one expert at a time; the 4-bit kernel in blocks of rows
             # whose activations stay within GATHER_ACTIVATION_BYTES.
             width = bank["up_proj.weight"].shape[-2]
@@ -290,12 +241,6 @@ class StreamingSwitchGLU(nn.Module):
         if spec.has_bias:
             y = y + mx.expand_dims(bank[f"{p}.bias"][idx], -2)
         return y
-
-
-def _distinct(routed: np.ndarray) -> list[int]:
-    """The experts a routing names, each once, in order (cheaper than np.unique for a decode
-    step's few)."""
-    return sorted(set(routed.ravel().tolist()))
 
 
 # At most this many bytes of one block's expert activations (the up and gate projections and

@@ -354,32 +354,36 @@ class RoutedMoE(nn.Module):
             return self._route_and_run(x)
 
     def _route_and_run(self, x: mx.array) -> mx.array:
-        state = self._state
-        ops = self._ops
-        experts = self.routed_experts
+        """Route, find the experts' slots, compute, combine: one MoE layer, top to bottom."""
+        state, ops, experts = self._state, self._ops, self.routed_experts
         tokens = x.size // x.shape[-1]
+        # 1. Route: by the previous step's prediction (a consumer at decode: the prediction is
+        #    the routing; `host` is it on the host where it was read, for the reads ahead), or by
+        #    the block's own router.
         prediction = state.prediction_for(self._layer) if tokens == 1 else None
         if prediction is not None:
-            # The previous step's heads chose this layer's experts: the prediction is the routing.
             host, predicted, weights = prediction
             indices = predicted.reshape(x.shape[:-1] + (-1,))
             host = host.reshape(indices.shape) if host is not None else None
-            inputs = ops.expert_input(self, x, weights)
-            y, routed = experts.run(inputs, indices, routed=host)
-            state.consumed(self, x, indices, host)
         else:
             logits = self.gate_logits(x)
             indices, weights = route(logits, self.routing_spec, state.k, self.expert_bias())
-            inputs = ops.expert_input(self, x, weights)
-            if isinstance(experts, StreamingSwitchGLU):
-                y, routed = experts.run(inputs, indices)
-            else:  # resident experts (training): the routing stays on the device
-                y, routed = experts(inputs, indices), indices
+            host = None
+        inputs = ops.expert_input(self, x, weights)
+        # 2. The experts' slots (reading what is missing), then 3. their outputs.
+        if isinstance(experts, StreamingSwitchGLU):
+            slots, routed = experts.store.layer_slots(self._layer, indices, host)
+            y = experts.compute(inputs, routed, slots)
+        else:  # resident experts (training): the routing stays on the device
+            y, routed = experts(inputs, indices), indices
+        if prediction is not None:
+            state.consumed(self, x, indices, host)
+        # 4. Combine as the family does.
         y = ops.combine(self, x, y, weights)
         if tokens == 1:
             # The next layers' graph is built while this one computes (and reads land). Every
             # layer is submitted, so the store knows that draining the stream computes every
-            # layer before the one it is fetching for (`ExpertStore._take_slot`).
+            # layer before the one it is fetching for (`ExpertPool.slot_for_miss`).
             mx.async_eval(y)
             state.tracer.instant(f"submit {self._layer}", "compute")
         state.executed(self._layer, x, routed)

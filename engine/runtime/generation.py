@@ -141,8 +141,7 @@ class Engine:
             self.lookahead = attach_lookahead(
                 self.model, self.loaded.sites, self.loaded.blocks, self.loaded.top_k
             )
-            for site in self.loaded.sites if self.lookahead is not None else ():
-                getattr(site.parent, site.attribute).lookahead = self.lookahead
+            self.store.lookahead = self.lookahead
         self.host_reads = self.loaded.host_reads
         self.guard = None
         if self.config.hidden_guard and self.mode != "resident":
