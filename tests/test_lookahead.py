@@ -14,7 +14,7 @@ from test_expert_pool import _admit, _done_read, _pool
 from test_parity import _all_but_one_budget
 
 from engine.config import EngineConfig, GenerationConfig, mode_label
-from engine.experts.head_reads import MIN_SCORED, HeadReadGate
+from engine.experts.ledger import MIN_SCORED, HeadReadGate
 from engine.routing.functions import route
 from engine.runtime.generation import Engine
 
@@ -252,7 +252,7 @@ def test_prefetch_reads_no_prediction_of_heads_the_lookahead_beats(checkpoint_di
     )
     try:
         result = engine.generate(PROMPT, gen)
-        gate = engine.store.head_gate
+        gate = engine.store.ledger.gate
         gated = [layer for layer in gate.heads if not gate.reads(layer)]
         for layer in gated:
             assert gate.heads[layer].rate < gate.lookahead[layer].rate

@@ -505,7 +505,8 @@ def test_prefetch_drops_reads_ahead_its_step_did_not_use(profiled):
         # What stays staged is only what was issued for the next step (its predictions, and
         # its first layer's guesses).
         held = sum(store.pool.is_read_ahead(key) for key in _all_experts(store))
-        next_step = store._issued_for_next_step + store._guesses_for_next_step
+        step = store.pool.step + 1
+        next_step = store.ledger.issued(step, "heads") + store.ledger.issued(step, "lookahead")
         held_after_step.append((held, next_step))
         return counters
 

@@ -33,8 +33,8 @@ from ..host_reads import HostReads
 from ..trace import NO_TRACE, Tracer
 from .eviction import ExpertKey
 from .freed_memory import release_freed_memory
-from .head_reads import HeadReadGate
 from .heat import ExpertEvent, ExpertHeat, HeatPicture
+from .ledger import ReadsAheadLedger
 from .page_cache_budget import CAN_EVICT_RANGES, PageCacheBudget
 from .pool import ExpertPool
 from .read_pacing import ReadPacer
@@ -97,7 +97,7 @@ class LoadCounters:
     lookahead_late: int = 0  # of those, still being read when the layer needed them (blocked)
     lookahead_dropped: int = 0  # reads ahead the layer did not route to, dropped when it routed
     heads_not_read: int = 0  # predicted experts not read ahead: the heads name them less
-    # precisely than the lookahead (prefetch mode, `head_reads.py`)
+    # precisely than the lookahead (prefetch mode, the gate in `ledger.py`)
     layers: dict[int, LayerRouted] = field(default_factory=dict)  # by layer, decode and prefill
 
 
@@ -163,23 +163,15 @@ class ExpertStore:
             {layer: index.layers[layer].num_experts for layer in self._moe_layers}
         )
         self._pending_layers: dict[int, Future[ReadResult]] = {}
-        self._issued_for_next_step = 0  # reads ahead issued during this step for the next
-        self._guessed: dict[int, set[int]] = {}  # layer -> the lookahead's guess, this step
-        self._guessed_next: dict[int, set[int]] = {}  # ... made for the next step
-        self._guesses_for_next_step = 0  # their reads issued
+        # What the heads and the lookahead expected of each (step, layer), their reads ahead and
+        # their scores, with the gate on the heads' reads in prefetch mode (`ledger.py`).
+        self.ledger = ReadsAheadLedger()
         # False: the lookahead's guesses are only scored, not read ahead (the engine decides:
         # EngineConfig.prefetch_min_expert_bytes).
         self.lookahead_reads = True
-        # Prefetch mode with the lookahead reading: a layer's head predictions are read ahead only
-        # where the heads guess it as well as the lookahead does (`head_reads.py`). Set by the
-        # engine; off, every prediction is read (prerouter mode routes by them).
-        self.gate_head_reads = False
-        self.head_gate = HeadReadGate()
         # The exact lookahead (`routing/lookahead.py`), set by the engine where it guesses: a
         # layer whose routing is read back brings the next layer's guess in the same wait.
         self.lookahead: Lookahead | None = None
-        self._predicted: dict[int, set[int]] = {}  # layer -> the heads' prediction, this step
-        self._predicted_next: dict[int, set[int]] = {}  # ... for the next step
         # Layers to hold (`hold_layers`), and the routing of held layers this step, still on the
         # device: read with the step's token (`routed_on_device`, `settle`).
         self._hold_wanted: frozenset[int] = frozenset()
@@ -237,12 +229,11 @@ class ExpertStore:
         if started_again:
             self.heat.forget_reads_ahead()
         self.heat.begin_step(self.pool.step)
-        issued = 0 if started_again else self._issued_for_next_step
-        guesses = 0 if started_again else self._guesses_for_next_step
+        step, ledger = self.pool.step, self.ledger
+        issued = 0 if started_again else ledger.issued(step, "heads")
+        guesses = 0 if started_again else ledger.issued(step, "lookahead")
         self.counters = LoadCounters(prefetch_issued=issued, lookahead_issued=guesses)
-        self._issued_for_next_step = self._guesses_for_next_step = 0
-        self._guessed, self._guessed_next = self._guessed_next, {}
-        self._predicted, self._predicted_next = self._predicted_next, {}
+        ledger.begin(step)
         self._routed_on_device = []
         missing = self._hold_wanted - self.pool.held_layers  # (a wider K dropped them)
         if missing:
@@ -269,8 +260,7 @@ class ExpertStore:
         self.end_step()
         self.pool.forget_reads_ahead()  # reads in flight finish on their own; their bytes unused
         self.heat.forget_reads_ahead()
-        self._issued_for_next_step = self._guesses_for_next_step = 0
-        self._predicted_next, self._guessed_next = {}, {}
+        self.ledger.forget_after(self.pool.step)
 
     # -- held layers: routing that stays on the device ---------------------------------------------
 
@@ -349,14 +339,16 @@ class ExpertStore:
 
     def stage(self, layer: int, experts: list[int]) -> None:
         """The next step routes `layer` to `experts` (a prediction): pin the resident ones and
-        start reading the rest, unless the heads are gated off for `layer` (`gate_head_reads`).
+        start reading the rest, unless the ledger's gate keeps the heads off for `layer`.
         A held layer needs neither: its every expert stays resident."""
         if self.pool.slot_table(layer) is not None:  # held: every expert is resident
             return
-        self._predicted_next[layer] = set(experts)
-        read = not self.gate_head_reads or self.head_gate.reads(layer)
-        issued = self._read_ahead(layer, experts, self.pool.step + 1, "heads", read)
-        self._issued_for_next_step += issued
+        step = self.pool.step + 1
+        self.ledger.expect(step, layer, "heads", experts)
+        read = self.ledger.heads_read(layer)
+        self.ledger.count_issued(
+            step, "heads", self._read_ahead(layer, experts, step, "heads", read)
+        )
         if not read:
             self.counters.heads_not_read += len(experts)
 
@@ -365,11 +357,12 @@ class ExpertStore:
         `experts` (the lookahead): pin the resident ones for that step and start reading the
         rest below every read the forward waits for. The layer still routes by its own router;
         `routing_known` then drops the wrong reads."""
-        (self._guessed_next if next_step else self._guessed)[layer] = set(experts)
+        step = self.pool.step + next_step
+        self.ledger.expect(step, layer, "lookahead", experts)
         if self.lookahead_reads:
-            issued = self._read_ahead(layer, experts, self.pool.step + next_step, "lookahead")
+            issued = self._read_ahead(layer, experts, step, "lookahead")
             if next_step:
-                self._guesses_for_next_step += issued
+                self.ledger.count_issued(step, "lookahead", issued)
             else:
                 self.counters.lookahead_issued += issued
 
@@ -402,12 +395,11 @@ class ExpertStore:
         keys = {(layer, e) for e in experts}
         self.heat.routed(layer, experts)
         self.counters.lookahead_dropped += self.pool.drop_unused_reads_ahead(layer, keys)
-        guessed = self._guessed.pop(layer, None)
+        guessed = self.ledger.routed(self.pool.step, layer, experts)
         if guessed is not None:
             routed = self._layer_counts(layer)
             routed.guessed_of += len(experts)
             routed.guessed_right += len(guessed.intersection(experts))
-        self.head_gate.score(layer, self._predicted.pop(layer, None), guessed, set(experts))
 
     def _layer_counts(self, layer: int) -> LayerRouted:
         return self._layer_counts_in(self.counters, layer)

@@ -78,7 +78,6 @@ class RoutingState:
     def reset(self) -> None:
         """Forget all prediction state (a new request, or new heads / K)."""
         self._predictions: Predictions | None = None  # what this step's consumers route by
-        self._staged: dict[int, frozenset[int]] = {}  # the same on the host, once read
         self._owner_x: dict[int, mx.array] = {}
         self._owner_now: dict[int, mx.array] = {}
         self._owner_before: dict[int, mx.array | None] = {}
@@ -111,9 +110,10 @@ class RoutingState:
     def executed(self, layer: int, x: mx.array, routed: np.ndarray | mx.array) -> None:
         """`layer` ran with `routed` (on the host, or on the device for a held layer)."""
         on_host = isinstance(routed, np.ndarray)
-        if not self.route_by_predictions and layer in self._staged and on_host:
+        staged = self._staged(layer) if not self.route_by_predictions and on_host else None
+        if staged is not None:
             chosen = set(routed.reshape(-1).tolist())
-            self.counters.prefetch_hits += len(chosen & self._staged[layer])
+            self.counters.prefetch_hits += len(chosen & staged)
             self.counters.prefetch_routed += len(chosen)
         if layer not in self._owners:
             return
@@ -130,7 +130,7 @@ class RoutingState:
         none can be dropped)."""
         self.counters.predicted += 1
         if routed is not None:
-            staged = self._staged.get(block.layer, frozenset())
+            staged = self._staged(block.layer) or frozenset()
             self.counters.dropped += len(set(routed.reshape(-1).tolist()) - staged)
         if self.shadow_router:  # a diagnostic: it costs a host read a layer
             logits = block.gate_logits(x)
@@ -149,7 +149,6 @@ class RoutingState:
         predict. Returns the predictions (on the device) for the engine to read with the step's
         token and `settle`; None when no head can run (an owner has not executed)."""
         heads = self.heads
-        self._staged = {}
         if heads is None or any(o not in self._owner_x for o in heads.owners):
             self._predictions = None
             return None
@@ -162,10 +161,16 @@ class RoutingState:
         """The predictions' experts, read: kept for the consumers (and their `dropped` check).
         Returns consumer -> experts, the reads the next step needs."""
         predictions.host = host
-        staged = {layer: host[i] for i, layer in enumerate(predictions.consumers)}
-        if predictions is self._predictions:
-            self._staged = {layer: frozenset(e.tolist()) for layer, e in staged.items()}
-        return {layer: e.tolist() for layer, e in staged.items()}
+        return {layer: host[i].tolist() for i, layer in enumerate(predictions.consumers)}
+
+    def _staged(self, layer: int) -> frozenset[int] | None:
+        """The experts the heads predicted for `layer` this step, as read (None: no prediction,
+        or not read yet)."""
+        predictions = self._predictions
+        row = predictions.row(layer) if predictions is not None else None
+        if row is None or predictions.host is None:
+            return None
+        return frozenset(predictions.host[row].tolist())
 
     def _head_graph(self) -> tuple[mx.array, mx.array]:
         """The (lazy) routing every head predicts for its consumer: indices and weights, one row

@@ -91,8 +91,8 @@ def apply(
     store.pool.keep_layers(policy.kept)
     store.hold_layers(set(policy.held))
     store.lookahead_reads = policy.lookahead_reads
-    store.gate_head_reads = policy.gate_head_reads
-    store.head_gate.reset()
+    store.ledger.gated = policy.gate_head_reads
+    store.ledger.reset_gate()
     store.use_reader_core(policy.reader_core)
     if lookahead is not None:
         lookahead.k = policy.k

@@ -84,7 +84,7 @@ class StepMetrics:
     lookahead_dropped: int = 0
     lookahead_recall: float | None = None
     # Prefetch mode: head predictions made this step and not read ahead, their layer's heads
-    # guessing it less well than the lookahead (experts/head_reads.py).
+    # guessing it less well than the lookahead (the gate in experts/ledger.py).
     heads_not_read: int = 0
     # By MoE layer: where its routed experts came from (`LayerRouted` as a dict).
     routed_by_layer: dict[int, dict] = field(default_factory=dict)

@@ -1,4 +1,13 @@
-"""Which layers' head predictions prefetch reads ahead, beside the lookahead's guesses.
+"""The ledger of reads ahead: what each source expected of each (step, layer), and how it scored.
+
+Two sources name experts before a layer routes: the prerouter heads (a step ahead) and the exact
+lookahead (a layer ahead, or the first layer from the token). The store records each expectation
+here as it pins and reads for it (`expect`, `count_issued`), and when the layer routes, the
+ledger scores every source that expected it (`routed`) and forgets the entry. Keyed by the pool's
+step, so an expectation for the next step and one for this step never mix, and nothing is
+rotated between steps.
+
+The gate: which layers' head predictions prefetch reads ahead, beside the lookahead's guesses.
 
 In prefetch mode every layer routes by its own router, so a head's prediction is only a read
 ahead: the experts it names that the layer then does not route to are bytes the disk read for
@@ -70,3 +79,58 @@ class HeadReadGate:
         if heads is None or guess is None or min(heads.named, guess.named) < MIN_SCORED:
             return True
         return heads.rate >= guess.rate
+
+
+# What a source expected of a layer at a step: "heads" (the prerouter's prediction) or
+# "lookahead" (the exact lookahead's guess) -> the experts it named.
+Expected = dict[str, set[int]]
+
+
+class ReadsAheadLedger:
+    """Every source's expected experts by (step, layer), the reads each issued by step, and the
+    head-read gate that their scores feed."""
+
+    def __init__(self) -> None:
+        self._expected: dict[tuple[int, int], Expected] = {}
+        self._issued: dict[tuple[int, str], int] = {}
+        self.gate = HeadReadGate()
+        self.gated = False  # prefetch with the lookahead reading: heads read where they score
+
+    def expect(self, step: int, layer: int, source: str, experts: list[int]) -> None:
+        """`source` expects `layer` to route to `experts` at `step`."""
+        self._expected.setdefault((step, layer), {})[source] = set(experts)
+
+    def count_issued(self, step: int, source: str, reads: int) -> None:
+        key = (step, source)
+        self._issued[key] = self._issued.get(key, 0) + reads
+
+    def issued(self, step: int, source: str) -> int:
+        """Reads `source` issued ahead for `step`."""
+        return self._issued.get((step, source), 0)
+
+    def heads_read(self, layer: int) -> bool:
+        """Whether the heads' prediction for `layer` is read ahead (the gate, where it is on)."""
+        return not self.gated or self.gate.reads(layer)
+
+    def routed(self, step: int, layer: int, experts: list[int]) -> set[int] | None:
+        """`layer` routed to `experts` at `step`: every source that expected it is scored and the
+        entry forgotten. Returns the lookahead's guess (None: it guessed nothing)."""
+        expected = self._expected.pop((step, layer), {})
+        guess = expected.get("lookahead")
+        self.gate.score(layer, expected.get("heads"), guess, set(experts))
+        return guess
+
+    def begin(self, step: int) -> None:
+        """`step` starts: what was expected of earlier steps is forgotten (layers that never
+        routed by their own router)."""
+        self._expected = {key: e for key, e in self._expected.items() if key[0] >= step}
+        self._issued = {key: n for key, n in self._issued.items() if key[0] >= step}
+
+    def forget_after(self, step: int) -> None:
+        """Expectations and reads of steps after `step` are void (a new request)."""
+        self._expected = {key: e for key, e in self._expected.items() if key[0] <= step}
+        self._issued = {key: n for key, n in self._issued.items() if key[0] <= step}
+
+    def reset_gate(self) -> None:
+        """New heads, K or mode: what the old ones measured says nothing of the new."""
+        self.gate.reset()
