@@ -32,6 +32,9 @@ def test_every_profile_is_measured_against_the_native_model_and_kept(
     assert variants == [(4, "int4 model (true router)"), (2, "heads only"), (2, "heads + LoRA")]
     native, heads, lora = table["rows"]
     assert native["vs_native"] == 1.0
+    # One layer-major pass of the text: each expert read at most once (the students here fit in
+    # memory, dequantized: they read none).
+    assert 0 < native["expert_reads"] <= 1.0 and heads["expert_reads"] == 0
     for row in (heads, lora):
         assert row["vs_native"] == pytest.approx(row["perplexity"] / native["perplexity"])
         assert 0 <= row["recall_mean"] <= 1 and row["recall_per_layer"]
@@ -44,6 +47,7 @@ def test_every_profile_is_measured_against_the_native_model_and_kept(
     assert main(args) == 0
     printed = capsys.readouterr().out
     assert "| 2 | heads + LoRA |" in printed and "kept in" in printed
+    assert "| expert reads |" in printed
 
 
 def _row(k: object = 2, ratio: object = 1.1) -> dict:

@@ -17,6 +17,7 @@ from edge0_tui.cli import main
 from engine.config import EngineConfig
 from engine.measure.evaluate import (
     distinct_ngram_ratio,
+    engine_logits,
     merge_lora,
     nll_sum,
     perplexity,
@@ -25,6 +26,7 @@ from engine.measure.evaluate import (
     weight_retention,
 )
 from engine.runtime.generation import Engine
+from engine.runtime.layer_major import layer_major
 from engine.runtime.metrics import process_rss_bytes
 from engine.train.student import LoRAInit, load_student
 
@@ -183,3 +185,75 @@ def test_cli_eval_takes_an_expert_cache_and_sizes_its_own_by_default(checkpoint_
     tiny = run_cli(*base, "--expert-cache", "1K")
     assert tiny.returncode == 2 and "an expert cache of 1.00 KiB cannot hold" in tiny.stderr
     assert "--expert-cache" in run_cli("eval", "--help").stdout
+
+
+# -- layer-major passes ------------------------------------------------------------------------------
+
+
+def _windows(engine: Engine, count: int, length: int = 24) -> mx.array:
+    rng = np.random.default_rng(3)
+    vocab = min(engine.vocab_size, 500)
+    return mx.array(rng.integers(1, vocab, size=(count, length)), dtype=mx.int32)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_next", "gpt_oss"])
+def test_a_layer_major_pass_gives_each_windows_logits_and_reads_each_layer_once(
+    checkpoint_dir, family
+):
+    """Layer-major (every window through a layer, then the next) gives each window the logits its
+    own forward gives, while each MoE layer is read once for the pass (whole: it runs every
+    window); a forward per window, with a cache of two layers' experts, reads the model again
+    for (nearly) every window. qwen3_next
+    asks its layers which attention they run (`is_linear`); gpt_oss gives sliding and
+    full-attention layers different masks: both go through the taps."""
+    model = checkpoint_dir(family)
+    probe = Engine(model, EngineConfig(mode="on-demand"))
+    layers = probe.loaded.index.layers
+    probe.close()
+    experts_bytes = sum(layer.nbytes for layer in layers.values())
+    one_layer = max(layer.nbytes for layer in layers.values())
+    config = EngineConfig(
+        mode="on-demand", exact_kernels=True, expert_cache_bytes=2 * one_layer,
+        whole_layer_prefill=True,
+    )  # fmt: skip
+    engine = Engine(model, config)
+    try:
+        windows = _windows(engine, 5)
+        token_major, read = [], 0
+        for w in windows:
+            token_major.append(np.array(engine_logits(engine, w[None])))
+            read += engine.store.counters.bytes_read
+        out: dict[int, np.ndarray] = {}
+        batches = [w[None] for w in windows]
+        score = lambda b, logits: out.setdefault(b, np.array(logits))  # noqa: E731
+        layer_major(engine.model, batches, engine.model, score, engine.store)
+        counters = engine.store.counters
+    finally:
+        engine.close()
+    assert sorted(out) == list(range(len(windows)))
+    for b, expected in enumerate(token_major):
+        np.testing.assert_array_equal(out[b], expected)
+    assert counters.whole_layer_reads == len(layers) and counters.bytes_read == experts_bytes
+    assert read > 3 * experts_bytes  # token-major: the model again for (nearly) every window
+
+
+def test_the_student_path_layer_major_equals_its_forwards(profiled):
+    """The student's predictions go from owner to consumer within a batch's forward: switched
+    per batch in a layer-major pass, each batch's logits and routing record are its forward's."""
+    student = load_student(profiled, k=2, streamed=True)
+    windows = mx.array(np.random.default_rng(5).integers(1, 200, size=(6, 20)), dtype=mx.int32)
+    batches = [windows[0:2], windows[2:4], windows[4:6]]
+    forwards = []
+    for batch in batches:
+        record: dict = {}
+        logits = student(batch, gate_prefix=1, record=record)
+        forwards.append((np.array(logits), {n: np.array(r[0]) for n, r in record.items()}))
+    records: list[dict] = [{} for _ in batches]
+    passed: dict[int, np.ndarray] = {}
+    student.layer_major(batches, records, lambda b, logits: passed.setdefault(b, np.array(logits)))
+    assert student.loaded.store.counters.whole_layer_reads == len(student.loaded.sites)
+    for b, (logits, routed) in enumerate(forwards):
+        np.testing.assert_array_equal(passed[b], logits)
+        assert routed.keys() == records[b].keys()
+        for layer, indices in routed.items():
+            np.testing.assert_array_equal(np.array(records[b][layer][0]), indices)

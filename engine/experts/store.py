@@ -15,13 +15,14 @@ and hands it the expert once read.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import mlx.core as mx
 import numpy as np
@@ -42,8 +43,12 @@ from .reader_core import pin_threads, reader_cores, unpin_all_threads
 from .reads import MLX_DTYPES, ExpertReader, ReadResult, to_mlx
 from .slot_bank import SlotBank, SlotPart
 
-if TYPE_CHECKING:
-    from ..routing.lookahead import Guess, Lookahead
+
+class NextLayerGuesses(Protocol):
+    """What the store asks of the exact lookahead (`routing/lookahead.py`): the next MoE layer's
+    guess (`.layer`, `.indices` on the device, `.host`, `.likely`) from a layer's input."""
+
+    def guess_after(self, layer: int): ...
 
 
 @dataclass
@@ -163,6 +168,10 @@ class ExpertStore:
             {layer: index.layers[layer].num_experts for layer in self._moe_layers}
         )
         self._pending_layers: dict[int, Future[ReadResult]] = {}
+        # In a layer-major pass (`layer_pass`): the layer read whole that the pass is on, kept
+        # for the pass's next batches, and whether a pass runs.
+        self._in_pass = False
+        self._pass_layer: tuple[int, dict[str, mx.array]] | None = None
         # What the heads and the lookahead expected of each (step, layer), their reads ahead and
         # their scores, with the gate on the heads' reads in prefetch mode (`ledger.py`).
         self.ledger = ReadsAheadLedger()
@@ -171,7 +180,7 @@ class ExpertStore:
         self.lookahead_reads = True
         # The exact lookahead (`routing/lookahead.py`), set by the engine where it guesses: a
         # layer whose routing is read back brings the next layer's guess in the same wait.
-        self.lookahead: Lookahead | None = None
+        self.lookahead: NextLayerGuesses | None = None
         # Layers to hold (`hold_layers`), and the routing of held layers this step, still on the
         # device: read with the step's token (`routed_on_device`, `settle`).
         self._hold_wanted: frozenset[int] = frozenset()
@@ -464,7 +473,7 @@ class ExpertStore:
 
     def _read_routing(
         self, layer: int, indices: mx.array, tokens: int
-    ) -> tuple[np.ndarray, Guess | None]:
+    ) -> tuple[np.ndarray, object]:
         """The layer's routing read back to the host, with the next layer's guess (decode, in the
         modes that read ahead) in the same wait. The wait computes every layer before, so their
         experts' slots may be reused."""
@@ -571,13 +580,27 @@ class ExpertStore:
 
     # -- whole-layer path (prefill) ----------------------------------------------------------------
 
+    @contextlib.contextmanager
+    def layer_pass(self):
+        """A layer-major pass (`runtime/layer_major.py`): every batch of the pass runs a layer
+        before any runs the next, so a layer read whole is kept until the pass moves on to the
+        next layer (whose read it started): each layer read once a pass. The memory is the
+        whole-layer prefill's: this layer's tensors and the next one's read."""
+        self._in_pass = True
+        try:
+            yield
+        finally:
+            self._in_pass = False
+            self._pass_layer = None
+
     def wants_whole_layer(self, layer: int, distinct_experts: int) -> bool:
-        """Read the layer whole if its read is already under way or the chunk touches enough of it."""
+        """Read the layer whole if its read is already under way or the chunk touches enough of it
+        (in a layer-major pass, always: the pass's other batches use it too)."""
         if not self.whole_layer_prefill:  # it does not fit the memory plan: through the bank
             return False
         if self.pool.slot_table(layer) is not None:  # held: every expert is in the bank already
             return False
-        if layer in self._pending_layers:
+        if layer in self._pending_layers or self._in_pass:
             return True
         # More experts than the bank holds at once: the whole layer serves the chunk in one read.
         if distinct_experts > self.pool.room(layer):
@@ -586,6 +609,9 @@ class ExpertStore:
 
     def whole_layer(self, layer: int) -> dict[str, mx.array]:
         """The layer's stacked expert tensors; starts reading the next MoE layer before returning."""
+        if self._pass_layer is not None and self._pass_layer[0] == layer:
+            return self._pass_layer[1]
+        self._pass_layer = None  # (its buffers go once the layer's last batch is computed)
         start = time.perf_counter()
         future = self._pending_layers.pop(layer, None) or self.reader.submit_layer(layer)
         self.reader.wait(future)
@@ -606,6 +632,8 @@ class ExpertStore:
             self._pending_layers[following[0]] = self.reader.submit_layer(following[0], ahead=True)
             held += self.index.layers[following[0]].nbytes
         self.counters.transient_peak_bytes = max(self.counters.transient_peak_bytes, held)
+        if self._in_pass:
+            self._pass_layer = (layer, arrays)
         return arrays
 
     def _account(self, result: ReadResult) -> None:

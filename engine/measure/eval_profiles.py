@@ -27,7 +27,7 @@ from ..runtime.generation import Engine
 from ..train.data import corpus_tokens
 from ..train.run import Log
 from ..train.student import load_student
-from .evaluate import EvalConfig, engine_logits, lora_as, nll_sum, perplexity, recall_counts
+from .evaluate import EvalConfig, PassTotals, engine_nll, lora_as, student_nll
 
 
 def evaluate_profiles(
@@ -49,7 +49,8 @@ def evaluate_profiles(
         native = engine.loaded.top_k
         windows = _windows(engine, text, config)
         log(f"the 4-bit model at its native K={native}: {len(windows)} windows")
-        reference = _engine_perplexity(engine, windows, config.batch)
+        reference = engine_nll(engine, windows)
+        expert_bytes = sum(layer.nbytes for layer in engine.loaded.index.layers.values())
         profiles = {
             k: files
             for k, files in sorted(engine.adapters.items())
@@ -58,16 +59,16 @@ def evaluate_profiles(
         fingerprint = engine.fingerprint
     finally:
         engine.close()
-    rows = [_row(native, "int4 model (true router)", reference, reference)]
+    rows = [_row(native, "int4 model (true router)", reference, reference, expert_bytes)]
     for k, files in profiles.items():
         log(f"K={k}: {files.prerouter.name}" + (f" and {files.lora.name}" if files.lora else ""))
         student = load_student(model_dir, k, True, files.lora, engine_config)
         with lora_as(student, "off"):
-            ppl, recall = _student_perplexity(student, windows, config.batch, k)
-        rows.append(_row(k, "heads only", ppl, reference, recall))
+            row = _student_row(student, windows, config, k, reference, expert_bytes)
+        rows.append(row | {"variant": "heads only"})
         if files.lora is not None:
-            ppl, recall = _student_perplexity(student, windows, config.batch, k)
-            rows.append(_row(k, "heads + LoRA", ppl, reference, recall))
+            row = _student_row(student, windows, config, k, reference, expert_bytes)
+            rows.append(row | {"variant": "heads + LoRA"})
         del student
     table = {
         "model": model_dir.name,
@@ -91,34 +92,28 @@ def _windows(engine: Engine, text: str, config: EvalConfig) -> mx.array:
     return mx.array(tokens[: count * config.window].reshape(count, config.window))
 
 
-def _engine_perplexity(engine: Engine, windows: mx.array, batch: int) -> float:
-    nll = scored = 0
-    for start in range(0, len(windows), batch):
-        part = windows[start : start + batch]
-        logits = mx.concatenate([engine_logits(engine, w[None]) for w in part])
-        s, n = nll_sum(logits, part)
-        nll, scored = nll + s, scored + n
-    return perplexity(nll, scored)
+def _student_row(
+    student, windows: mx.array, config: EvalConfig, k: int, reference: PassTotals, expert_bytes: int
+) -> dict:
+    """A profile's row: perplexity routed as decode routes, recall@K per consumer layer."""
+    totals = student_nll(student, windows, config.batch, k)
+    recall = {layer: h / c for layer, (h, c) in sorted(totals.hits.items())}
+    return _row(k, "", totals, reference, expert_bytes, recall)
 
 
-def _student_perplexity(student, windows: mx.array, batch: int, k: int):
-    """Perplexity routed as decode routes, and recall@K per consumer layer."""
-    nll = scored = 0
-    hits: dict[int, tuple[int, int]] = {}
-    for start in range(0, len(windows), batch):
-        part = windows[start : start + batch]
-        record: dict = {}
-        logits = student(part, gate_prefix=1, record=record)
-        s, n = nll_sum(logits, part)
-        nll, scored = nll + s, scored + n
-        for layer, (h, c) in recall_counts(record, k).items():
-            hits[layer] = tuple(a + b for a, b in zip(hits.get(layer, (0, 0)), (h, c)))
-    recall = {layer: h / c for layer, (h, c) in sorted(hits.items())}
-    return perplexity(nll, scored), recall
-
-
-def _row(k: int, variant: str, ppl: float, reference: float, recall: dict | None = None) -> dict:
-    row = {"k": k, "variant": variant, "perplexity": ppl, "vs_native": ppl / reference}
+def _row(
+    k: int,
+    variant: str,
+    totals: PassTotals,
+    reference: PassTotals,
+    expert_bytes: int,
+    recall: dict | None = None,
+) -> dict:
+    ppl = totals.perplexity
+    row = {"k": k, "variant": variant, "perplexity": ppl, "vs_native": ppl / reference.perplexity}
+    # The row's routed-expert reads over the model's routed-expert bytes: about one per
+    # layer-major pass (`runtime/layer_major.py`); 0 for a model held in memory.
+    row["expert_reads"] = totals.expert_bytes_read / expert_bytes
     if recall:
         row["recall_per_layer"] = {str(layer): r for layer, r in recall.items()}
         row["recall_mean"] = float(np.mean(list(recall.values())))
@@ -132,8 +127,8 @@ def format_table(table: dict) -> str:
         f"K={table['native_k']} ({table['tokens']} tokens of held-out text, windows of "
         f"{table['window']}, routed as decode routes)",
         "",
-        "| K | routing | perplexity | vs native | recall@K mean | recall@K per layer |",
-        "|---|---|---|---|---|---|",
+        "| K | routing | perplexity | vs native | recall@K mean | recall@K per layer | expert reads |",
+        "|---|---|---|---|---|---|---|",
     ]
     for row in table["rows"]:
         recall = row.get("recall_per_layer", {})
@@ -141,9 +136,15 @@ def format_table(table: dict) -> str:
         mean = f"{row['recall_mean']:.3f}" if "recall_mean" in row else "-"
         lines.append(
             f"| {row['k']} | {row['variant']} | {row['perplexity']:.3f} "
-            f"| {_change(row['vs_native'])} | {mean} | {per_layer} |"
+            f"| {_change(row['vs_native'])} | {mean} | {per_layer} "
+            f"| {row.get('expert_reads', 0):.2f}x |"
         )
-    lines += ["", f"kept in {table['written']} (edge0 info and the app show it)"]
+    lines += [
+        "",
+        "expert reads: routed-expert bytes read for the row over the model's (each layer read "
+        "about once a pass of the text)",
+        f"kept in {table['written']} (edge0 info and the app show it)",
+    ]
     return "\n".join(lines)
 
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import mlx.core as mx
@@ -38,6 +38,7 @@ from ..adapters.lora import LoRALinear
 from ..config import EngineConfig
 from ..errors import Edge0Error
 from ..runtime.generation import Engine
+from ..runtime.layer_major import layer_major
 from ..runtime.metrics import peak_memory_line, process_lifetime_peaks
 from ..train.data import corpus_tokens, draw_prompts, sample_served
 from ..train.run import Log
@@ -236,6 +237,71 @@ def recall_counts(record: dict, k: int) -> dict[int, tuple[int, int]]:
 # -- the command ---------------------------------------------------------------------------------------
 
 
+# A layer-major pass keeps every window's hidden state between layers (float32): at most this
+# many bytes of them, so a long text is several passes.
+PASS_HIDDEN_BYTES = 256 << 20
+
+
+def passes(windows: mx.array, hidden: int) -> list[mx.array]:
+    """`windows` [N, T] in groups of as many as one layer-major pass holds."""
+    per_pass = max(1, PASS_HIDDEN_BYTES // (windows.shape[1] * hidden * 4))
+    return [windows[start : start + per_pass] for start in range(0, len(windows), per_pass)]
+
+
+@dataclass
+class PassTotals:
+    """What a text's layer-major passes add up to."""
+
+    nll: float = 0.0  # summed negative log-likelihood
+    tokens: int = 0  # scored
+    expert_bytes_read: int = 0  # routed-expert bytes read from the checkpoint (0: resident)
+    hits: dict[int, tuple[int, int]] = field(default_factory=dict)  # recall@K counts by layer
+
+    @property
+    def perplexity(self) -> float:
+        return perplexity(self.nll, self.tokens)
+
+    def add(self, sums: list[tuple[float, int]], store) -> None:
+        self.nll += sum(s for s, _ in sums)
+        self.tokens += sum(n for _, n in sums)
+        if store is not None:  # the pass's counters (it is one step of the store)
+            self.expert_bytes_read += store.counters.bytes_read
+
+
+def engine_nll(engine: Engine, windows: mx.array) -> PassTotals:
+    """Summed NLL of `windows` through the engine's model (its own router), one window a
+    forward, in layer-major passes (`runtime/layer_major.py`): each MoE layer's experts are
+    read about once a pass."""
+    totals = PassTotals()
+    for part in passes(windows, engine.loaded.hidden):
+        batches, sums = [w[None] for w in part], []
+        layer_major(engine.model, batches, engine.model, _summing_nll(batches, sums), engine.store)
+        totals.add(sums, engine.store)
+    return totals
+
+
+def student_nll(student: Student, windows: mx.array, batch: int, k: int) -> PassTotals:
+    """Summed NLL of `windows` through the student path (routing as decode routes), `batch`
+    windows a forward, in layer-major passes; and recall@K hits per consumer layer."""
+    totals = PassTotals()
+    for part in passes(windows, student.loaded.hidden):
+        batches = [part[start : start + batch] for start in range(0, len(part), batch)]
+        records: list[dict] = [{} for _ in batches]
+        sums: list[tuple[float, int]] = []
+        student.layer_major(batches, records, _summing_nll(batches, sums))
+        totals.add(sums, student.loaded.store)
+        for record in records:
+            for layer, (h, c) in recall_counts(record, k).items():
+                before = totals.hits.get(layer, (0, 0))
+                totals.hits[layer] = (before[0] + h, before[1] + c)
+    return totals
+
+
+def _summing_nll(batches: list[mx.array], sums: list[tuple[float, int]]):
+    """A layer-major pass's `score`: each batch's summed NLL and count into `sums`."""
+    return lambda b, logits: sums.append(nll_sum(logits, batches[b]))
+
+
 def engine_logits(engine: Engine, tokens: mx.array) -> mx.array:
     """The engine's model over a whole window (in on-demand mode, experts through the pool)."""
     if engine.store is not None:
@@ -312,21 +378,16 @@ def _evaluate(
 
     # -- perplexity and recall@K -------------------------------------------------------------------
     log(f"perplexity over {count} windows of {config.window} tokens")
-    nll, scored, hits = 0.0, 0, {}
-    for start in range(0, count, config.batch):
-        batch = windows[start : start + config.batch]
-        record = {} if student is not None and student.heads is not None else None
-        if mode == "prerouter" or record is not None:
-            logits = student(batch, gate_prefix=1, record=record)
-            for layer, (h, n) in recall_counts(record or {}, k).items():
-                hits[layer] = tuple(a + b for a, b in zip(hits.get(layer, (0, 0)), (h, n)))
-        if mode != "prerouter":
-            logits = mx.concatenate([engine_logits(engine, w[None]) for w in batch])
-        s, n = nll_sum(logits, batch)
-        nll, scored = nll + s, scored + n
+    totals = PassTotals()
+    if student is not None and (mode == "prerouter" or student.heads is not None):
+        totals = student_nll(student, windows, config.batch, k)
+    hits = totals.hits
+    if mode != "prerouter":
+        totals = engine_nll(engine, windows)
     report["perplexity"] = {
-        "value": perplexity(nll, scored),
-        "tokens": scored,
+        "value": totals.perplexity,
+        "tokens": totals.tokens,
+        "expert_bytes_read": totals.expert_bytes_read,
         "windows": count,
         "window": config.window,
         "path": "student path (routing as decode routes)" if mode == "prerouter" else "engine",

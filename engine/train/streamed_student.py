@@ -41,6 +41,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
 from ..experts.switch_glu import StreamingSwitchGLU, dense_expert_glu
+from ..runtime.layer_major import decoder_layer_list
 from ..runtime.loader import LoadedModel
 
 
@@ -260,17 +261,6 @@ class _Tap:
             mx.eval(y)
             recorder.last_output = y
         return y
-
-
-def decoder_layer_list(model: nn.Module) -> list:
-    """The list the model keeps its decoder layers in (`model.layers` may be a fresh slice of it
-    each time, as mlx-lm's pipeline models give it), so that an entry set there is called."""
-    layers = model.layers
-    for _, module in model.named_modules():
-        for value in module.values():
-            if isinstance(value, list) and value and value[0] is layers[0]:
-                return value
-    raise RuntimeError("cannot find the model's list of decoder layers")
 
 
 class LayerwiseGrad:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -49,6 +50,7 @@ from ..routing.prerouter import (
     head_forward,
     sequence_features,
 )
+from ..runtime.layer_major import layer_major
 from ..runtime.linux_memory import available_memory_bytes
 from ..runtime.loader import LoadedModel, compute_dtype, load, read_config, routed_top_k
 from ..runtime.memory_plan import PlanRefused
@@ -199,6 +201,34 @@ class Student:
         try:
             with self.step():
                 return self.model(tokens)
+        finally:
+            plan.predicted, plan.record = {}, None
+
+    def layer_major(
+        self,
+        batches: list[mx.array],
+        records: list[dict | None],
+        score: Callable[[int, mx.array], None],
+    ) -> None:
+        """`score(b, logits)` with each batch's logits as `self(batch, gate_prefix=1,
+        record=records[b])` gives them, computed a decoder layer at a time over every batch
+        (`runtime/layer_major.py`): each MoE layer's experts are read about once for them all."""
+        plan = self.routing_plan
+        states = [
+            ({}, (mx.arange(tokens.shape[1]) >= 1)[None, :, None], record)
+            for tokens, record in zip(batches, records)
+        ]
+
+        def enter(b: int) -> None:
+            plan.predicted, plan.predicted_positions, plan.record = states[b]
+
+        def leave(b: int) -> list[mx.array]:
+            predicted, _, record = states[b]  # (the same objects the blocks updated)
+            routed = [a for kept in (record or {}).values() for a in kept[:2]]
+            return list(predicted.values()) + routed
+
+        try:
+            layer_major(self.model, batches, self.model, score, self.loaded.store, enter, leave)
         finally:
             plan.predicted, plan.record = {}, None
 
