@@ -17,6 +17,7 @@ from agent_model import (
     CALL_ARGUMENTS,
     MODEL_ID,
     QUESTION,
+    REASONING,
     TOOL_RESULT,
     WEATHER_TOOL,
     openai_after_call,
@@ -55,6 +56,12 @@ def test_a_function_call_whole_then_the_answer_from_its_output(server):
     assert call.call_id.startswith("call_") and call.name == "get_weather"
     assert json.loads(call.arguments) == CALL_ARGUMENTS
     assert first.tools[0].name == "get_weather" and first.tool_choice == "auto"
+    # Thinking on: the reasoning comes first, as a reasoning item.
+    thought = client.responses.create(
+        input=QUESTION, tools=[TOOL], extra_body={"enable_thinking": True}, **GREEDY
+    )
+    assert [item.type for item in thought.output] == ["reasoning", "function_call"]
+    assert thought.output[0].content[0].text == REASONING
     usage = first.usage
     assert usage.total_tokens == usage.input_tokens + usage.output_tokens > usage.input_tokens
     # The agent runs the tool and sends its output, continuing the stored response.
@@ -177,6 +184,21 @@ def test_what_edge0_cannot_do_is_a_400_naming_the_field(server, fields, param):
     error = refused.value.body
     assert error["param"] == param and error["type"] == "invalid_request_error", error
     assert param.partition("[")[0] in error["message"], error
+
+
+# A lone surrogate as JSON writes it (the client would not send it): no reply can carry it.
+LONE = '"caf\\ud800e"'
+ECHOED = [
+    (f'"metadata": {{"note": {LONE}}}', "metadata.note"),
+    (f'"tools": [{{"type": "function", "name": "f", "note": {LONE}}}]', "tools[0].note"),
+]
+
+
+@pytest.mark.parametrize("field, param", ECHOED, ids=[p for _, p in ECHOED])
+def test_what_the_reply_echoes_must_be_text(server, field, param):
+    body = f'{{"input": "hi", "max_output_tokens": 1, {field}}}'.encode()
+    status, raw = server.http("POST", "/v1/responses", body)
+    assert status == 400 and json.loads(raw)["error"]["param"] == param, raw
 
 
 def test_the_store_drops_the_oldest_past_its_count_or_size():

@@ -24,7 +24,7 @@ import json
 import time
 import uuid
 from collections import OrderedDict
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 from .openai_replies import sse
 from .openai_shapes import (
@@ -60,8 +60,8 @@ HONOURED = frozenset(
 ACCEPTED = frozenset(
     {
         "metadata", "user", "safety_identifier", "prompt_cache_key", "prompt_cache_retention",
-        "service_tier", "include", "parallel_tool_calls", "reasoning", "stream_options",
-        "truncation", "text", "background", "top_logprobs",
+        "prompt_cache_options", "service_tier", "include", "parallel_tool_calls", "reasoning",
+        "stream_options", "truncation", "text", "background", "top_logprobs",
     }
 )  # fmt: skip
 # Passed on to parse_chat under the same name, checked there.
@@ -235,9 +235,9 @@ def _tools(body: dict) -> tuple[tuple[dict, ...], list[dict] | None]:
             raise bad(f"{where} needs a name", f"{where}.name")
         # In the order OpenAI's chat clients send a function: the same tool renders the same
         # prompt through either endpoint.
+        check_template_value(tool, where)  # all of it: the reply echoes it
         keys = ("name", "description", "parameters", "strict")
         function = {key: tool[key] for key in keys if tool.get(key) is not None}
-        check_template_value(function, where)
         chat.append({"type": "function", "function": function})
     return tuple(tools), chat
 
@@ -275,6 +275,7 @@ def _check_accepted(body: dict) -> None:
     for name in ("store", "parallel_tool_calls"):
         _refuse_unless(body, name, lambda v: isinstance(v, bool), "it must be a boolean")
     _refuse_unless(body, "metadata", lambda v: isinstance(v, dict), "it must be an object")
+    check_template_value(body.get("metadata"), "metadata")  # the reply echoes it: text only
 
 
 def _max_output_tokens(body: dict) -> int | None:
@@ -345,7 +346,7 @@ def parse_responses(
         parallel_tool_calls=body.get("parallel_tool_calls") is not False,
     )
     given = {f.name: getattr(request, f.name) for f in fields(GenerationRequest)}
-    return ResponsesRequest(**{**given, "include_usage": False}, turn=turn)
+    return ResponsesRequest(**given, turn=turn)
 
 
 # -- replies ------------------------------------------------------------------------------------
@@ -369,22 +370,27 @@ def _new_id(prefix: str) -> str:
     return prefix + uuid.uuid4().hex
 
 
-def message_item(item_id: str, text: str, status: str) -> dict:
-    return {
-        "id": item_id,
-        "type": "message",
-        "status": status,
-        "role": "assistant",
-        "content": [_text_part(text)] if status != "in_progress" else [],
-    }
+# A text item of the reply: its output item's type, its id's prefix, and its content part's type.
+TEXT_ITEMS = {
+    "content": ("message", "msg_", "output_text"),
+    "reasoning": ("reasoning", "rs_", "reasoning_text"),
+}
 
 
-def _text_part(text: str) -> dict:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def text_part(kind: str, text: str) -> dict:
+    """The content part of a text item: `kind` is reply_parts' "content" or "reasoning"."""
+    if kind == "content":
+        return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+    return {"type": "reasoning_text", "text": text}
 
 
-def reasoning_item(item_id: str, text: str, status: str) -> dict:
-    content = [{"type": "reasoning_text", "text": text}] if status != "in_progress" else []
+def text_item(kind: str, item_id: str, text: str, status: str) -> dict:
+    """A `message` (kind "content") or `reasoning` output item holding `text` in one part (no
+    part yet while in progress, as the API adds it with its own event)."""
+    content = [text_part(kind, text)] if status != "in_progress" else []
+    if kind == "content":
+        return {"id": item_id, "type": "message", "status": status, "role": "assistant",
+                "content": content}  # fmt: skip
     return {"id": item_id, "type": "reasoning", "summary": [], "content": content, "status": status}
 
 
@@ -410,6 +416,16 @@ def history_turn(content: str, calls: list[ToolCall]) -> dict:
     return turn
 
 
+@dataclass
+class _OpenItem:
+    """The text item a stream is writing: reply_parts' kind, its id, its place in `output`."""
+
+    kind: str
+    id: str
+    index: int
+    texts: list[str] = field(default_factory=list)
+
+
 class ResponsesWriter:
     """A reply in the Responses API's shapes, for app.GenerationResponse: its events as SSE, or
     the response object whole. A finished reply is kept in `store` unless the request said
@@ -422,7 +438,7 @@ class ResponsesWriter:
         self.id = _new_id("resp_")
         self.created_at = int(time.time())
         self.sequence = 0
-        self.open: dict | None = None  # the streamed item being written: its kind, id, text
+        self.open: _OpenItem | None = None  # the streamed text item being written
         self.items: list[dict] = []  # the streamed items done, in order
 
     # -- the response object
@@ -476,9 +492,9 @@ class ResponsesWriter:
         status = self._status(finish_reason)
         output = []
         if reasoning:
-            output.append(reasoning_item(_new_id("rs_"), reasoning, "completed"))
+            output.append(text_item("reasoning", _new_id("rs_"), reasoning, "completed"))
         if content or not calls:
-            output.append(message_item(_new_id("msg_"), content, status))
+            output.append(text_item("content", _new_id("msg_"), content, status))
         output += [call_item(call) for call in calls]
         self._keep(content, calls)
         return self._response(status, output, used, figures)
@@ -498,60 +514,42 @@ class ResponsesWriter:
         ]
 
     def _open_item(self, kind: str) -> list[bytes]:
-        """Close the open item; open one of `kind` (message or reasoning) and its content part."""
+        """Close the open item; open a text item of `kind` ("content" or "reasoning") and its
+        content part."""
         out = self._close_item("completed")
-        prefix, make = ("msg_", message_item) if kind == "message" else ("rs_", reasoning_item)
-        self.open = {"kind": kind, "id": _new_id(prefix), "text": [], "make": make}
-        at = len(self.items)
-        part = _text_part("") if kind == "message" else {"type": "reasoning_text", "text": ""}
+        self.open = _OpenItem(kind, _new_id(TEXT_ITEMS[kind][1]), len(self.items))
+        where = {"item_id": self.open.id, "output_index": self.open.index}
+        item = text_item(kind, self.open.id, "", "in_progress")
         return out + [
+            self._event("response.output_item.added", output_index=self.open.index, item=item),
             self._event(
-                "response.output_item.added",
-                output_index=at,
-                item=make(self.open["id"], "", "in_progress"),
-            ),
-            self._event(
-                "response.content_part.added",
-                item_id=self.open["id"],
-                output_index=at,
-                content_index=0,
-                part=part,
+                "response.content_part.added", **where, content_index=0, part=text_part(kind, "")
             ),
         ]
 
     def _close_item(self, status: str) -> list[bytes]:
         if self.open is None:
             return []
-        item_id, at, text = self.open["id"], len(self.items), "".join(self.open["text"])
-        where = {"item_id": item_id, "output_index": at, "content_index": 0}
-        if self.open["kind"] == "message":
-            done = [
-                self._event("response.output_text.done", **where, text=text, logprobs=[]),
-                self._event("response.content_part.done", **where, part=_text_part(text)),
-            ]
-        else:
-            part = {"type": "reasoning_text", "text": text}
-            done = [
-                self._event("response.reasoning_text.done", **where, text=text),
-                self._event("response.content_part.done", **where, part=part),
-            ]
-        item = self.open["make"](item_id, text, status)
+        kind, text = self.open.kind, "".join(self.open.texts)
+        where = {"item_id": self.open.id, "output_index": self.open.index, "content_index": 0}
+        part = TEXT_ITEMS[kind][2]
+        done = {"logprobs": []} if kind == "content" else {}
+        item = text_item(kind, self.open.id, text, status)
         self.items.append(item)
         self.open = None
-        return done + [self._event("response.output_item.done", output_index=at, item=item)]
+        return [
+            self._event(f"response.{part}.done", **where, text=text, **done),
+            self._event("response.content_part.done", **where, part=text_part(kind, text)),
+            self._event("response.output_item.done", output_index=where["output_index"], item=item),
+        ]
 
     def delta(self, kind: str, text: str, logprobs) -> list[bytes]:
-        wanted = "message" if kind == "content" else "reasoning"
-        out = (
-            [] if self.open is not None and self.open["kind"] == wanted else self._open_item(wanted)
-        )
-        self.open["text"].append(text)
-        where = {"item_id": self.open["id"], "output_index": len(self.items), "content_index": 0}
-        if wanted == "message":
-            return out + [
-                self._event("response.output_text.delta", **where, delta=text, logprobs=[])
-            ]
-        return out + [self._event("response.reasoning_text.delta", **where, delta=text)]
+        out = [] if self.open is not None and self.open.kind == kind else self._open_item(kind)
+        self.open.texts.append(text)
+        where = {"item_id": self.open.id, "output_index": self.open.index, "content_index": 0}
+        done = {"logprobs": []} if kind == "content" else {}
+        event = f"response.{TEXT_ITEMS[kind][2]}.delta"
+        return out + [self._event(event, **where, delta=text, **done)]
 
     def _call_events(self, call: ToolCall) -> list[bytes]:
         at = len(self.items)
@@ -585,7 +583,7 @@ class ResponsesWriter:
         status = self._status(finish_reason)
         out = self._close_item(status)
         if not calls and not any(item["type"] == "message" for item in self.items):
-            out += self._open_item("message") + self._close_item(status)  # as a whole reply has
+            out += self._open_item("content") + self._close_item(status)  # as a whole reply has
         for call in calls:
             out += self._call_events(call)
         messages = [item for item in self.items if item["type"] == "message"]
