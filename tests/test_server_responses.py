@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 
 import openai
+import pydantic
 import pytest
 from agent_model import (
     ANSWER,
@@ -22,9 +23,12 @@ from agent_model import (
     WEATHER_TOOL,
     openai_after_call,
 )
+from openai.types.responses import Response, ResponseStreamEvent
 from test_server import API_KEY, private_env, start_server, stop_server
 
-from edge0_tui.server.responses_api import ResponseStore
+from edge0_tui.server.engine_worker import not_ready
+from edge0_tui.server.responses_api import ResponseStore, ResponsesWriter, parse_responses
+from edge0_tui.server.tool_calls import ToolCall
 
 # The chat endpoint's weather tool in the Responses API's flat shape.
 TOOL = {"type": "function", **WEATHER_TOOL["function"]}
@@ -212,3 +216,41 @@ def test_the_store_drops_the_oldest_past_its_count_or_size():
     assert store.chars == 100
     store.put("resp_huge", turn, 101)  # larger than the whole store: not kept
     assert store.get("resp_huge") is None and store.get("resp_big") is not None
+
+
+def test_every_shape_validates_as_the_sdks_own_models():
+    """Strictly (the client parses leniently): each event of a stream with reasoning, text and a
+    call, cut at the length limit; one that fails mid-way; and a whole response."""
+    store = ResponseStore()
+    request = parse_responses({"input": "hi", "tools": [TOOL]}, (MODEL_ID,), store)
+    used = {
+        "prompt_tokens": 9,
+        "completion_tokens": 4,
+        "prompt_tokens_details": {"cached_tokens": 2},
+    }
+    call = ToolCall("get_weather", CALL_ARGUMENTS, "call_1")
+    events = pydantic.TypeAdapter(ResponseStreamEvent)
+
+    def validate(chunks: list[bytes]) -> list:
+        return [events.validate_json(chunk.partition(b"data: ")[2]) for chunk in chunks]
+
+    writer = ResponsesWriter(request, store)
+    chunks = (
+        writer.start() + writer.delta("reasoning", "Hm.", ()) + writer.delta("content", "Hi", ())
+    )
+    ended = validate(chunks + writer.end("length", [call], used, {}))
+    assert [e.sequence_number for e in ended] == list(range(len(ended)))
+    assert ended[-1].type == "response.incomplete" and ended[-1].response.usage.total_tokens == 13
+    assert [item.type for item in ended[-1].response.output] == [
+        "reasoning",
+        "message",
+        "function_call",
+    ]
+    writer = ResponsesWriter(request, store)
+    chunks = writer.start() + writer.delta("content", "Hi", ())
+    failed = validate(chunks + writer.error_event(not_ready("closed", None)))
+    assert [e.type for e in failed[-2:]] == ["error", "response.failed"]
+    assert failed[-2].code == "model_unavailable" and failed[-1].response.status == "failed"
+    whole = ResponsesWriter(request, store).whole("Hi", "Hm.", [call], "tool_calls", used, {}, [])
+    assert Response.model_validate(whole).output_text == "Hi"
+    assert len(store) == 2  # the finished replies are kept; the failed one is not

@@ -1,4 +1,4 @@
-"""OpenAI's Responses API (`POST /v1/responses`): requests checked, replies shaped, past responses kept.
+"""OpenAI's Responses API (`POST /v1/responses`): requests checked, replies shaped, responses kept.
 
 A request is turned into the chat request the chat endpoint takes (openai_shapes.parse_chat), so
 the chat template, the engine, the reasoning split, the tool-call parsers, the limits, the log and
@@ -233,9 +233,9 @@ def _tools(body: dict) -> tuple[tuple[dict, ...], list[dict] | None]:
         name = tool.get("name")
         if not isinstance(name, str) or not name:
             raise bad(f"{where} needs a name", f"{where}.name")
+        check_template_value(tool, where)  # all of it: the reply echoes it
         # In the order OpenAI's chat clients send a function: the same tool renders the same
         # prompt through either endpoint.
-        check_template_value(tool, where)  # all of it: the reply echoes it
         keys = ("name", "description", "parameters", "strict")
         function = {key: tool[key] for key in keys if tool.get(key) is not None}
         chat.append({"type": "function", "function": function})
@@ -594,7 +594,8 @@ class ResponsesWriter:
     def error_event(self, error: ApiError) -> list[bytes]:
         out = self._close_item("incomplete")
         failed = self._response("failed", self.items, None)
-        failed["error"] = {"code": error.code or "server_error", "message": error.message}
+        # The response's error has a code of the API's own few (its `error` event has edge0's).
+        failed["error"] = {"code": "server_error", "message": error.message}
         return out + [
             self._event("error", code=error.code, message=error.message, param=error.param),
             self._event("response.failed", response=failed),
