@@ -24,7 +24,7 @@ from agent_model import (
     openai_after_call,
 )
 from openai.types.responses import Response, ResponseStreamEvent
-from test_server import API_KEY, private_env, start_server, stop_server
+from test_server import API_KEY, metric, private_env, start_server, stop_server
 
 from edge0_tui.server.engine_worker import not_ready
 from edge0_tui.server.responses_api import ResponseStore, ResponsesWriter, parse_responses
@@ -138,6 +138,7 @@ def test_a_function_call_streamed_as_the_apis_events(server):
 
 def test_plain_text_whole_and_streamed_and_a_conversation_continued(server):
     client = server.client()
+    served = metric(server.metrics(), "edge0_requests_served_total")
     ask = dict(input="Tell me about the sea.", instructions="Be terse.", **GREEDY)
     whole = client.responses.create(max_output_tokens=6, **ask)
     assert whole.status == "incomplete" and whole.incomplete_details.reason == "max_output_tokens"
@@ -159,9 +160,12 @@ def test_plain_text_whole_and_streamed_and_a_conversation_continued(server):
     with pytest.raises(openai.BadRequestError) as gone:
         client.responses.create(previous_response_id=unkept.id, input="Again.", **GREEDY)
     assert gone.value.body["code"] == "previous_response_not_found"
-    assert f"{server.url}/v1/chat/completions, /v1/completions, /v1/responses" in (
-        server.log.read_text()
-    )  # the start-up text offers it
+    # The chat endpoint's counters and log: the start-up text offers it, each request is logged
+    # (the refusal's line too, written before the next request, /metrics, is answered).
+    assert metric(server.metrics(), "edge0_requests_served_total") == served + 4
+    log = server.log.read_text()
+    assert f"{server.url}/v1/chat/completions, /v1/completions, /v1/responses" in log
+    assert "POST /v1/responses 200" in log and "POST /v1/responses 400" in log
 
 
 REFUSED = [
