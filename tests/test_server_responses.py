@@ -194,6 +194,13 @@ def test_what_edge0_cannot_do_is_a_400_naming_the_field(server, fields, param):
     assert param.partition("[")[0] in error["message"], error
 
 
+def test_a_prompt_past_the_context_names_input(server):
+    with pytest.raises(openai.BadRequestError) as past:
+        server.client().responses.create(model=MODEL_ID, input="x" * 2_000_000)
+    error = past.value.body
+    assert error["param"] == "input" and error["code"] == "context_length_exceeded", error
+
+
 # A lone surrogate as JSON writes it (the client would not send it): no reply can carry it.
 LONE = '"caf\\ud800e"'
 ECHOED = [

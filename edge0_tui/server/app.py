@@ -473,7 +473,12 @@ def create_app(worker: EngineWorker, settings: ServerSettings) -> Starlette:
         def parse(body: dict, model_ids: tuple[str, ...], strict: bool):
             return parse_responses(body, model_ids, responses_kept, strict)
 
-        return await generate(request, parse, api="responses")
+        try:
+            return await generate(request, parse, api="responses")
+        except ApiError as e:  # the prompt's bounds name the chat request's field: here, input
+            if e.param == "messages":
+                e.param = "input"
+            raise
 
     async def count_tokens(request: Request):
         """Anthropic's `POST /v1/messages/count_tokens`: the tokens a Messages request with
