@@ -9,6 +9,7 @@
     openai_shapes.py  request checks in the OpenAI API's shapes (and its error JSON)
     openai_replies.py replies in OpenAI's shapes, whole or as SSE chunks
     anthropic_shapes.py  Anthropic's Messages API (/v1/messages): requests, replies, errors
+    responses_api.py  OpenAI's Responses API (/v1/responses): requests, replies, past responses
     reply_parts.py    a reply's text split as it streams: reasoning, content, tool calls
     tool_calls.py     the tool-call dialects, one parser each, read from the chat template
     metrics.py        GET /metrics in Prometheus's text format

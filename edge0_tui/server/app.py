@@ -47,6 +47,7 @@ from .limits import (
 from .openai_replies import OpenAIWriter, model_card, system_fingerprint, usage
 from .openai_shapes import ApiError, GenerationRequest, error_body, parse_chat, parse_completion
 from .reply_parts import ReplyParts
+from .responses_api import ResponseStore, ResponsesWriter, parse_responses
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
 # A body over the limit is still read (and dropped) up to this size, so that the client, still
@@ -184,8 +185,9 @@ TOOLS_IGNORED = "tools ignored: this model's chat template does not take tools"
 
 class GenerationResponse:
     """One reply: waits for the engine thread's events and sends them (SSE or one JSON body),
-    in the shapes of the API asked (`writer`: openai_replies.OpenAIWriter or
-    anthropic_shapes.AnthropicWriter); `parts` splits reasoning and tool calls out of the text."""
+    in the shapes of the API asked (`writer`: openai_replies.OpenAIWriter,
+    anthropic_shapes.AnthropicWriter or responses_api.ResponsesWriter); `parts` splits reasoning
+    and tool calls out of the text."""
 
     def __init__(
         self,
@@ -382,6 +384,7 @@ class GenerationResponse:
 def create_app(worker: EngineWorker, settings: ServerSettings) -> Starlette:
     """The ASGI app. Starts the worker when the app starts, shuts it down when the app stops."""
     stats = prometheus.ServerStats()
+    responses_kept = ResponseStore()  # for previous_response_id, while the server runs
     encoding = {"short": asyncio.Lock(), "long": asyncio.Lock()}
     settings.created = settings.created or int(time.time())
 
@@ -425,7 +428,9 @@ def create_app(worker: EngineWorker, settings: ServerSettings) -> Starlette:
             tokens = await asyncio.to_thread(worker.encode, parsed)
         return parsed, tokens
 
-    async def generate(request: Request, parse, anthropic: bool = False):
+    async def generate(request: Request, parse, api: str = "openai"):
+        """A reply to a generation request of `api` (openai, anthropic or responses), checked
+        by `parse`."""
         parsed, tokens = await encoded(request, parse)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
@@ -441,11 +446,14 @@ def create_app(worker: EngineWorker, settings: ServerSettings) -> Starlette:
         parts = ReplyParts(worker.template_facts, worker.opens_thinking(tokens), bool(parsed.tools))
         ignored = bool(parsed.tools) and not worker.template_facts.takes_tools
         warning = TOOLS_IGNORED if ignored else None
-        if anthropic:
+        if api == "anthropic":
             writer = AnthropicWriter(parsed, lambda: job.text.stopped, len(tokens or ()))
             return GenerationResponse(
                 parsed, job, events, stats, writer, parts, anthropic_error, warning
             )
+        if api == "responses":
+            writer = ResponsesWriter(parsed, responses_kept)
+            return GenerationResponse(parsed, job, events, stats, writer, parts, warning=warning)
         k = parsed.k if parsed.k is not None else (worker.configured or (None,))[0]
         writer = OpenAIWriter(parsed, system_fingerprint(worker.fingerprint, k))
         return GenerationResponse(parsed, job, events, stats, writer, parts, warning=warning)
@@ -457,7 +465,20 @@ def create_app(worker: EngineWorker, settings: ServerSettings) -> Starlette:
         return await generate(request, parse_completion)
 
     async def messages(request: Request):
-        return await generate(request, parse_messages, anthropic=True)
+        return await generate(request, parse_messages, api="anthropic")
+
+    async def responses(request: Request):
+        """OpenAI's `POST /v1/responses`, as a chat request (responses_api.py)."""
+
+        def parse(body: dict, model_ids: tuple[str, ...], strict: bool):
+            return parse_responses(body, model_ids, responses_kept, strict)
+
+        try:
+            return await generate(request, parse, api="responses")
+        except ApiError as e:  # the prompt's bounds name the chat request's field: here, input
+            if e.param == "messages":
+                e.param = "input"
+            raise
 
     async def count_tokens(request: Request):
         """Anthropic's `POST /v1/messages/count_tokens`: the tokens a Messages request with
@@ -530,6 +551,7 @@ def create_app(worker: EngineWorker, settings: ServerSettings) -> Starlette:
         routes=[
             Route("/v1/chat/completions", guarded(chat_completions), methods=["POST"]),
             Route("/v1/completions", guarded(completions), methods=["POST"]),
+            Route("/v1/responses", guarded(responses), methods=["POST"]),
             Route("/v1/messages", guarded(messages, anthropic_error), methods=["POST"]),
             Route(
                 "/v1/messages/count_tokens",

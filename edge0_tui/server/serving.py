@@ -140,7 +140,8 @@ def startup_lines(settings: ServerSettings, worker: EngineWorker, url: str) -> l
     key = "an API key (Bearer or x-api-key)" if settings.api_key else "no API key"
     lines = [
         f"edge0: ready: {name} ({worker.info.get('family')}){also}",
-        f"edge0:   OpenAI API     {url}/v1/chat/completions, /v1/completions, /v1/models",
+        f"edge0:   OpenAI API     {url}/v1/chat/completions, /v1/completions, /v1/responses, "
+        "/v1/models",
         f"edge0:   Anthropic API  {url}/v1/messages, /v1/messages/count_tokens",
         f"edge0:   profile        K={k} {mode}; a request may name its own k ({ks}) and mode "
         f"({', '.join(worker.modes)}), for itself only",
