@@ -13,12 +13,14 @@ from __future__ import annotations
 import json
 import shutil
 import struct
+from datetime import date
 from pathlib import Path
 
 import pytest
 from hub_endpoint import HubEndpoint, files_of, pointed_at
 
 from edge0_tui import cli
+from edge0_tui.machine_speed import this_machine
 from engine import format_bytes
 
 OWNER = "edge0-test"
@@ -121,7 +123,35 @@ def test_info_memory_plans_a_hub_repo_from_its_headers(hub, sparse_wall, fixed_m
     assert cli.main(["info", str(model), "--memory"]) == 0
     local, _ = capsys.readouterr()
     assert plan_lines(remote) == plan_lines(local)
-    assert plan_lines(remote)[-1].endswith(": fits")
+    assert plan_lines(remote)[-2].endswith(": fits")
+
+
+def test_info_memory_says_the_speed_to_expect_once_the_doctor_has_run(
+    hub, sparse_wall, fixed_machine, private_data_dir, capsys
+):
+    """Issue 49 item 1: the plan of a Hub repo comes with the decode speed to expect, from
+    `edge0 doctor`'s figures kept for this machine; before the doctor has run, it says so."""
+    from edge0_tui.commands.info import NO_SPEED
+    from edge0_tui.machine_speed import save_speed
+    from engine.measure.speed_estimate import MachineSpeed
+
+    repo = f"{OWNER}/wall"
+    hub.serve(repo, sparse_wall)
+    assert cli.main(["info", repo, "--memory"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == NO_SPEED
+
+    save_speed(private_data_dir, MachineSpeed(2 << 30, 40 << 30), "demo")
+    assert cli.main(["info", repo, "--memory", "--k", "4"]) == 0
+    line = capsys.readouterr().out.splitlines()[-1]
+    assert line.startswith("expected speed at K=4 (on-demand): "), line
+    cold, warm = (float(part.split(" tok/s")[0].split()[-1]) for part in line.split(" cold ", 1))
+    assert 0 < cold < warm, line
+    assert line.endswith(f"(from edge0 doctor on {this_machine()}, {date.today().isoformat()})")
+
+    assert cli.main(["info", repo, "--memory", "--k", "4", "--json"]) == 0
+    speed = json.loads(capsys.readouterr().out)["speed"]
+    assert speed["cold_tok_per_s"] == pytest.approx(cold, rel=0.05)
+    assert speed["measured"]["speed"]["disk_bytes_per_s"] == 2 << 30
 
 
 def hub_home() -> str:

@@ -1,0 +1,47 @@
+"""The decode speed `edge0 info --memory` expects from `edge0 doctor`'s figures
+(`engine.measure.speed_estimate`), and the figures kept from a doctor run."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.measure.doctor_checks import COLD_READS, fail, ok, skipped
+from engine.measure.speed_estimate import MachineSpeed, estimate_decode_speed, machine_speed
+
+GB = 10**9
+
+
+def test_cold_reads_every_expert_and_warm_only_what_the_cache_misses():
+    # A token computes through 1 GB of dense weights and 1 GB of experts at 2 GB/s (1 s), and
+    # reads the experts at 1 GB/s: 1 s cold, half of it with half the experts cached.
+    estimate = estimate_decode_speed(GB, GB, 0.5, MachineSpeed(1 * GB, 2 * GB))
+    assert estimate.cold_tok_per_s == pytest.approx(1 / 2)
+    assert estimate.warm_tok_per_s == pytest.approx(1 / 1.5)
+    assert estimate_decode_speed(GB, GB, 1.0, MachineSpeed(GB, 2 * GB)).warm_tok_per_s == 1.0
+    # A share past the whole (a cache larger than the experts) is the whole.
+    assert estimate_decode_speed(GB, GB, 3.0, MachineSpeed(GB, 2 * GB)).hit_share == 1.0
+
+
+def doctor_checks(slots_status=ok, compute_ms=50.0):
+    return [
+        ok(
+            "exactness",
+            "on-demand = resident (demo)",
+            "",
+            cold_bytes_per_token=60,
+            resident_bytes=40,
+        ),
+        ok("exactness", "on-demand = resident (synthetic gpt_oss)", "", cold_bytes_per_token=1),
+        slots_status("slots", "slot writes under compute", "", compute_ms=compute_ms),
+        ok("disk", COLD_READS, "", bytes_per_s=1000.0),
+    ]
+
+
+def test_the_machine_figures_come_from_the_doctors_model_and_its_checks():
+    # The demo's step computes through 100 bytes in 50 ms: 2000 bytes a second.
+    assert machine_speed(doctor_checks()) == MachineSpeed(1000.0, 2000.0)
+    assert machine_speed(doctor_checks(slots_status=fail)) is None
+    assert machine_speed(doctor_checks(compute_ms=None)) is None
+    # The doctor's model could not run resident: no figures (not a synthetic model's).
+    model_skipped = skipped("exactness", "on-demand = resident (demo)", "too big")
+    assert machine_speed([model_skipped, *doctor_checks()[1:]]) is None
