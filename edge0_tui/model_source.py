@@ -313,7 +313,11 @@ def pull_from_hub(
         # Every file is in the cache now: this links the snapshot folder and records which commit
         # the revision names (for offline use), fetching no file.
         folder = snapshot_download(
-            repo_id, cache_dir=cache_dir, allow_patterns=patterns, revision=revision
+            repo_id,
+            cache_dir=cache_dir,
+            allow_patterns=patterns,
+            revision=revision,
+            tqdm_class=_silent_progress_bar(),
         )
     except Edge0Error:
         raise
@@ -360,3 +364,17 @@ def _one_line(error: BaseException) -> str:
     """An exception as one short line: its type and its message's first line."""
     lines = str(error).strip().splitlines()
     return f"{type(error).__name__}: {lines[0][:200]}" if lines else type(error).__name__
+
+
+def _silent_progress_bar() -> type:
+    """A tqdm class for `snapshot_download` that shows nothing: its bar counts the files it
+    links, which stderr (or the app, which owns the terminal) has no use for."""
+    from tqdm import tqdm
+
+    class SilentProgressBar(tqdm):
+        def __init__(self, *args, **kwargs) -> None:
+            kwargs.pop("name", None)  # huggingface_hub's own keyword, not tqdm's
+            kwargs["disable"] = True
+            super().__init__(*args, **kwargs)
+
+    return SilentProgressBar

@@ -321,6 +321,7 @@ def test_pull_fetches_only_what_edge0_reads_and_a_second_pull_transfers_nothing(
     assert cli.main(["pull", repo]) == 0
     out, err = capsys.readouterr()
     assert hub.bytes_served(repo) == needed, err
+    assert err == ""  # no progress drawn where stderr is no terminal
     folder = pulled_folder(out)
     names = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
     assert names == sorted(p.relative_to(source).as_posix() for p in edge0_files(source))
