@@ -21,9 +21,10 @@ local folder as it is, or, for an `owner/name` that is not a local path, the ada
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -276,12 +277,7 @@ def pull_from_hub(
     Offline (or when the Hub cannot be reached), a complete cached copy is used as is.
     """
     from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import (
-        HFValidationError,
-        LocalEntryNotFoundError,
-        RepositoryNotFoundError,
-        RevisionNotFoundError,
-    )
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
     from huggingface_hub.utils import validate_repo_id
 
     from .hub_download import fetch_missing, plan_download
@@ -308,17 +304,41 @@ def pull_from_hub(
         return cached_copy("offline")
     on_progress(f"looking up {repo_id} on the Hugging Face Hub", 0, None)
     try:
-        plan = plan_download(repo_id, patterns, revision, cache_dir)
+        with _hub_errors(repo_id, revision):
+            plan = plan_download(repo_id, patterns, revision, cache_dir)
+        # (its own errors, and the progress callback's, such as Ctrl+C, pass as they are)
         received = fetch_missing(plan, on_progress)
-        # Every file is in the cache now: this links the snapshot folder and records which commit
-        # the revision names (for offline use), fetching no file.
-        folder = snapshot_download(
-            repo_id,
-            cache_dir=cache_dir,
-            allow_patterns=patterns,
-            revision=revision,
-            tqdm_class=_silent_progress_bar(),
-        )
+        with _hub_errors(repo_id, revision):
+            # Every file is in the cache now: this links the snapshot folder and records which
+            # commit the revision names (for offline use), fetching no file.
+            folder = snapshot_download(
+                repo_id,
+                cache_dir=cache_dir,
+                allow_patterns=patterns,
+                revision=revision,
+                tqdm_class=_silent_progress_bar(),
+            )
+    except _HubUnusable as e:
+        return cached_copy(str(e))
+    return Pulled(Path(folder), plan, received)
+
+
+class _HubUnusable(Exception):
+    """The Hub cannot be asked, or its answer cannot be used: a cached copy may serve."""
+
+
+@contextlib.contextmanager
+def _hub_errors(repo_id: str, revision: str | None) -> Iterator[None]:
+    """huggingface_hub's errors as edge0's: a repo or revision the Hub does not have is an
+    Edge0Error; anything else the Hub did wrong is _HubUnusable, saying what."""
+    from huggingface_hub.errors import (
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    try:
+        yield
     except Edge0Error:
         raise
     except RepositoryNotFoundError:
@@ -329,17 +349,17 @@ def pull_from_hub(
         raise Edge0Error(
             f"{repo_id}: no revision {revision!r} on the Hugging Face Hub (a branch, tag or commit)"
         ) from None
-    except LocalEntryNotFoundError as e:
-        return cached_copy(_hub_failure(e.__cause__))
+    except LocalEntryNotFoundError as e:  # snapshot_download's: the Hub could not be asked
+        raise _HubUnusable(_hub_failure(e.__cause__)) from None
     except OSError as e:  # an HTTP error status (HfHubHTTPError is one), a disk filled up, ...
-        return cached_copy(_hub_failure(e))
+        raise _HubUnusable(_hub_failure(e)) from None
     except Exception as e:
         if _is_transport_error(e):
-            return cached_copy("cannot reach the Hugging Face Hub")
+            raise _HubUnusable("cannot reach the Hugging Face Hub") from None
         # What huggingface_hub raises on an answer it cannot use: a JSON shape it does not
         # expect (TypeError, KeyError), a redirect loop (its HTTP client's errors), ...
-        return cached_copy(f"the Hugging Face Hub's answer cannot be used ({_one_line(e)})")
-    return Pulled(Path(folder), plan, received)
+        why = f"the Hugging Face Hub's answer cannot be used ({_one_line(e)})"
+        raise _HubUnusable(why) from None
 
 
 def _hub_failure(error: BaseException | None) -> str:

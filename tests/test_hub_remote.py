@@ -333,7 +333,16 @@ def test_pull_fetches_only_what_edge0_reads_and_a_second_pull_transfers_nothing(
     assert "complete already, nothing downloaded" in out
 
 
-def test_an_interrupted_pull_resumes_where_it_stopped(hub, tmp_path, capsys):
+@pytest.fixture
+def every_chunk(monkeypatch):
+    """Progress reported after every chunk a download receives (not at most every so often), so
+    that a callback stopping the download stops it at a known point."""
+    from edge0_tui import hub_download
+
+    monkeypatch.setattr(hub_download, "REPORT_EVERY_S", 0.0)
+
+
+def test_an_interrupted_pull_resumes_where_it_stopped(hub, tmp_path, capsys, every_chunk):
     """A connection dropped mid-file, then Ctrl+C: each run again fetches only what is missing
     (huggingface_hub alone removes a partial file and starts it again from zero)."""
     repo = f"{OWNER}/resume"
@@ -369,6 +378,25 @@ def test_an_interrupted_pull_resumes_where_it_stopped(hub, tmp_path, capsys):
     assert hub.bytes_served(repo) - served == size - kept  # the rest of the file, once
     assert f"{format_bytes(size - kept)} downloaded ({format_bytes(small + kept)} were" in out
     assert (pulled_folder(out) / SHARD).read_bytes() == (source / SHARD).read_bytes()
+
+
+def test_the_app_closing_mid_pull_stops_it_and_keeps_what_came(hub, tmp_path, every_chunk):
+    """The app quits during a download by raising ServiceClosed from the progress callback: it
+    stops the pull as it is (not read as a Hub failure), the partial file kept to resume."""
+    from edge0_tui.engine_service.jobs import ServiceClosed
+    from edge0_tui.model_source import pull_from_hub
+
+    repo = f"{OWNER}/closing"
+    hub.serve(repo, repo_folder(tmp_path / "repo", other_formats=False))
+
+    def closing(what: str, done: float, total: float | None) -> None:
+        if what.startswith("downloading") and done > 1 << 20:
+            raise ServiceClosed
+
+    with pytest.raises(ServiceClosed):
+        pull_from_hub(repo, closing)
+    (partial,) = (Path(hub_home()) / "hub").rglob("*.incomplete")
+    assert partial.stat().st_size >= 1 << 20
 
 
 def test_a_pull_the_disk_cannot_hold_is_refused_before_writing(hub, tmp_path, capsys, monkeypatch):
