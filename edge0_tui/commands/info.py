@@ -168,11 +168,16 @@ def speed_line(mode: str, plan: MemoryPlan, expert_bytes: int, experts: int) -> 
     estimate, measured = found
     source = f"from edge0 doctor on {measured.machine}, {measured.date}"
     if mode == "resident":
-        return f"expected speed at K={plan.k}: {estimate.warm_tok_per_s:.1f} tok/s ({source})"
+        return f"expected speed at K={plan.k}: {_rate(estimate.warm_tok_per_s)} tok/s ({source})"
     disk = measured.speed.disk_bytes_per_s
     return (
-        f"expected speed at K={plan.k} (on-demand): {estimate.cold_tok_per_s:.1f} tok/s cold "
+        f"expected speed at K={plan.k} (on-demand): {_rate(estimate.cold_tok_per_s)} tok/s cold "
         f"(every routed expert read: {format_bytes(estimate.expert_bytes_per_token)} a token at "
-        f"{format_bytes(disk)}/s), {estimate.warm_tok_per_s:.1f} tok/s warm (the expert cache "
+        f"{format_bytes(disk)}/s), {_rate(estimate.warm_tok_per_s)} tok/s warm (the expert cache "
         f"holds {estimate.hit_share:.0%} of the experts) ({source})"
     )
+
+
+def _rate(tok_per_s: float) -> str:
+    """Tokens a second, with two decimals below one (a slow model is not all "0.0")."""
+    return f"{tok_per_s:.1f}" if tok_per_s >= 1 else f"{tok_per_s:.2f}"
