@@ -13,7 +13,7 @@ command transferred. `fault(repo, kind)` makes one repo misbehave, for the hosti
 `"500"` (every request fails), `"json_shape"` (the API answers a JSON list where an object is
 expected, the tree an object where a list is), `"redirect_loop"` (every file redirects to itself),
 `"short_body"` (every file's body stops half way, the connection closed), `"get_500"` (a
-file's HEAD answers, its GET is a 500). `cut(repo, file, at)`
+file's HEAD answers, its GET is a 500), `"no_range"` (a Range header is ignored: the whole file). `cut(repo, file, at)`
 drops the connection once, the next time that file's body reaches byte `at` (an interrupted
 download, to be resumed). A repo answers for the revisions `main`, its commit and those `serve`
 names; any other is RevisionNotFound.
@@ -173,7 +173,8 @@ class _Handler(BaseHTTPRequestHandler):
         size = path.stat().st_size
         start, end, status = 0, size - 1, 200
         headers = {"ETag": f'"{etag_of(path)}"', "X-Repo-Commit": COMMIT, "Accept-Ranges": "bytes"}
-        if (wanted := self.headers.get("Range")) and (match := _RANGE.fullmatch(wanted)):
+        wanted = self.headers.get("Range") if fault != "no_range" else None
+        if wanted and (match := _RANGE.fullmatch(wanted)):
             start = int(match[1])
             end = min(int(match[2]) if match[2] else size - 1, size - 1)
             if start >= size:

@@ -342,10 +342,11 @@ def every_chunk(monkeypatch):
     monkeypatch.setattr(hub_download, "REPORT_EVERY_S", 0.0)
 
 
-def test_an_interrupted_pull_resumes_where_it_stopped(hub, tmp_path, capsys, every_chunk):
+@pytest.mark.parametrize("no_range", [False, True], ids=["resumed", "server-ignores-ranges"])
+def test_an_interrupted_pull_resumes_where_it_stopped(hub, tmp_path, capsys, every_chunk, no_range):
     """A connection dropped mid-file, then Ctrl+C: each run again fetches only what is missing
     (huggingface_hub alone removes a partial file and starts it again from zero)."""
-    repo = f"{OWNER}/resume"
+    repo = f"{OWNER}/resume-{no_range}"
     source = repo_folder(tmp_path / "repo", shard_bytes=5 << 20, other_formats=False)
     hub.serve(repo, source)
     size = (source / SHARD).stat().st_size
@@ -358,6 +359,14 @@ def test_an_interrupted_pull_resumes_where_it_stopped(hub, tmp_path, capsys, eve
     assert f"{repo}: {SHARD}: the download stopped at 2.00 MiB of 5.00 MiB (" in err, err
     assert "run it again to resume from there" in err
     assert hub.bytes_served(repo) == small + (2 << 20)
+
+    # A server that ignores the range sends the whole file: it is written from its start.
+    if no_range:
+        hub.fault(repo, "no_range")
+        assert cli.main(["pull", repo]) == 0
+        out, _ = capsys.readouterr()
+        assert (pulled_folder(out) / SHARD).read_bytes() == (source / SHARD).read_bytes()
+        return
 
     # Ctrl+C (or the app closing) once more of the file is in.
     from edge0_tui.model_source import pull_from_hub

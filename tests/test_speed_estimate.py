@@ -45,3 +45,23 @@ def test_the_machine_figures_come_from_the_doctors_model_and_its_checks():
     # The doctor's model could not run resident: no figures (not a synthetic model's).
     model_skipped = skipped("exactness", "on-demand = resident (demo)", "too big")
     assert machine_speed([model_skipped, *doctor_checks()[1:]]) is None
+
+
+@pytest.mark.parametrize(
+    "text", ['{"disk_bytes_per_s": -1, "compute_bytes_per_s": 5}', "[]", "{", '{"date": "x"}']
+)
+def test_a_kept_speed_file_that_is_not_the_doctors_says_so_in_one_line(tmp_path, monkeypatch, text):
+    from edge0_tui.commands.info import NO_SPEED, speed_line
+    from edge0_tui.machine_speed import FILE_NAME, load_speed, save_speed
+    from engine import Edge0Error, MemoryPlan
+
+    save_speed(tmp_path, MachineSpeed(GB, 2 * GB), "demo")
+    assert load_speed(tmp_path).speed == MachineSpeed(GB, 2 * GB)
+    (tmp_path / FILE_NAME).write_text(text)
+    with pytest.raises(Edge0Error, match=FILE_NAME):
+        load_speed(tmp_path)
+
+    monkeypatch.setenv("EDGE0_DATA_DIR", str(tmp_path))
+    plan = MemoryPlan(0, GB, 0, 0, 0, 0, False, 0, 4, None, "unknown")
+    line = speed_line("on-demand", plan, GB, 8)
+    assert line.startswith(f"{NO_SPEED} ({tmp_path / FILE_NAME}: ") and "\n" not in line
