@@ -20,6 +20,7 @@ import pytest
 from hub_endpoint import HubEndpoint, files_of, pointed_at
 
 from edge0_tui import cli
+from edge0_tui.commands.info import NO_SPEED
 from edge0_tui.machine_speed import this_machine
 from engine import format_bytes
 
@@ -124,22 +125,20 @@ def test_info_memory_plans_a_hub_repo_from_its_headers(hub, sparse_wall, fixed_m
     local, _ = capsys.readouterr()
     assert plan_lines(remote) == plan_lines(local)
     assert plan_lines(remote)[-2].endswith(": fits")
+    assert remote.splitlines()[-1] == NO_SPEED  # edge0 doctor has not run here
 
 
 def test_info_memory_says_the_speed_to_expect_once_the_doctor_has_run(
     hub, sparse_wall, fixed_machine, private_data_dir, capsys
 ):
     """Issue 49 item 1: the plan of a Hub repo comes with the decode speed to expect, from
-    `edge0 doctor`'s figures kept for this machine; before the doctor has run, it says so."""
-    from edge0_tui.commands.info import NO_SPEED
+    `edge0 doctor`'s figures kept for this machine (before the doctor has run, it says so:
+    test_info_memory_plans_a_hub_repo_from_its_headers)."""
     from edge0_tui.machine_speed import save_speed
     from engine.measure.speed_estimate import MachineSpeed
 
     repo = f"{OWNER}/wall"
     hub.serve(repo, sparse_wall)
-    assert cli.main(["info", repo, "--memory"]) == 0
-    assert capsys.readouterr().out.splitlines()[-1] == NO_SPEED
-
     save_speed(private_data_dir, MachineSpeed(2 << 30, 40 << 30), "demo")
     assert cli.main(["info", repo, "--memory", "--k", "4"]) == 0
     line = capsys.readouterr().out.splitlines()[-1]
