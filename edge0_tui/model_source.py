@@ -21,14 +21,18 @@ local folder as it is, or, for an `owner/name` that is not a local path, the ada
 
 from __future__ import annotations
 
-import io
+import contextlib
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from engine import Edge0Error
+
+if TYPE_CHECKING:
+    from .hub_download import DownloadPlan
 
 DEMO = "demo"
 BUNDLED_DEMO = Path(__file__).resolve().parent.parent / "assets" / "demo"
@@ -170,18 +174,30 @@ def resolve_adapters(
     local = local_path(spec)
     if local.exists() or _names_a_path(spec) or not is_hub_id(spec):
         return local  # a missing folder is reported by the engine, naming it
+    return pull_adapters(spec, on_progress, offline=offline, cache_dir=cache_dir).folder
+
+
+def pull_adapters(
+    repo_id: str,
+    on_progress: ProgressCallback,
+    offline: bool = False,
+    cache_dir: Path | None = None,
+    revision: str | None = None,
+) -> Pulled:
+    """The adapter files of Hub repo `repo_id`, downloaded (offline: from the cache); errors
+    say `--adapters`."""
     try:
-        folder = download_from_hub(
-            spec, on_progress, cache_dir=cache_dir, offline=offline, patterns=ADAPTER_FILES
+        pulled = pull_from_hub(
+            repo_id, on_progress, cache_dir, offline, patterns=ADAPTER_FILES, revision=revision
         )
     except Edge0Error as e:
         raise Edge0Error(f"--adapters {e}") from None
-    if not any(any(folder.glob(pattern)) for pattern in ADAPTER_FILES):
+    if not any(any(pulled.folder.glob(pattern)) for pattern in ADAPTER_FILES):
         raise Edge0Error(
-            f"--adapters {spec}: the Hugging Face repo has no adapter files "
+            f"--adapters {repo_id}: the Hugging Face repo has no adapter files "
             f"({' or '.join(ADAPTER_FILES)})"
         )
-    return folder
+    return pulled
 
 
 def is_hub_id(spec: str) -> bool:
@@ -230,66 +246,138 @@ def download_from_hub(
     cache_dir: Path | None = None,
     offline: bool = False,
     patterns: list[str] = HUB_FILES,
+    revision: str | None = None,
 ) -> Path:
     """The repo's snapshot in the Hugging Face cache (the files matching `patterns`),
-    downloading what is missing.
+    downloading what is missing (`pull_from_hub`)."""
+    return pull_from_hub(repo_id, on_progress, cache_dir, offline, patterns, revision).folder
+
+
+@dataclass(frozen=True)
+class Pulled:
+    """A repo's snapshot folder, and what bringing it here took."""
+
+    folder: Path
+    plan: DownloadPlan | None  # None: the cached copy was used without asking the Hub
+    received: int = 0  # file bytes transferred
+
+
+def pull_from_hub(
+    repo_id: str,
+    on_progress: ProgressCallback,
+    cache_dir: Path | None = None,
+    offline: bool = False,
+    patterns: list[str] = HUB_FILES,
+    revision: str | None = None,
+) -> Pulled:
+    """The repo's snapshot in the Hugging Face cache, the files matching `patterns` downloaded
+    first where missing (`edge0_tui.hub_download`: the free space checked before a byte is
+    written, an interrupted file resumed where it stopped).
 
     Offline (or when the Hub cannot be reached), a complete cached copy is used as is.
     """
     from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import (
-        HFValidationError,
-        LocalEntryNotFoundError,
-        RepositoryNotFoundError,
-    )
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
     from huggingface_hub.utils import validate_repo_id
+
+    from .hub_download import fetch_missing, plan_download
 
     try:
         validate_repo_id(repo_id)
     except HFValidationError as e:  # a ValueError the app would otherwise report as a bug
         raise Edge0Error(f"{repo_id!r}: not a Hugging Face model id ({e})") from None
 
-    def cached_copy(reason: str) -> Path:
+    def cached_copy(reason: str) -> Pulled:
         try:
-            return Path(
-                snapshot_download(
-                    repo_id, cache_dir=cache_dir, allow_patterns=patterns, local_files_only=True
-                )
+            folder = snapshot_download(
+                repo_id,
+                cache_dir=cache_dir,
+                allow_patterns=patterns,
+                revision=revision,
+                local_files_only=True,
             )
         except LocalEntryNotFoundError:
             raise Edge0Error(f"{repo_id}: {reason}, and no complete copy is cached") from None
+        return Pulled(Path(folder), None)
 
     if offline:
         return cached_copy("offline")
     on_progress(f"looking up {repo_id} on the Hugging Face Hub", 0, None)
     try:
-        folder = snapshot_download(
-            repo_id,
-            cache_dir=cache_dir,
-            allow_patterns=patterns,
-            tqdm_class=_reporting_progress_bar(on_progress),
-        )
+        with _hub_errors(repo_id, revision):
+            plan = plan_download(repo_id, patterns, revision, cache_dir)
+        # (its own errors, and the progress callback's, such as Ctrl+C, pass as they are)
+        received = fetch_missing(plan, on_progress)
+        with _hub_errors(repo_id, revision):
+            # Every file is in the cache now: this links the snapshot folder and records which
+            # commit the revision names (for offline use), fetching no file.
+            folder = snapshot_download(
+                repo_id,
+                cache_dir=cache_dir,
+                allow_patterns=patterns,
+                revision=revision,
+                tqdm_class=_silent_progress_bar(),
+            )
+    except _HubUnusable as e:
+        return cached_copy(str(e))
+    return Pulled(Path(folder), plan, received)
+
+
+class _HubUnusable(Exception):
+    """The Hub cannot be asked, or its answer cannot be used: a cached copy may serve."""
+
+
+@contextlib.contextmanager
+def _hub_errors(repo_id: str, revision: str | None) -> Iterator[None]:
+    """huggingface_hub's errors as edge0's: a repo or revision the Hub does not have is an
+    Edge0Error; anything else the Hub did wrong is _HubUnusable, saying what."""
+    from huggingface_hub.errors import (
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    try:
+        yield
+    except Edge0Error:
+        raise
     except RepositoryNotFoundError:
         raise Edge0Error(
             f"{repo_id}: no such model on the Hugging Face Hub (or it is private: `hf auth login`)"
         ) from None
-    except LocalEntryNotFoundError as e:
-        # snapshot_download already fell back to the cache: the Hub is unreachable (or answered
-        # with an error status) and no copy is cached.
-        status = getattr(getattr(e.__cause__, "response", None), "status_code", None)
-        failure = (
-            f"the Hugging Face Hub answered HTTP {status}"
-            if status
-            else "cannot reach the Hugging Face Hub"
-        )
-        raise Edge0Error(f"{repo_id}: {failure}, and no complete copy is cached") from None
-    except OSError as e:  # the connection dropped mid-download, a disk filled up, ...
-        return cached_copy(f"download failed ({e.strerror or e})")
+    except RevisionNotFoundError:
+        raise Edge0Error(
+            f"{repo_id}: no revision {revision!r} on the Hugging Face Hub (a branch, tag or commit)"
+        ) from None
+    except LocalEntryNotFoundError as e:  # snapshot_download's: the Hub could not be asked
+        raise _HubUnusable(_hub_failure(e.__cause__)) from None
+    except OSError as e:  # an HTTP error status (HfHubHTTPError is one), a disk filled up, ...
+        raise _HubUnusable(_hub_failure(e)) from None
     except Exception as e:
+        if _is_transport_error(e):
+            raise _HubUnusable("cannot reach the Hugging Face Hub") from None
         # What huggingface_hub raises on an answer it cannot use: a JSON shape it does not
         # expect (TypeError, KeyError), a redirect loop (its HTTP client's errors), ...
-        return cached_copy(f"the Hugging Face Hub's answer cannot be used ({_one_line(e)})")
-    return Path(folder)
+        why = f"the Hugging Face Hub's answer cannot be used ({_one_line(e)})"
+        raise _HubUnusable(why) from None
+
+
+def _hub_failure(error: BaseException | None) -> str:
+    """Why the Hub could not be used: the HTTP status it answered, else that it is unreachable."""
+    status = getattr(getattr(error, "response", None), "status_code", None)
+    if status:
+        return f"the Hugging Face Hub answered HTTP {status}"
+    if isinstance(error, OSError) and not _is_transport_error(error):
+        return f"download failed ({error.strerror or error})"
+    return "cannot reach the Hugging Face Hub"
+
+
+def _is_transport_error(error: BaseException | None) -> bool:
+    """A connection refused, a timeout, a connection dropped (not a redirect loop, which is an
+    answer that cannot be used)."""
+    import httpx2
+
+    return isinstance(error, httpx2.TransportError)
 
 
 def _one_line(error: BaseException) -> str:
@@ -298,21 +386,15 @@ def _one_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {lines[0][:200]}" if lines else type(error).__name__
 
 
-def _reporting_progress_bar(on_progress: ProgressCallback) -> type:
-    """A tqdm class for `snapshot_download` that reports to `on_progress` instead of printing."""
+def _silent_progress_bar() -> type:
+    """A tqdm class for `snapshot_download` that shows nothing: its bar counts the files it
+    links, which stderr (or the app, which owns the terminal) has no use for."""
     from tqdm import tqdm
 
-    class ReportingProgressBar(tqdm):
+    class SilentProgressBar(tqdm):
         def __init__(self, *args, **kwargs) -> None:
-            # A plain tqdm (not huggingface_hub's subclass, which turns itself off without a
-            # terminal) that writes nowhere: the app owns the terminal.
-            kwargs["file"] = io.StringIO()
-            kwargs.pop("name", None)
+            kwargs.pop("name", None)  # huggingface_hub's own keyword, not tqdm's
+            kwargs["disable"] = True
             super().__init__(*args, **kwargs)
 
-        def display(self, msg: str | None = None, pos: int | None = None) -> bool:
-            # tqdm calls this at most every `mininterval`: a natural rate limit.
-            on_progress(self.desc or "downloading", self.n, self.total or None)
-            return True
-
-    return ReportingProgressBar
+    return SilentProgressBar

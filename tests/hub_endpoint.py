@@ -12,7 +12,11 @@ Every byte of a file body it sends is counted per (repo, file), so a test can sa
 command transferred. `fault(repo, kind)` makes one repo misbehave, for the hostile-hub tests:
 `"500"` (every request fails), `"json_shape"` (the API answers a JSON list where an object is
 expected, the tree an object where a list is), `"redirect_loop"` (every file redirects to itself),
-`"short_body"` (every file's body stops half way, the connection closed).
+`"short_body"` (every file's body stops half way, the connection closed), `"get_500"` (a
+file's HEAD answers, its GET is a 500), `"no_range"` (a Range header is ignored: the whole file). `cut(repo, file, at)`
+drops the connection once, the next time that file's body reaches byte `at` (an interrupted
+download, to be resumed). A repo answers for the revisions `main`, its commit and those `serve`
+names; any other is RevisionNotFound.
 
 Point huggingface_hub at it with `pointed_at(endpoint, hf_home)`.
 """
@@ -47,6 +51,8 @@ class HubEndpoint:
     def __init__(self) -> None:
         self.repos: dict[str, Path] = {}
         self.faults: dict[str, str] = {}
+        self.revisions: dict[str, set[str]] = {}
+        self.cuts: dict[tuple[str, str], int] = {}
         self.bytes_sent: Counter[tuple[str, str]] = Counter()
         self._lock = threading.Lock()
         handler = type("Handler", (_Handler,), {"hub": self})
@@ -63,8 +69,17 @@ class HubEndpoint:
         self._server.shutdown()
         self._server.server_close()
 
-    def serve(self, repo_id: str, folder: Path) -> None:
+    def serve(self, repo_id: str, folder: Path, revisions: tuple[str, ...] = ()) -> None:
         self.repos[repo_id] = Path(folder)
+        self.revisions[repo_id] = {"main", COMMIT, *revisions}
+
+    def cut(self, repo_id: str, file: str, at: int) -> None:
+        """The next body of `file` stops at byte `at` of the file, the connection closed."""
+        self.cuts[(repo_id, file)] = at
+
+    def take_cut(self, repo_id: str, file: str) -> int | None:
+        with self._lock:
+            return self.cuts.pop((repo_id, file), None)
 
     def fault(self, repo_id: str, kind: str) -> None:
         self.faults[repo_id] = kind
@@ -104,16 +119,18 @@ class _Handler(BaseHTTPRequestHandler):
     def _answer(self, body: bool) -> None:
         path = unquote(urlsplit(self.path).path)
         if match := _API.fullmatch(path):
-            self._api(match["repo"], match["what"])
+            self._api(match["repo"], match["what"], match["rev"] or "main")
         elif match := _RESOLVE.fullmatch(path):
-            self._resolve(match["repo"], match["file"], body)
+            self._resolve(match["repo"], match["rev"], match["file"], body)
         else:
             self._send(404, b'{"error": "not found"}', {"X-Error-Code": "EntryNotFound"})
 
-    def _api(self, repo_id: str, what: str | None) -> None:
+    def _api(self, repo_id: str, what: str | None, revision: str) -> None:
         folder = self.hub.repos.get(repo_id)
         if folder is None:
             return self._send(404, b'{"error": "Repository not found"}', _NOT_FOUND)
+        if revision not in self.hub.revisions[repo_id]:
+            return self._send(404, b'{"error": "Invalid rev id"}', _NO_REVISION)
         fault = self.hub.faults.get(repo_id)
         if fault == "500":
             return self._send(500, b'{"error": "Internal Error"}')
@@ -137,22 +154,27 @@ class _Handler(BaseHTTPRequestHandler):
                 listing = [listing]
         self._send(200, json.dumps(listing).encode(), {"Content-Type": "application/json"})
 
-    def _resolve(self, repo_id: str, name: str, body: bool) -> None:
+    def _resolve(self, repo_id: str, revision: str, name: str, body: bool) -> None:
         folder = self.hub.repos.get(repo_id)
         if folder is None:
             return self._send(404, b"", _NOT_FOUND, body)
+        if revision not in self.hub.revisions[repo_id]:
+            return self._send(404, b"", _NO_REVISION, body)
         fault = self.hub.faults.get(repo_id)
         if fault == "500":
             return self._send(500, b"Internal Error", {}, body)
         if fault == "redirect_loop":
             return self._send(302, b"", {"Location": self.path}, body)
+        if fault == "get_500" and body:  # HEAD answers: the download fails
+            return self._send(500, b"Internal Error", {}, body)
         path = folder / name
         if ".." in Path(name).parts or not path.is_file():
             return self._send(404, b"", {"X-Error-Code": "EntryNotFound"}, body)
         size = path.stat().st_size
         start, end, status = 0, size - 1, 200
         headers = {"ETag": f'"{etag_of(path)}"', "X-Repo-Commit": COMMIT, "Accept-Ranges": "bytes"}
-        if (wanted := self.headers.get("Range")) and (match := _RANGE.fullmatch(wanted)):
+        wanted = self.headers.get("Range") if fault != "no_range" else None
+        if wanted and (match := _RANGE.fullmatch(wanted)):
             start = int(match[1])
             end = min(int(match[2]) if match[2] else size - 1, size - 1)
             if start >= size:
@@ -170,6 +192,9 @@ class _Handler(BaseHTTPRequestHandler):
         reading, as one reading a header does, ends it), each chunk counted as it is sent."""
         if self.hub.faults.get(repo_id) == "short_body":  # the connection drops half way
             length //= 2
+            self.close_connection = True
+        if (cut := self.hub.take_cut(repo_id, name)) is not None:
+            length = max(0, min(length, cut - start))
             self.close_connection = True
         with open(path, "rb") as f:
             f.seek(start)
@@ -201,6 +226,7 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 _NOT_FOUND = {"X-Error-Code": "RepoNotFound"}
+_NO_REVISION = {"X-Error-Code": "RevisionNotFound"}
 
 
 @contextlib.contextmanager

@@ -16,6 +16,7 @@ from cli_runner import REPO, run_cli
 import engine.experts.switch_glu as switch_glu
 import engine.measure.doctor_exactness as doctor_exactness
 import engine.runtime.loader as loader
+from edge0_tui.machine_speed import load_speed, this_machine
 from engine.measure import doctor_disk, doctor_machine, doctor_slots
 from engine.measure.doctor import verdict
 from engine.measure.doctor_checks import FAIL, OK, SKIPPED, Faults, MachineMemory, fail, ok
@@ -84,8 +85,9 @@ def test_the_demo_report_is_every_check_ok_or_skipped_with_no_home_path(tmp_path
     assert checks["verdict"]["figures"]["overlap_limit_tok_per_s"] > 0
 
 
-def test_each_check_is_one_line(tiny):
-    """The text report: a header, then one line per check, starting ok / FAIL / skipped (why)."""
+def test_each_check_is_one_line(tiny, private_data_dir):
+    """The text report: a header, then one line per check, starting ok / FAIL / skipped (why).
+    Its disk and compute figures are kept for `edge0 info --memory`'s speed estimate."""
     done = run_cli("doctor", str(tiny), "--quick")
     assert done.returncode == 0, done.stdout + done.stderr
     header, *lines = done.stdout.splitlines()
@@ -98,6 +100,9 @@ def test_each_check_is_one_line(tiny):
             assert rest.endswith(")") and " (" in rest, line
     # No heads in the tiny checkpoint: the prerouter line says so.
     assert any(line.startswith("skipped  prerouter") and "train heads" in line for line in lines)
+    kept = load_speed(private_data_dir)
+    assert kept.model == "qwen3_moe-tiny" and kept.machine == this_machine()
+    assert kept.speed.disk_bytes_per_s > 0 and kept.speed.compute_bytes_per_s > 0
 
 
 def test_a_model_that_is_not_there_is_a_one_line_error(tmp_path):

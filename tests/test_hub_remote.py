@@ -13,12 +13,16 @@ from __future__ import annotations
 import json
 import shutil
 import struct
+from datetime import date
 from pathlib import Path
 
 import pytest
 from hub_endpoint import HubEndpoint, files_of, pointed_at
 
 from edge0_tui import cli
+from edge0_tui.commands.info import NO_SPEED
+from edge0_tui.machine_speed import this_machine
+from engine import format_bytes
 
 OWNER = "edge0-test"
 
@@ -120,7 +124,33 @@ def test_info_memory_plans_a_hub_repo_from_its_headers(hub, sparse_wall, fixed_m
     assert cli.main(["info", str(model), "--memory"]) == 0
     local, _ = capsys.readouterr()
     assert plan_lines(remote) == plan_lines(local)
-    assert plan_lines(remote)[-1].endswith(": fits")
+    assert plan_lines(remote)[-2].endswith(": fits")
+    assert remote.splitlines()[-1] == NO_SPEED  # edge0 doctor has not run here
+
+
+def test_info_memory_says_the_speed_to_expect_once_the_doctor_has_run(
+    hub, sparse_wall, fixed_machine, private_data_dir, capsys
+):
+    """Issue 49 item 1: the plan of a Hub repo comes with the decode speed to expect, from
+    `edge0 doctor`'s figures kept for this machine (before the doctor has run, it says so:
+    test_info_memory_plans_a_hub_repo_from_its_headers)."""
+    from edge0_tui.machine_speed import save_speed
+    from engine.measure.speed_estimate import MachineSpeed
+
+    repo = f"{OWNER}/wall"
+    hub.serve(repo, sparse_wall)
+    save_speed(private_data_dir, MachineSpeed(2 << 30, 40 << 30), "demo")
+    assert cli.main(["info", repo, "--memory", "--k", "4"]) == 0
+    line = capsys.readouterr().out.splitlines()[-1]
+    assert line.startswith("expected speed at K=4 (on-demand): "), line
+    cold, warm = (float(part.split(" tok/s")[0].split()[-1]) for part in line.split(" cold ", 1))
+    assert 0 < cold < warm, line
+    assert line.endswith(f"(from edge0 doctor on {this_machine()}, {date.today().isoformat()})")
+
+    assert cli.main(["info", repo, "--memory", "--k", "4", "--json"]) == 0
+    speed = json.loads(capsys.readouterr().out)["speed"]
+    assert speed["cold_tok_per_s"] == pytest.approx(cold, rel=0.05)
+    assert speed["measured"]["speed"]["disk_bytes_per_s"] == 2 << 30
 
 
 def hub_home() -> str:
@@ -245,3 +275,214 @@ async def test_the_picker_says_whether_a_typed_hub_id_fits_before_downloading(
         picker.query_one("#path", Input).value = str(tmp_path)
         await pilot.pause(1.0)
         assert str(note.content) == "" and hub.bytes_served(repo) == served
+
+
+# -- edge0 pull ------------------------------------------------------------------------------------
+
+SHARD = "model-00001-of-00001.safetensors"
+# What a Hub repo holds beside edge0's files: other formats, which a pull leaves on the Hub.
+OTHER_FORMATS = ("pytorch_model.bin", "model.pt", "model-q4.gguf", "onnx/model.onnx")
+
+
+def repo_folder(folder: Path, shard_bytes: int = 3 << 20, other_formats: bool = True) -> Path:
+    """A repo as a pull sees it: config, tokenizer, template, index and a shard of random bytes
+    (a pull does not read them), and files of other formats."""
+    import os
+
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text('{"model_type": "qwen3_moe"}')
+    (folder / "tokenizer.json").write_text("{}")
+    (folder / "chat_template.jinja").write_text("{{ messages }}")
+    (folder / "model.safetensors.index.json").write_text(f'{{"weight_map": {{"a": "{SHARD}"}}}}')
+    (folder / SHARD).write_bytes(os.urandom(shard_bytes))
+    for name in OTHER_FORMATS if other_formats else ():
+        (folder / name).parent.mkdir(exist_ok=True)
+        (folder / name).write_bytes(b"x" * 4096)
+    return folder
+
+
+def edge0_files(folder: Path) -> list[Path]:
+    return [p for p in files_of(folder) if p.relative_to(folder).as_posix() not in OTHER_FORMATS]
+
+
+def pulled_folder(out: str) -> Path:
+    return Path(out.split(" in ", 1)[1].split("; ", 1)[0])
+
+
+def test_pull_fetches_only_what_edge0_reads_and_a_second_pull_transfers_nothing(
+    hub, tmp_path, capsys
+):
+    repo = f"{OWNER}/pull"
+    source = repo_folder(tmp_path / "repo")
+    hub.serve(repo, source)
+    needed = sum(p.stat().st_size for p in edge0_files(source))
+
+    assert cli.main(["pull", repo]) == 0
+    out, err = capsys.readouterr()
+    assert hub.bytes_served(repo) == needed, err
+    assert err == ""  # no progress drawn where stderr is no terminal
+    folder = pulled_folder(out)
+    names = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
+    assert names == sorted(p.relative_to(source).as_posix() for p in edge0_files(source))
+    assert (folder / SHARD).read_bytes() == (source / SHARD).read_bytes()
+
+    assert cli.main(["pull", repo]) == 0
+    out, _ = capsys.readouterr()
+    assert hub.bytes_served(repo) == needed  # not one file byte more
+    assert "complete already, nothing downloaded" in out
+
+
+@pytest.fixture
+def every_chunk(monkeypatch):
+    """Progress reported after every chunk a download receives (not at most every so often), so
+    that a callback stopping the download stops it at a known point."""
+    from edge0_tui import hub_download
+
+    monkeypatch.setattr(hub_download, "REPORT_EVERY_S", 0.0)
+
+
+@pytest.mark.parametrize("no_range", [False, True], ids=["resumed", "server-ignores-ranges"])
+def test_an_interrupted_pull_resumes_where_it_stopped(hub, tmp_path, capsys, every_chunk, no_range):
+    """A connection dropped mid-file, then Ctrl+C: each run again fetches only what is missing
+    (huggingface_hub alone removes a partial file and starts it again from zero)."""
+    repo = f"{OWNER}/resume-{no_range}"
+    source = repo_folder(tmp_path / "repo", shard_bytes=5 << 20, other_formats=False)
+    hub.serve(repo, source)
+    size = (source / SHARD).stat().st_size
+    small = sum(p.stat().st_size for p in edge0_files(source)) - size
+    hub.cut(repo, SHARD, 2 << 20)
+
+    assert cli.main(["pull", repo]) == 2
+    _, err = capsys.readouterr()
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert f"{repo}: {SHARD}: the download stopped at 2.00 MiB of 5.00 MiB (" in err, err
+    assert "run it again to resume from there" in err
+    assert hub.bytes_served(repo) == small + (2 << 20)
+
+    # A server that ignores the range sends the whole file: it is written from its start.
+    if no_range:
+        hub.fault(repo, "no_range")
+        assert cli.main(["pull", repo]) == 0
+        out, _ = capsys.readouterr()
+        assert (pulled_folder(out) / SHARD).read_bytes() == (source / SHARD).read_bytes()
+        return
+
+    # Ctrl+C (or the app closing) once more of the file is in.
+    from edge0_tui.model_source import pull_from_hub
+
+    def interrupt(what: str, done: float, total: float | None) -> None:
+        if what.startswith("downloading") and done > small + (2 << 20):
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        pull_from_hub(repo, interrupt)
+    (partial,) = (Path(hub_home()) / "hub").rglob("*.incomplete")
+    kept = partial.stat().st_size
+    assert 2 << 20 < kept < size
+    served = hub.bytes_served(repo)
+
+    assert cli.main(["pull", repo]) == 0
+    out, _ = capsys.readouterr()
+    assert hub.bytes_served(repo) - served == size - kept  # the rest of the file, once
+    assert f"{format_bytes(size - kept)} downloaded ({format_bytes(small + kept)} were" in out
+    assert (pulled_folder(out) / SHARD).read_bytes() == (source / SHARD).read_bytes()
+
+
+def test_the_app_closing_mid_pull_stops_it_and_keeps_what_came(hub, tmp_path, every_chunk):
+    """The app quits during a download by raising ServiceClosed from the progress callback: it
+    stops the pull as it is (not read as a Hub failure), the partial file kept to resume."""
+    from edge0_tui.engine_service.jobs import ServiceClosed
+    from edge0_tui.model_source import pull_from_hub
+
+    repo = f"{OWNER}/closing"
+    hub.serve(repo, repo_folder(tmp_path / "repo", other_formats=False))
+
+    def closing(what: str, done: float, total: float | None) -> None:
+        if what.startswith("downloading") and done > 1 << 20:
+            raise ServiceClosed
+
+    with pytest.raises(ServiceClosed):
+        pull_from_hub(repo, closing)
+    (partial,) = (Path(hub_home()) / "hub").rglob("*.incomplete")
+    assert partial.stat().st_size >= 1 << 20
+
+
+def test_a_pull_the_disk_cannot_hold_is_refused_before_writing(hub, tmp_path, capsys, monkeypatch):
+    from edge0_tui import hub_download
+
+    repo = f"{OWNER}/big"
+    hub.serve(repo, repo_folder(tmp_path / "repo", other_formats=False))
+    monkeypatch.setattr(hub_download, "free_bytes", lambda folder: 1 << 20)
+
+    assert cli.main(["pull", repo]) == 2
+
+    _, err = capsys.readouterr()
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert f"edge0: error: {repo}: 3.00 MiB still to download but the disk of " in err, err
+    assert "has 1.00 MiB free (2.00 MiB short)" in err
+    assert hub.bytes_served(repo) == 0
+    cache = Path(hub_home())
+    assert not cache.exists() or not [p for p in cache.rglob("*") if not p.is_dir()]
+
+
+def test_pull_a_revision(hub, tmp_path, capsys):
+    repo = f"{OWNER}/tagged"
+    hub.serve(repo, repo_folder(tmp_path / "repo", shard_bytes=4096), revisions=("v1",))
+
+    assert cli.main(["pull", repo, "--revision", "v1"]) == 0
+    capsys.readouterr()
+    refs = Path(hub_home()) / "hub" / f"models--{OWNER}--tagged" / "refs"
+    assert [p.name for p in refs.iterdir()] == ["v1"]
+
+    assert cli.main(["pull", repo, "--revision", "nope"]) == 2
+    _, err = capsys.readouterr()
+    assert err == (
+        f"edge0: error: {repo}: no revision 'nope' on the Hugging Face Hub (a branch, tag or "
+        "commit)\n"
+    )
+
+
+def test_pull_adapters_fetches_their_adapter_files_only(hub, tmp_path, capsys):
+    repo, adapters = f"{OWNER}/base", f"{OWNER}/adapters"
+    hub.serve(repo, repo_folder(tmp_path / "repo", shard_bytes=4096, other_formats=False))
+    folder = tmp_path / "adapters"
+    folder.mkdir()
+    (folder / "prerouter_k4.safetensors").write_bytes(b"p" * 1000)
+    (folder / "lora_k4.safetensors").write_bytes(b"l" * 2000)
+    (folder / "notes.bin").write_bytes(b"n" * 5000)
+    hub.serve(adapters, folder)
+
+    assert cli.main(["pull", repo, "--adapters", adapters]) == 0
+
+    out, _ = capsys.readouterr()
+    assert hub.bytes_served(adapters) == 3000
+    assert f"{adapters}: 2 files, 2.93 KiB in " in out.splitlines()[1]
+
+
+def test_a_hub_error_mid_pull_is_one_line_and_keeps_what_came(hub, tmp_path, capsys):
+    repo = f"{OWNER}/flaky"
+    hub.serve(repo, repo_folder(tmp_path / "repo", other_formats=False))
+    hub.fault(repo, "get_500")
+
+    assert cli.main(["pull", repo]) == 2
+
+    _, err = capsys.readouterr()
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert "the download stopped at 0 B of" in err and "answered HTTP 500" in err, err
+
+
+def test_the_progress_line_says_the_rate_and_the_time_left():
+    from edge0_tui.commands.options import StderrProgress
+
+    now = [100.0]
+    progress = StderrProgress(clock=lambda: now[0])
+    assert progress.text("downloading a/b", 1 << 20, 9 << 20) == (
+        "downloading a/b 1.00 MiB / 9.00 MiB"
+    )
+    now[0] += 4
+    assert progress.text("downloading a/b", 3 << 20, 9 << 20) == (
+        "downloading a/b 3.00 MiB / 9.00 MiB, 512.00 KiB/s, 12 s left"
+    )
+    # 2100 MiB left at 512 KiB/s: 4200 s
+    assert progress.text("downloading a/b", 3 << 20, 2103 << 20).endswith(", 1 h 10 min left")
+    assert progress.text("looking up a/b", 0, None) == "looking up a/b"

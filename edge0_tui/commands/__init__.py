@@ -9,6 +9,7 @@ from edge0_tui.commands import (
     generate,
     info,
     list_models,
+    pull,
     serve,
     soak,
     synth,
@@ -16,4 +17,17 @@ from edge0_tui.commands import (
 )
 
 # In the order `edge0 --help` lists them.
-COMMANDS = (generate, bench, soak, info, list_models, train, eval, synth, chat, serve, doctor)
+COMMANDS = (
+    generate,
+    bench,
+    soak,
+    info,
+    list_models,
+    pull,
+    train,
+    eval,
+    synth,
+    chat,
+    serve,
+    doctor,
+)

@@ -75,6 +75,7 @@ def run(args: argparse.Namespace) -> int:
         config, memory, lambda c: None if args.json else print(c.line(), flush=True)
     )
     seconds = time.perf_counter() - started
+    keep_speed(checks, source.name)
     if args.json:
         header = {
             "edge0": edge0_version(),
@@ -88,6 +89,25 @@ def run(args: argparse.Namespace) -> int:
     else:
         print_stderr(f"edge0 doctor: {seconds:.0f} s")
     return 1 if any(c.status == "FAIL" for c in checks) else 0
+
+
+def keep_speed(checks: list, model: str) -> None:
+    """Keep the run's disk and compute figures for `edge0 info --memory`'s speed estimate (a
+    warning on stderr, not a failed doctor, when they cannot be kept)."""
+    from platformdirs import user_data_path
+
+    from edge0_tui.commands import options
+    from edge0_tui.machine_speed import save_speed
+    from engine import Edge0Error
+    from engine.measure.speed_estimate import machine_speed
+
+    speed = machine_speed(checks)
+    if speed is None:
+        return
+    try:
+        save_speed(options.data_dir() or user_data_path("edge0"), speed, home_as_tilde(model))
+    except Edge0Error as e:
+        print_stderr(f"edge0 doctor: the speed figures were not kept: {e}")
 
 
 def home_as_tilde(text: str) -> str:

@@ -8,14 +8,17 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import asdict
 from typing import TYPE_CHECKING
 
 from edge0_tui.commands import options
 from edge0_tui.commands.common import print_warnings
-from engine import format_bytes
+from engine import Edge0Error, format_bytes
 
 if TYPE_CHECKING:
+    from edge0_tui.machine_speed import MeasuredSpeed
     from engine import MemoryPlan
+    from engine.measure.speed_estimate import DecodeEstimate
 
 NAME = "info"
 
@@ -88,6 +91,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"  adapters searched: {folder['origin']} {folder['path']}")
     if args.memory:
         _print_plan(args, plan)
+        print(speed_line(args.mode, plan, info["expert_bytes"], info["experts"]))
     else:
         print(f"  {plan.line()}")
     return 0 if plan.fits or not args.memory else 2
@@ -108,7 +112,9 @@ def _run_hub_plan(args: argparse.Namespace) -> int:
     if args.json:
         report = {**planned.__dict__, "model": args.model}
         report.pop("plan")
-        print(json.dumps({**report, "memory_plan": planned.plan.as_dict()}))
+        estimate = speed_estimate(args.mode, planned.plan, planned.expert_bytes, planned.experts)
+        speed = {**asdict(estimate[0]), "measured": asdict(estimate[1])} if estimate else None
+        print(json.dumps({**report, "memory_plan": planned.plan.as_dict(), "speed": speed}))
         return 0 if planned.plan.fits else 2
     print(
         f"{args.model}: {planned.family}, {planned.layers} layers ({planned.moe_layers} MoE), "
@@ -121,4 +127,57 @@ def _run_hub_plan(args: argparse.Namespace) -> int:
     )
     print(f"  routed-expert bytes {format_bytes(planned.expert_bytes)}")
     _print_plan(args, planned.plan)
+    print(speed_line(args.mode, planned.plan, planned.expert_bytes, planned.experts))
     return 0 if planned.plan.fits else 2
+
+
+NO_SPEED = "expected speed: run `edge0 doctor` for a speed estimate"
+
+
+def speed_estimate(
+    mode: str, plan: MemoryPlan, expert_bytes: int, experts: int
+) -> tuple[DecodeEstimate, MeasuredSpeed] | None:
+    """The decode speed `plan` leads to with the doctor's figures for this machine (None: the
+    doctor has not run here). A token computes through the resident weights and K routed
+    experts a MoE layer; the expert cache holds its share of all the routed experts (a uniform
+    routing's hit share: a real model's skewed routing hits more)."""
+    from platformdirs import user_data_path
+
+    from edge0_tui.machine_speed import load_speed
+    from engine.measure.speed_estimate import estimate_decode_speed
+
+    measured = load_speed(options.data_dir() or user_data_path("edge0"))
+    if measured is None or not experts:
+        return None
+    resident = mode == "resident"
+    dense = plan.resident_bytes - (expert_bytes if resident else 0)
+    per_token = expert_bytes * plan.k // experts
+    hit = 1.0 if resident else plan.expert_cache_bytes / max(expert_bytes, 1)
+    return estimate_decode_speed(dense, per_token, hit, measured.speed), measured
+
+
+def speed_line(mode: str, plan: MemoryPlan, expert_bytes: int, experts: int) -> str:
+    """`expected speed at K=...`: cold and warm tokens a second, and where the figures are from;
+    or what to run for them. A speed file that cannot be read says so, and why."""
+    try:
+        found = speed_estimate(mode, plan, expert_bytes, experts)
+    except Edge0Error as e:
+        return f"{NO_SPEED} ({e})"
+    if found is None:
+        return NO_SPEED
+    estimate, measured = found
+    source = f"from edge0 doctor on {measured.machine}, {measured.date}"
+    if mode == "resident":
+        return f"expected speed at K={plan.k}: {_rate(estimate.warm_tok_per_s)} tok/s ({source})"
+    disk = measured.speed.disk_bytes_per_s
+    return (
+        f"expected speed at K={plan.k} (on-demand): {_rate(estimate.cold_tok_per_s)} tok/s cold "
+        f"(every routed expert read: {format_bytes(estimate.expert_bytes_per_token)} a token at "
+        f"{format_bytes(disk)}/s), {_rate(estimate.warm_tok_per_s)} tok/s warm (the expert cache "
+        f"holds {estimate.hit_share:.0%} of the experts) ({source})"
+    )
+
+
+def _rate(tok_per_s: float) -> str:
+    """Tokens a second, with two decimals below one (a slow model is not all "0.0")."""
+    return f"{tok_per_s:.1f}" if tok_per_s >= 1 else f"{tok_per_s:.2f}"

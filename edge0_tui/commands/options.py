@@ -8,6 +8,7 @@ import argparse
 import math
 import os
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -189,20 +190,59 @@ def model_path(spec: str) -> Path:
 
         offline = constants.HF_HUB_OFFLINE
 
-    source = resolve_model(spec, user_cache_path("edge0"), _stderr_progress, offline=offline)
-    _end_progress()
+    progress = StderrProgress()
+    source = resolve_model(spec, user_cache_path("edge0"), progress, offline=offline)
+    progress.end()
     return source.path
 
 
-def _stderr_progress(what: str, done: float, total: float | None) -> None:
-    if sys.stderr.isatty():
-        shown = f"{format_bytes(done)} / {format_bytes(total)}" if total else ""
-        print(f"\r\x1b[2Kedge0: {what} {shown}", end="", file=sys.stderr, flush=True)
+class StderrProgress:
+    """A progress callback (`model_source.ProgressCallback`) that keeps one line on stderr when
+    it is a terminal: what is happening, bytes done of the total, the rate since this stage
+    began and the time left at that rate. Not a terminal: nothing (a log keeps no `\r`)."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self.stage: tuple[str, float, float] | None = None  # (what, done at its start, when)
+
+    def __call__(self, what: str, done: float, total: float | None) -> None:
+        if not sys.stderr.isatty():
+            return
+        print(
+            f"\r\x1b[2Kedge0: {self.text(what, done, total)}", end="", file=sys.stderr, flush=True
+        )
+
+    def text(self, what: str, done: float, total: float | None) -> str:
+        """The line: `what`, and for a byte count `done / total, RATE/s, ETA left`."""
+        now = self.clock()
+        if self.stage is None or self.stage[0] != what:
+            self.stage = (what, done, now)
+        if not total:
+            return what
+        shown = f"{what} {format_bytes(done)} / {format_bytes(total)}"
+        _, start_done, start = self.stage
+        if now - start < RATE_AFTER_S or done <= start_done:
+            return shown
+        rate = (done - start_done) / (now - start)
+        return f"{shown}, {format_bytes(rate)}/s, {format_eta(max(total - done, 0) / rate)} left"
+
+    def end(self) -> None:
+        if sys.stderr.isatty():
+            print("\r\x1b[2K", end="", file=sys.stderr, flush=True)
 
 
-def _end_progress() -> None:
-    if sys.stderr.isatty():
-        print("\r\x1b[2K", end="", file=sys.stderr, flush=True)
+# A rate is shown once a stage has run this long (the first chunks say little about it).
+RATE_AFTER_S = 1.0
+
+
+def format_eta(seconds: float) -> str:
+    """A time left as a person reads it: `45 s`, `3 min 20 s`, `2 h 05 min`."""
+    seconds = round(seconds)
+    if seconds < 60:
+        return f"{seconds} s"
+    if seconds < 3600:
+        return f"{seconds // 60} min {seconds % 60:02d} s"
+    return f"{seconds // 3600} h {seconds % 3600 // 60:02d} min"
 
 
 # Where the user has not chosen a mode: prefetch, exact (the true router routes) and reading ahead
@@ -353,7 +393,8 @@ def adapter_dirs(specs: list[str]) -> tuple[Path, ...]:
     """The folders `--adapters` names, Hub repos downloaded first (progress on stderr)."""
     from edge0_tui.model_source import resolve_adapters
 
-    dirs = tuple(resolve_adapters(spec, _stderr_progress) for spec in specs)
+    progress = StderrProgress()
+    dirs = tuple(resolve_adapters(spec, progress) for spec in specs)
     if specs:
-        _end_progress()
+        progress.end()
     return dirs

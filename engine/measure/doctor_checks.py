@@ -9,6 +9,8 @@ import statistics
 from dataclasses import dataclass, field
 
 OK, FAIL, SKIPPED = "ok", "FAIL", "skipped"
+# The disk check's name, which the speed estimate reads its bandwidth from.
+COLD_READS = "cold read bandwidth"
 
 
 @dataclass(frozen=True)

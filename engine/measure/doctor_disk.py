@@ -26,7 +26,7 @@ from ..experts.page_cache import LIBC, PAGE_SIZE, FileResidency, evict_file
 from ..experts.page_cache_budget import CAN_EVICT_RANGES
 from ..experts.reads import ExpertReader
 from ..runtime.generation import Engine
-from .doctor_checks import NO_FAULTS, Check, Faults, fail, median, ok, skipped
+from .doctor_checks import COLD_READS, NO_FAULTS, Check, Faults, fail, median, ok, skipped
 
 # At most this many expert bytes are read for the bandwidth (a large model's disk is measured on a
 # sample of its experts, in random order).
@@ -137,7 +137,7 @@ def check_cold_reads(model_dir: Path, faults: Faults = NO_FAULTS) -> tuple[Check
     read = sum(r.nbytes for r in results)
     cold = sum(r.cold_bytes for r in results)
     rate = read / seconds
-    title = "cold read bandwidth"
+    title = COLD_READS
     figures = {"bytes_per_s": rate, "bytes": read, "cold_bytes": cold}
     # (Reads find a little less than all of it cold: small tensors of neighbouring experts share
     # pages, and the first read of a page brings it in for the next.)

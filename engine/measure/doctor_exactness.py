@@ -90,6 +90,8 @@ def check_on_demand(
     figures = {
         "tokens": got,
         "cold_bytes_per_token": engine.k * sum(n.expert_nbytes for n in layers),
+        # ... and what it computes through besides them (edge0 info's speed estimate)
+        "resident_bytes": engine.memory_plan.resident_bytes,
     }
     difference = _first_difference(got, resident.tokens)
     cache = (
