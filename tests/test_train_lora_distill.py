@@ -10,7 +10,7 @@ import pydoc_data.topics
 import shutil
 import subprocess
 import sys
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -676,3 +676,57 @@ def test_where_no_rows_fit_the_teacher_s_top_tokens_are_kept():
     assert kept is not None and kept.kept_top_k == 64 and kept.rows >= 1
     assert fitting_step(replace(asked, fit_top_k=False), held[1] - 1, model_config, 2) is None
     assert fitting_step(replace(asked, fit_rows=False), held[5], model_config, 2) is None
+
+
+def test_a_run_keeps_the_checkpoint_with_the_lowest_heldout_loss(tmp_path):
+    """Issue 48 item 6: training that overshoots what the held-out text wants ends on the weights
+    of its best checkpoint, and says so; the best is remembered across a resume."""
+    import mlx.nn as nn
+
+    from engine.train.run import TrainingRun
+
+    @dataclass
+    class Config:
+        lr: float = 0.03
+        weight_decay: float = 0.0
+        grad_clip: float = 10.0
+        log_every: int = 1
+        checkpoint_every: int = 1
+        steps: int = 4
+
+    class Trainee:
+        fingerprint = "f" * 16
+
+        def __init__(self) -> None:
+            self.model = nn.Linear(1, 1, bias=False)
+            self.model.weight = mx.zeros((1, 1))
+
+        def value_and_grad(self, loss_fn):
+            return nn.value_and_grad(self.model, loss_fn)
+
+    def weight(trainee) -> float:
+        return trainee.model.weight.item()
+
+    def train(trainee, config, lines, weights):
+        # Training pulls the weight to 1; the held-out text wants 0.3: passed on the way.
+        run = TrainingRun(
+            tmp_path / "run", trainee, config, lambda: ((trainee.model.weight - 1) ** 2).sum(),
+            lambda: abs(weight(trainee) - 0.3), lines.append,
+        )  # fmt: skip
+        for step in range(run.done + 1, config.steps + 1):
+            run.step(step, tokens=1)
+            weights[step] = weight(trainee)
+        run.finish()
+
+    weights: dict[int, float] = {}
+    first, lines = Trainee(), []
+    train(first, Config(), lines, weights)
+    best = min(weights, key=lambda s: abs(weights[s] - 0.3))
+    assert 1 < best < 4 and weight(first) == weights[best], weights
+    assert any(f"keeping step {best}'s weights" in line for line in lines), lines
+    # Resumed for 4 more steps (from the checkpoint of step 4, not the weights taken back):
+    # the best is still step `best`'s.
+    resumed, more = Trainee(), []
+    train(resumed, Config(steps=8), more, weights)
+    assert weight(resumed) == pytest.approx(weights[best]), weights
+    assert any(f"keeping step {best}'s weights" in line for line in more), more

@@ -467,6 +467,7 @@ def fit_heads(
             bars.update(task, advance=1, status=f"loss {loss:.4f}")
             if on_step is not None:
                 on_step(step)
+    run.finish()
     return stack
 
 

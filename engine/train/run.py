@@ -175,6 +175,15 @@ def save_state(
     (out_dir / f"{name}.tmp.json").replace(out_dir / f"{name}.json")
 
 
+def save_weights(path: Path, model: nn.Module) -> None:
+    """The model's trainable parameters in `path`, replaced whole (never half written)."""
+    arrays = dict(tree_flatten(model.trainable_parameters()))
+    tmp = path.with_name(path.stem + ".tmp.safetensors")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(tmp), arrays)
+    tmp.replace(path)
+
+
 def check_outputs(out: Path, out_dir: Path) -> None:
     """A LoRA phase's adapter file and its state folder can be written: checked before the run,
     which would otherwise fail (with a traceback) only when it saves."""
@@ -331,11 +340,14 @@ def duration_text(seconds: float) -> str:
 
 
 class TrainingRun:
-    """What phases 2 and 3 share around their loops: AdamW on the LoRA (clipped gradients), the
-    log, a held-out measure at step 0 and at every checkpoint, and the state in `out_dir`
-    (`checkpoint.safetensors`) that a rerun with the same settings resumes from."""
+    """What the training phases share around their loops: AdamW on the trainable weights
+    (clipped gradients), the log, a held-out measure at step 0 and at every checkpoint, and the
+    state in `out_dir` (`checkpoint.safetensors`) that a rerun with the same settings resumes
+    from. The weights of the checkpoint with the lowest held-out loss are kept beside it
+    (`best.safetensors`); `finish` takes them back when a later checkpoint measured worse."""
 
     STATE = "checkpoint"
+    BEST = "best"
 
     def __init__(self, out_dir: Path, student, config, loss_fn, heldout, log: Log):
         self.out_dir, self.student, self.config = out_dir, student, config
@@ -379,11 +391,34 @@ class TrainingRun:
         self.state["step"] = step
         if step % config.checkpoint_every == 0 or step == config.steps:
             entry["heldout"] = round(self.heldout(), 6)
+            best = self.state.get("best")
+            if best is None or entry["heldout"] < best["heldout"]:
+                save_weights(self.out_dir / f"{self.BEST}.safetensors", self.student.model)
+                self.state["best"] = {"step": step, "heldout": entry["heldout"]}
             save_state(self.out_dir, self.STATE, self.student.model, self.optimizer, self.state)
         if step % config.log_every == 0 or "heldout" in entry:
             held = f"  held-out {entry['heldout']:.5f}" if "heldout" in entry else ""
             self.log(f"step {step}/{config.steps}  loss {entry['loss']:.5f}{held}")
         return entry["loss"]
+
+    def finish(self) -> None:
+        """The run is over: where a checkpoint before the last had the lowest held-out loss, its
+        weights are taken back (and the log says so); the last step's stay otherwise."""
+        best, last = self.state.get("best"), self.history[-1]
+        if best is None or "heldout" not in last or best["step"] == last["step"]:
+            return
+        path = self.out_dir / f"{self.BEST}.safetensors"
+        try:
+            weights = mx.load(str(path))
+        except (OSError, ValueError) as e:
+            raise Edge0Error(f"{path}: cannot read the best checkpoint's weights ({e})") from None
+        self.student.model.load_weights(list(weights.items()), strict=False)
+        mx.eval(self.student.model.trainable_parameters())
+        self.log(
+            f"the last step's held-out loss ({last['heldout']:.5f} at step {last['step']}) is "
+            f"worse than step {best['step']}'s ({best['heldout']:.5f}): keeping step "
+            f"{best['step']}'s weights"
+        )
 
     def _resume(self) -> dict | None:
         """The saved state, loaded into the student and the optimizer; None when there is none.
