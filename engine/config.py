@@ -9,8 +9,12 @@ import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .errors import Edge0Error
+
+if TYPE_CHECKING:
+    from .runtime.constraint import Grammar
 
 MODES = ("resident", "on-demand", "prerouter", "prefetch")
 # Modes that need prerouter heads: prerouter routes by their predictions. Prefetch reads ahead
@@ -234,6 +238,9 @@ class GenerationConfig:
     logit_bias: dict[int, float] = field(default_factory=dict)
     # Record each token's log-probability and this many likeliest alternatives (None: none).
     logprobs: int | None = None
+    # The grammar the reply must match (runtime/constraint.py: `compile_grammar` builds one for
+    # the engine's tokenizer from a JSON schema, a Lark or a GBNF grammar); None: any text.
+    constraint: Grammar | None = None
 
     def __post_init__(self) -> None:
         _check_int("max_tokens", self.max_tokens, 1, "at least 1")
