@@ -9,12 +9,9 @@ import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from .errors import Edge0Error
-
-if TYPE_CHECKING:
-    from .runtime.constraint import Grammar
 
 MODES = ("resident", "on-demand", "prerouter", "prefetch")
 # Modes that need prerouter heads: prerouter routes by their predictions. Prefetch reads ahead
@@ -204,6 +201,13 @@ class EngineConfig:
             raise Edge0Error("prefill_chunk and reader_threads must be at least 1")
 
 
+class OutputConstraint(Protocol):
+    """A grammar compiled for the engine's tokenizer (runtime/constraint.py's `Grammar`): `start`
+    gives one reply its matcher, which masks the logits and takes each sampled token."""
+
+    def start(self): ...
+
+
 # MLX seeds its generator with an unsigned 64-bit integer.
 MAX_SEED = 2**64 - 1
 
@@ -240,7 +244,7 @@ class GenerationConfig:
     logprobs: int | None = None
     # The grammar the reply must match (runtime/constraint.py: `compile_grammar` builds one for
     # the engine's tokenizer from a JSON schema, a Lark or a GBNF grammar); None: any text.
-    constraint: Grammar | None = None
+    constraint: OutputConstraint | None = None
 
     def __post_init__(self) -> None:
         _check_int("max_tokens", self.max_tokens, 1, "at least 1")
