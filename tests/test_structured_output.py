@@ -8,7 +8,10 @@ a reply ends within a few dozen tokens; the server runs resident, where no exper
 
 from __future__ import annotations
 
+import asyncio
 import json
+import threading
+from types import SimpleNamespace
 from typing import Literal
 
 import anthropic
@@ -18,6 +21,9 @@ from test_server import API_KEY, metric, private_env, start_server, stop_server
 from tokenizers import Tokenizer
 
 from edge0_tui.model_source import BUNDLED_DEMO
+from edge0_tui.server import structured
+from edge0_tui.server.openai_shapes import ApiError, parse_chat
+from edge0_tui.server.structured import compile_constraint
 
 
 class Character(BaseModel):
@@ -167,3 +173,42 @@ def test_a_bad_form_is_a_400_naming_the_field(server, fields, param):
     assert status == 400, raw
     assert error["param"] == param, error
     assert "\n" not in error["message"] and "Traceback" not in error["message"]
+
+
+# -- the compile's bounds, without a server -----------------------------------------------------
+
+
+def _json_request():
+    body = {"messages": ASK, "response_format": {"type": "json_object"}}
+    return parse_chat(body, ("demo",))
+
+
+def test_a_reply_the_template_opens_in_a_think_block_is_refused():
+    with pytest.raises(ApiError) as refused:
+        asyncio.run(compile_constraint(_json_request(), worker=None, opens_thinking=True))
+    assert refused.value.status == 400 and refused.value.param == "response_format"
+    assert "enable_thinking" in refused.value.message
+
+
+def test_a_compile_past_its_time_is_a_400_and_frees_the_request(monkeypatch):
+    """A compile that does not end in time (here: one held on an event) answers a 400 naming the
+    field; the request does not wait for it."""
+    held = threading.Event()
+
+    class Engine:
+        @property
+        def tokenizer(self):
+            held.wait()
+            raise AssertionError("released only once the request was answered")
+
+    worker = SimpleNamespace(service=SimpleNamespace(engine=Engine()))
+    monkeypatch.setattr(structured, "COMPILE_TIMEOUT_S", 0.05)
+    loop = asyncio.new_event_loop()  # not asyncio.run: it would wait for the held thread
+    try:
+        with pytest.raises(ApiError) as refused:
+            loop.run_until_complete(compile_constraint(_json_request(), worker, False))
+    finally:
+        held.set()
+        loop.close()
+    assert refused.value.param == "response_format"
+    assert "too long to compile" in refused.value.message
