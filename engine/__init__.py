@@ -73,6 +73,12 @@ _ON_FIRST_USE = {
     "check_output_file": "engine.checkpoint.outputs",
     "check_output_folder": "engine.checkpoint.outputs",
     "fit_mlx_lm_to_the_open_file_limit": "engine.runtime.open_file_limit",
+    "GrammarError": "engine.runtime.constraint",
+    "closed_schema": "engine.runtime.constraint",
+    "compile_grammar": "engine.runtime.constraint",
+    "gbnf_source": "engine.runtime.constraint",
+    "json_schema_source": "engine.runtime.constraint",
+    "lark_source": "engine.runtime.constraint",
 }
 
 __all__ = [

@@ -9,6 +9,7 @@ import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 from .errors import Edge0Error
 
@@ -200,6 +201,13 @@ class EngineConfig:
             raise Edge0Error("prefill_chunk and reader_threads must be at least 1")
 
 
+class OutputConstraint(Protocol):
+    """A grammar compiled for the engine's tokenizer (runtime/constraint.py's `Grammar`): `start`
+    gives one reply its matcher, which masks the logits and takes each sampled token."""
+
+    def start(self): ...
+
+
 # MLX seeds its generator with an unsigned 64-bit integer.
 MAX_SEED = 2**64 - 1
 
@@ -234,6 +242,9 @@ class GenerationConfig:
     logit_bias: dict[int, float] = field(default_factory=dict)
     # Record each token's log-probability and this many likeliest alternatives (None: none).
     logprobs: int | None = None
+    # The grammar the reply must match (runtime/constraint.py: `compile_grammar` builds one for
+    # the engine's tokenizer from a JSON schema, a Lark or a GBNF grammar); None: any text.
+    constraint: OutputConstraint | None = None
 
     def __post_init__(self) -> None:
         _check_int("max_tokens", self.max_tokens, 1, "at least 1")

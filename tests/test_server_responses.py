@@ -171,7 +171,7 @@ def test_plain_text_whole_and_streamed_and_a_conversation_continued(server):
 REFUSED = [
     ({"previous_response_id": "resp_nowhere"}, "previous_response_id"),
     ({"extra_body": {"conversation": "conv_1"}}, "conversation"),
-    ({"tool_choice": "required", "tools": [TOOL]}, "tool_choice"),
+    ({"tool_choice": {"type": "custom", "name": "x"}, "tools": [TOOL]}, "tool_choice"),
     ({"max_output_tokens": 0}, "max_output_tokens"),
     ({"temperature": -1}, "temperature"),
     ({"tools": [{"type": "web_search"}]}, "tools[0]"),

@@ -174,10 +174,10 @@ def test_anthropic_errors_are_in_anthropics_shape(server):
         )
     assert wrong.value.body["error"]["type"] == "authentication_error"
     client = anthropic_client(server)
-    with pytest.raises(anthropic.BadRequestError) as forced:
+    with pytest.raises(anthropic.BadRequestError) as forced:  # a named tool with no name
         client.messages.create(
             model="tiny-agent", max_tokens=2, messages=[{"role": "user", "content": "hi"}],
-            tools=[{"name": "f", "input_schema": {"type": "object"}}], tool_choice={"type": "any"},
+            tools=[{"name": "f", "input_schema": {"type": "object"}}], tool_choice={"type": "tool"},
         )  # fmt: skip
     assert forced.value.body["type"] == "error"
     assert "tool_choice" in forced.value.body["error"]["message"]

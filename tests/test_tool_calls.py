@@ -8,6 +8,7 @@ import json
 import threading
 import time
 
+import llguidance
 import pytest
 
 from edge0_tui.server.anthropic_shapes import AnthropicWriter, parse_messages
@@ -17,7 +18,15 @@ from edge0_tui.server.metrics import ServerStats
 from edge0_tui.server.openai_replies import OpenAIWriter
 from edge0_tui.server.openai_shapes import parse_chat
 from edge0_tui.server.reply_parts import ReplyParts, TemplateFacts
-from edge0_tui.server.tool_calls import DIALECTS, Dialect, dialect_of
+from edge0_tui.server.tool_calls import (
+    DIALECTS,
+    JSON_CALL,
+    Dialect,
+    ToolCall,
+    dialect_of,
+    forced_call_grammar,
+)
+from engine import compile_grammar, lark_source
 
 WEATHER = {"city": "Paris", "days": 2}
 
@@ -293,3 +302,63 @@ def test_the_reply_is_parsed_off_the_event_loop():
 
     served_reply(Dialect("probe", ("<tool_call>",), read), "<tool_call>x", True, False)
     assert threads and threads[0] is not threading.main_thread()
+
+
+# -- forced calls: the grammar's sentences parse back as the call --------------------------------
+
+TOSS = {
+    "type": "function",
+    "function": {
+        "name": "toss",
+        "parameters": {"type": "object", "properties": {"heads": {"type": "boolean"}}},
+    },
+}
+# One call of `toss` as each dialect's forced grammar writes it (compact JSON).
+FORCED = {
+    "json": '{"name":"toss","arguments":{"heads":true}}',
+    "qwen": '<tool_call>\n{"name":"toss","arguments":{"heads":true}}\n</tool_call>',
+    "mistral": '[TOOL_CALLS][{"name":"toss","arguments":{"heads":true}}]',
+    "minimax": '<tool_calls>\n{"name":"toss","arguments":{"heads":true}}\n</tool_calls>',
+    "deepseek": "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>toss<｜tool▁sep｜>"
+    '{"heads":true}<｜tool▁call▁end｜><｜tool▁calls▁end｜>',
+    "kimi": "<|tool_calls_section_begin|><|tool_call_begin|>functions.toss:0"
+    '<|tool_call_argument_begin|>{"heads":true}<|tool_call_end|><|tool_calls_section_end|>',
+    "harmony": '<|channel|>commentary to=functions.toss <|constrain|>json<|message|>{"heads":true}'
+    "<|call|>",
+}
+
+
+@pytest.fixture(scope="module")
+def demo_vocabulary():
+    from transformers import PreTrainedTokenizerFast
+
+    from edge0_tui.model_source import BUNDLED_DEMO
+
+    return PreTrainedTokenizerFast.from_pretrained(str(BUNDLED_DEMO))
+
+
+@pytest.mark.parametrize("name", list(FORCED))
+def test_a_forced_calls_grammar_takes_the_call_and_it_parses_back(demo_vocabulary, name):
+    dialect = JSON_CALL if name == "json" else DIALECTS[name]
+    text = forced_call_grammar(dialect, [TOSS], lambda tag: None)
+    grammar = compile_grammar(lark_source(text), demo_vocabulary)
+    matcher = grammar.compiled.deep_copy()
+    tokens = grammar.vocabulary.tokenize_str(FORCED[name])
+    assert matcher.consume_tokens(tokens), matcher.get_error()
+    assert matcher.is_accepting()
+    # And nothing else: another argument value is refused.
+    other = llguidance.LLMatcher(grammar.vocabulary, grammar.source.text, log_level=0)
+    assert not other.consume_tokens(
+        grammar.vocabulary.tokenize_str(FORCED[name].replace("true", '"x"'))
+    )
+    assert dialect.parse(FORCED[name]) == ("", [ToolCall("toss", {"heads": True})])
+
+
+def test_a_forced_call_cannot_be_written_in_glm():
+    with pytest.raises(KeyError):
+        forced_call_grammar(DIALECTS["glm"], [TOSS], lambda tag: None)
+
+
+def test_a_tag_the_vocabulary_has_is_forced_as_its_token():
+    text = forced_call_grammar(DIALECTS["qwen"], [TOSS], {"<tool_call>": 7}.get)
+    assert text.startswith('start: <[7]> "\\n" json_0 "\\n" "</tool_call>"')

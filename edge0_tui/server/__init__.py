@@ -12,9 +12,11 @@
     responses_api.py  OpenAI's Responses API (/v1/responses): requests, replies, past responses
     reply_parts.py    a reply's text split as it streams: reasoning, content, tool calls
     tool_calls.py     the tool-call dialects, one parser each, read from the chat template
+    structured.py     response_format, json_schema, grammar, forced tool calls: a grammar
     metrics.py        GET /metrics in Prometheus's text format
 
-No MLX here: the engine thread calls the `engine` surface, nothing else does.
+No MLX here: the engine thread calls the `engine` surface; a worker thread compiles a request's
+grammar (`engine.compile_grammar`, which runs no MLX).
 """
 
 from __future__ import annotations

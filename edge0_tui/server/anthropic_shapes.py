@@ -6,7 +6,8 @@ sequences, the reasoning split and the tool-call parsers are the same; only the 
 - `system` (a string or text blocks) becomes the system message; content blocks are `text`,
   `tool_use` (an assistant's call) and `tool_result` (the tool's answer, a `tool` message);
 - `tools` ({name, description, input_schema}) are handed to the template as functions;
-  `tool_choice` auto or none, `any` or a named tool refused (no constrained decoding);
+  `tool_choice` auto, none, `any` (OpenAI's "required") or a named tool (`{"type": "tool",
+  "name": ...}`: OpenAI's named function), the last two forcing a call under a grammar;
 - `thinking: {"type": "enabled"}` turns the template's thinking on, and reasoning comes back as
   `thinking` blocks;
 - replies stream as message_start, content_block_start/delta/stop, message_delta, message_stop;
@@ -137,6 +138,25 @@ def _turns(message: dict, i: int) -> list[dict]:
     return results + ([turn] if texts or calls or not results else [])
 
 
+def _tool_choice(choice: object) -> str | dict | None:
+    """Anthropic's tool_choice in OpenAI's terms: auto, none, "required" (`any`), or a named
+    function (`{"type": "tool", "name": ...}`)."""
+    kind = choice.get("type") if isinstance(choice, dict) else None
+    if choice is None or kind == "auto":
+        return None
+    if kind == "none":
+        return "none"
+    if kind == "any":
+        return "required"
+    if kind == "tool" and isinstance(choice.get("name"), str):
+        return {"type": "function", "function": {"name": choice["name"]}}
+    raise bad(
+        'tool_choice must be {"type": "auto"}, {"type": "any"}, {"type": "none"} or '
+        '{"type": "tool", "name": ...}',
+        "tool_choice",
+    )
+
+
 def _tools(body: dict) -> list[dict] | None:
     tools = body.get("tools")
     if tools is None:
@@ -206,14 +226,7 @@ def parse_messages(
         if not isinstance(message, dict):
             raise bad(f"messages[{i}] must be an object", f"messages[{i}]")
         turns += _turns(message, i)
-    choice = body.get("tool_choice")
-    kind = choice.get("type") if isinstance(choice, dict) else choice
-    if kind not in (None, "auto", "none"):
-        raise bad(
-            f"tool_choice {kind!r} is not supported: edge0 has no constrained decoding to force "
-            "a call (auto and none are)",
-            "tool_choice",
-        )
+    choice = _tool_choice(body.get("tool_choice"))
     thinking = body.get("thinking")
     stop = list(check_stop(body.get("stop_sequences"), "stop_sequences")) or None
     chat = {
@@ -226,7 +239,7 @@ def parse_messages(
         "top_p": body.get("top_p"),
         "top_k": body.get("top_k"),
         "tools": _tools(body),
-        "tool_choice": "none" if kind == "none" else None,
+        "tool_choice": choice,
         "k": body.get("k"),  # edge0's per-request profile, checked as the OpenAI API checks it
         "mode": body.get("mode"),
     }

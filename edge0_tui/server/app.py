@@ -48,6 +48,7 @@ from .openai_replies import OpenAIWriter, model_card, system_fingerprint, usage
 from .openai_shapes import ApiError, GenerationRequest, error_body, parse_chat, parse_completion
 from .reply_parts import ReplyParts
 from .responses_api import ResponseStore, ResponsesWriter, parse_responses
+from .structured import compile_constraint, reply_facts
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
 # A body over the limit is still read (and dropped) up to this size, so that the client, still
@@ -258,6 +259,10 @@ class GenerationResponse:
         self.stats.served += 1
         self.stats.prompt_tokens += event.prompt_tokens
         self.stats.completion_tokens += event.completion_tokens
+        if "grammar_mask_ms" in event.figures:
+            self.stats.constrained += 1
+            self.stats.constrained_tokens += event.completion_tokens
+            self.stats.grammar_mask_ms += event.figures["grammar_mask_ms"]
         reason = "tool_calls" if calls and event.finish_reason == "stop" else event.finish_reason
         f = event.figures
         # The profile the reply ran with: the server's, or one the request asked for.
@@ -432,6 +437,8 @@ def create_app(worker: EngineWorker, settings: ServerSettings) -> Starlette:
         """A reply to a generation request of `api` (openai, anthropic or responses), checked
         by `parse`."""
         parsed, tokens = await encoded(request, parse)
+        if tokens is not None:  # else the model is not ready: `submit` answers that
+            parsed = await compile_constraint(parsed, worker, worker.opens_thinking(tokens))
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
 
@@ -443,7 +450,8 @@ def create_app(worker: EngineWorker, settings: ServerSettings) -> Starlette:
 
         job = Job(parsed, post, tokens)
         worker.submit(job)  # ApiError: 503 loading, 429 queue full
-        parts = ReplyParts(worker.template_facts, worker.opens_thinking(tokens), bool(parsed.tools))
+        facts = reply_facts(parsed, worker.template_facts)
+        parts = ReplyParts(facts, worker.opens_thinking(tokens), bool(parsed.tools))
         ignored = bool(parsed.tools) and not worker.template_facts.takes_tools
         warning = TOOLS_IGNORED if ignored else None
         if api == "anthropic":

@@ -27,6 +27,11 @@ class ServerStats:
     cancelled: int = 0  # the client went away before its reply was finished
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    # Replies made under a grammar (structured output, a forced tool call), their tokens, and the
+    # host time spent on the grammar's token masks.
+    constrained: int = 0
+    constrained_tokens: int = 0
+    grammar_mask_ms: float = 0.0
 
 
 def _label(value: object) -> str:
@@ -227,5 +232,25 @@ def render(worker: EngineWorker, stats: ServerStats, model_id: str) -> str:
         "counter",
         "Tokens generated in finished replies.",
         stats.completion_tokens,
+    )
+    w.metric(
+        "edge0_constrained_replies_total",
+        "counter",
+        "Finished replies made under a grammar (response_format, json_schema, grammar, or a "
+        "forced tool call).",
+        stats.constrained,
+    )
+    w.metric(
+        "edge0_constrained_tokens_total",
+        "counter",
+        "Tokens generated in finished replies made under a grammar.",
+        stats.constrained_tokens,
+    )
+    w.metric(
+        "edge0_grammar_mask_ms_total",
+        "counter",
+        "Host milliseconds spent computing and applying grammars' token masks (divided by "
+        "edge0_constrained_tokens_total: the cost per token).",
+        stats.grammar_mask_ms,
     )
     return w.text()

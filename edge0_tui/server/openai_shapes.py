@@ -2,9 +2,14 @@
 
 Every check here names the field it refuses (`param` in the error body), so a client sees which
 part of its request was wrong. Sampling values go through `GenerationConfig`, the one check the
-CLI and the app share; everything else the engine cannot honour (several choices, a forced
-tool call, constrained output formats) is refused rather than silently ignored. Fields that change nothing
-(`user`, `metadata`, `store`, ...) are accepted and ignored.
+CLI and the app share; everything else the engine cannot honour (several choices, an echo) is
+refused rather than silently ignored. Fields that change nothing (`user`, `metadata`, `store`,
+...) are accepted and ignored.
+
+A reply's required form is checked here for its shape (`OutputFormat`: `response_format`
+json_object or json_schema, llama.cpp's top-level `json_schema` and `grammar`; `forced_tools`:
+`tool_choice` "required" or a named function) and compiled into a grammar for the model's
+tokenizer off the event loop (structured.py).
 """
 
 from __future__ import annotations
@@ -84,6 +89,16 @@ def bad(message: str, param: str | None = None, code: str | None = None) -> ApiE
 
 
 @dataclass(frozen=True)
+class OutputFormat:
+    """The form a reply must take, as the request gave it: a JSON schema (`kind` "json_schema")
+    or a GBNF grammar's text ("gbnf"); `field` is where in the request, for errors."""
+
+    kind: str
+    value: object
+    field: str
+
+
+@dataclass(frozen=True)
 class GenerationRequest:
     """What the engine thread needs for one reply, checked."""
 
@@ -107,6 +122,10 @@ class GenerationRequest:
     # The name the request asked for when it is none of the served model's (any name is
     # answered by the one model, unless the server runs with --strict-model-name): for the log.
     asked_model: str | None = None
+    # The form the reply must take (None: any text), and the tools one of which it must call
+    # (`tool_choice` "required": all of them; a named function: that one). At most one of them.
+    output: OutputFormat | None = None
+    forced_tools: tuple[dict, ...] | None = None
 
 
 # -- checking fields ---------------------------------------------------------------------------
@@ -319,12 +338,63 @@ def _unsupported(body: dict) -> None:
     _refuse_unless(body, "echo", lambda v: v is False, "the prompt is not echoed")
     _refuse_unless(body, "suffix", lambda v: False, "no insertion")
     _refuse_unless(body, "functions", lambda v: v == [], "send them as tools")
-    _refuse_unless(
-        body,
-        "response_format",
-        lambda v: isinstance(v, dict) and v.get("type") == "text",
-        'edge0 has no constrained decoding: only {"type": "text"} replies',
-    )
+
+
+def _output_format(body: dict) -> OutputFormat | None:
+    """The reply's required form: `response_format`, or llama.cpp's top-level `json_schema` (a
+    schema) or `grammar` (GBNF); at most one of them."""
+    formats = []
+    if body.get("response_format") is not None:
+        formats.append(_response_format(body["response_format"]))
+    schema = body.get("json_schema")
+    if schema is not None:
+        if not isinstance(schema, dict):
+            raise bad(
+                f"json_schema must be an object (a JSON schema), not {_json_type(schema)}",
+                "json_schema",
+            )
+        formats.append(OutputFormat("json_schema", schema, "json_schema"))
+    grammar = body.get("grammar")
+    if grammar is not None:
+        if not isinstance(grammar, str) or not grammar.strip():
+            raise bad("grammar must be a GBNF grammar (a non-empty string)", "grammar")
+        formats.append(OutputFormat("gbnf", check_text(grammar, "grammar"), "grammar"))
+    formats = [f for f in formats if f is not None]
+    if len(formats) > 1:
+        raise bad(
+            "give one of response_format, json_schema and grammar, not several", formats[1].field
+        )
+    return formats[0] if formats else None
+
+
+def _response_format(value: object) -> OutputFormat | None:
+    """OpenAI's response_format: text (None), json_object, or json_schema {name, schema, strict}."""
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return OutputFormat("json_schema", {"type": "object"}, "response_format")
+    if kind != "json_schema":
+        raise bad(
+            'response_format must be {"type": "text"}, {"type": "json_object"} or '
+            '{"type": "json_schema", "json_schema": {...}}, not '
+            + (_shown(kind) if isinstance(value, dict) else _json_type(value)),
+            "response_format",
+        )
+    where = "response_format.json_schema"
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict):
+        raise bad(f'{where} must be an object: {{"name": ..., "schema": {{...}}}}', where)
+    if not isinstance(spec.get("name"), str) or not spec["name"]:
+        raise bad(f"{where}.name must be a non-empty string", f"{where}.name")
+    _optional(spec, "strict", lambda v: isinstance(v, bool), "a boolean")
+    schema = spec.get("schema", {"type": "object"})
+    if not isinstance(schema, dict):
+        raise bad(
+            f"{where}.schema must be an object (a JSON schema), not {_json_type(schema)}",
+            f"{where}.schema",
+        )
+    return OutputFormat("json_schema", schema, f"{where}.schema")
 
 
 def _content(message: dict, index: int) -> str:
@@ -407,17 +477,46 @@ def _history_calls(calls: object, index: int) -> list[dict]:
     return out
 
 
-def _tools(body: dict) -> tuple[dict, ...] | None:
-    """`tools` as the chat template reads them; None when the model may call none
-    (`tool_choice: "none"`). A required or named tool is refused: edge0 cannot force a call."""
-    tools = body.get("tools")
-    choice = body.get("tool_choice")
-    if choice is not None and choice not in ("auto", "none"):
+def _tool_choice(choice: object) -> str:
+    """ "auto", "none", "required", or the name of the one function the reply must call."""
+    if choice is None:
+        return "auto"
+    if choice in ("auto", "none", "required"):
+        return choice
+    function = choice.get("function") if isinstance(choice, dict) else None
+    if (
+        not isinstance(choice, dict)
+        or choice.get("type") != "function"
+        or not isinstance(function, dict)
+        or not isinstance(function.get("name"), str)
+    ):
         raise bad(
-            'tool_choice is not supported beyond "auto" and "none": edge0 has no '
-            "constrained decoding to force a call",
+            'tool_choice must be "auto", "none", "required" or {"type": "function", '
+            '"function": {"name": ...}}',
             "tool_choice",
         )
+    return function["name"]
+
+
+def _forced_tools(tools: tuple[dict, ...] | None, choice: str) -> tuple[dict, ...] | None:
+    """The tools one of which the reply must call (None: it need not call one)."""
+    if choice in ("auto", "none"):
+        return None
+    if not tools:
+        raise bad(f"tool_choice {_shown(choice)} needs tools to call", "tool_choice")
+    if choice == "required":
+        return tools
+    named = tuple(t for t in tools if t["function"]["name"] == choice)
+    if not named:
+        raise bad(f"tool_choice names {_shown(choice)}, which is not one of tools", "tool_choice")
+    return named[:1]
+
+
+def _tools(body: dict) -> tuple[dict, ...] | None:
+    """`tools` as the chat template reads them; None when the model may call none
+    (`tool_choice: "none"`)."""
+    tools = body.get("tools")
+    choice = _tool_choice(body.get("tool_choice"))
     if tools is None or tools == []:
         return None
     if not isinstance(tools, list):
@@ -461,8 +560,19 @@ def parse_chat(body: dict, model_ids: tuple[str, ...], strict: bool = False) -> 
     request = _request(
         body, "chat", model_ids[0], ("max_completion_tokens", "max_tokens"), messages=messages
     )
+    tools = _tools(body)
+    forced = _forced_tools(tools, _tool_choice(body.get("tool_choice")))
+    if forced and request.output is not None:
+        raise bad(
+            f"give {request.output.field} or a tool_choice that forces a call, not both",
+            "tool_choice",
+        )
     return replace(
-        request, tools=_tools(body), template_kwargs=_template_kwargs(body), asked_model=asked
+        request,
+        tools=tools,
+        template_kwargs=_template_kwargs(body),
+        asked_model=asked,
+        forced_tools=forced,
     )
 
 
@@ -510,4 +620,5 @@ def _request(
         include_usage=include_usage,
         k=k,
         mode=mode,
+        output=_output_format(body),
     )

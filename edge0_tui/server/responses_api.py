@@ -8,7 +8,8 @@ the chat template, the engine, the reasoning split, the tool-call parsers, the l
   items are dropped as chat templates drop reasoning) becomes the conversation, after
   `instructions` as its system turn;
 - `tools` of type function ({type, name, description, parameters}) are handed to the template as
-  the chat endpoint's `{"type": "function", "function": {...}}`; `tool_choice` auto or none;
+  the chat endpoint's `{"type": "function", "function": {...}}`; `tool_choice` auto, none,
+  required or a named function (forced as the chat endpoint forces a call: a grammar);
 - `previous_response_id` continues a response this server gave (`ResponseStore`: its input and
   output, kept in memory while the server runs, the oldest dropped past a count or a size);
 - the reply is a `response` object with `message`, `reasoning` and `function_call` output items,
@@ -85,7 +86,7 @@ class ResponsesTurn:
     previous_response_id: str | None
     max_output_tokens: int | None
     tools: tuple[dict, ...]
-    tool_choice: str
+    tool_choice: object  # "auto", "none", "required" or {"type": "function", "name": ...}
     store: bool
     metadata: dict
     parallel_tool_calls: bool
@@ -242,17 +243,25 @@ def _tools(body: dict) -> tuple[tuple[dict, ...], list[dict] | None]:
     return tuple(tools), chat
 
 
-def _tool_choice(body: dict) -> str:
+def _tool_choice(body: dict) -> tuple[object, object]:
+    """(the chat request's tool_choice, the Responses API's to echo): "required" and a named
+    function force a call as the chat endpoint forces one (a grammar)."""
     choice = body.get("tool_choice")
     if choice is None:
-        return "auto"
-    if choice not in ("auto", "none"):
-        raise bad(
-            'tool_choice is not supported beyond "auto" and "none": edge0 has no constrained '
-            "decoding to force a call",
-            "tool_choice",
-        )
-    return choice
+        return "auto", "auto"
+    if choice in ("auto", "none", "required"):
+        return choice, choice
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        name = choice.get("name")
+        if isinstance(name, str):
+            return {"type": "function", "function": {"name": name}}, {
+                "type": "function",
+                "name": name,
+            }
+    raise bad(
+        'tool_choice must be "auto", "none", "required" or {"type": "function", "name": ...}',
+        "tool_choice",
+    )
 
 
 def _refuse_unless(body: dict, name: str, allowed, why: str) -> None:
@@ -324,7 +333,7 @@ def parse_responses(
         instructions = _string(instructions, "instructions")
     max_output_tokens = _max_output_tokens(body)
     given_tools, chat_tools = _tools(body)
-    choice = _tool_choice(body)
+    choice, echoed = _tool_choice(body)
     earlier, earlier_chars = _history(body, store)
     history = (*earlier, *new)
     system = [{"role": "system", "content": instructions}] if instructions is not None else []
@@ -340,7 +349,7 @@ def parse_responses(
         previous_response_id=body.get("previous_response_id"),
         max_output_tokens=max_output_tokens,
         tools=given_tools,
-        tool_choice=choice,
+        tool_choice=echoed,
         store=body.get("store") is not False,
         metadata=body.get("metadata") or {},
         parallel_tool_calls=body.get("parallel_tool_calls") is not False,

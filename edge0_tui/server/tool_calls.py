@@ -27,6 +27,11 @@ Dialects (as the families' chat templates write them):
 - mistral (Mixtral): `[TOOL_CALLS] [{"name": ..., "arguments": {...}}]`;
 - minimax: `<minimax:tool_call><invoke name="NAME"><parameter name="P">V</parameter></invoke>
   </minimax:tool_call>` (M2), or `<tool_calls>{"name": ..., "arguments": ...}</tool_calls>` (M1).
+
+A call the request forces (`tool_choice` required or named) is written under a grammar
+(`forced_call_grammar`, for engine/runtime/constraint.py): one call, in the dialect's syntax, with
+arguments that match the tool's schema. A template with no dialect gets the bare JSON form
+(`JSON_CALL`: `{"name": ..., "arguments": {...}}`, the whole reply).
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ import json
 import math
 import re
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 # How deep a call's JSON may nest. Decoding and encoding JSON recurse once a level, so a reply of
@@ -486,6 +491,21 @@ def parse_minimax(text: str) -> Parsed:
     return _blocks(text, "<tool_calls>", "</tool_calls>", _minimax_m1_body)
 
 
+# -- json (forced calls on a template with no dialect) ------------------------------------------
+
+
+def parse_json_call(text: str) -> Parsed:
+    """The whole reply as one `{"name": ..., "arguments": {...}}`."""
+    try:
+        call = _call_of_json(_decode(text.strip()))
+    except ValueError:
+        call = None
+    return ("", [call]) if call else (text.strip(), [])
+
+
+JSON_CALL = Dialect("json", ("{",), parse_json_call)
+
+
 DIALECTS = {
     "qwen": Dialect("qwen", ("<tool_call>",), parse_qwen),
     "glm": Dialect("glm", ("<tool_call>",), parse_glm),
@@ -515,3 +535,111 @@ def dialect_of(chat_template: str | None) -> Dialect | None:
     if "<tool_call>" in template:
         return DIALECTS["qwen"]
     return None
+
+
+# -- forced calls: a grammar for one call in a dialect -----------------------------------------
+
+
+@dataclass(frozen=True)
+class _Marker:
+    """A dialect's tag: written as its one token where the vocabulary has it as one (chat models
+    learnt their tags as added tokens), else as text."""
+
+    text: str
+
+
+@dataclass(frozen=True)
+class _Json:
+    """A JSON value under a schema: the whole call (`{"name", "arguments"}`) or the arguments."""
+
+    whole_call: bool
+
+
+# Each dialect's one call, in order: markers, text, the call's name (None), and its JSON.
+_CALL, _ARGUMENTS, _NAME = _Json(True), _Json(False), None
+_FORCED_SHAPES: dict[str, tuple] = {
+    "json": (_CALL,),
+    "qwen": (_Marker("<tool_call>"), "\n", _CALL, "\n", _Marker("</tool_call>")),
+    "mistral": (_Marker("[TOOL_CALLS]"), "[", _CALL, "]"),
+    "minimax": (_Marker("<tool_calls>"), "\n", _CALL, "\n", _Marker("</tool_calls>")),
+    "deepseek": (
+        _Marker(DS_CALLS_BEGIN),
+        _Marker(DS_CALL_BEGIN),
+        _NAME,
+        _Marker(DS_SEP),
+        _ARGUMENTS,
+        _Marker(DS_CALL_END),
+        _Marker(DS_CALLS_END),
+    ),
+    "kimi": (
+        _Marker(KIMI_BEGIN),
+        _Marker(KIMI_CALL),
+        "functions.",
+        _NAME,
+        ":0",
+        _Marker(KIMI_ARGUMENTS),
+        _ARGUMENTS,
+        _Marker(KIMI_CALL_END),
+        _Marker(KIMI_END),
+    ),
+    "harmony": (
+        _Marker("<|channel|>"),
+        "commentary to=functions.",
+        _NAME,
+        " ",
+        _Marker("<|constrain|>"),
+        "json",
+        _Marker(HARMONY_MESSAGE),
+        _ARGUMENTS,
+        _Marker(HARMONY_END),
+    ),
+}
+
+
+_COMPACT = {"x-guidance": {"whitespace_flexible": False}}
+
+
+def _lark_text(text: str) -> str:
+    return json.dumps(text, ensure_ascii=False)
+
+
+def _tool_function(tool: dict) -> tuple[str, dict]:
+    """A tool's name and its arguments' schema (any object where it gives none)."""
+    function = tool["function"]
+    schema = function.get("parameters")
+    return function["name"], schema if isinstance(schema, dict) and schema else {"type": "object"}
+
+
+def forced_call_grammar(
+    dialect: Dialect | None, tools: Sequence[dict], token_of: Callable[[str], int | None]
+) -> str:
+    """A Lark grammar (llguidance's, which embeds JSON schemas with `%json`) whose sentences are
+    one call of one of `tools` (OpenAI's shape) in `dialect`'s syntax, its arguments matching the
+    tool's schema. `token_of`: a tag's token id where the vocabulary has it as one token.
+    KeyError: a dialect a call cannot be forced in (glm and minimax M2 write each argument
+    apart)."""
+    shape = _FORCED_SHAPES[(dialect or JSON_CALL).name]
+    rules, alternatives = [], []
+    for i, tool in enumerate(tools):
+        name, schema = _tool_function(tool)
+        call = {
+            "type": "object",
+            "properties": {"name": {"const": name}, "arguments": schema},
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+        pieces = []
+        for part in shape:
+            if isinstance(part, _Json):
+                # Compact JSON: a small model given free whitespace can write it until
+                # max_tokens.
+                value = {**(call if part.whole_call else schema), **_COMPACT}
+                rules.append(f"json_{i}: %json {json.dumps(value, ensure_ascii=False)}")
+                pieces.append(f"json_{i}")
+            elif isinstance(part, _Marker):
+                token = token_of(part.text)
+                pieces.append(f"<[{token}]>" if token is not None else _lark_text(part.text))
+            else:
+                pieces.append(_lark_text(name if part is _NAME else part))
+        alternatives.append(" ".join(pieces))
+    return "\n".join(["start: " + " | ".join(alternatives), *rules]) + "\n"

@@ -163,12 +163,14 @@ class Decoder:
             if step.phase == "prefill":
                 engine.last_prefill = merged(self.steps)  # the prompt's forwards, for the panels
             token = forced[given] if forced else self.sampler.finish(values)
+            if self.sampler is not None:
+                self.steps[-1].mask_ms = self.sampler.take_mask_ms()
             given += 1
             logprobs = self.sampler.last if self.sampler is not None else None
             logits = step.logits if self.keep_logits else None
             yield GeneratedToken(token, self.steps[-1], logprobs, logits)
-            if token in eos:
-                self.stopped_by = "eos"
+            if token in eos or (self.sampler is not None and self.sampler.done):
+                self.stopped_by = "eos"  # or the grammar is complete and allows nothing more
             elif given >= max_tokens:
                 pass
             elif should_stop is not None and should_stop():
@@ -182,7 +184,10 @@ class Decoder:
     @property
     def pipelined(self) -> bool:
         """Whether a step can be built before the previous one's values are read: nothing in it
-        waits for the host (every expert is held: no read, no routing read back)."""
+        waits for the host (every expert is held: no read, no routing read back; no grammar,
+        whose mask for a token needs the token before it)."""
+        if self.sampler is not None and self.sampler.constrained:
+            return False
         store = self.engine.store
         return store is None or store.every_layer_held
 

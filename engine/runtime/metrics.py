@@ -92,6 +92,9 @@ class StepMetrics:
     # GPU's queue on Metal. By reason in `host_sync_reasons`.
     host_syncs: int = 0
     host_sync_reasons: dict[str, int] = field(default_factory=dict)
+    # Host milliseconds spent on the grammar's mask of the token this step sampled (constrained
+    # replies only: runtime/constraint.py).
+    mask_ms: float = 0.0
 
     @classmethod
     def build(
@@ -381,6 +384,7 @@ def summarize(
         "peak_transient_mib": max((s.transient_peak_mib for s in steps), default=0.0),
         "dropped": sum(s.dropped for s in steps),
         "nonfinite_repaired": sum(s.nonfinite_repaired for s in steps),
+        "mask_ms": sum(s.mask_ms for s in steps),
     }
     recalls = [s.shadow_recall for s in decode if s.shadow_recall is not None]
     if recalls:
@@ -420,6 +424,7 @@ def summarize(
         "heads_not_read",
         "flush_ms",
         "host_syncs",
+        "mask_ms",
     ):
         values = [getattr(s, name) for s in decode]
         summary[f"median_{name}"] = statistics.median(values) if values else 0.0

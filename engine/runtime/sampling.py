@@ -5,6 +5,8 @@ frequency penalties) and so is the sampler (`make_sampler`: temperature, top-p, 
 every front end (the CLI, the app, the server) samples as mlx-lm does from one GenerationConfig.
 Penalties look at the prompt and the reply so far, over the last `penalty_context` tokens, as in
 mlx-lm's generate. Log-probabilities are those of the processed logits, before temperature.
+A reply with a grammar (`GenerationConfig.constraint`, runtime/constraint.py) has every token the
+grammar does not allow next set to -inf first, so processors and sampler only see allowed ones.
 """
 
 from __future__ import annotations
@@ -52,12 +54,15 @@ class Sampler:
         )
         self._context = gen.penalty_context
         self._top = gen.logprobs
+        self._grammar = gen.constraint.start() if gen.constraint is not None else None
         self.last: TokenLogprobs | None = None  # the latest token's, when logprobs are asked for
 
     def __call__(self, logits: mx.array) -> list[mx.array]:
         """The token sampled from the last position's logits, on the device: `[token]`, and with
         log-probabilities asked for, its log-probability and the top ids and theirs. The engine
         reads them with the step's other values, then calls `finish`."""
+        if self._grammar is not None:
+            logits = self._grammar.apply(logits)
         if self._processors:
             for process in self._processors:
                 logits = process(self._seen, logits)
@@ -79,4 +84,20 @@ class Sampler:
         if self._top is not None:
             top = zip(values[2].tolist(), values[3].tolist(), strict=True) if self._top else ()
             self.last = TokenLogprobs(token, float(values[1].reshape(-1)[0]), tuple(top))
+        if self._grammar is not None:
+            self._grammar.advance(token)
         return token
+
+    @property
+    def constrained(self) -> bool:
+        """Each token's mask needs the previous token on the host: no step is built ahead."""
+        return self._grammar is not None
+
+    @property
+    def done(self) -> bool:
+        """The grammar is complete and allows nothing more: the reply ends (as at EOS)."""
+        return self._grammar is not None and self._grammar.done
+
+    def take_mask_ms(self) -> float:
+        """Host milliseconds spent on grammar masks since the last call."""
+        return self._grammar.take_mask_ms() if self._grammar is not None else 0.0
