@@ -15,6 +15,7 @@ size bound and every number checked (`adapters/quality.py`).
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 
 import mlx.core as mx
@@ -23,6 +24,7 @@ import numpy as np
 from ..adapters.quality import keep_quality
 from ..config import EngineConfig
 from ..errors import Edge0Error
+from ..experts.freed_memory import release_freed_memory
 from ..runtime.generation import Engine
 from ..train.data import corpus_tokens
 from ..train.run import Log
@@ -59,16 +61,22 @@ def evaluate_profiles(
         fingerprint = engine.fingerprint
     finally:
         engine.close()
+    del engine  # the students load after it, each planned with what the process holds then
+    gc.collect()
+    release_freed_memory()
     rows = [_row(native, "int4 model (true router)", reference, reference, expert_bytes)]
     for k, files in profiles.items():
         log(f"K={k}: {files.prerouter.name}" + (f" and {files.lora.name}" if files.lora else ""))
         student = load_student(model_dir, k, True, files.lora, engine_config)
-        with lora_as(student, "off"):
-            row = _student_row(student, windows, config, k, reference, expert_bytes)
-        rows.append(row | {"variant": "heads only"})
-        if files.lora is not None:
-            row = _student_row(student, windows, config, k, reference, expert_bytes)
-            rows.append(row | {"variant": "heads + LoRA"})
+        try:
+            with lora_as(student, "off"):
+                row = _student_row(student, windows, config, k, reference, expert_bytes)
+            rows.append(row | {"variant": "heads only"})
+            if files.lora is not None:
+                row = _student_row(student, windows, config, k, reference, expert_bytes)
+                rows.append(row | {"variant": "heads + LoRA"})
+        finally:
+            student.close()  # before the next profile's student is planned and loaded
         del student
     table = {
         "model": model_dir.name,

@@ -29,6 +29,7 @@ Beside it, shared by phases 2 and 3 and `edge0 eval`: `teacher.py` (the unquanti
 from __future__ import annotations
 
 import contextlib
+import gc
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -43,6 +44,7 @@ from ..adapters.profiles import AdapterFiles, ProfileSearch
 from ..checkpoint.index import CheckpointIndex
 from ..config import EngineConfig, format_bytes
 from ..errors import Edge0Error
+from ..experts.freed_memory import release_freed_memory
 from ..routing.functions import route
 from ..routing.moe_block import RoutedMoE, ops_for
 from ..routing.prerouter import (
@@ -278,6 +280,15 @@ class Student:
         if self.streamed:
             return LayerwiseGrad(self, loss_fn)
         return nn.value_and_grad(self.model, loss_fn)
+
+    def close(self) -> None:
+        """Give back what the student holds outside Python's reach: the streamed student's expert
+        cache and reader threads, and freed buffers. A command that loads one student after
+        another (`edge0 eval --profiles`) plans each load with what the process holds then."""
+        if self.loaded.store is not None:
+            self.loaded.store.close()
+        gc.collect()
+        release_freed_memory()
 
     @property
     def streamed(self) -> bool:
