@@ -200,3 +200,38 @@ def test_cli_train_heads_default_corpus_into_the_auto_folder(
     assert f"K=2: prerouter (quality not recovered, auto folder: {written[0]})" in (
         capsys.readouterr().out
     )
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_next"])
+def test_layer_major_traces_equal_each_windows_own_forward_and_read_each_layer_once(
+    checkpoint_dir, tmp_path, family
+):
+    """Issue 48 item 1: the collection runs every window through a layer before the next layer
+    (each MoE layer read once for the pass, not once a window), and records what each window's
+    own forward computes."""
+    from engine.routing.moe_block import ops_for
+    from engine.train.collect import FLOAT16_MAX, X_DTYPE, _Capture
+
+    model_dir = checkpoint_dir(family)
+    windows = _windows()
+    loaded = load(model_dir, EngineConfig(mode="on-demand", whole_layer_prefill=True))
+    try:
+        traces = collect_traces(loaded, windows, tmp_path / "t")
+        counters = loaded.store.counters  # the collection's one pass
+        assert counters.whole_layer_reads == len(loaded.sites)
+        expected = {}
+        sinks = {site.layer: [] for site in loaded.sites}
+        for site in loaded.sites:  # a window's own forward, its MoE blocks recorded
+            block = getattr(site.decoder_layer, site.block_attribute)
+            capture = _Capture(block, ops_for(loaded.family.name), sinks[site.layer])
+            setattr(site.decoder_layer, site.block_attribute, capture)
+        loaded.model(mx.array(windows[3])[None])
+        for layer, [(x, logits)] in sinks.items():
+            x = np.clip(np.array(x[0].astype(mx.float32)), -FLOAT16_MAX, FLOAT16_MAX)
+            expected[layer] = (x.astype(X_DTYPE), np.array(logits[0].astype(mx.float32)))
+    finally:
+        loaded.store.close()
+    written = traces.window(3)
+    for layer, (x, logits) in expected.items():
+        np.testing.assert_array_equal(written[layer][0], x, err_msg=f"x {layer}")
+        np.testing.assert_array_equal(written[layer][1], logits, err_msg=f"logits {layer}")

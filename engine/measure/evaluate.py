@@ -38,7 +38,7 @@ from ..adapters.lora import LoRALinear
 from ..config import EngineConfig
 from ..errors import Edge0Error
 from ..runtime.generation import Engine
-from ..runtime.layer_major import layer_major
+from ..runtime.layer_major import layer_major, windows_per_pass
 from ..runtime.metrics import peak_memory_line, process_lifetime_peaks
 from ..train.data import corpus_tokens, draw_prompts, sample_served
 from ..train.run import Log
@@ -237,14 +237,9 @@ def recall_counts(record: dict, k: int) -> dict[int, tuple[int, int]]:
 # -- the command ---------------------------------------------------------------------------------------
 
 
-# A layer-major pass keeps every window's hidden state between layers (float32): at most this
-# many bytes of them, so a long text is several passes.
-PASS_HIDDEN_BYTES = 256 << 20
-
-
 def passes(windows: mx.array, hidden: int) -> list[mx.array]:
     """`windows` [N, T] in groups of as many as one layer-major pass holds."""
-    per_pass = max(1, PASS_HIDDEN_BYTES // (windows.shape[1] * hidden * 4))
+    per_pass = windows_per_pass(windows.shape[1], hidden)
     return [windows[start : start + per_pass] for start in range(0, len(windows), per_pass)]
 
 

@@ -36,6 +36,16 @@ if TYPE_CHECKING:
     from ..experts.store import ExpertStore
 
 
+# A pass keeps every batch's hidden state between layers (float32): at most this many bytes of
+# them, so a long text is several passes.
+PASS_HIDDEN_BYTES = 256 << 20
+
+
+def windows_per_pass(window_tokens: int, hidden: int) -> int:
+    """How many windows of `window_tokens` one pass holds."""
+    return max(1, PASS_HIDDEN_BYTES // (window_tokens * hidden * 4))
+
+
 def decoder_layer_list(model: nn.Module) -> list:
     """The list the model keeps its decoder layers in (`model.layers` may be a fresh slice of it
     each time, as mlx-lm's pipeline models give it), so that an entry set there is called."""
@@ -87,15 +97,18 @@ def layer_major(
     model: nn.Module,
     batches: Sequence[mx.array],
     forward: Callable[[mx.array], mx.array],
-    score: Callable[[int, mx.array], None],
+    score: Callable[[int, mx.array], None] | None,
     store: ExpertStore | None = None,
     enter: Callable[[int], None] | None = None,
     leave: Callable[[int], list[mx.array]] | None = None,
+    after_layer: Callable[[int], None] | None = None,
 ) -> None:
     """`score(b, logits)` with each batch's `forward(batch)` (its logits), computed a decoder
-    layer at a time over all `batches`. `forward` must call `model`'s decoder layers once each,
-    in order. `enter(b)` switches to batch b's per-batch state before any of its layers runs;
-    `leave(b)` keeps it and returns what of it to evaluate with the layer's output."""
+    layer at a time over all `batches` (`score` None: no logits, the layers only). `forward`
+    must call `model`'s decoder layers once each, in order. `enter(b)` switches to batch b's
+    per-batch state before any of its layers runs; `leave(b)` keeps it and returns what of it to
+    evaluate with the layer's output; `after_layer(index)` runs once a layer has run every
+    batch."""
     layers = decoder_layer_list(model)
     originals = list(layers)
     run = _Pass(len(batches), len(originals))
@@ -119,6 +132,10 @@ def layer_major(
                     mx.eval(run.hidden[b], *(leave(b) if leave is not None else ()))
                 if store is not None:
                     store.layer_computed(index)
+                if after_layer is not None:
+                    after_layer(index)
+            if score is None:
+                return
             run.mode = "replay"
             with _tapped(layers, originals, run):  # 3. the logits, a batch's at a time
                 for b, batch in enumerate(batches):

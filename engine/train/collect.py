@@ -1,10 +1,13 @@
 """Phase 1's traces: every MoE layer's input and router logits, collected through the streaming
-engine and written to disk window by window, so memory does not grow with the number of tokens.
+engine and written to disk as they are computed, so memory does not grow with the number of tokens.
 
 The model runs in on-demand mode (`EngineConfig(mode="on-demand")`): routed experts stream into the
-bounded expert cache, and a window that touches most of a layer's experts reads the layer whole
-(the engine's prefill path). Each MoE block is wrapped to record its input x and its router logits;
-after each window they are written into memory-mapped `.npy` arrays and the window is marked done.
+bounded expert cache. The windows go through the model in layer-major passes
+(`runtime/layer_major.py`): every window of a pass through a layer, then the next, so that each
+MoE layer's experts are read about once a pass, not once a window. Each MoE block is wrapped to
+record its input x and its router logits; once a layer has run every window of the pass, they
+are written into memory-mapped `.npy` arrays; once the last layer has, the pass's windows are
+marked done.
 
 A trace folder:
 
@@ -20,9 +23,10 @@ inputs come after a norm and stay well inside float16's range (values beyond it 
 Router logits stay float32: they decide the top-K sets (features and targets), and rounding them
 could flip near ties.
 
-An array is memory-mapped only while one window is written or one batch is read, then unmapped:
-the process never holds more than a window or a batch of the trace, whatever its length. A rerun
-with the same model, tokens and window continues after the last complete window.
+An array is memory-mapped only while one layer of a pass is written or one batch is read, then
+unmapped: the process holds at most a pass's hidden states and one layer's records of it, whatever
+the trace's length. A rerun with the same model, tokens and window continues after the last
+complete window.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ from ..checkpoint.outputs import check_free_space, reserve
 from ..config import format_bytes
 from ..errors import Edge0Error
 from ..routing.moe_block import ops_for
+from ..runtime.layer_major import layer_major, windows_per_pass
 from ..runtime.loader import LoadedModel
 
 FORMAT_VERSION = 1
@@ -157,21 +162,36 @@ class TraceFiles:
 
     # -- writing -------------------------------------------------------------------------------------
 
-    def write_window(self, index: int, captured: dict[int, tuple[np.ndarray, np.ndarray]]) -> None:
-        """Window `index`'s arrays ({layer: (x [T, H], logits [T, E])}), then mark it done."""
+    def write_layer(self, first: int, layer: int, x: np.ndarray, logits: np.ndarray) -> None:
+        """Layer `layer`'s arrays of windows `first`, `first + 1`, ... (a layer-major pass: x
+        [n, T, H], logits [n, T, E]); `mark_done` then says each window is complete."""
+        for path, value in (
+            (self._x_path(self.folder, layer), x),
+            (self._logits_path(self.folder, layer), logits),
+        ):
+            array = np.lib.format.open_memmap(path, mode="r+")
+            array[first : first + len(value)] = value
+            array.flush()  # on disk before progress.json says the window is done
+            del array  # unmapped: written windows do not stay in this process's memory
+
+    def mark_done(self, index: int) -> None:
+        """Window `index` has every layer written (`write_layer`)."""
         if index != self.windows_done:
-            raise ValueError(f"window {index} written after {self.windows_done} complete ones")
-        for layer, (x, logits) in captured.items():
-            for path, value in (
-                (self._x_path(self.folder, layer), x),
-                (self._logits_path(self.folder, layer), logits),
-            ):
-                array = np.lib.format.open_memmap(path, mode="r+")
-                array[index] = value
-                array.flush()  # on disk before progress.json says the window is done
-                del array  # unmapped: written windows do not stay in this process's memory
+            raise ValueError(f"window {index} done after {self.windows_done} complete ones")
         self.windows_done = index + 1
         self._write_progress()
+
+    def window(self, index: int) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+        """Window `index`'s arrays as written ({layer: (x [T, H], logits [T, E])})."""
+        out = {}
+        for layer in self.shape.layers:
+            pair = []
+            for path in (self._x_path(self.folder, layer), self._logits_path(self.folder, layer)):
+                array = np.load(path, mmap_mode="r")
+                pair.append(np.array(array[index]))  # a copy: the map can go
+                del array
+            out[layer] = (pair[0], pair[1])
+        return out
 
     def _write_progress(self) -> None:
         state = {
@@ -265,47 +285,49 @@ def collect_traces(
         wrapped = _Capture(blocks[site.layer], ops, sinks[site.layer])
         setattr(site.decoder_layer, site.block_attribute, wrapped)
     started, tokens_done = time.perf_counter(), 0
+    per_pass = windows_per_pass(shape.window, shape.hidden)
     try:
-        for index in range(traces.windows_done, shape.windows):
-            captured = _run_window(loaded, windows[index], sinks)
-            traces.write_window(index, captured)
-            tokens_done += shape.window
-            if progress is not None:
-                rate = tokens_done / max(time.perf_counter() - started, 1e-9)
-                progress.update(task, advance=1, status=f"{rate:.0f} tok/s")
-            if on_window is not None:
-                on_window(index, captured)
+        for first in range(traces.windows_done, shape.windows, per_pass):
+            part = windows[first : min(first + per_pass, shape.windows)]
+            _run_pass(loaded, part, first, sinks, traces)
+            for index in range(first, first + len(part)):
+                traces.mark_done(index)
+                tokens_done += shape.window
+                if progress is not None:
+                    rate = tokens_done / max(time.perf_counter() - started, 1e-9)
+                    progress.update(task, advance=1, status=f"{rate:.0f} tok/s")
+                if on_window is not None:
+                    on_window(index, traces.window(index))
     finally:
         for site in loaded.sites:  # put the blocks back
             setattr(site.decoder_layer, site.block_attribute, blocks[site.layer])
     return traces
 
 
-def _run_window(
-    loaded: LoadedModel, window: np.ndarray, sinks: dict[int, list]
-) -> dict[int, tuple[np.ndarray, np.ndarray]]:
-    """One teacher-forced forward over a window; each layer's (x [T, H], logits [T, E]) as numpy
-    in the dtypes they are stored in. Only the captured arrays are evaluated (not the LM head)."""
-    store = loaded.store
-    if store is not None:
-        store.begin_step()
+def _run_pass(
+    loaded: LoadedModel, windows: np.ndarray, first: int, sinks: dict[int, list], traces
+) -> None:
+    """Teacher-forced forwards over `windows` (the collection's from `first`), a decoder layer
+    at a time over all of them (`runtime/layer_major.py`: each MoE layer's experts read about
+    once for the pass); each MoE layer's (x [T, H], logits [T, E]) of every window written as
+    soon as the layer has run them, in the dtypes they are stored in. The LM head is not run."""
+
+    def write(layer: int) -> None:
+        if layer not in sinks:  # a dense layer
+            return
+        pairs = list(sinks[layer])
+        sinks[layer].clear()
+        x = np.stack([np.array(x[0].astype(mx.float32)) for x, _ in pairs])
+        logits = np.stack([np.array(lg[0].astype(mx.float32)) for _, lg in pairs])
+        x = np.clip(x, -FLOAT16_MAX, FLOAT16_MAX).astype(X_DTYPE)
+        traces.write_layer(first, layer, x, logits)
+
+    batches = [mx.array(window)[None] for window in windows]
     try:
-        loaded.model(mx.array(window)[None])
-        pairs = {layer: sink.pop() for layer, sink in sinks.items()}
-        mx.eval([array for pair in pairs.values() for array in pair])
+        layer_major(loaded.model, batches, loaded.model, None, loaded.store, after_layer=write)
     finally:
         for sink in sinks.values():
             sink.clear()
-        if store is not None:
-            store.end_step()
-    captured = {}
-    for layer, (x, logits) in pairs.items():
-        x = np.array(x[0].astype(mx.float32))
-        captured[layer] = (
-            np.clip(x, -FLOAT16_MAX, FLOAT16_MAX).astype(X_DTYPE),
-            np.array(logits[0].astype(mx.float32)),
-        )
-    return captured
 
 
 def describe(shape: TraceShape) -> str:
