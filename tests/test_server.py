@@ -20,6 +20,8 @@ import sys
 import textwrap
 import threading
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import openai
@@ -1234,3 +1236,61 @@ def test_tools_a_template_never_reads_are_said_to_be_ignored(server):
     )
     assert plain.headers.get("x-edge0-warning") is None
     assert warning in server.log.read_text()
+
+
+def _post(server: Server, path: str, body: dict) -> tuple[int, dict]:
+    request = urllib.request.Request(
+        server.url + path,
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=60) as reply:
+            return reply.status, json.loads(reply.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_what_mlx_lms_own_server_tests_ask_of_a_server(server):
+    """The requests mlx-lm's server tests send (its model names, its sampling fields), written
+    for edge0: each is answered, a seeded completion twice gives the same text, and
+    `repetition_context_size` is mlx-lm's penalty window."""
+    completion = {
+        "model": "default_model", "prompt": "Once upon a time", "max_tokens": 10,
+        "temperature": 0.5, "top_p": 0.9, "repetition_penalty": 1.1,
+        "repetition_context_size": 20, "seed": 999, "stop": "stop sequence",
+    }  # fmt: skip
+    status, first = _post(server, "/v1/completions", completion)
+    assert status == 200 and first["id"] and first["choices"][0]["text"]
+    assert (
+        _post(server, "/v1/completions", completion)[1]["choices"][0]["text"]
+        == (first["choices"][0]["text"])
+    )
+    status, bad_window = _post(
+        server, "/v1/completions", {**completion, "repetition_context_size": 0}
+    )
+    assert status == 400 and bad_window["error"]["param"] == "repetition_context_size"
+    chat = {"model": "chat_model", "max_tokens": 10, "temperature": 0.7, "top_p": 0.85,
+            "repetition_penalty": 1.2}  # fmt: skip
+    conversations = [
+        [{"role": "system", "content": "You are a helpful assistant."},
+         {"role": "user", "content": "Hello!"}],
+        [{"role": "system", "content": [{"type": "text", "text": "You are a helpful assistant."}]},
+         {"role": "user", "content": [{"type": "text", "text": "Hello!"}]}],
+        [{"role": "user", "content": "what is 2+3?"},
+         {"role": "assistant", "content": None, "tool_calls": [{"type": "function", "id": "123",
+          "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}]},
+         {"role": "tool", "content": "5", "tool_call_id": "123"}],
+    ]  # fmt: skip
+    for messages in conversations:
+        status, reply = _post(server, "/v1/chat/completions", {**chat, "messages": messages})
+        assert status == 200 and reply["id"] and reply["choices"][0]["message"], reply
+    models = server.client().models.list()
+    assert models.object == "list" and models.data
+    assert all(m.id and m.object == "model" and m.created for m in models.data)
+    stream = server.client().chat.completions.create(
+        model="chat_model", messages=conversations[0], max_tokens=5, stream=True
+    )
+    chunks = list(stream)
+    assert chunks and all(len(c.choices) <= 1 for c in chunks)
+    assert any(c.choices and c.choices[0].delta.content for c in chunks)

@@ -239,6 +239,10 @@ def _generation(body: dict, max_tokens_field: tuple[str, ...], chat: bool) -> Ge
     given = {name: value for name, value in numbers.items() if value is not None}
     top_k = _optional(body, "top_k", _is_int, "an integer")
     seed = _optional(body, "seed", _is_int, "an integer")
+    # mlx-lm's server's name for the tokens the penalties look back over.
+    context = _optional(body, "repetition_context_size", _is_int, "an integer")
+    if context is not None:
+        given["penalty_context"] = context
     try:
         return GenerationConfig(
             **{"temperature": 1.0, **given},
@@ -249,9 +253,12 @@ def _generation(body: dict, max_tokens_field: tuple[str, ...], chat: bool) -> Ge
             logprobs=_logprobs(body, chat),
         )
     except Edge0Error as e:  # the check the CLI and the app share; it names the field
-        message = str(e)
-        field = re.match(r"(\w+)=", message)
-        raise bad(message, field.group(1) if field else None) from None
+        field = re.match(r"(\w+)=", str(e))
+        name = field.group(1) if field else None
+        if name == "penalty_context":  # the request's name for it
+            name = "repetition_context_size"
+            e = Edge0Error(str(e).replace("penalty_context", name, 1))
+        raise bad(str(e), name) from None
 
 
 def _logit_bias(body: dict) -> dict[int, float]:

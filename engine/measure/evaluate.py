@@ -38,7 +38,7 @@ from ..adapters.lora import LoRALinear
 from ..config import EngineConfig
 from ..errors import Edge0Error
 from ..runtime.generation import Engine
-from ..runtime.layer_major import layer_major, windows_per_pass
+from ..runtime.layer_major import layer_major, pass_budget, windows_per_pass
 from ..runtime.metrics import peak_memory_line, process_lifetime_peaks
 from ..train.data import corpus_tokens, draw_prompts, sample_served
 from ..train.run import Log
@@ -237,9 +237,10 @@ def recall_counts(record: dict, k: int) -> dict[int, tuple[int, int]]:
 # -- the command ---------------------------------------------------------------------------------------
 
 
-def passes(windows: mx.array, hidden: int) -> list[mx.array]:
-    """`windows` [N, T] in groups of as many as one layer-major pass holds."""
-    per_pass = windows_per_pass(windows.shape[1], hidden)
+def passes(windows: mx.array, loaded) -> list[mx.array]:
+    """`windows` [N, T] in groups of as many as one layer-major pass of `loaded` holds within its
+    memory plan."""
+    per_pass = windows_per_pass(windows.shape[1], loaded.hidden, pass_budget(loaded.memory_plan))
     return [windows[start : start + per_pass] for start in range(0, len(windows), per_pass)]
 
 
@@ -268,7 +269,7 @@ def engine_nll(engine: Engine, windows: mx.array) -> PassTotals:
     forward, in layer-major passes (`runtime/layer_major.py`): each MoE layer's experts are
     read about once a pass."""
     totals = PassTotals()
-    for part in passes(windows, engine.loaded.hidden):
+    for part in passes(windows, engine.loaded):
         batches, sums = [w[None] for w in part], []
         layer_major(engine.model, batches, engine.model, _summing_nll(batches, sums), engine.store)
         totals.add(sums, engine.store)
@@ -279,7 +280,7 @@ def student_nll(student: Student, windows: mx.array, batch: int, k: int) -> Pass
     """Summed NLL of `windows` through the student path (routing as decode routes), `batch`
     windows a forward, in layer-major passes; and recall@K hits per consumer layer."""
     totals = PassTotals()
-    for part in passes(windows, student.loaded.hidden):
+    for part in passes(windows, student.loaded):
         batches = [part[start : start + batch] for start in range(0, len(part), batch)]
         records: list[dict] = [{} for _ in batches]
         sums: list[tuple[float, int]] = []

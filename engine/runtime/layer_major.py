@@ -34,6 +34,7 @@ import mlx.nn as nn
 
 if TYPE_CHECKING:
     from ..experts.store import ExpertStore
+    from .memory_plan import MemoryPlan
 
 
 # A pass keeps every batch's hidden state between layers (float32): at most this many bytes of
@@ -41,9 +42,19 @@ if TYPE_CHECKING:
 PASS_HIDDEN_BYTES = 256 << 20
 
 
-def windows_per_pass(window_tokens: int, hidden: int) -> int:
-    """How many windows of `window_tokens` one pass holds."""
-    return max(1, PASS_HIDDEN_BYTES // (window_tokens * hidden * 4))
+def pass_budget(plan: MemoryPlan) -> int:
+    """The bytes a pass's hidden states may take within the memory plan: its KV-cache term (a
+    pass's forwards keep no KV cache) and what the plan leaves under its limit, at most
+    PASS_HIDDEN_BYTES."""
+    room = PASS_HIDDEN_BYTES
+    if plan.limit_bytes is not None:
+        room = max(0, plan.limit_bytes - plan.total_bytes)
+    return min(PASS_HIDDEN_BYTES, plan.kv_cache_bytes + room)
+
+
+def windows_per_pass(window_tokens: int, hidden: int, budget_bytes: int) -> int:
+    """How many windows of `window_tokens` one pass holds in `budget_bytes` (at least one)."""
+    return max(1, budget_bytes // (window_tokens * hidden * 4))
 
 
 def decoder_layer_list(model: nn.Module) -> list:

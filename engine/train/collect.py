@@ -48,7 +48,7 @@ from ..checkpoint.outputs import check_free_space, reserve
 from ..config import format_bytes
 from ..errors import Edge0Error
 from ..routing.moe_block import ops_for
-from ..runtime.layer_major import layer_major, windows_per_pass
+from ..runtime.layer_major import layer_major, pass_budget, windows_per_pass
 from ..runtime.loader import LoadedModel
 
 FORMAT_VERSION = 1
@@ -285,7 +285,8 @@ def collect_traces(
         wrapped = _Capture(blocks[site.layer], ops, sinks[site.layer])
         setattr(site.decoder_layer, site.block_attribute, wrapped)
     started, tokens_done = time.perf_counter(), 0
-    per_pass = windows_per_pass(shape.window, shape.hidden)
+    # Half the pass budget: a layer's records of the pass are about its hidden states again.
+    per_pass = windows_per_pass(shape.window, shape.hidden, pass_budget(loaded.memory_plan) // 2)
     try:
         for first in range(traces.windows_done, shape.windows, per_pass):
             part = windows[first : min(first + per_pass, shape.windows)]
