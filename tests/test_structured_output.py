@@ -73,6 +73,19 @@ def test_the_sdks_parse_gives_an_object_that_validates(server):
     assert isinstance(choice.message.parsed, Character)  # the SDK validated it with pydantic
 
 
+@pytest.mark.parametrize("method", ["json_schema", "function_calling"])
+def test_langchains_structured_output_gives_a_validated_object(server, method):
+    """langchain-openai's `with_structured_output`, both of its ways: a response_format
+    json_schema, or a forced call of a function whose parameters are the schema."""
+    from langchain_openai import ChatOpenAI
+
+    model = ChatOpenAI(
+        model="demo", base_url=f"{server.url}/v1", api_key=API_KEY, max_tokens=60, max_retries=0
+    )
+    character = model.with_structured_output(Character, method=method).invoke("Who is Romeo?")
+    assert isinstance(character, Character)  # langchain validated it with pydantic
+
+
 def test_json_object_is_json(server):
     # A bias toward `}` lets the demo close its object at once (left alone it writes a key that
     # never ends); the grammar still decides what comes before it.
