@@ -711,7 +711,7 @@ def test_a_run_keeps_the_checkpoint_with_the_lowest_heldout_loss(tmp_path):
         # Training pulls the weight to 1; the held-out text wants 0.3: passed on the way.
         run = TrainingRun(
             tmp_path / "run", trainee, config, lambda: ((trainee.model.weight - 1) ** 2).sum(),
-            lambda: abs(weight(trainee) - 0.3), lines.append,
+            lambda: abs(weight(trainee) - 0.3), lines.append, keep_best=True,
         )  # fmt: skip
         for step in range(run.done + 1, config.steps + 1):
             run.step(step, tokens=1)

@@ -172,7 +172,6 @@ def _train(
                 inputs, weights = rollouts(engine, prompts, config, int(rng.integers(0, 2**31)))
                 loss = run.step(step, inputs, teacher(inputs), weights)
                 progress.update(task, advance=1, status=f"reverse KL {loss:.4f}")
-        run.finish()
     finally:
         engine.close()
 

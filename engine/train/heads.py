@@ -457,7 +457,9 @@ def fit_heads(
         w, t = flat // (shape.window - 1), flat % (shape.window - 1)
         return loss_fn(*batch(traces, owners, w, t, routing)).item()
 
-    run = TrainingRun(state_dir, _Trainee(stack, fingerprint), config, loss_fn, heldout_loss, log)
+    # Held-out loss picks the heads: a run that ends worse than an earlier checkpoint keeps it.
+    trainee = _Trainee(stack, fingerprint)
+    run = TrainingRun(state_dir, trainee, config, loss_fn, heldout_loss, log, keep_best=True)
     with training_progress(bar) as bars:
         task = bars.add_task("train", total=config.steps, completed=run.done, status="")
         for step in range(run.done + 1, config.steps + 1):

@@ -258,7 +258,6 @@ def _train(
             rows = rng.choice(train_rows, size=size, replace=False)
             loss = run.step(step, *batch(rows))
             progress.update(task, advance=1, status=f"loss {loss:.4f}")
-    run.finish()
 
     # -- 3. save -----------------------------------------------------------------------------------
     student.save_lora(out)

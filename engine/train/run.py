@@ -343,15 +343,18 @@ class TrainingRun:
     """What the training phases share around their loops: AdamW on the trainable weights
     (clipped gradients), the log, a held-out measure at step 0 and at every checkpoint, and the
     state in `out_dir` (`checkpoint.safetensors`) that a rerun with the same settings resumes
-    from. The weights of the checkpoint with the lowest held-out loss are kept beside it
-    (`best.safetensors`); `finish` takes them back when a later checkpoint measured worse."""
+    from. With `keep_best` (the heads: held-out loss is what picks them) the weights of the
+    checkpoint with the lowest held-out loss are kept beside it (`best.safetensors`), and `finish`
+    takes them back when a later checkpoint measured worse."""
 
     STATE = "checkpoint"
     BEST = "best"
 
-    def __init__(self, out_dir: Path, student, config, loss_fn, heldout, log: Log):
+    def __init__(
+        self, out_dir: Path, student, config, loss_fn, heldout, log: Log, keep_best: bool = False
+    ):
         self.out_dir, self.student, self.config = out_dir, student, config
-        self.heldout, self.log = heldout, log
+        self.heldout, self.log, self.keep_best = heldout, log, keep_best
         self.loss_and_grad = student.value_and_grad(loss_fn)
         self.optimizer = optim.AdamW(learning_rate=config.lr, weight_decay=config.weight_decay)
         self._timed = False
@@ -392,7 +395,7 @@ class TrainingRun:
         if step % config.checkpoint_every == 0 or step == config.steps:
             entry["heldout"] = round(self.heldout(), 6)
             best = self.state.get("best")
-            if best is None or entry["heldout"] < best["heldout"]:
+            if self.keep_best and (best is None or entry["heldout"] < best["heldout"]):
                 save_weights(self.out_dir / f"{self.BEST}.safetensors", self.student.model)
                 self.state["best"] = {"step": step, "heldout": entry["heldout"]}
             save_state(self.out_dir, self.STATE, self.student.model, self.optimizer, self.state)
@@ -405,7 +408,9 @@ class TrainingRun:
         """The run is over: where a checkpoint before the last had the lowest held-out loss, its
         weights are taken back (and the log says so); the last step's stay otherwise."""
         best, last = self.state.get("best"), self.history[-1]
-        if best is None or "heldout" not in last or best["step"] == last["step"]:
+        if not self.keep_best or best is None or "heldout" not in last:
+            return
+        if best["step"] == last["step"]:
             return
         path = self.out_dir / f"{self.BEST}.safetensors"
         try:
