@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine import Edge0Error, format_bytes
+from engine import Edge0Error, check_shard_count, format_bytes
 
 # (what is happening, units done, units in total or None when unknown): model_source's
 # ProgressCallback.
@@ -94,6 +94,9 @@ def plan_download(
         raise Edge0Error(f"{repo_id}: the Hugging Face Hub named no commit for it")
     names = [s.rfilename for s in info.siblings or []]
     wanted = sorted(filter_repo_objects(names, allow_patterns=patterns))
+    # Each file wanted is asked for its size: a listing of more files than a checkpoint has is
+    # refused before one is asked.
+    check_shard_count(sum(name.endswith(".safetensors") for name in wanted), repo_id)
     locks = cache / ".locks" / folder_name
     files = tuple(_hub_file(repo_id, name, info.sha, storage, locks) for name in wanted)
     return DownloadPlan(repo_id, revision, info.sha, storage, files)

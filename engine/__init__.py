@@ -68,6 +68,7 @@ _ON_FIRST_USE = {
     "preload_fast_blas": "engine.runtime.blas",
     "check_adapter_out": "engine.adapters.metadata",
     "check_regular_file": "engine.checkpoint.index",
+    "check_shard_count": "engine.checkpoint.index",
     "read_json_file": "engine.checkpoint.json_files",
     "write_json_file": "engine.checkpoint.json_files",
     "check_output_file": "engine.checkpoint.outputs",

@@ -149,6 +149,10 @@ class _Handler(BaseHTTPRequestHandler):
                 listing = {"files": listing}
         else:
             siblings = [{"rfilename": p.relative_to(folder).as_posix()} for p in files]
+            if fault == "many_files":  # a listing far longer than any checkpoint's
+                siblings += [
+                    {"rfilename": f"model-{i:06d}-of-100000.safetensors"} for i in range(100_000)
+                ]
             listing = {"id": repo_id, "modelId": repo_id, "sha": COMMIT, "siblings": siblings}
             if fault == "json_shape":
                 listing = [listing]
@@ -183,6 +187,8 @@ class _Handler(BaseHTTPRequestHandler):
             status = 206
             headers["Content-Range"] = f"bytes {start}-{end}/{size}"
         headers["Content-Length"] = str(end - start + 1)
+        if fault == "size_differs" and not body:  # HEAD says one size, the file has another
+            headers["Content-Length"] = str(end - start + 1 + 1000)
         self._send(status, b"", headers, body, length_set=True)
         if body:
             self._send_file(repo_id, name, path, start, end - start + 1)

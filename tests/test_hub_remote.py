@@ -486,3 +486,45 @@ def test_the_progress_line_says_the_rate_and_the_time_left():
     # 2100 MiB left at 512 KiB/s: 4200 s
     assert progress.text("downloading a/b", 3 << 20, 2103 << 20).endswith(", 1 h 10 min left")
     assert progress.text("looking up a/b", 0, None) == "looking up a/b"
+
+
+@pytest.mark.parametrize(
+    "fault, expected",
+    [
+        ("many_files", "100,001 shard files listed, more than the 4,096 a checkpoint can have"),
+        ("size_differs", "the Hub sent no more); run it again to resume from there"),
+    ],
+)
+def test_a_hub_listing_or_a_size_that_is_not_a_checkpoints_is_one_line(
+    hub, tmp_path, capsys, fault, expected
+):
+    """Issue 49 item 3: a listing of 100,000 files is refused before one is asked for; a file
+    shorter than its size on the Hub stops the pull in one line, what came kept."""
+    repo = f"{OWNER}/odd-{fault.replace('_', '-')}"
+    hub.serve(repo, repo_folder(tmp_path / "repo", other_formats=False))
+    hub.fault(repo, fault)
+
+    assert cli.main(["pull", repo]) == 2
+
+    _, err = capsys.readouterr()
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert expected in err, err
+    if fault == "many_files":
+        assert hub.bytes_served(repo) == 0
+
+
+def test_an_index_naming_100000_shards_is_one_line(hub, tmp_path, capsys):
+    """`info --memory` reads the index, then each shard's header: an index naming more shards
+    than a checkpoint has is refused before one header is asked for."""
+    repo = f"{OWNER}/many-shards"
+    folder = shard_with_header_length(tmp_path / "repo", 2, b"{}", '{"num_hidden_layers": 2}')
+    names = {f"t{i}": f"model-{i:06d}-of-100000.safetensors" for i in range(100_000)}
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": names}))
+    hub.serve(repo, folder)
+
+    assert cli.main(["info", repo, "--memory"]) == 2
+
+    _, err = capsys.readouterr()
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert "100,000 shard files listed, more than the 4,096" in err, err
+    assert hub.bytes_served(repo) < 10_000_000  # the index only

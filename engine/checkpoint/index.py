@@ -52,6 +52,9 @@ MAX_DIM = 2**31 - 1
 # A routed expert stored as its own tensor (the Hugging Face layout), e.g. `mlp.experts.7.up_proj`.
 PER_EXPERT_NAME = re.compile(r"\.experts\.\d+\.")
 INDEX_FILE = "model.safetensors.index.json"
+# At most this many shard files a checkpoint: the largest MoE checkpoints come in a few hundred;
+# an index (or a Hub listing) naming more is refused before one is opened or asked for.
+MAX_SHARDS = 4096
 # What mlx-lm and Hugging Face name weight shards (mlx-lm's loader globs exactly this).
 SHARD_PATTERN = "model*.safetensors"
 # What a path is when it is not a regular file, for error messages.
@@ -302,9 +305,19 @@ def checkpoint_shards(model_dir: Path) -> list[Path]:
                 "file in this directory)"
             )
     shards = [model_dir / n for n in sorted(set(weight_map.values()))]
+    check_shard_count(len(shards), str(index_file))
     for shard in shards:
         check_regular_file(shard, missing="shard listed in the index is missing")
     return shards
+
+
+def check_shard_count(count: int, where: str) -> None:
+    """Refuse more shard files than a checkpoint has (`MAX_SHARDS`)."""
+    if count > MAX_SHARDS:
+        raise Edge0Error(
+            f"{where}: {count:,} shard files listed, more than the {MAX_SHARDS:,} a checkpoint "
+            "can have: not a checkpoint edge0 reads"
+        )
 
 
 def unlisted_shards(model_dir: Path, shards: list[Path]) -> list[Path]:

@@ -27,6 +27,7 @@ from .index import (
     HEADER_BYTES_PER_TENSOR,
     INDEX_FILE,
     MAX_HEADER_BYTES,
+    check_shard_count,
     max_checkpoint_tensors,
 )
 
@@ -169,6 +170,7 @@ def _listed_shards(repo_id: str, index: object) -> list[str]:
                 f"{repo_id}: {INDEX_FILE}: corrupt index (weight_map names {name!r:.80}, not a "
                 "shard file of the repo)"
             )
+    check_shard_count(len(names), f"{repo_id}: {INDEX_FILE}")
     return sorted(names)
 
 
