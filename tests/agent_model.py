@@ -257,7 +257,8 @@ def _reuse(weights: Path):
 
 
 def _keep(fit, weights: Path):
-    """`fit`, then its float weights saved to `weights` (written whole, then renamed)."""
+    """`fit`, then its float weights saved to `weights` (written whole, then renamed) in place of
+    those of an older recipe."""
 
     def keep(model: nn.Module) -> None:
         fit(model)
@@ -265,6 +266,9 @@ def _keep(fit, weights: Path):
         partial = weights.with_suffix(".partial.safetensors")
         mx.save_safetensors(str(partial), dict(tree_flatten(model.parameters())))
         partial.replace(weights)
+        for older in weights.parent.glob("agent-*.safetensors"):
+            if older != weights:
+                older.unlink()
 
     return keep
 
