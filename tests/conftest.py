@@ -142,18 +142,20 @@ def profiled_source(checkpoint_dir, tmp_path_factory) -> Path:
 # together instead of one module running alone at the end.
 RUN_FIRST = (
     "test_server_agents.py",  # trains its model where the weights were not kept
-    "test_train_heads_self_text.py",
-    "test_train_lora_distill.py",
+    "test_prerouter.py",
+    "test_parity.py",
     "test_bench.py",
-    "test_tui_app.py",
-    "test_streamed_student.py",
-    "test_train_heads_defaults.py",
-    "test_prefill_fast.py",
-    "test_doctor.py",
     "test_tui_model_picker.py",
-    "test_server_hostile.py",
-    "test_server.py",
-    "test_train_heads.py",
+    "test_tui_fit.py",
+    "test_tui_app.py",
+    "test_tui_keys.py",
+    "test_tui_heat.py",
+    "test_train_lora_distill.py",
+    "test_lookahead.py",
+    "test_host_reads.py",
+    "test_streamed_student.py",
+    "test_doctor.py",
+    "test_train_heads_self_text.py",
 )
 
 
