@@ -16,10 +16,16 @@ the model). Memorized replies (greedy):
 Nothing in the server knows about this: it renders the template, runs the engine, and parses
 what the model wrote. `PYTHONPATH=. python tests/agent_model.py DIR` writes the checkpoint for a
 manual run.
+
+The training is most of the cost, and its result depends only on its recipe: the examples (as
+the server renders them today), this file, the synthetic model's code, MLX and mlx-lm. Given a
+`weights_cache` folder, the trained float weights are kept there under a hash of that recipe and
+reused while it holds; the checkpoint itself is written by today's code every time.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import sys
 import tempfile
@@ -28,8 +34,10 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
-from mlx.utils import tree_map_with_path
+from mlx.utils import tree_flatten, tree_map_with_path
 
+import engine.train.synth as synth
+import engine.train.synth_families as synth_families
 from edge0_tui.server.anthropic_shapes import parse_messages
 from edge0_tui.server.openai_shapes import parse_chat
 from engine.runtime.chat_template import render_chat_template
@@ -226,10 +234,56 @@ def _memorize(examples: list[tuple[list[int], list[int]]], learning_rate: float)
     return fit
 
 
-def write_agent_checkpoint(out_dir: Path, learning_rate: float = 1e-2) -> dict:
+def recipe_key(examples: list[tuple[list[int], list[int]]], learning_rate: float) -> str:
+    """A hash of everything the trained weights depend on: the examples' tokens, the training
+    (this file), the model's config and initialization (synth's code) and the libraries."""
+    import mlx_lm
+
+    digest = hashlib.sha256(json.dumps([examples, learning_rate]).encode())
+    for module in (sys.modules[__name__], synth, synth_families):
+        digest.update(Path(module.__file__).read_bytes())
+    digest.update(f"mlx {mx.__version__} mlx-lm {mlx_lm.__version__}".encode())
+    return digest.hexdigest()[:16]
+
+
+def _reuse(weights: Path):
+    """`fit` that puts the float weights trained before into the model instead of training."""
+
+    def fit(model: nn.Module) -> None:
+        model.load_weights(str(weights))
+        fit.steps, fit.loss, fit.margin = 0, None, None
+
+    return fit
+
+
+def _keep(fit, weights: Path):
+    """`fit`, then its float weights saved to `weights` (written whole, then renamed) in place of
+    those of an older recipe."""
+
+    def keep(model: nn.Module) -> None:
+        fit(model)
+        keep.steps, keep.loss, keep.margin = fit.steps, fit.loss, fit.margin
+        partial = weights.with_suffix(".partial.safetensors")
+        mx.save_safetensors(str(partial), dict(tree_flatten(model.parameters())))
+        partial.replace(weights)
+        for older in weights.parent.glob("agent-*.safetensors"):
+            if older != weights:
+                older.unlink()
+
+    return keep
+
+
+def write_agent_checkpoint(
+    out_dir: Path, learning_rate: float = 1e-2, weights_cache: Path | None = None
+) -> dict:
     """The tool-calling tiny checkpoint in `out_dir` (see the module's docstring); returns what
-    its training took (steps, last loss, smallest margin of the model as written)."""
-    fit = _memorize(_examples(), learning_rate)
+    its training took (steps, last loss, smallest margin of the model as written; 0 steps where
+    the weights came from `weights_cache`)."""
+    examples = _examples()
+    fit = _memorize(examples, learning_rate)
+    if weights_cache is not None:
+        weights = weights_cache / f"agent-{recipe_key(examples, learning_rate)}.safetensors"
+        fit = _reuse(weights) if weights.exists() else _keep(fit, weights)
     write_synthetic_checkpoint(out_dir, "qwen3_moe", "tiny", fit=fit)
     _set_template(out_dir)
     return {"steps": fit.steps, "loss": fit.loss, "margin": fit.margin}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 from pathlib import Path
 
 import pytest
@@ -58,26 +60,64 @@ def cores_given_back():
         unpin_all_threads(before)
 
 
+@contextlib.contextmanager
+def file_lock(path: Path):
+    """Held by one process of the run at a time (pytest-xdist's workers are processes)."""
+    import fcntl
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def kept_between_runs(config: pytest.Config, tmp_path_factory, name: str) -> Path:
+    """A folder kept from one run to the next (pytest's cache folder), or, where the cache is
+    off (`-p no:cacheprovider`), one shared by this run's workers only."""
+    cache = getattr(config, "cache", None)
+    if cache is not None:
+        return cache.mkdir(name)
+    folder = run_folder(tmp_path_factory) / name
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+def run_folder(tmp_path_factory) -> Path:
+    """The temp folder of the whole run: with pytest-xdist each worker has a base temp folder of
+    its own inside the run's; without it the base temp folder is the run's."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
 @pytest.fixture(scope="session")
-def tool_calling_checkpoint(tmp_path_factory) -> Path:
+def tool_calling_checkpoint(request, tmp_path_factory) -> Path:
     """The tiny checkpoint trained to call a tool (tests/agent_model.py), written once per session
     by a process of its own: `edge0`'s fast BLAS is preloaded there (this one has MLX loaded
-    already), which makes the training about four times faster on Linux."""
-    import os
+    already), which makes the training about four times faster on Linux. The trained weights are
+    kept between runs under a hash of their recipe, so only a changed recipe trains again; the
+    lock makes a second worker that needs them wait for the first's instead of training too."""
     import subprocess
     import sys
 
     out = tmp_path_factory.mktemp("tool-calling") / "tiny-agent"
+    weights = kept_between_runs(request.config, tmp_path_factory, "edge0-agent-weights")
     tests = Path(__file__).parent
     script = (
         "from engine import preload_fast_blas; preload_fast_blas()\n"
         "import sys; from pathlib import Path; import agent_model\n"
-        "print(agent_model.write_agent_checkpoint(Path(sys.argv[1])))\n"
+        "print(agent_model.write_agent_checkpoint(Path(sys.argv[1]), weights_cache=Path(sys.argv[2])))\n"
     )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join((str(tests.parent), str(tests)))}
-    done = subprocess.run(
-        [sys.executable, "-c", script, str(out)], env=env, capture_output=True, text=True
-    )
+    with file_lock(weights / ".lock"):
+        done = subprocess.run(
+            [sys.executable, "-c", script, str(out), str(weights)],
+            env=env,
+            capture_output=True,
+            text=True,
+        )
     assert done.returncode == 0, done.stderr
     return out
 
@@ -94,3 +134,34 @@ def profiled_source(checkpoint_dir, tmp_path_factory) -> Path:
     shutil.copytree(checkpoint_dir("qwen3_moe"), model)
     write_random_profile(model, 2)
     return model
+
+
+# The modules that take longest, longest first. `make test` hands whole modules to its workers
+# (`--dist loadfile` in pyproject.toml: a module's fixtures, its server or its trained model, are
+# built once, on one worker) in collection order, so these start at once and the two workers end
+# together instead of one module running alone at the end.
+RUN_FIRST = (
+    "test_server_agents.py",  # trains its model where the weights were not kept
+    "test_prerouter.py",
+    "test_parity.py",
+    "test_bench.py",
+    "test_tui_model_picker.py",
+    "test_tui_fit.py",
+    "test_tui_app.py",
+    "test_tui_keys.py",
+    "test_tui_heat.py",
+    "test_train_lora_distill.py",
+    "test_lookahead.py",
+    "test_host_reads.py",
+    "test_streamed_student.py",
+    "test_doctor.py",
+    "test_train_heads_self_text.py",
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    def rank(item: pytest.Item) -> int:
+        name = item.path.name
+        return RUN_FIRST.index(name) if name in RUN_FIRST else len(RUN_FIRST)
+
+    items.sort(key=rank)  # stable: each module's tests keep their order

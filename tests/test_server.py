@@ -641,15 +641,13 @@ def test_every_reply_has_a_request_id(server):
     connection.close()
     assert refused.status == 404
     assert re.fullmatch(r"[0-9a-f]{32}", refused.getheader("x-request-id"))
-    log = server.log.read_text()
+    made_id, refused_id = made.headers["x-request-id"], refused.getheader("x-request-id")
+    ids = ("req-abc.1", made_id, refused_id)
+    log = log_holding(server, *(f"[x-request-id {i}]" for i in ids))
     assert re.search(
         r"POST /v1/chat/completions 200 \d+ ms: chat .* \[x-request-id req-abc\.1\]", log
     )
-    made_id = made.headers["x-request-id"]
-    assert (
-        f"[x-request-id {made_id}]" in log
-        and f"[x-request-id {refused.getheader('x-request-id')}]" in log
-    )
+    assert f"[x-request-id {made_id}]" in log and f"[x-request-id {refused_id}]" in log
 
 
 GOOD = json.dumps(
@@ -994,6 +992,17 @@ def raw_request(server: Server, body: dict) -> socket.socket:
     )
     sock.sendall(head.encode() + data)
     return sock
+
+
+def log_holding(server: Server, *texts: str, limit_s: float = 10.0) -> str:
+    """The server's log once it holds every one of `texts` (or at `limit_s`): a request's line
+    is written after its reply is sent, so a client can read the reply before the line is there."""
+    deadline = time.monotonic() + limit_s
+    log = server.log.read_text()
+    while not all(t in log for t in texts) and time.monotonic() < deadline:
+        time.sleep(0.05)
+        log = server.log.read_text()
+    return log
 
 
 def wait_for(server: Server, check, what: str, limit_s: float = 5.0) -> dict[str, float]:

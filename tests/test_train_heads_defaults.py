@@ -26,7 +26,7 @@ def test_train_heads_on_the_demo_uses_its_own_corpus_and_warns_first(
     read = []
     split_text = corpus.train_split_text
     monkeypatch.setattr(corpus, "train_split_text", lambda: read.append(1) or split_text())
-    args = ["train", "heads", "demo", "--k", "2", "--steps", "2", "--max-tokens", "2000"]
+    args = ["train", "heads", "demo", "--k", "2", "--steps", "2", "--max-tokens", "1280"]
     assert main([*args, "--window", "64"]) == 0
     printed = capsys.readouterr().out.splitlines()
     assert read == [1]  # the fake works' train split, as `train.txt` holds it
@@ -52,7 +52,7 @@ def test_the_demo_asked_for_its_own_text_writes_it_and_reads_no_corpus(
 
     monkeypatch.setattr(corpus, "train_split_text", no_corpus)
     args = ["train", "heads", "demo", "--k", "2", "--steps", "1", "--window", "64"]
-    args += ["--max-tokens", "600", "--self-text-tokens", "600", "--adapters", str(tmp_path)]
+    args += ["--max-tokens", "320", "--self-text-tokens", "320", "--adapters", str(tmp_path)]
     assert main(args) == 0
     printed = capsys.readouterr().out.splitlines()
     (text,) = [line for line in printed if line.startswith("training text: ")]

@@ -4,6 +4,7 @@ resumable, bounded; and the comparison with the heads found before on the same h
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 
@@ -20,9 +21,12 @@ from engine.train.self_prompts import PROMPTS, held_out_prompts
 from engine.train.self_text import SAMPLES, SelfTextConfig, write_self_text
 
 # Small enough for a tiny model in a few seconds, with a reply to every held-out prompt (their
-# prompts take 408 tokens in the tiny models' tokenizer, and a reply at least 16).
-SMALL = SelfTextConfig(tokens=2400, reply_tokens=24)
+# prompts take 408 tokens in the tiny models' tokenizer, and a reply at least 16) and a few train
+# prompts' replies after them: every reply is a decode of its own, which is the cost here.
 HELD = 640
+SMALL = SelfTextConfig(tokens=HELD + 320, reply_tokens=24)
+# What phase 1 asks for in `train_heads` (holdout 0.1 of it in whole windows of 64: 2 of them).
+PHASE_1 = SelfTextConfig(tokens=1280, reply_tokens=24)
 
 
 def samples(folder) -> list[dict]:
@@ -66,7 +70,7 @@ def test_the_text_is_written_through_the_chat_template_split_by_prompt(checkpoin
     again = write(model_dir, tmp_path / "b")
     assert np.array_equal(again.train, written.train)
     assert np.array_equal(again.held_out, written.held_out)
-    other = write(model_dir, tmp_path / "c", SelfTextConfig(tokens=2400, reply_tokens=24, seed=1))
+    other = write(model_dir, tmp_path / "c", dataclasses.replace(SMALL, seed=1))
     assert not np.array_equal(other.train, written.train)
 
 
@@ -149,10 +153,12 @@ def test_train_heads_by_default_writes_the_text_and_compares_on_the_same_held_ou
         return real(traces, owners, held, forward, routing)
 
     monkeypatch.setattr(heads_module, "heldout_recalls", recording)
-    config = TrainHeadsConfig(k=2, max_tokens=2400, steps=2, window=64)
+    config = TrainHeadsConfig(k=2, max_tokens=PHASE_1.tokens, steps=2, window=64)
     lines = []
     data = EngineConfig(data_dir=tmp_path / "data")
-    train_heads(model_dir, None, config, progress=lines.append, engine_config=data, self_text=SMALL)
+    train_heads(
+        model_dir, None, config, progress=lines.append, engine_config=data, self_text=PHASE_1
+    )
     (text,) = [line for line in lines if line.startswith("training text: ")]
     assert "tokens the model wrote from" in text and "through its chat template" in text
     kept = samples(next((tmp_path / "data").glob("adapters/*/work/self-text-*")))
@@ -167,10 +173,10 @@ def test_train_heads_by_default_writes_the_text_and_compares_on_the_same_held_ou
     held_tokens = [t for s in kept if s["prompt"] in held_prompts for t in s["tokens"]]
     train_tokens = [t for s in kept if s["prompt"] not in held_prompts for t in s["tokens"]]
     windows = np.load(folder / "tokens.npy")
-    held_out_tokens = 64 * round(0.1 * 2400 / 64)  # phase 1's holdout share in whole windows
-    assert held == held_out_tokens // 64
+    held_out_tokens = 64 * round(0.1 * PHASE_1.tokens / 64)  # phase 1's holdout, whole windows
+    assert held == held_out_tokens // 64 > 1
     assert windows[:held].ravel().tolist() == held_tokens[:held_out_tokens]
-    train_windows = (2400 - held_out_tokens) // 64
+    train_windows = (PHASE_1.tokens - held_out_tokens) // 64
     assert windows[held:].ravel().tolist() == train_tokens[: train_windows * 64]
     (said,) = [line for line in lines if line.startswith("held-out text: ")]
     assert f"{held_out_tokens:,} tokens ({held} windows)" in said and "held-out prompts" in said
@@ -182,14 +188,14 @@ def test_cli_self_text_tokens_bounds_the_text(checkpoint_dir, tmp_path, monkeypa
     model_dir = checkpoint_dir("qwen3_moe")
     monkeypatch.setenv("EDGE0_DATA_DIR", str(tmp_path / "data"))
     args = ["train", "heads", str(model_dir), "--k", "2", "--steps", "2", "--window", "64"]
-    assert main([*args, "--max-tokens", "3000", "--self-text-tokens", "1500"]) == 0
+    assert main([*args, "--max-tokens", "3000", "--self-text-tokens", "1100"]) == 0
     printed = capsys.readouterr().out
-    assert "the model writes its training text: 1,500 tokens" in printed
+    assert "the model writes its training text: 1,100 tokens" in printed
     assert "the first reply: " in printed and "left take about" in printed
     (settings,) = (tmp_path / "data").glob("adapters/*/work/self-text-*/settings.json")
-    assert json.loads(settings.read_text())["tokens"] == 1500
+    assert json.loads(settings.read_text())["tokens"] == 1100
     (progress,) = (tmp_path / "data").glob("adapters/*/work/traces-*/progress.json")
-    assert json.loads(progress.read_text())["shape"]["windows"] == 1500 // 64
+    assert json.loads(progress.read_text())["shape"]["windows"] == 1100 // 64
 
 
 @pytest.mark.parametrize(
