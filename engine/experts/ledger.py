@@ -123,14 +123,13 @@ class ReadsAheadLedger:
     def begin(self, step: int) -> None:
         """`step` starts: what was expected of earlier steps is forgotten (layers that never
         routed by their own router)."""
-        self._expected = {key: e for key, e in self._expected.items() if key[0] >= step}
-        self._issued = {key: n for key, n in self._issued.items() if key[0] >= step}
+        self._keep(lambda s: s >= step)
 
     def forget_after(self, step: int) -> None:
         """Expectations and reads of steps after `step` are void (a new request)."""
-        self._expected = {key: e for key, e in self._expected.items() if key[0] <= step}
-        self._issued = {key: n for key, n in self._issued.items() if key[0] <= step}
+        self._keep(lambda s: s <= step)
 
-    def reset_gate(self) -> None:
-        """New heads, K or mode: what the old ones measured says nothing of the new."""
-        self.gate.reset()
+    def _keep(self, wanted) -> None:
+        """Keep the expectations and read counts of the steps `wanted(step)` says."""
+        self._expected = {key: e for key, e in self._expected.items() if wanted(key[0])}
+        self._issued = {key: n for key, n in self._issued.items() if wanted(key[0])}

@@ -462,7 +462,7 @@ class ExpertStore:
             # The layer's stacked tensors are indexed by expert id: the routing is its own slots.
             return LayerSlots(self.whole_layer(layer), device=indices, host=routed), routed
         if len(distinct) > self.pool.room(layer):
-            return LayerSlots(groups=self._bankfuls_with_bank(layer, distinct)), routed
+            return LayerSlots(groups=self.bankfuls(layer, distinct)), routed
         slot_of = np.zeros(self.index.layers[layer].num_experts, dtype=np.uint32)
         slot_of[distinct] = self.fetch(layer, distinct)
         if guess is not None:
@@ -486,12 +486,6 @@ class ExpertStore:
             guess.host = host[1]
         self.layer_computed(layer - 1)
         return host[0], guess
-
-    def _bankfuls_with_bank(
-        self, layer: int, experts: list[int]
-    ) -> Iterator[tuple[list[int], list[int], dict[str, mx.array]]]:
-        for group, slots in self.bankfuls(layer, experts):
-            yield group, slots, self.bank(layer).arrays
 
     # -- per-expert path ---------------------------------------------------------------------------
 
@@ -544,14 +538,17 @@ class ExpertStore:
             self.counters.blocked_ms += (time.perf_counter() - start) * 1e3
         return [slots[key] for key in keys]
 
-    def bankfuls(self, layer: int, experts: list[int]) -> Iterator[tuple[list[int], list[int]]]:
+    def bankfuls(
+        self, layer: int, experts: list[int]
+    ) -> Iterator[tuple[list[int], list[int], dict[str, mx.array]]]:
         """`experts` of `layer` (more than its bank holds at once) a bankful at a time: yields
-        each group and its slots. The caller computes with a group, evaluated, before it asks
-        for the next: the group's slots then take the next group."""
+        each group, its slots and the bank's arrays. The caller computes with a group,
+        evaluated, before it asks for the next: the group's slots then take the next group."""
         size = self.pool.room(layer)
         for start in range(0, len(experts), size):
             group = experts[start : start + size]
-            yield group, self.fetch(layer, group)
+            slots = self.fetch(layer, group)
+            yield group, slots, self.bank(layer).arrays
             self.pool.layer_computed(layer)
 
     def _staged_or_submit(

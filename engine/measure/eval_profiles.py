@@ -52,7 +52,7 @@ def evaluate_profiles(
         windows = _windows(engine, text, config)
         log(f"the 4-bit model at its native K={native}: {len(windows)} windows")
         reference = engine_nll(engine, windows)
-        expert_bytes = sum(layer.nbytes for layer in engine.loaded.index.layers.values())
+        expert_bytes = _expert_bytes(engine.loaded)
         profiles = {
             k: files
             for k, files in sorted(engine.adapters.items())
@@ -70,11 +70,9 @@ def evaluate_profiles(
         student = load_student(model_dir, k, True, files.lora, engine_config)
         try:
             with lora_as(student, "off"):
-                row = _student_row(student, windows, config, k, reference, expert_bytes)
-            rows.append(row | {"variant": "heads only"})
+                rows.append(_student_row(student, windows, config, k, "heads only", reference))
             if files.lora is not None:
-                row = _student_row(student, windows, config, k, reference, expert_bytes)
-                rows.append(row | {"variant": "heads + LoRA"})
+                rows.append(_student_row(student, windows, config, k, "heads + LoRA", reference))
         finally:
             student.close()  # before the next profile's student is planned and loaded
         del student
@@ -100,13 +98,18 @@ def _windows(engine: Engine, text: str, config: EvalConfig) -> mx.array:
     return mx.array(tokens[: count * config.window].reshape(count, config.window))
 
 
+def _expert_bytes(loaded) -> int:
+    """The model's routed-expert bytes: what an expert-reads figure is a multiple of."""
+    return sum(layer.nbytes for layer in loaded.index.layers.values())
+
+
 def _student_row(
-    student, windows: mx.array, config: EvalConfig, k: int, reference: PassTotals, expert_bytes: int
+    student, windows: mx.array, config: EvalConfig, k: int, variant: str, reference: PassTotals
 ) -> dict:
     """A profile's row: perplexity routed as decode routes, recall@K per consumer layer."""
     totals = student_nll(student, windows, config.batch, k)
     recall = {layer: h / c for layer, (h, c) in sorted(totals.hits.items())}
-    return _row(k, "", totals, reference, expert_bytes, recall)
+    return _row(k, variant, totals, reference, _expert_bytes(student.loaded), recall)
 
 
 def _row(

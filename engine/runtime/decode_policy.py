@@ -92,7 +92,7 @@ def apply(
     store.hold_layers(set(policy.held))
     store.lookahead_reads = policy.lookahead_reads
     store.ledger.gated = policy.gate_head_reads
-    store.ledger.reset_gate()
+    store.ledger.gate.reset()  # what the old heads, K or mode measured says nothing of the new
     store.use_reader_core(policy.reader_core)
     if lookahead is not None:
         lookahead.k = policy.k

@@ -183,15 +183,13 @@ class TraceFiles:
 
     def window(self, index: int) -> dict[int, tuple[np.ndarray, np.ndarray]]:
         """Window `index`'s arrays as written ({layer: (x [T, H], logits [T, E])})."""
-        out = {}
-        for layer in self.shape.layers:
-            pair = []
-            for path in (self._x_path(self.folder, layer), self._logits_path(self.folder, layer)):
-                array = np.load(path, mmap_mode="r")
-                pair.append(np.array(array[index]))  # a copy: the map can go
-                del array
-            out[layer] = (pair[0], pair[1])
-        return out
+        return {
+            layer: (
+                self.read("x", layer, index, dtype=None),
+                self.read("logits", layer, index, dtype=None),
+            )
+            for layer in self.shape.layers
+        }
 
     def _write_progress(self) -> None:
         state = {
@@ -207,13 +205,18 @@ class TraceFiles:
     # -- reading -------------------------------------------------------------------------------------
 
     def read(
-        self, kind: str, layer: int, windows: np.ndarray | slice, positions=slice(None)
+        self,
+        kind: str,
+        layer: int,
+        windows: np.ndarray | slice | int,
+        positions=slice(None),
+        dtype: type | None = np.float32,
     ) -> np.ndarray:
         """A copy of `kind` ("x" or "logits") of `layer` at [windows, positions] (numpy indexing),
-        as float32; the file is mapped for this read only."""
+        as `dtype` (None: as stored); the file is mapped for this read only."""
         path = (self._x_path if kind == "x" else self._logits_path)(self.folder, layer)
         array = np.load(path, mmap_mode="r")
-        out = np.array(array[windows, positions], dtype=np.float32)  # a copy: the map can go
+        out = np.array(array[windows, positions], dtype=dtype)  # a copy: the map can go
         del array
         return out
 

@@ -170,8 +170,7 @@ def expert_input_grad(
     experts = routed.reshape(-1)
     distinct = np.unique(experts)
     grad = mx.zeros_like(flat_x)
-    for group, slots in store.bankfuls(layer, distinct.tolist()):
-        bank = store.bank(layer).arrays
+    for group, slots, bank in store.bankfuls(layer, distinct.tolist()):
         for expert, slot in zip(group, slots):
             ids = np.flatnonzero(experts == expert)
             glu = partial(dense_expert_glu, switch, bank=bank, slot=int(slot))
