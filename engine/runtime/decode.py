@@ -19,6 +19,11 @@ A step, top to bottom (`Decoder.build`, then `Decoder.finish`):
 Where the next step needs nothing from the host (every layer held: no read, no routing read
 back; or resident mode), it is built before this step's token is read, as mlx-lm's
 `generate_step` does: the device never waits for the host between steps.
+
+The step in six files: this one, `routing/moe_block.py` (a MoE layer), `routing/state.py` (the
+heads' predictions), `experts/store.py` (where each expert is), `experts/switch_glu.py` (the
+experts' compute) and `sampling.py`. Every other file a step enters is a helper of one of them
+(tests/test_decode_path.py keeps the table).
 """
 
 from __future__ import annotations
