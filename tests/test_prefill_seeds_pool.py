@@ -11,7 +11,7 @@ import pytest
 
 from engine.checkpoint.index import CheckpointIndex
 from engine.config import EngineConfig, GenerationConfig
-from engine.experts.prefill_seed import latest_first
+from engine.experts.prefill_seed import HALF_LIFE, by_recent_use
 from engine.runtime.generation import Engine
 
 DEMO = Path(__file__).resolve().parent.parent / "assets" / "demo"
@@ -50,7 +50,7 @@ def test_a_prompt_and_its_first_token_read_each_expert_once(checkpoint_dir, name
     assert first.hits > first.loads
 
 
-def test_a_small_cache_keeps_the_latest_positions_experts(checkpoint_dir):
+def test_a_small_cache_keeps_each_layers_share(checkpoint_dir):
     """A cache of a quarter of the model: each layer keeps its share, the budget holds, and the
     first token finds some of its experts (before: none, the pool was empty)."""
     model = checkpoint_dir("gpt_oss")
@@ -65,8 +65,12 @@ def test_a_small_cache_keeps_the_latest_positions_experts(checkpoint_dir):
     assert result.steps[-1].hits > 0
 
 
-def test_latest_positions_come_first():
-    routed = np.array([[[1, 2], [3, 1], [4, 5]]])  # [batch, tokens, k]
-    assert latest_first(routed) == [4, 5, 3, 1, 2]
-    two_rows = np.array([[[1, 2], [3, 4]], [[5, 6], [7, 1]]])
-    assert latest_first(two_rows) == [3, 4, 7, 1, 2, 5, 6]
+def test_recent_uses_count_most():
+    # Experts 1 and 7 used at every one of 40 positions but the last, 3 and 4 only at the last:
+    # used all along counts more than once at the end.
+    routed = np.array([[[7, 1]] * 39 + [[3, 4]]])  # [batch, tokens, k]
+    assert by_recent_use(routed) == [1, 7, 3, 4]
+    # ... and 9 used once, HALF_LIFE positions before the end of each row: after the last ones.
+    late = np.zeros((2, HALF_LIFE + 1, 1), dtype=np.int64) + 5
+    late[:, 0, 0] = 9
+    assert by_recent_use(late) == [5, 9]

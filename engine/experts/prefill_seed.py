@@ -6,10 +6,12 @@ runs as a one-token forward through the cache, and would read its experts again.
 whole-layer read copies the experts the chunk routed to into the pool's slots (memory traffic,
 not disk), as far as the layer's share of the cache goes.
 
-Which first: the experts of the chunk's last positions, walking back. The next forward's token
-follows those positions, and neighbouring tokens route alike more often than a token and the
-prompt's bulk (a system prompt, an earlier turn) do; counting uses over the chunk would favour
-the bulk.
+Which first: the experts the chunk used most, a use counting for less the further it is from the
+chunk's end. The next forward's token follows the last positions, and neighbouring tokens route
+alike more often than distant ones; but an expert used all along is also likely next. On the
+demo's replies to README prompts, with a cache of a fraction of its experts, this order gave the
+first token more hits than either the last positions alone or plain use counts (the figures are in
+the commit that made it).
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import numpy as np
 from .pool import ExpertPool
 from .reads import convert_into
 
+# Positions back from a chunk's end over which an expert's use counts for half as much.
+HALF_LIFE = 16
 # The safetensors name `convert_into` takes for an MLX floating dtype (others copy as they are).
 _DTYPE_NAMES = {mx.bfloat16: "BF16", mx.float16: "F16", mx.float32: "F32"}
 
@@ -28,8 +32,8 @@ def seed_from_whole_layer(
     pool: ExpertPool, layer: int, routed: np.ndarray, whole: dict[str, mx.array]
 ) -> int:
     """Copy `layer`'s experts that `routed` (`[..., tokens, k]` on the host) names from its
-    whole-layer tensors `whole` into the pool, latest positions first. Returns how many were
-    copied."""
+    whole-layer tensors `whole` into the pool, by recent use (`by_recent_use`). Returns how
+    many were copied."""
     host = {key: _host_view(array) for key, array in whole.items()}
 
     def write(expert: int, views: dict[str, np.ndarray]) -> None:
@@ -37,17 +41,21 @@ def seed_from_whole_layer(
             source, dtype = host[key]
             convert_into(source[expert], dtype, slot)
 
-    return pool.seed(layer, latest_first(routed), write)
+    return pool.seed(layer, by_recent_use(routed), write)
 
 
-def latest_first(routed: np.ndarray) -> list[int]:
-    """The experts `routed` names, each once, by the last position that routed to it, latest
-    first (rows of a batch interleaved: every row's last position, then the one before...)."""
+def by_recent_use(routed: np.ndarray) -> list[int]:
+    """The experts `routed` (`[..., tokens, k]`) names, each once, most used first, a use
+    counting for less the further it is from its row's last position (halving every
+    `HALF_LIFE` positions)."""
     k = routed.shape[-1]
-    rows = routed.reshape(-1, routed.shape[-2] if routed.ndim > 1 else 1, k)
-    flat = rows[:, ::-1].transpose(1, 0, 2).ravel()
-    _, first = np.unique(flat, return_index=True)
-    return flat[np.sort(first)].tolist()
+    tokens = routed.shape[-2] if routed.ndim > 1 else 1
+    rows = routed.reshape(-1, tokens, k)
+    back = np.arange(tokens)[::-1]  # positions before each row's last
+    weights = np.broadcast_to((0.5 ** (back / HALF_LIFE))[None, :, None], rows.shape)
+    score = np.bincount(rows.ravel(), weights=weights.ravel())
+    order = np.argsort(-score, kind="stable")
+    return order[score[order] > 0].tolist()
 
 
 def _host_view(array: mx.array) -> tuple[np.ndarray, str]:
