@@ -62,25 +62,32 @@ def test_the_plan_comes_before_the_work_and_its_tokens_are_written(
 ):
     rates, asked = fake_rates
     config = TrainHeadsConfig(k=2, max_tokens=60_000, steps=1, window=WINDOW)
-    data = EngineConfig(data_dir=tmp_path / "data")
     shown = []
-    for write_s in (0.1, 0.05):  # twice as fast: twice the text in the same budget
+
+    def run(write_s: float, data: str, **given) -> list[str]:
         rates["now"] = Rates(write_s=write_s, collect_s=0.0, step_s=0.0)
         lines = []
         with pytest.raises(Written):
             train_heads(
                 checkpoint_dir("qwen3_moe"), None, config, progress=lines.append,
-                engine_config=data, time_budget_s=100.0, confirm=lambda plan: shown.append(plan) or True,
+                engine_config=EngineConfig(data_dir=tmp_path / data), time_budget_s=100.0,
+                confirm=lambda plan: shown.append(plan) or True, **given,
             )  # fmt: skip
-        assert lines[0].startswith("plan: ") and "budget of 100 s" in lines[0]
-    assert [c.tokens for c in asked] == [p.tokens for p in shown]
+        return lines
+
+    lines = run(0.1, "a")
+    assert lines[0].startswith("plan: ") and "budget of 100 s" in lines[0]
+    assert asked[-1].tokens == shown[-1].tokens
+    # Twice as fast, in another folder: twice the text in the same budget.
+    run(0.05, "b")
     assert shown[1].tokens == pytest.approx(2 * shown[0].tokens, abs=WINDOW)
+    assert asked[-1].tokens == shown[-1].tokens
+    # The first folder's rerun keeps its first plan's length (its text resumes), whatever the
+    # rates measure this time.
+    lines = run(0.05, "a")
+    assert asked[-1].tokens == shown[0].tokens and "as the first run" in lines[0]
     # --self-text-tokens overrides the budget's choice.
-    with pytest.raises(Written):
-        train_heads(
-            checkpoint_dir("qwen3_moe"), None, config, progress=lines.append, engine_config=data,
-            self_text=SelfTextConfig(tokens=704), time_budget_s=100.0,
-        )  # fmt: skip
+    run(0.1, "a", self_text=SelfTextConfig(tokens=704))
     assert asked[-1].tokens == 704
 
 

@@ -14,9 +14,11 @@ passes), so the plan errs long; it also aims a little below the budget (`AIM`).
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -24,6 +26,7 @@ import mlx.optimizers as optim
 import numpy as np
 
 from ..config import GenerationConfig
+from ..errors import Edge0Error
 from ..routing.prerouter import head_forward
 from .run import Log, duration_text
 
@@ -32,6 +35,8 @@ from .run import Log, duration_text
 AIM = 0.9
 # Tokens of the probe reply that time the writing (its prompt's prefill is timed apart).
 PROBE_REPLY_TOKENS = 12
+# Where a work folder keeps the text lengths its plans chose (`KeptPlans`).
+PLAN_FILE = "heads-plan.json"
 # The least text a plan gives phase 1, in windows: fewer leave no held-out part worth a recall.
 MIN_TEXT_WINDOWS = 10
 
@@ -111,12 +116,18 @@ def plan_heads(
     window: int,
     fixed_tokens: int | None = None,
     fixed_by: str = "",
+    kept_tokens: int | None = None,
 ) -> HeadsPlan:
-    """The plan: `fixed_tokens` where the user set the text's length (`fixed_by` says how),
-    else as many whole windows as the budget leaves after training, at most `most_tokens`
-    (--max-tokens, or the text's length), at least `MIN_TEXT_WINDOWS`."""
+    """The plan: `fixed_tokens` where the user set the text's length (`fixed_by` says how), or
+    `kept_tokens` where a run of the same terms planned before (`KeptPlans`); else as many whole
+    windows as the budget leaves after training, at most `most_tokens` (--max-tokens, or the
+    text's length), at least `MIN_TEXT_WINDOWS`."""
     if fixed_tokens is not None:
         return HeadsPlan(fixed_tokens, steps, rates, budget_s, fixed_by)
+    if kept_tokens is not None:
+        return HeadsPlan(
+            kept_tokens, steps, rates, budget_s, "as the first run of these terms planned"
+        )
     if budget_s is None:
         return HeadsPlan(most_tokens, steps, rates, None, "all of --max-tokens")
     per_token = (rates.write_s or 0.0) + rates.collect_s
@@ -158,6 +169,41 @@ class PlanTerms:
             if answer is False:
                 raise PlanDeclined("stopped at the plan; nothing was written")
             self.budget_s = float(answer)
+
+
+class KeptPlans:
+    """The text lengths earlier plans chose, by their terms, in a work folder's `PLAN_FILE`. A
+    rerun of the same command keeps its first plan's length: its rates, measured again, differ a
+    little, and another length is another text and other traces, which would start over instead
+    of resuming."""
+
+    def __init__(self, work: Path) -> None:
+        self.path = work / PLAN_FILE
+
+    def tokens(self, terms: dict) -> int | None:
+        tokens = self._read().get(_terms_key(terms))
+        return tokens if type(tokens) is int and tokens > 0 else None
+
+    def keep(self, terms: dict, tokens: int) -> None:
+        kept = {**self._read(), _terms_key(terms): tokens}
+        temporary = self.path.with_suffix(".tmp")
+        try:
+            temporary.write_text(json.dumps(kept, indent=1) + "\n")
+            temporary.replace(self.path)
+        except OSError as e:
+            raise Edge0Error(f"{self.path}: cannot keep the plan ({e.strerror or e})") from None
+
+    def _read(self) -> dict:
+        """The kept lengths; none where the file is missing or not ours (it is only a memo)."""
+        try:
+            kept = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return {}
+        return kept if isinstance(kept, dict) else {}
+
+
+def _terms_key(terms: dict) -> str:
+    return json.dumps(terms, sort_keys=True)
 
 
 # -- measuring ----------------------------------------------------------------------------------------

@@ -60,6 +60,8 @@ from ..runtime.loader import LoadedModel, load
 from ..runtime.metrics import peak_memory_line
 from .budget import (
     Confirm,
+    HeadsPlan,
+    KeptPlans,
     PlanTerms,
     Rates,
     collection_rate,
@@ -324,9 +326,7 @@ def train_heads(
             route_by_own_routers(loaded)  # (as the collection runs it)
             rates = _rates(None, loaded.model, loaded.store, tokens, config, loaded, len(owners))
             whole = len(tokens) // config.window * config.window
-            plan = agree.agree(
-                lambda budget: plan_heads(rates, config.steps, budget, whole, config.window)
-            )
+            plan = agreed_plan(agree, make_folder(work), rates, config, whole, "the given text")
             windows = token_windows(tokens[: plan.tokens], config.window)
             check_windows(windows, config.window)
             held = max(1, int(round(len(windows) * config.holdout)))
@@ -491,21 +491,52 @@ def write_own_text(
         rates = _rates(
             engine, engine.model, engine.store, prompt, config, engine.loaded, len(setup.owners)
         )
-        plan = agree.agree(
-            lambda budget: plan_heads(
-                rates,
-                config.steps,
-                budget,
-                config.max_tokens,
-                config.window,
-                fixed,
-                "--self-text-tokens",
-            )
-        )
+        work = make_folder(make_folder(setup.folder) / "work")
+        most = config.max_tokens
+        plan = agreed_plan(agree, work, rates, config, most, "its own text", fixed)
         self_text = self_text or SelfTextConfig(tokens=plan.tokens)
         held_out_tokens = held_out_share(self_text.tokens, config)
-        work = make_folder(setup.folder) / "work"
         return write_self_text(engine, work, self_text, held_out_tokens, progress, bar)
+
+
+def agreed_plan(
+    agree: PlanTerms,
+    work: Path,
+    rates: Rates,
+    config: TrainHeadsConfig,
+    most_tokens: int,
+    text: str,
+    fixed_tokens: int | None = None,
+) -> HeadsPlan:
+    """The plan agreed for `rates` (`budget.py`), its text's length kept in `work` for a rerun
+    of the same terms (`KeptPlans`: a rerun resumes the text and traces it started)."""
+    kept = KeptPlans(work)
+
+    def terms(budget: float | None) -> dict:
+        return {
+            "budget_s": budget,
+            "most_tokens": most_tokens,
+            "steps": config.steps,
+            "window": config.window,
+            "text": text,
+        }
+
+    def plan(budget: float | None) -> HeadsPlan:
+        return plan_heads(
+            rates,
+            config.steps,
+            budget,
+            most_tokens,
+            config.window,
+            fixed_tokens,
+            "--self-text-tokens",
+            kept.tokens(terms(budget)),
+        )
+
+    agreed = agree.agree(plan)
+    if fixed_tokens is None:
+        kept.keep(terms(agreed.budget_s), agreed.tokens)
+    return agreed
 
 
 def held_out_share(tokens: int, config: TrainHeadsConfig) -> int:
