@@ -90,12 +90,10 @@ class HeadsPlan:
 
     def lines(self) -> list[str]:
         """The plan as printed before the work."""
-        budget = (
-            f"a budget of {duration_text(self.budget_s)}" if self.budget_s is not None else "no"
-        )
+        budget = f" for a budget of {duration_text(self.budget_s)}" if self.budget_s else ""
         head = (
             f"plan: {self.tokens:,} tokens of text ({self.chosen_by}), about "
-            f"{duration_text(self.total_s)} in all for {budget}"
+            f"{duration_text(self.total_s)} in all{budget}"
         )
         rows = [
             f"  {name:<8} {what:<36} about {duration_text(s)}" for name, what, s in self.phases()
