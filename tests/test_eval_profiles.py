@@ -45,7 +45,10 @@ def test_every_profile_is_measured_against_the_native_model_and_kept(
         2: {"heads only": heads["vs_native"], "heads + LoRA": lora["vs_native"]}
     }
     assert main(args) == 0
-    printed = capsys.readouterr().out
+    out, err = capsys.readouterr()
+    printed = out
+    # Each row's perplexity says how far it is and what is left (issue 48 item 3).
+    assert err.count("perplexity, its first layer: ") == 3 and "left take about" in err
     assert "| 2 | heads + LoRA |" in printed and "kept in" in printed
     assert "| expert reads |" in printed
 

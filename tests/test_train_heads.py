@@ -66,6 +66,7 @@ def test_cli_train_heads(checkpoint_dir, tmp_path, capsys, monkeypatch):
     assert main(args + ["--max-tokens", "4000", "--adapters", str(adapters), "--window", "64"]) == 0
     printed = capsys.readouterr().out
     assert "held-out recall@2" in printed
+    assert "collection: " in printed and "plan: " in printed  # before the work, its progress
     assert re.search(r"peak memory: MLX [\d.]+ \w+, process RSS [\d.]+ \w+", printed), printed
     (state,) = adapters.glob("work/**/checkpoint.json")
     peaks = json.loads(state.read_text())["peak_memory"]  # the saving process's, its kernel's mark

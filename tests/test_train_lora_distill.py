@@ -724,6 +724,9 @@ def test_a_run_keeps_the_checkpoint_with_the_lowest_heldout_loss(tmp_path):
     best = min(weights, key=lambda s: abs(weights[s] - 0.3))
     assert 1 < best < 4 and weight(first) == weights[best], weights
     assert any(f"keeping step {best}'s weights" in line for line in lines), lines
+    # Every step line but the last says what the steps left will take.
+    steps = [line for line in lines if line.startswith("step ")]
+    assert ["left)" in line for line in steps] == [True, True, True, False], steps
     # Resumed for 4 more steps (from the checkpoint of step 4, not the weights taken back):
     # the best is still step `best`'s.
     resumed, more = Trainee(), []

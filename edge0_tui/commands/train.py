@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from edge0_tui.commands import options
@@ -14,6 +16,27 @@ from edge0_tui.model_source import is_bundled_demo
 from engine import Edge0Error, EngineConfig
 
 NAME = "train"
+# `train heads --time`: an evening's training.
+DEFAULT_TIME_TEXT = "2h"
+_UNITS = {"h": 3600, "m": 60, "s": 1}
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)([hms])")
+
+
+def duration(text: str) -> float:
+    """A time budget such as `2h`, `90m`, `1h30m` or `45s`, in seconds."""
+    spoken = text.strip().lower()
+    parts = _DURATION.findall(spoken)
+    if not parts or "".join(n + u for n, u in parts) != spoken:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a duration: write it as 2h, 90m, 1h30m or 45s"
+        )
+    seconds = sum(float(n) * _UNITS[u] for n, u in parts)
+    if seconds <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: the time budget must be above zero")
+    return seconds
+
+
+DEFAULT_TIME = duration(DEFAULT_TIME_TEXT)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -46,10 +69,26 @@ def _add_heads(phases: argparse._SubParsersAction) -> None:
         type=options.count(1),
         default=None,
         metavar="N",
-        help="without --text: how many tokens of text the model writes itself (default: "
-        "--max-tokens, all that phase 1 reads); written once at T=0.8 with a fixed seed into "
+        help="without --text: how many tokens of text the model writes itself (default: what "
+        "--time holds, at most --max-tokens); written once at T=0.8 with a fixed seed into "
         "ADAPTERS/work, kept reply by reply, a rerun goes on where it stopped; on the demo, "
         "its own text instead of its corpus",
+    )
+    heads.add_argument(
+        "--time",
+        type=duration,
+        default=DEFAULT_TIME,
+        metavar="DURATION",
+        help=f"the time budget, e.g. 45m, 2h, 1h30m (default {DEFAULT_TIME_TEXT}, an evening): "
+        "one short pass of each phase is timed first, and the text is as long as the budget "
+        "holds after the training steps (at most --max-tokens); the plan (phases, tokens, "
+        "time each) is printed before any work, to accept or change",
+    )
+    heads.add_argument(
+        "--yes",
+        action="store_true",
+        help="accept the plan without asking (on a terminal it asks; elsewhere it goes ahead "
+        "and prints the plan)",
     )
     heads.add_argument(
         "--out",
@@ -95,7 +134,7 @@ def _add_heads(phases: argparse._SubParsersAction) -> None:
         "--max-tokens",
         type=options.count(1),
         default=60_000,
-        help="tokens of text the heads learn from (default: 60000)",
+        help="the most tokens of text the heads learn from, whatever --time holds (default: 60000)",
     )
     add_force(heads)
 
@@ -292,19 +331,57 @@ def run_heads(args: argparse.Namespace) -> int:
     engine_config = EngineConfig(
         **options.expert_cache_config(args.expert_cache), data_dir=options.data_dir()
     )
-    train_heads(
-        args.model,
-        text,
-        config,
-        out=args.out,
-        progress=lambda line: print(line, flush=True),
-        engine_config=engine_config,
-        adapters_dir=args.adapters,
-        bar=sys.stderr.isatty(),
-        text_name=text_name,
-        self_text=self_text,
-    )
+    from engine.train.budget import PlanDeclined
+
+    try:
+        train_heads(
+            args.model,
+            text,
+            config,
+            out=args.out,
+            progress=lambda line: print(line, flush=True),
+            engine_config=engine_config,
+            adapters_dir=args.adapters,
+            bar=sys.stderr.isatty(),
+            text_name=text_name,
+            self_text=self_text,
+            time_budget_s=args.time,
+            confirm=plan_confirmation(args.yes, sys.stdin.isatty() and sys.stdout.isatty()),
+        )
+    except PlanDeclined as e:
+        print(f"{e}: change it with --time, --self-text-tokens, --max-tokens or --steps")
     return 0
+
+
+def plan_confirmation(
+    yes: bool, terminal: bool, ask: Callable[[str], str] = input
+) -> Callable[[object], bool | float]:
+    """How `train heads` takes its plan: with --yes, as printed; on a terminal, by asking (Enter
+    or y: start; n: stop; a duration: plan again for it); elsewhere as printed, saying so, since
+    a script must never wait on a question nobody sees."""
+
+    def confirm(plan) -> bool | float:
+        if yes:
+            return True
+        if not terminal:
+            print("not a terminal: going ahead with the plan (--yes says so without this line)")
+            return True
+        while True:
+            try:
+                answer = ask("start? [Enter/y: yes, n: stop, or another budget, e.g. 1h] ")
+            except EOFError:
+                return False
+            answer = answer.strip().lower()
+            if answer in ("", "y", "yes"):
+                return True
+            if answer in ("n", "no"):
+                return False
+            try:
+                return duration(answer)
+            except argparse.ArgumentTypeError as e:
+                print(e)
+
+    return confirm
 
 
 def run_corpus(args: argparse.Namespace) -> int:

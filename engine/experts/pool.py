@@ -20,16 +20,18 @@ set (`require_slots`).
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
 
+from ..checkpoint.index import CheckpointIndex
 from ..host_reads import HostReads
 from .eviction import ExpertKey, make_policy
 from .freed_memory import release_freed_memory
+from .reads import MLX_DTYPES
 from .slot_bank import SlotBank, SlotPart
 
 Layout = tuple[SlotPart, ...]
@@ -306,6 +308,41 @@ class ExpertPool:
         self.resident_bytes += nbytes
         self.policy.touch(key, self.step)
 
+    def seed(self, layer: int, experts: Sequence[int], write: Callable[[int, dict], None]) -> int:
+        """Admit `experts` of `layer` (most wanted first) whose bytes are at hand without a read
+        (a prefill's whole-layer buffer): `write(expert, views)` copies one into its slot. At most
+        the layer's share of the cache (its room over the layers sharing its bank), so that a
+        prompt's last layer does not push out its first; never evicting an expert in use, pinned
+        or held, and none of those seeded here. Resident ones are only counted as used. Returns
+        how many were copied."""
+        share = max(1, self.room(layer) // len(self._bank_layers[layer]))
+        wanted = [(layer, e) for e in experts[:share]]
+        protected = set(wanted)
+        nbytes, copied = self.expert_nbytes[layer], 0
+        for key in wanted:
+            if key in self._slots:
+                self.policy.touch(key, self.step)
+                continue
+            self._make_room(nbytes, protected)
+            if self.resident_bytes + self.reserved_bytes + nbytes > self.budget_bytes:
+                break
+            slot = self._free_slot(layer, protected)
+            if slot is None:
+                break
+            write(key[1], self.views(layer, slot))
+            self.admit(key, slot, protected)
+            copied += 1
+        return copied
+
+    def _free_slot(self, layer: int, protected: Collection[ExpertKey]) -> int | None:
+        """A slot of `layer`'s bank, evicting by the policy if none is free (None: every slot is
+        held by an expert that may not go)."""
+        bank, layers = self.bank(layer), self._bank_layers[layer]
+        slot = bank.take()
+        while slot is None and self._evict_one(layers, protected):
+            slot = bank.take()
+        return slot
+
     def give_back(self, layer: int, slot: int, writing: Future | None = None) -> None:
         """A slot taken for a read that was not admitted (it failed, or was cancelled); with
         `writing`, the read that may still be writing into it."""
@@ -329,14 +366,13 @@ class ExpertPool:
         if self.resident_bytes + self.reserved_bytes + nbytes > self.budget_bytes:
             return False
         self.reserved_bytes += nbytes
-        bank, layers = self.bank(key[0]), self._bank_layers[key[0]]
-        slot = bank.take()
-        while slot is None and self._evict_one(layers, ()):
-            slot = bank.take()
+        slot = self._free_slot(key[0], ())
         if slot is None:
             self._release(nbytes)
             return False
-        self._reads_ahead[key] = ReadAhead(step, submit(into=bank.views(slot)), slot, source)
+        self._reads_ahead[key] = ReadAhead(
+            step, submit(into=self.views(key[0], slot)), slot, source
+        )
         return True
 
     def drop_unused_reads_ahead(self, layer: int, used: Collection[ExpertKey]) -> int:
@@ -461,3 +497,18 @@ class _Excluded:
             or key[0] in self.kept_layers
             or (self.layers is not None and key[0] not in self.layers)
         )
+
+
+def expert_layout(
+    index: CheckpointIndex, layer: int, float_dtype: mx.Dtype | None
+) -> tuple[SlotPart, ...]:
+    """One expert of `layer` as it is resident: each tensor's shape, floating ones in the compute
+    dtype."""
+    parts = []
+    for tensor in index.layers[layer].tensors:
+        dtype = MLX_DTYPES[tensor.entry.dtype]
+        if float_dtype is not None and tensor.entry.dtype in ("BF16", "F16", "F32"):
+            dtype = float_dtype
+        key = f"{tensor.projection}.{tensor.part}"
+        parts.append(SlotPart(key, tuple(tensor.expert_shape), dtype, tensor.entry.dtype))
+    return tuple(parts)

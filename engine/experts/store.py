@@ -37,11 +37,12 @@ from .freed_memory import release_freed_memory
 from .heat import ExpertEvent, ExpertHeat, HeatPicture
 from .ledger import ReadsAheadLedger
 from .page_cache_budget import CAN_EVICT_RANGES, PageCacheBudget
-from .pool import ExpertPool
+from .pool import ExpertPool, expert_layout
+from .prefill_seed import seed_from_whole_layer
 from .read_pacing import ReadPacer
 from .reader_core import pin_threads, reader_cores, unpin_all_threads
-from .reads import MLX_DTYPES, ExpertReader, ReadResult, to_mlx
-from .slot_bank import SlotBank, SlotPart
+from .reads import ExpertReader, ReadResult, to_mlx
+from .slot_bank import SlotBank
 
 
 class NextLayerGuesses(Protocol):
@@ -460,7 +461,10 @@ class ExpertStore:
             self.routing_known(layer, distinct)
         if tokens > 1 and self.wants_whole_layer(layer, len(distinct)):
             # The layer's stacked tensors are indexed by expert id: the routing is its own slots.
-            return LayerSlots(self.whole_layer(layer), device=indices, host=routed), routed
+            whole = self.whole_layer(layer)
+            if not self._in_pass:  # a prompt, whose last token comes next through the pool
+                seed_from_whole_layer(self.pool, layer, routed, whole)
+            return LayerSlots(whole, device=indices, host=routed), routed
         if len(distinct) > self.pool.room(layer):
             return LayerSlots(groups=self.bankfuls(layer, distinct)), routed
         slot_of = np.zeros(self.index.layers[layer].num_experts, dtype=np.uint32)
@@ -660,21 +664,6 @@ class ExpertStore:
         self.use_reader_core(False)
         self.set_page_cache_budget(None)
         self.pool.close()
-
-
-def expert_layout(
-    index: CheckpointIndex, layer: int, float_dtype: mx.Dtype | None
-) -> tuple[SlotPart, ...]:
-    """One expert of `layer` as it is resident: each tensor's shape, floating ones in the compute
-    dtype."""
-    parts = []
-    for tensor in index.layers[layer].tensors:
-        dtype = MLX_DTYPES[tensor.entry.dtype]
-        if float_dtype is not None and tensor.entry.dtype in ("BF16", "F16", "F32"):
-            dtype = float_dtype
-        key = f"{tensor.projection}.{tensor.part}"
-        parts.append(SlotPart(key, tuple(tensor.expert_shape), dtype, tensor.entry.dtype))
-    return tuple(parts)
 
 
 def _distinct(routed: np.ndarray) -> list[int]:

@@ -51,7 +51,7 @@ def evaluate_profiles(
         native = engine.loaded.top_k
         windows = _windows(engine, text, config)
         log(f"the 4-bit model at its native K={native}: {len(windows)} windows")
-        reference = engine_nll(engine, windows)
+        reference = engine_nll(engine, windows, log)
         expert_bytes = _expert_bytes(engine.loaded)
         profiles = {
             k: files
@@ -70,9 +70,11 @@ def evaluate_profiles(
         student = load_student(model_dir, k, True, files.lora, engine_config)
         try:
             with lora_as(student, "off"):
-                rows.append(_student_row(student, windows, config, k, "heads only", reference))
+                rows.append(_student_row(student, windows, config, k, "heads only", reference, log))
             if files.lora is not None:
-                rows.append(_student_row(student, windows, config, k, "heads + LoRA", reference))
+                rows.append(
+                    _student_row(student, windows, config, k, "heads + LoRA", reference, log)
+                )
         finally:
             student.close()  # before the next profile's student is planned and loaded
         del student
@@ -104,10 +106,16 @@ def _expert_bytes(loaded) -> int:
 
 
 def _student_row(
-    student, windows: mx.array, config: EvalConfig, k: int, variant: str, reference: PassTotals
+    student,
+    windows: mx.array,
+    config: EvalConfig,
+    k: int,
+    variant: str,
+    reference: PassTotals,
+    log: Log | None = None,
 ) -> dict:
     """A profile's row: perplexity routed as decode routes, recall@K per consumer layer."""
-    totals = student_nll(student, windows, config.batch, k)
+    totals = student_nll(student, windows, config.batch, k, log)
     recall = {layer: h / c for layer, (h, c) in sorted(totals.hits.items())}
     return _row(k, variant, totals, reference, _expert_bytes(student.loaded), recall)
 

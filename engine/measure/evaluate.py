@@ -38,10 +38,15 @@ from ..adapters.lora import LoRALinear
 from ..config import EngineConfig
 from ..errors import Edge0Error
 from ..runtime.generation import Engine
-from ..runtime.layer_major import layer_major, pass_budget, windows_per_pass
+from ..runtime.layer_major import (
+    decoder_layer_list,
+    layer_major,
+    pass_budget,
+    windows_per_pass,
+)
 from ..runtime.metrics import peak_memory_line, process_lifetime_peaks
 from ..train.data import corpus_tokens, draw_prompts, sample_served
-from ..train.run import Log
+from ..train.run import Log, ProgressLines
 from ..train.student import Student, load_student, lora_kind
 
 PAPER_RETENTION = {"attention": 0.34, "dense": 0.02, "logits": 0.18}
@@ -264,27 +269,56 @@ class PassTotals:
             self.expert_bytes_read += store.counters.bytes_read
 
 
-def engine_nll(engine: Engine, windows: mx.array) -> PassTotals:
+def engine_nll(engine: Engine, windows: mx.array, log: Log | None = None) -> PassTotals:
     """Summed NLL of `windows` through the engine's model (its own router), one window a
     forward, in layer-major passes (`runtime/layer_major.py`): each MoE layer's experts are
-    read about once a pass."""
+    read about once a pass. `log` gets progress lines with what is left."""
     totals = PassTotals()
-    for part in passes(windows, engine.loaded):
+    parts = passes(windows, engine.loaded)
+    progress = PassProgress(log, len(parts), len(decoder_layer_list(engine.model)))
+    for part in parts:
         batches, sums = [w[None] for w in part], []
-        layer_major(engine.model, batches, engine.model, _summing_nll(batches, sums), engine.store)
+        layer_major(
+            engine.model,
+            batches,
+            engine.model,
+            _summing_nll(batches, sums),
+            engine.store,
+            after_layer=progress.layer_done,
+        )
         totals.add(sums, engine.store)
     return totals
 
 
-def student_nll(student: Student, windows: mx.array, batch: int, k: int) -> PassTotals:
+class PassProgress:
+    """Perplexity's progress on the log (`run.ProgressLines`), counted in decoder layers run
+    over a pass: a pass may hold every window, and its layers are what takes the time."""
+
+    def __init__(self, log: Log | None, passes: int, layers: int) -> None:
+        total, first = passes * layers, "perplexity, its first layer"
+        self.lines = ProgressLines(log, "perplexity", "layers", total, first=first) if log else None
+        self.done = 0
+
+    def layer_done(self, index: int = 0) -> None:
+        self.done += 1
+        if self.lines is not None:
+            self.lines.advance(self.done)
+
+
+def student_nll(
+    student: Student, windows: mx.array, batch: int, k: int, log: Log | None = None
+) -> PassTotals:
     """Summed NLL of `windows` through the student path (routing as decode routes), `batch`
-    windows a forward, in layer-major passes; and recall@K hits per consumer layer."""
+    windows a forward, in layer-major passes; and recall@K hits per consumer layer. `log` gets
+    progress lines with what is left."""
     totals = PassTotals()
-    for part in passes(windows, student.loaded):
+    parts = passes(windows, student.loaded)
+    progress = PassProgress(log, len(parts), len(decoder_layer_list(student.model)))
+    for part in parts:
         batches = [part[start : start + batch] for start in range(0, len(part), batch)]
         records: list[dict] = [{} for _ in batches]
         sums: list[tuple[float, int]] = []
-        student.layer_major(batches, records, _summing_nll(batches, sums))
+        student.layer_major(batches, records, _summing_nll(batches, sums), progress.layer_done)
         totals.add(sums, student.loaded.store)
         for record in records:
             for layer, (h, c) in recall_counts(record, k).items():
@@ -376,10 +410,10 @@ def _evaluate(
     log(f"perplexity over {count} windows of {config.window} tokens")
     totals = PassTotals()
     if student is not None and (mode == "prerouter" or student.heads is not None):
-        totals = student_nll(student, windows, config.batch, k)
+        totals = student_nll(student, windows, config.batch, k, log)
     hits = totals.hits
     if mode != "prerouter":
-        totals = engine_nll(engine, windows)
+        totals = engine_nll(engine, windows, log)
     report["perplexity"] = {
         "value": totals.perplexity,
         "tokens": totals.tokens,

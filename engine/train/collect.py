@@ -50,6 +50,7 @@ from ..errors import Edge0Error
 from ..routing.moe_block import ops_for
 from ..runtime.layer_major import layer_major, pass_budget, windows_per_pass
 from ..runtime.loader import LoadedModel
+from .run import Log, ProgressLines
 
 FORMAT_VERSION = 1
 X_DTYPE, LOGITS_DTYPE = np.float16, np.float32
@@ -255,11 +256,13 @@ def collect_traces(
     folder: Path,
     progress=None,
     on_window: WindowCallback | None = None,
+    log: Log | None = None,
 ) -> TraceFiles:
     """Run `loaded` (on-demand mode; resident works too, for comparison) over `windows` [W, T],
     writing every MoE layer's input and router logits to `folder`, window by window. Continues a
-    collection the folder already holds. `progress` is a rich Progress (or None); `on_window(i,
-    captured)` sees each window's in-memory arrays after they are written."""
+    collection the folder already holds. `progress` is a rich Progress (or None), `log` gets its
+    progress lines with what is left (`run.ProgressLines`); `on_window(i, captured)` sees each
+    window's in-memory arrays after they are written."""
     layers = tuple(sorted(site.layer for site in loaded.sites))
     shape = TraceShape(
         trace_key(base_fingerprint(loaded.index), windows),
@@ -277,9 +280,7 @@ def collect_traces(
         )
     if traces.complete:
         return traces
-    if loaded.routing is not None:  # streaming: the true routers at the native K, no heads
-        loaded.routing.k = loaded.top_k
-        loaded.routing.set_heads(None)
+    route_by_own_routers(loaded)
     ops = ops_for(loaded.family.name)
     sinks = {layer: [] for layer in layers}
     blocks = {}
@@ -288,6 +289,7 @@ def collect_traces(
         wrapped = _Capture(blocks[site.layer], ops, sinks[site.layer])
         setattr(site.decoder_layer, site.block_attribute, wrapped)
     started, tokens_done = time.perf_counter(), 0
+    lines = ProgressLines(log, "collection", "windows", shape.windows, traces.windows_done)
     # Half the pass budget: a layer's records of the pass are about its hidden states again.
     per_pass = windows_per_pass(shape.window, shape.hidden, pass_budget(loaded.memory_plan) // 2)
     try:
@@ -302,10 +304,19 @@ def collect_traces(
                     progress.update(task, advance=1, status=f"{rate:.0f} tok/s")
                 if on_window is not None:
                     on_window(index, traces.window(index))
+            if log is not None:
+                lines.advance(first + len(part))
     finally:
         for site in loaded.sites:  # put the blocks back
             setattr(site.decoder_layer, site.block_attribute, blocks[site.layer])
     return traces
+
+
+def route_by_own_routers(loaded: LoadedModel) -> None:
+    """Streaming: the true routers at the native K, no heads (what the traces record)."""
+    if loaded.routing is not None:
+        loaded.routing.k = loaded.top_k
+        loaded.routing.set_heads(None)
 
 
 def _run_pass(

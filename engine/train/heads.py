@@ -31,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,10 +58,31 @@ from ..routing.prerouter import (
 from ..runtime.generation import Engine
 from ..runtime.loader import LoadedModel, load
 from ..runtime.metrics import peak_memory_line
-from .collect import TraceFiles, check_windows, collect_traces, describe, token_windows, trace_key
+from .budget import (
+    Confirm,
+    HeadsPlan,
+    KeptPlans,
+    PlanTerms,
+    Rates,
+    collection_rate,
+    measure_rates,
+    plan_heads,
+    training_step_rate,
+    writing_rate,
+)
+from .collect import (
+    TraceFiles,
+    check_windows,
+    collect_traces,
+    describe,
+    route_by_own_routers,
+    token_windows,
+    trace_key,
+)
 from .data import corpus_tokens
 from .run import Log, TrainingRun, training_progress
-from .self_text import SelfText, SelfTextConfig, write_self_text
+from .self_prompts import PROMPTS
+from .self_text import SelfText, SelfTextConfig, render_prompt, write_self_text
 
 # Held-out windows evaluated per forward of the heads.
 EVAL_WINDOWS = 8
@@ -253,11 +274,16 @@ def train_heads(
     on_window: Callable | None = None,
     text_name: str | None = None,
     self_text: SelfTextConfig | None = None,
+    time_budget_s: float | None = None,
+    confirm: Confirm | None = None,
 ) -> tuple[Path, dict[int, float]]:
     """Train heads for K=config.k on `text`; save them; return (path, held-out recall@K per owner).
 
-    `text` None: the text the model writes itself (`self_text.py`, `self_text` sets how much, by
-    default `config.max_tokens`), held out by prompt; otherwise its first windows are held out.
+    `text` None: the text the model writes itself (`self_text.py`), held out by prompt; otherwise
+    its first windows are held out. How much text: `self_text.tokens` where given, else what
+    `time_budget_s` holds (`budget.py`: each phase timed first; None: all of `config.max_tokens`).
+    The plan is logged before any work and `confirm(plan)` may accept it, stop, or ask for
+    another budget (None: accepted). Every refusal comes before the plan.
     `engine_config` sets the expert cache and the data folder (the model always runs on-demand);
     `adapters_dir` replaces the automatic adapter folder; `on_window(i, captured)` sees each
     collected window (tests); `text_name` says what `text` is in the report."""
@@ -274,35 +300,34 @@ def train_heads(
         check_output_file(out, "the heads")
     if adapters_dir:
         check_output_folder(adapters_dir, "the heads and their traces")
+    agree = PlanTerms(time_budget_s, confirm, progress)
     started = time.perf_counter()
     written = None
     if text is None:
-        self_text = self_text or SelfTextConfig(tokens=config.max_tokens)
         written = write_own_text(
-            model_dir, engine_config, config, self_text, adapters_dir, progress, bar
+            model_dir, engine_config, config, self_text, adapters_dir, progress, bar, agree, out
         )
         started = time.perf_counter()  # the collection's time, without the writing's
     loaded = load(model_dir, engine_config)
     try:
-        fingerprint = base_fingerprint(loaded.index)
-        if not 1 <= config.k <= loaded.num_experts:
-            raise Edge0Error(f"K={config.k} must be between 1 and {loaded.num_experts}")
-        loaded.store.set_top_k(loaded.top_k)
-        folder = adapter_folder(adapters_dir, fingerprint, engine_config)
+        # Said once: by the writing engine already, when the model writes its text.
+        setup = checked_setup(
+            loaded, model_dir, engine_config, config, adapters_dir, out, progress, written is None
+        )
+        fingerprint, folder, out, owners = setup.fingerprint, setup.folder, setup.out, setup.owners
         work = make_folder(folder) / "work"
-        check_output_folder(work, "the traces")
-        out = Path(out) if out is not None else folder / f"prerouter_k{config.k}.safetensors"
-        # Before the work, not after it: heads another folder's file shadows are not served.
-        if note := shadow_note(model_dir, fingerprint, engine_config, config.k, out):
-            progress(note)
 
         # -- 1. collect -----------------------------------------------------------------------------
         if written is not None:
             windows, held, text_name, held_name = self_text_windows(written, config.window)
         else:
-            windows = token_windows(
-                corpus_tokens(loaded.tokenizer, text, config.max_tokens), config.window
-            )
+            tokens = corpus_tokens(loaded.tokenizer, text, config.max_tokens)
+            check_windows(token_windows(tokens, config.window), config.window)
+            route_by_own_routers(loaded)  # (as the collection runs it)
+            rates = _rates(None, loaded.model, loaded.store, tokens, config, loaded, len(owners))
+            whole = len(tokens) // config.window * config.window
+            plan = agreed_plan(agree, make_folder(work), rates, config, whole, "the given text")
+            windows = token_windows(tokens[: plan.tokens], config.window)
             check_windows(windows, config.window)
             held = max(1, int(round(len(windows) * config.holdout)))
             if held >= len(windows):
@@ -310,15 +335,10 @@ def train_heads(
             held_name = f"its first {held * config.window:,} tokens ({held} windows)"
         progress(f"training text: {text_name or 'the given text'}")
         key = trace_key(fingerprint, windows)
-        moe_layers = sorted(site.layer for site in loaded.sites)
-        start = config.start_layer
-        if start is None:  # the first MoE layer routes by its router: it has no owner before it
-            start = moe_layers[1] if len(moe_layers) > 1 else moe_layers[0]
-        owners = [n for n in moe_layers if (next_moe_layer(n, moe_layers) or -1) >= start]
-        if not owners:
-            raise Edge0Error(f"no owner layers: start layer {start} leaves no MoE layer to predict")
         with training_progress(bar) as bars:
-            traces = collect_traces(loaded, windows, work / f"traces-{key}", bars, on_window)
+            traces = collect_traces(
+                loaded, windows, work / f"traces-{key}", bars, on_window, log=progress
+            )
         progress(
             f"collected {describe(traces.shape)} in {time.perf_counter() - started:.1f} s "
             f"(expert cache {format_bytes(loaded.memory_plan.expert_cache_bytes)}); "
@@ -364,44 +384,172 @@ def train_heads(
             f"the heads found before for K={config.k} ({baseline.path}): mean recall@{config.k} "
             f"{np.mean(list(found.values())):.3f} on the same held-out text"
         )
-    save_prerouter(make_folder(out.parent) / out.name, heads, start, fingerprint)
+    save_prerouter(make_folder(out.parent) / out.name, heads, setup.start, fingerprint)
     progress(f"wrote {out}")
     # What the run needed at most: the figures a RAM limit must leave room for.
     progress(peak_memory_line())
     return out, recalls
 
 
+@dataclass
+class Setup:
+    """What phase 1 settles about a model before any work: its fingerprint, the adapter folder,
+    the heads' file, the first layer routed by prediction and the heads' owner layers."""
+
+    fingerprint: str
+    folder: Path
+    out: Path
+    start: int
+    owners: list[int]
+
+
+def checked_setup(
+    loaded: LoadedModel,
+    model_dir: Path,
+    engine_config: EngineConfig,
+    config: TrainHeadsConfig,
+    adapters_dir: Path | None,
+    out: Path | None,
+    progress: Log,
+    note: bool = True,
+) -> Setup:
+    """Every refusal phase 1 can make of the model (K, the start layer), and (`note`) the note
+    that another folder's heads would shadow the new ones: said before any text is written or
+    collected, not after."""
+    fingerprint = base_fingerprint(loaded.index)
+    if not 1 <= config.k <= loaded.num_experts:
+        raise Edge0Error(f"K={config.k} must be between 1 and {loaded.num_experts}")
+    moe_layers = sorted(site.layer for site in loaded.sites)
+    start = config.start_layer
+    if start is None:  # the first MoE layer routes by its router: it has no owner before it
+        start = moe_layers[1] if len(moe_layers) > 1 else moe_layers[0]
+    owners = [n for n in moe_layers if (next_moe_layer(n, moe_layers) or -1) >= start]
+    if not owners:
+        raise Edge0Error(f"no owner layers: start layer {start} leaves no MoE layer to predict")
+    folder = adapter_folder(adapters_dir, fingerprint, engine_config)
+    check_output_folder(folder / "work", "the traces")
+    out = Path(out) if out is not None else folder / f"prerouter_k{config.k}.safetensors"
+    if note and (said := shadow_note(model_dir, fingerprint, engine_config, config.k, out)):
+        progress(said)
+    return Setup(fingerprint, folder, out, start, owners)
+
+
+def _rates(
+    engine: Engine | None,
+    model: nn.Module,
+    store,
+    tokens: Sequence[int],
+    config: TrainHeadsConfig,
+    loaded: LoadedModel,
+    heads: int,
+) -> Rates:
+    """The phases' rates here (`budget.py`): writing with `engine` (None: the text is given), a
+    window of `tokens` collected through `model`, a training step of `heads` heads."""
+    window = np.resize(np.asarray(tokens, dtype=np.int64), config.window)
+    return measure_rates(
+        None if engine is None else (lambda: writing_rate(engine, list(tokens))),
+        lambda: collection_rate(model, store, window),
+        lambda: training_step_rate(
+            heads, loaded.hidden, loaded.num_experts, config.inner, config.batch
+        ),
+    )
+
+
 def write_own_text(
     model_dir: Path,
     engine_config: EngineConfig,
     config: TrainHeadsConfig,
-    self_text: SelfTextConfig,
+    self_text: SelfTextConfig | None,
     adapters_dir: Path | None,
     progress: Log,
     bar: bool,
+    agree: PlanTerms | None = None,
+    out: Path | None = None,
 ) -> SelfText:
     """The text the model writes itself for phase 1 (`self_text.py`), kept in the adapter folder's
-    work/ beside the traces. Held out: a share `config.holdout` of it in whole windows, at least
-    one, from the held-out prompts; the rest, at least one window, from the others."""
-    window = config.window
-    held_out_tokens = window * max(1, round(config.holdout * self_text.tokens / window))
-    if self_text.tokens < held_out_tokens + window:
-        raise Edge0Error(
-            f"{self_text.tokens} tokens of the model's own text are too few: phase 1 needs at "
-            f"least {held_out_tokens + window} (a held-out window and a training window of {window})"
-        )
+    work/ beside the traces: `self_text.tokens` of it, else what the plan agreed (`agree`) holds.
+    Held out: a share `config.holdout` of it in whole windows, at least one, from the held-out
+    prompts; the rest, at least one window, from the others. Phase 1's refusals and notes come
+    first, once the model is loaded and before anything is written."""
+    agree = agree or PlanTerms(None, None, progress)
     # The engine that writes: on-demand at the native K, no heads, no LoRA (the model's own
     # text, exactly), each reply from a fresh cache (a resumed text is the uninterrupted one).
+    reply_tokens = (self_text or SelfTextConfig()).reply_tokens
     writing = dataclasses.replace(
         engine_config,
-        context_tokens=self_text.reply_tokens + 1024,  # a prompt, its template's text included
+        context_tokens=reply_tokens + 1024,  # a prompt, its template's text included
         prefill_chunk=EngineConfig.prefill_chunk,
         reuse_prompt_cache=False,
     )
     with Engine(model_dir, writing) as engine:
-        folder = adapter_folder(adapters_dir, engine.fingerprint, engine_config)
-        work = make_folder(folder) / "work"
+        setup = checked_setup(
+            engine.loaded, model_dir, engine_config, config, adapters_dir, out, progress
+        )
+        fixed = None if self_text is None else self_text.tokens
+        held_out_share(config.max_tokens if fixed is None else fixed, config)  # (refused first)
+        prompt = render_prompt(engine, PROMPTS[0])
+        rates = _rates(
+            engine, engine.model, engine.store, prompt, config, engine.loaded, len(setup.owners)
+        )
+        work = make_folder(make_folder(setup.folder) / "work")
+        most = config.max_tokens
+        plan = agreed_plan(agree, work, rates, config, most, "its own text", fixed)
+        self_text = self_text or SelfTextConfig(tokens=plan.tokens)
+        held_out_tokens = held_out_share(self_text.tokens, config)
         return write_self_text(engine, work, self_text, held_out_tokens, progress, bar)
+
+
+def agreed_plan(
+    agree: PlanTerms,
+    work: Path,
+    rates: Rates,
+    config: TrainHeadsConfig,
+    most_tokens: int,
+    text: str,
+    fixed_tokens: int | None = None,
+) -> HeadsPlan:
+    """The plan agreed for `rates` (`budget.py`), its text's length kept in `work` for a rerun
+    of the same terms (`KeptPlans`: a rerun resumes the text and traces it started)."""
+    kept = KeptPlans(work)
+
+    def terms(budget: float | None) -> dict:
+        return {
+            "budget_s": budget,
+            "most_tokens": most_tokens,
+            "steps": config.steps,
+            "window": config.window,
+            "text": text,
+        }
+
+    def plan(budget: float | None) -> HeadsPlan:
+        return plan_heads(
+            rates,
+            config.steps,
+            budget,
+            most_tokens,
+            config.window,
+            fixed_tokens,
+            "--self-text-tokens",
+            kept.tokens(terms(budget)),
+        )
+
+    agreed = agree.agree(plan)
+    if fixed_tokens is None:
+        kept.keep(terms(agreed.budget_s), agreed.tokens)
+    return agreed
+
+
+def held_out_share(tokens: int, config: TrainHeadsConfig) -> int:
+    """The held-out part of `tokens` of the model's own text: a share `config.holdout` in whole
+    windows, at least one; refused where it leaves no training window."""
+    window = config.window
+    held_out_tokens = window * max(1, round(config.holdout * tokens / window))
+    if tokens < held_out_tokens + window:
+        raise Edge0Error(
+            f"{tokens} tokens of the model's own text are too few: phase 1 needs at "
+            f"least {held_out_tokens + window} (a held-out window and a training window of {window})"
+        )
+    return held_out_tokens
 
 
 def self_text_windows(written: SelfText, window: int) -> tuple[np.ndarray, int, str, str]:

@@ -358,6 +358,8 @@ class TrainingRun:
         self.loss_and_grad = student.value_and_grad(loss_fn)
         self.optimizer = optim.AdamW(learning_rate=config.lr, weight_decay=config.weight_decay)
         self._timed = False
+        # (the step before this process's first, when that first began): the pace so far.
+        self._since = (0, time.perf_counter())
         self.state = self._resume()
         if self.state is None:
             self.state = {"config": asdict(config), "fingerprint": student.fingerprint, "step": 0}
@@ -388,6 +390,7 @@ class TrainingRun:
         entry = {"step": step, "loss": round(loss.item(), 6)}
         if not self._timed:  # the first step of this process: what the run will cost
             self._timed = True
+            self._since = (step - 1, started)
             positions = tokens if tokens is not None else batch[0].size
             self.log(cost_line(time.perf_counter() - started, positions, config.steps - step))
         self.history.append(entry)
@@ -401,8 +404,18 @@ class TrainingRun:
             save_state(self.out_dir, self.STATE, self.student.model, self.optimizer, self.state)
         if step % config.log_every == 0 or "heldout" in entry:
             held = f"  held-out {entry['heldout']:.5f}" if "heldout" in entry else ""
-            self.log(f"step {step}/{config.steps}  loss {entry['loss']:.5f}{held}")
+            left = self._time_left(step)
+            self.log(f"step {step}/{config.steps}  loss {entry['loss']:.5f}{held}{left}")
         return entry["loss"]
+
+    def _time_left(self, step: int) -> str:
+        """What the steps after `step` will take at this process's pace so far ("" at the end)."""
+        first, began = self._since
+        left = self.config.steps - step
+        if left <= 0:
+            return ""
+        pace = (time.perf_counter() - began) / (step - first)
+        return f"  (about {duration_text(pace * left)} left)"
 
     def finish(self) -> None:
         """The run is over: where a checkpoint before the last had the lowest held-out loss, its

@@ -211,10 +211,12 @@ class Student:
         batches: list[mx.array],
         records: list[dict | None],
         score: Callable[[int, mx.array], None],
+        after_layer: Callable[[int], None] | None = None,
     ) -> None:
         """`score(b, logits)` with each batch's logits as `self(batch, gate_prefix=1,
         record=records[b])` gives them, computed a decoder layer at a time over every batch
-        (`runtime/layer_major.py`): each MoE layer's experts are read about once for them all."""
+        (`runtime/layer_major.py`): each MoE layer's experts are read about once for them all.
+        `after_layer(index)` runs once a layer has run every batch."""
         plan = self.routing_plan
         states = [
             ({}, (mx.arange(tokens.shape[1]) >= 1)[None, :, None], record)
@@ -230,7 +232,9 @@ class Student:
             return list(predicted.values()) + routed
 
         try:
-            layer_major(self.model, batches, self.model, score, self.loaded.store, enter, leave)
+            layer_major(
+                self.model, batches, self.model, score, self.loaded.store, enter, leave, after_layer
+            )
         finally:
             plan.predicted, plan.record = {}, None
 
