@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
-from ..experts.store import LoadCounters
+from ..experts.counters import LoadCounters
 from ..routing.lookahead import Guess
 from ..routing.state import Predictions, RoutingCounters
 from .metrics import StepMetrics, merged

@@ -467,6 +467,8 @@ class Engine:
                 peak_rss_scope=peak_rss_scope,
             )
             result.summary["reused_prompt_tokens"] = reused
+            if self.store is not None and self.store.share is not None:
+                result.summary["ranks"] = self.store.share.by_rank(self._rank_figures(result))
         finally:
             # Whatever happened (a read error, a cancel), no per-request state outlives the request.
             self._reset_request_state()
@@ -479,6 +481,18 @@ class Engine:
             self._prompt_cache = (cache, fed, profile)
         result.text = self.reply_text(result.tokens)
         return result
+
+    def _rank_figures(self, result: GenerationResult) -> dict[str, float]:
+        """What this rank read, held and waited for in a reply, to show beside the others'."""
+        decode = [s for s in result.steps if s.phase == "decode"]
+        return {
+            "expert_mib_read": sum(s.mib_read + s.whole_layer_mib for s in result.steps),
+            "decode_expert_mib_read": sum(s.mib_read for s in decode),
+            "loads": sum(s.loads for s in result.steps),
+            "blocked_ms": sum(s.blocked_ms for s in result.steps),
+            "expert_cache_mib": self.store.pool.resident_bytes / 2**20,
+            "decode_tok_per_s": result.summary["decode_tok_per_s"],
+        }
 
     def _checked_request(
         self, prompt_tokens: list[int], gen: GenerationConfig | None, forced: list[int] | None

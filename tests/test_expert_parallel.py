@@ -1,0 +1,115 @@
+"""Expert parallelism (engine/experts/share.py, edge0_tui/ranks.py): two ranks on this machine,
+each with its share of the routed experts, give one process's greedy tokens, each reading only
+its own experts."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from adapters import profile_k, write_random_profile
+from cli_runner import run_cli
+
+from edge0_tui.ranks import run_here
+from engine import parse_size
+from engine.config import EngineConfig, GenerationConfig
+from engine.experts.share import ExpertShare
+from engine.runtime.generation import Engine
+
+TESTS = Path(__file__).resolve().parent
+DEMO = TESTS.parent / "assets" / "demo"
+TOKENS = 12
+# Prefetch reads its lookahead's guesses ahead even for tiny experts: the guesses are cut to the
+# rank's share too.
+MODES = [
+    {"mode": "on-demand"},
+    {"mode": "prefetch", "prefetch_min_expert_bytes": 0},
+    {"mode": "prerouter", "k": 4},
+]
+
+
+def _one_layer_budget(model_dir: Path) -> int:
+    """One expert more than a layer's routed set: experts are evicted every step."""
+    with Engine(model_dir, EngineConfig(mode="on-demand")) as engine:
+        store = engine.store
+        layer = max(store.index.layers)
+        return (engine.loaded.top_k + 1) * store.resident_expert_nbytes(layer)
+
+
+def _cases(checkpoint_dir) -> list[dict]:
+    models = [(DEMO, parse_size("4M"))]
+    for family in ("qwen3_moe", "gpt_oss"):
+        model_dir = checkpoint_dir(family)
+        if not (model_dir / f"prerouter_k{profile_k(family)}.safetensors").exists():
+            write_random_profile(model_dir, profile_k(family))
+        models.append((model_dir, _one_layer_budget(model_dir)))
+    cases = []
+    for model_dir, budget in models:
+        with Engine(model_dir, EngineConfig(mode="on-demand")) as engine:
+            prompt = engine.encode("Tell me about the sea and the lighthouse.", chat=True)
+        for mode in MODES:
+            config = {**mode, "expert_cache_bytes": budget}
+            cases.append({"model": str(model_dir), "config": config, "prompt": prompt})
+    return [{**case, "tokens": TOKENS} for case in cases]
+
+
+def _one_process(case: dict):
+    with Engine(case["model"], EngineConfig(**case["config"])) as engine:
+        gen = GenerationConfig(max_tokens=TOKENS, temperature=0.0, ignore_eos=True)
+        result = engine.generate(case["prompt"], gen)
+    return result.tokens, sum(s.mib_read + s.whole_layer_mib for s in result.steps)
+
+
+def test_two_ranks_give_one_process_tokens_each_reading_its_share(checkpoint_dir, tmp_path):
+    cases = _cases(checkpoint_dir)
+    (tmp_path / "cases.json").write_text(json.dumps(cases))
+    command = [sys.executable, str(TESTS / "ranks_worker.py"), str(tmp_path / "cases.json")]
+    assert run_here(2, [*command, str(tmp_path / "replies.json")]) == 0
+    replies = json.loads((tmp_path / "replies.json").read_text())
+    assert len(replies) == len(cases) == 9
+    for case, reply in zip(cases, replies):
+        tokens, mib_read = _one_process(case)
+        where = f"{Path(case['model']).name} {case['config']['mode']}"
+        assert reply["tokens"] == tokens, where
+        ranks = reply["ranks"]
+        assert [r["rank"] for r in ranks] == [0, 1], where
+        # Each rank reads its own half of what one process reads (a little more where its
+        # stand-in expert is read for layers that routed only to the other's).
+        for r in ranks:
+            assert 0 < r["expert_mib_read"] < mib_read, where
+        assert sum(r["expert_mib_read"] for r in ranks) <= 1.25 * mib_read, where
+
+
+@pytest.mark.parametrize("mode", MODES, ids=lambda m: m["mode"])
+def test_a_rank_reads_and_caches_only_its_own_experts(checkpoint_dir, mode):
+    """In one process, as rank 1 of 2 (the sum over ranks is then this rank's alone): every read,
+    read ahead and cached expert is odd."""
+    model_dir = checkpoint_dir("qwen3_moe")
+    if not (model_dir / "prerouter_k4.safetensors").exists():
+        write_random_profile(model_dir, 4)
+    config = EngineConfig(**mode, expert_cache_bytes=_one_layer_budget(model_dir))
+    with Engine(model_dir, config) as engine:
+        store = engine.store
+        store.share = ExpertShare(1, 2)
+        store.trace = []
+        prompt = engine.encode("Tell me about the sea and the lighthouse.", chat=True)
+        engine.generate(prompt, GenerationConfig(max_tokens=TOKENS, temperature=0.0))
+        read = {e for _, _, experts in store.trace for e in experts}
+        cached = set(store.pool.resident_mask().nonzero()[1].tolist())
+    assert read and all(e % 2 == 1 for e in read)
+    assert cached and all(e % 2 == 1 for e in cached)
+
+
+def test_hosts_refusals_are_one_line_before_any_rank_starts(tmp_path):
+    for hosts, says in [
+        ("1", "name 2 to 16 hosts"),
+        ("a,,b", "name 2 to 16 hosts"),
+        (str(tmp_path / "none.json"), "no such hostfile"),
+    ]:
+        result = run_cli("generate", "demo", "--prompt", "hi", "--hosts", hosts)
+        assert result.returncode == 2 and says in result.stderr, result.stderr
+        assert "Traceback" not in result.stderr
+    result = run_cli("generate", "demo", "--prompt", "hi", "--hosts", "2", "--mode", "resident")
+    assert result.returncode == 2 and "resident mode holds every expert" in result.stderr
