@@ -5,26 +5,23 @@ ranks of an MLX distributed group (engine/experts/share.py). Rank 0 is the comma
 its stdout and exit status are the command's. The other ranks print nothing on stdout, and their
 lines on stderr are labelled with their rank.
 
-Processes on this machine (every host 127.0.0.1) are started here, on free ports of the ring
-backend. Other machines are reached through `mlx.launch` (ssh, and the backend it picks or
+Processes on this machine (every host 127.0.0.1) are started by the engine's
+`run_ranks_here`, on free ports of the ring backend. Other machines are reached through `mlx.launch` (ssh, and the backend it picks or
 `--backend` names: JACCL over Thunderbolt where the OS has RDMA, else ring).
 """
 
 from __future__ import annotations
 
-import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine import Edge0Error
+from engine import Edge0Error, run_ranks_here
 
-RANK_VARIABLE = "MLX_RANK"  # set in each rank's environment by the launcher
+RANK_VARIABLE = "MLX_RANK"  # set in each rank's environment (engine.runtime.ranks, mlx.launch)
 STATUS_VARIABLE = "EDGE0_RANK0_STATUS"  # where rank 0 leaves its status for mlx.launch's caller
 LOCAL = "127.0.0.1"
 MAX_RANKS = 16
@@ -73,7 +70,7 @@ def launch(hosts: Hosts, argv: list[str]) -> int:
     rank's."""
     command = [sys.executable, "-m", "edge0_tui.cli", *argv]
     if hosts.here:
-        return run_here(len(hosts.names), command)
+        return run_ranks_here(len(hosts.names), command)
     return _launch_with_mlx(hosts, command)
 
 
@@ -102,59 +99,6 @@ class _Labelled:
 
     def __getattr__(self, name: str):
         return getattr(self._stream, name)
-
-
-def _free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for s in sockets:
-            s.bind((LOCAL, 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
-
-
-def run_here(ranks: int, command: list[str]) -> int:
-    """Every rank a process on this machine, on the ring backend."""
-    with tempfile.TemporaryDirectory(prefix="edge0-ranks-") as folder:
-        hostfile = Path(folder) / "hosts.json"
-        hostfile.write_text(json.dumps([[f"{LOCAL}:{port}"] for port in _free_ports(ranks)]))
-        processes = []
-        for r in range(ranks):
-            env = {**os.environ, RANK_VARIABLE: str(r), "MLX_HOSTFILE": str(hostfile)}
-            processes.append(subprocess.Popen(command, env=env))
-        return _wait_for_all(processes)
-
-
-def _wait_for_all(processes: list[subprocess.Popen]) -> int:
-    """Rank 0's status, or that of the rank that failed first; a rank that fails stops the
-    others (they would wait for it forever in the next sum)."""
-    failed: list[int] = []  # statuses of ranks that failed on their own, in order
-
-    def wait(process: subprocess.Popen) -> None:
-        status = process.wait()
-        if status != 0 and not stopping.is_set():
-            failed.append(status)
-            stopping.set()
-
-    stopping = threading.Event()
-    waiters = [threading.Thread(target=wait, args=(p,), daemon=True) for p in processes]
-    for w in waiters:
-        w.start()
-    try:
-        while not stopping.is_set() and any(w.is_alive() for w in waiters):
-            stopping.wait(0.2)
-    except KeyboardInterrupt:
-        stopping.set()
-        failed.append(130)
-    stopping.set()
-    for p in processes:
-        if p.poll() is None:
-            p.terminate()
-    for w in waiters:
-        w.join()
-    return failed[0] if failed else processes[0].returncode
 
 
 def _launch_with_mlx(hosts: Hosts, command: list[str]) -> int:

@@ -11,16 +11,17 @@ from pathlib import Path
 import pytest
 from adapters import profile_k, write_random_profile
 from cli_runner import run_cli
+from ranks_worker import greedy_reply
 
-from edge0_tui.ranks import run_here
-from engine import parse_size
+from engine import parse_size, run_ranks_here
 from engine.config import EngineConfig, GenerationConfig
 from engine.experts.share import ExpertShare
 from engine.runtime.generation import Engine
 
 TESTS = Path(__file__).resolve().parent
 DEMO = TESTS.parent / "assets" / "demo"
-TOKENS = 12
+TOKENS = 8
+EVERY_EXPERT = 1 << 30  # a cache that holds every expert: layers held, routed on the device
 # Prefetch reads its lookahead's guesses ahead even for tiny experts: the guesses are cut to the
 # rank's share too.
 MODES = [
@@ -39,7 +40,7 @@ def _one_layer_budget(model_dir: Path) -> int:
 
 
 def _cases(checkpoint_dir) -> list[dict]:
-    models = [(DEMO, parse_size("4M"))]
+    models = [(DEMO, parse_size("4M")), (DEMO, EVERY_EXPERT)]
     for family in ("qwen3_moe", "gpt_oss"):
         model_dir = checkpoint_dir(family)
         if not (model_dir / f"prerouter_k{profile_k(family)}.safetensors").exists():
@@ -57,29 +58,31 @@ def _cases(checkpoint_dir) -> list[dict]:
 
 def _one_process(case: dict):
     with Engine(case["model"], EngineConfig(**case["config"])) as engine:
-        gen = GenerationConfig(max_tokens=TOKENS, temperature=0.0, ignore_eos=True)
-        result = engine.generate(case["prompt"], gen)
-    return result.tokens, sum(s.mib_read + s.whole_layer_mib for s in result.steps)
+        result, logits = greedy_reply(engine, case["prompt"], TOKENS)
+        cached = engine.store.pool.resident_bytes / 2**20
+    return result.tokens, logits, sum(s.mib_read + s.whole_layer_mib for s in result.steps), cached
 
 
 def test_two_ranks_give_one_process_tokens_each_reading_its_share(checkpoint_dir, tmp_path):
     cases = _cases(checkpoint_dir)
     (tmp_path / "cases.json").write_text(json.dumps(cases))
     command = [sys.executable, str(TESTS / "ranks_worker.py"), str(tmp_path / "cases.json")]
-    assert run_here(2, [*command, str(tmp_path / "replies.json")]) == 0
+    assert run_ranks_here(2, [*command, str(tmp_path / "replies.json")]) == 0
     replies = json.loads((tmp_path / "replies.json").read_text())
-    assert len(replies) == len(cases) == 9
+    assert len(replies) == len(cases) == 12
     for case, reply in zip(cases, replies):
-        tokens, mib_read = _one_process(case)
-        where = f"{Path(case['model']).name} {case['config']['mode']}"
-        assert reply["tokens"] == tokens, where
+        tokens, logits, mib_read, cached = _one_process(case)
+        where = f"{Path(case['model']).name} {case['config']}"
+        assert reply["tokens"] == tokens and reply["logits"] == logits, where  # bit for bit
         ranks = reply["ranks"]
         assert [r["rank"] for r in ranks] == [0, 1], where
-        # Each rank reads its own half of what one process reads (a little more where its
-        # stand-in expert is read for layers that routed only to the other's).
+        # Each rank reads its own share of what one process reads, and where the cache holds
+        # every expert, holds its own share of them.
         for r in ranks:
             assert 0 < r["expert_mib_read"] < mib_read, where
-        assert sum(r["expert_mib_read"] for r in ranks) <= 1.25 * mib_read, where
+        assert sum(r["expert_mib_read"] for r in ranks) <= 1.1 * mib_read, where
+        if case["config"]["expert_cache_bytes"] == EVERY_EXPERT:  # each holds half the experts
+            assert sum(r["expert_cache_mib"] for r in ranks) == pytest.approx(cached), where
 
 
 @pytest.mark.parametrize("mode", MODES, ids=lambda m: m["mode"])
