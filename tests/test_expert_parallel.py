@@ -98,9 +98,10 @@ def test_a_rank_reads_and_caches_only_its_own_experts(checkpoint_dir, mode):
         store.share = ExpertShare(1, 2)
         store.trace = []
         prompt = engine.encode("Tell me about the sea and the lighthouse.", chat=True)
-        engine.generate(prompt, GenerationConfig(max_tokens=TOKENS, temperature=0.0))
+        cached = set()  # what the pool held after each token (a request's end forgets reads ahead)
+        for _ in engine.stream(prompt, GenerationConfig(max_tokens=TOKENS, temperature=0.0)):
+            cached |= set(store.pool.resident_mask().nonzero()[1].tolist())
         read = {e for _, _, experts in store.trace for e in experts}
-        cached = set(store.pool.resident_mask().nonzero()[1].tolist())
     assert read and all(e % 2 == 1 for e in read)
     assert cached and all(e % 2 == 1 for e in cached)
 
