@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
             return chat.run(args)  # the app draws on the terminal itself
         if getattr(args, "resolve_model", False):  # demo, a folder or a Hub id, as chat says
             args.model = options.model_path(args.model)
-        if getattr(args, "hosts", None) is not None:
+        if getattr(args, "runs_as_ranks", False) and args.hosts is not None:
             return _as_ranks(command, args, sys.argv[1:] if argv is None else list(argv))
         return run_checked(command.run, args)
     except StdoutError as e:

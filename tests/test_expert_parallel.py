@@ -13,9 +13,11 @@ from adapters import profile_k, write_random_profile
 from cli_runner import run_cli
 from ranks_worker import greedy_reply
 
-from engine import parse_size, run_ranks_here
+from edge0_tui.cli import main
+from engine import Edge0Error, parse_size, run_ranks_here
 from engine.config import EngineConfig, GenerationConfig
 from engine.experts.share import ExpertShare
+from engine.measure.bench import BenchConfig, ranked_arm, run_bench
 from engine.runtime.generation import Engine
 
 TESTS = Path(__file__).resolve().parent
@@ -117,3 +119,28 @@ def test_hosts_refusals_are_one_line_before_any_rank_starts(tmp_path):
         assert "Traceback" not in result.stderr
     result = run_cli("generate", "demo", "--prompt", "hi", "--hosts", "2", "--mode", "resident")
     assert result.returncode == 2 and "resident mode holds every expert" in result.stderr
+
+
+def test_bench_hosts_runs_each_streamed_arm_as_ranks_too(checkpoint_dir, tmp_path, capsys):
+    out = tmp_path / "report.json"
+    args = ["bench", str(checkpoint_dir("qwen3_moe")), "--arms", "resident,on-demand"]
+    args += ["--hosts", "2", "--rounds", "1", "--tokens", "4", "--expert-cache", "60K"]
+    assert main([*args, "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert [r["arm"] for r in report["runs"]] == ["resident", "on-demand", "on-demand@2"]
+    assert all(r["ok"] and r["summary"]["generated_tokens"] == 4 for r in report["runs"])
+    ranked = report["arms"]["on-demand@2"]
+    assert [r["rank"] for r in ranked["ranks"]] == [0, 1]
+    assert all(r["expert_mib_read"] > 0 for r in ranked["ranks"])
+    assert ranked["figures"]["all_sum_ms"]["median"] > 0
+    assert ranked["ratios"]["tok_s_vs_one_process"] > 0
+    assert "**Ranks**" in capsys.readouterr().out
+
+
+def test_ranked_arms_are_streamed_modes_on_two_to_sixteen_ranks():
+    assert ranked_arm("prerouter@2") == ("prerouter", 2)
+    assert ranked_arm("on-demand@16") == ("on-demand", 16)
+    for arm in ("resident@2", "on-demand@1", "on-demand@17", "on-demand@x", "on-demand"):
+        assert ranked_arm(arm) is None
+    with pytest.raises(Edge0Error, match="MODE@N"):
+        run_bench(BenchConfig(Path("unused"), ["resident@2"]), progress=lambda line: None)

@@ -306,6 +306,7 @@ def add_hosts(parser: argparse.ArgumentParser) -> None:
         "routed experts (the same tokens as one process): a number of ranks on this machine, "
         "hosts reached over ssh by mlx.launch, or an mlx.launch hostfile; streamed modes only",
     )
+    parser.set_defaults(runs_as_ranks=True)  # the whole command runs once per rank (cli.py)
 
 
 def add_adapters(parser: argparse.ArgumentParser, help: str = ADAPTERS_HELP) -> None:

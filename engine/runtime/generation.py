@@ -15,6 +15,7 @@ before the next step (between steps of a reply, or before the next reply). Base 
 from __future__ import annotations
 
 import dataclasses
+import statistics
 import threading
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
@@ -489,7 +490,7 @@ class Engine:
             "expert_mib_read": sum(s.mib_read + s.whole_layer_mib for s in result.steps),
             "decode_expert_mib_read": sum(s.mib_read for s in decode),
             "loads": sum(s.loads for s in result.steps),
-            "blocked_ms": sum(s.blocked_ms for s in result.steps),
+            "median_blocked_ms": statistics.median(s.blocked_ms for s in decode) if decode else 0.0,
             "expert_cache_mib": self.store.pool.resident_bytes / 2**20,
             "decode_tok_per_s": result.summary["decode_tok_per_s"],
         }

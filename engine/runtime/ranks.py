@@ -14,7 +14,9 @@ import socket
 import subprocess
 import tempfile
 import threading
+import time
 from pathlib import Path
+from typing import IO
 
 RANK_VARIABLE = "MLX_RANK"
 LOCAL = "127.0.0.1"
@@ -31,20 +33,28 @@ def _free_ports(count: int) -> list[int]:
             s.close()
 
 
-def run_ranks_here(ranks: int, command: list[str]) -> int:
+def run_ranks_here(
+    ranks: int,
+    command: list[str],
+    stdout: IO | None = None,
+    stderr: IO | None = None,
+    timeout_s: float | None = None,
+) -> int:
     """Run `command` as `ranks` processes of one group on this machine; the exit status is rank
-    0's, or that of the rank that failed first."""
+    0's, or that of the rank that failed first (-1: past `timeout_s`, every rank stopped).
+    `stdout`: where rank 0's output goes (the others' is dropped then); `stderr`, every rank's."""
     with tempfile.TemporaryDirectory(prefix="edge0-ranks-") as folder:
         hostfile = Path(folder) / "hosts.json"
         hostfile.write_text(json.dumps([[f"{LOCAL}:{port}"] for port in _free_ports(ranks)]))
         processes = []
         for r in range(ranks):
             env = {**os.environ, RANK_VARIABLE: str(r), "MLX_HOSTFILE": str(hostfile)}
-            processes.append(subprocess.Popen(command, env=env))
-        return _wait_for_all(processes)
+            out = stdout if r == 0 or stdout is None else subprocess.DEVNULL
+            processes.append(subprocess.Popen(command, env=env, stdout=out, stderr=stderr))
+        return _wait_for_all(processes, timeout_s)
 
 
-def _wait_for_all(processes: list[subprocess.Popen]) -> int:
+def _wait_for_all(processes: list[subprocess.Popen], timeout_s: float | None) -> int:
     """Rank 0's status, or that of the rank that failed first; a rank that fails stops the
     others (they would wait for it forever in the next sum)."""
     failed: list[int] = []  # statuses of ranks that failed on their own, in order
@@ -59,9 +69,13 @@ def _wait_for_all(processes: list[subprocess.Popen]) -> int:
     waiters = [threading.Thread(target=wait, args=(p,), daemon=True) for p in processes]
     for w in waiters:
         w.start()
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
     try:
         while not stopping.is_set() and any(w.is_alive() for w in waiters):
             stopping.wait(0.2)
+            if deadline is not None and time.monotonic() > deadline:
+                failed.append(-1)
+                break
     except KeyboardInterrupt:
         stopping.set()
         failed.append(130)
