@@ -108,6 +108,9 @@ def _as_ranks(command, args: argparse.Namespace, argv: list[str]) -> int:
             )
         return ranks.launch(ranks.parse_hosts(args.hosts), argv)
     ranks.enter_rank()
+    if ranks.rank() != 0:
+        config = getattr(command, "engine_config", options.engine_config)(args)  # rank 0's
+        return run_checked(lambda a: ranks.follow(a, config), args)  # rank 0 runs the command
     return run_checked(command.run, args)
 
 

@@ -119,6 +119,19 @@ def _launch_with_mlx(hosts: Hosts, command: list[str]) -> int:
             return 1
 
 
+def follow(args, config) -> int:
+    """A rank other than 0: load the model as rank 0 does and run each of its replies with it,
+    saying each one's figures (this rank's reads and memory) on stderr."""
+    from edge0_tui.commands import options
+    from edge0_tui.commands.generate import summary_line
+    from engine import Engine
+
+    model = options.model_path(str(args.model))  # (serve resolves it on its engine thread)
+    with Engine(model, config) as engine:
+        engine.follow(lambda result: print(summary_line(result.summary), file=sys.stderr))
+    return 0
+
+
 def note_status(code: int) -> None:
     """In rank 0 started by mlx.launch: leave the command's exit status for the launcher."""
     path = os.environ.get(STATUS_VARIABLE)

@@ -32,11 +32,14 @@ def main() -> None:
     for case in cases:
         config = EngineConfig(expert_parallel=True, **case["config"])
         with Engine(case["model"], config) as engine:
+            rank = engine.share.rank
+            if rank != 0:
+                engine.follow()  # every reply of rank 0's, step by step
+                continue
             result, logits = greedy_reply(engine, case["prompt"], case["tokens"])
             replies.append(
                 {"tokens": result.tokens, "logits": logits, "ranks": result.summary["ranks"]}
             )
-            rank = engine.store.share.rank
     if rank == 0:
         with open(sys.argv[2], "w") as f:
             json.dump(replies, f)

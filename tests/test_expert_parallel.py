@@ -12,6 +12,7 @@ import pytest
 from adapters import profile_k, write_random_profile
 from cli_runner import run_cli
 from ranks_worker import greedy_reply
+from test_server import API_KEY, private_env, start_server, stop_server
 
 from edge0_tui.cli import main
 from engine import Edge0Error, parse_size, run_ranks_here
@@ -144,3 +145,34 @@ def test_ranked_arms_are_streamed_modes_on_two_to_sixteen_ranks():
         assert ranked_arm(arm) is None
     with pytest.raises(Edge0Error, match="MODE@N"):
         run_bench(BenchConfig(Path("unused"), ["resident@2"]), progress=lambda line: None)
+
+
+def test_serve_hosts_answers_with_the_other_rank_following(checkpoint_dir, tmp_path_factory):
+    """Rank 0 serves; rank 1 runs each reply with it (K and mode switched per request): the
+    replies are one process's greedy tokens, and SIGTERM stops every rank cleanly."""
+    model = checkpoint_dir("qwen3_moe")
+    if not (model / "prerouter_k4.safetensors").exists():
+        write_random_profile(model, 4)
+    messages = [{"role": "user", "content": "Tell me about the sea and the lighthouse."}]
+    expected = {}
+    for mode, k in (("on-demand", None), ("prerouter", 4)):
+        with Engine(model, EngineConfig(mode=mode, k=k)) as engine:
+            prompt = engine.encode_chat(messages)
+            tokens = engine.generate(prompt, GenerationConfig(8, 0.0)).tokens
+            expected[mode] = engine.reply_text(tokens)
+    log = tmp_path_factory.mktemp("ranks-serve") / "server.log"
+    env = private_env(tmp_path_factory)
+    server = start_server(model, log, env, "--api-key", API_KEY, "--hosts", "2")
+    try:
+        for mode, k in (("on-demand", None), ("prerouter", 4), ("on-demand", None)):
+            reply = server.client().chat.completions.create(
+                model="m",
+                messages=messages,
+                max_tokens=8,
+                temperature=0,
+                extra_body={"mode": mode, **({"k": k} if k else {})},
+            )
+            assert reply.choices[0].message.content == expected[mode], mode
+    finally:
+        stop_server(server)  # asserts status 0
+    assert log.read_text().count("edge0 rank 1: [") == 3  # rank 1's line per reply

@@ -16,6 +16,8 @@ the combined output, so that it stays exact.
 
 from __future__ import annotations
 
+import statistics
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -55,6 +57,17 @@ class ExpertShare:
         others' zeroed, summed over the ranks."""
         mine = (indices % self.size == self.rank)[..., None]
         return mx.distributed.all_sum(mx.where(mine, y, mx.zeros_like(y)), group=self.group)
+
+    def time_sum(self, shape: tuple[int, ...], dtype: mx.Dtype | None, repeats: int) -> float:
+        """The median ms of one sum of `shape` over the ranks, each evaluated on its own (every
+        rank must run this at once)."""
+        y = mx.ones(shape, dtype=dtype or mx.bfloat16)  # (None: the checkpoint's, bf16 here)
+        times = []
+        for _ in range(repeats):
+            started = time.perf_counter()
+            mx.eval(mx.distributed.all_sum(y, group=self.group))
+            times.append((time.perf_counter() - started) * 1e3)
+        return statistics.median(times)
 
     def by_rank(self, figures: dict[str, float]) -> list[dict[str, float]]:
         """`figures` of every rank, by rank: one exchange (at the end of a reply, never per step)."""

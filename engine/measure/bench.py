@@ -153,7 +153,7 @@ class ArmRun:
 # -- one arm, in its own process --------------------------------------------------------------------
 
 
-def run_arm(spec: dict) -> dict:
+def run_arm(spec: dict) -> dict | None:
     """Run one arm (in the child process) and return its figures as plain data."""
     from ..config import EngineConfig, GenerationConfig
     from ..runtime.compute_activity import compute_waits
@@ -174,6 +174,9 @@ def run_arm(spec: dict) -> dict:
     )
     reads = ReadSpans(whole_trace=spec.get("trace") is not None)
     with Engine(spec["model"], config, tracer=reads) as engine:
+        if engine.share is not None and engine.share.rank != 0:
+            engine.follow()  # rank 0 runs the arm; this rank runs each forward with it
+            return None
         if spec.get("preload_experts"):
             engine.store.load_all()
             reads.spans.clear()
@@ -201,9 +204,8 @@ def run_arm(spec: dict) -> dict:
         expert_bytes = engine.loaded.index.expert_nbytes
         summary["page_cache_share"] = summary["median_page_cache_expert_bytes"] / expert_bytes
         summary["k"] = engine.k
-        if (share := engine.store.share if engine.store is not None else None) is not None:
-            summary["rank"] = share.rank
-            summary["all_sum_ms"] = layer_sum_ms(share, engine)
+        if engine.share is not None:
+            summary["all_sum_ms"] = engine.time_layer_sum()
             summary["all_sum_ms_per_token"] = summary["all_sum_ms"] * len(engine.loaded.blocks)
         disk = None if disk_before is None or disk_after is None else disk_after - disk_before
         summary.update(reads.achieved(disk))
@@ -452,21 +454,6 @@ def ranked_arm(arm: str) -> tuple[str, int] | None:
     return None
 
 
-def layer_sum_ms(share, engine, repeats: int = 50) -> float:
-    """The median time of one MoE layer's sum over the ranks at decode (`[1, K, hidden]` in the
-    compute dtype), each evaluated on its own: what the ranks add to a layer, in the same run."""
-    import mlx.core as mx
-
-    dtype = engine.loaded.float_dtype or mx.bfloat16  # (None: the checkpoint's, bf16 here)
-    y = mx.ones((1, engine.k, engine.loaded.hidden), dtype=dtype)
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        mx.eval(mx.distributed.all_sum(y, group=share.group))
-        times.append((time.perf_counter() - started) * 1e3)
-    return statistics.median(times)
-
-
 def compute_only_mode(arm: str, arms: list[str] = ()) -> str | None:
     """The mode a compute-only arm runs (None: `arm` is no compute-only arm)."""
     if arm == COMPUTE_ONLY:
@@ -684,8 +671,9 @@ if __name__ == "__main__":  # the child process of one arm
 
     fit_mlx_lm_to_the_open_file_limit()
     try:
-        payload = json.dumps(run_arm(json.loads(sys.argv[1])))
-        print(payload)  # (a rank other than 0: its stdout is dropped)
+        payload = run_arm(json.loads(sys.argv[1]))
+        if payload is not None:  # (None: a rank other than 0)
+            print(json.dumps(payload))
     except Edge0Error as e:
         print(f"edge0: error: {e}", file=sys.stderr)
         sys.exit(2)

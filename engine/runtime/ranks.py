@@ -8,8 +8,10 @@ by `mlx.launch` (edge0_tui/ranks.py).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import tempfile
@@ -20,6 +22,8 @@ from typing import IO
 
 RANK_VARIABLE = "MLX_RANK"
 LOCAL = "127.0.0.1"
+STOP_GRACE_S = 10  # how long a rank told to stop may take before it is killed
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 def _free_ports(count: int) -> list[int]:
@@ -56,8 +60,11 @@ def run_ranks_here(
 
 def _wait_for_all(processes: list[subprocess.Popen], timeout_s: float | None) -> int:
     """Rank 0's status, or that of the rank that failed first; a rank that fails stops the
-    others (they would wait for it forever in the next sum)."""
+    others (they would wait for it forever in the next sum). SIGTERM or SIGINT here is passed
+    to rank 0 (a server stops, its engine closing tells the others), then the others follow."""
     failed: list[int] = []  # statuses of ranks that failed on their own, in order
+    stopping = threading.Event()
+    asked = threading.Event()
 
     def wait(process: subprocess.Popen) -> None:
         status = process.wait()
@@ -65,24 +72,46 @@ def _wait_for_all(processes: list[subprocess.Popen], timeout_s: float | None) ->
             failed.append(status)
             stopping.set()
 
-    stopping = threading.Event()
     waiters = [threading.Thread(target=wait, args=(p,), daemon=True) for p in processes]
     for w in waiters:
         w.start()
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    try:
-        while not stopping.is_set() and any(w.is_alive() for w in waiters):
+    with _signals_set(asked):
+        while not stopping.is_set() and not asked.is_set() and any(w.is_alive() for w in waiters):
             stopping.wait(0.2)
             if deadline is not None and time.monotonic() > deadline:
                 failed.append(-1)
                 break
-    except KeyboardInterrupt:
         stopping.set()
-        failed.append(130)
-    stopping.set()
-    for p in processes:
-        if p.poll() is None:
-            p.terminate()
+        if asked.is_set() and not failed and processes[0].poll() is None:
+            processes[0].terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                processes[0].wait(timeout=STOP_GRACE_S)
+        for p in processes:
+            if p.poll() is None:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    p.wait(timeout=0 if failed else STOP_GRACE_S)
+            if p.poll() is None:
+                p.terminate()
+        for p in processes:  # a rank still joining the group does not hear SIGTERM's handler
+            try:
+                p.wait(timeout=STOP_GRACE_S)
+            except subprocess.TimeoutExpired:
+                p.kill()
     for w in waiters:
         w.join()
     return failed[0] if failed else processes[0].returncode
+
+
+@contextlib.contextmanager
+def _signals_set(asked: threading.Event):
+    """SIGTERM and SIGINT set `asked` (main thread only; elsewhere they stay as they are)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = {sig: signal.signal(sig, lambda *_: asked.set()) for sig in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
