@@ -7,6 +7,7 @@ import argparse
 import sys
 from typing import NoReturn
 
+from edge0_tui import ranks
 from edge0_tui.checked_stdout import (
     STDOUT_CLOSED,
     CheckedStdout,
@@ -80,6 +81,8 @@ def main(argv: list[str] | None = None) -> int:
             return chat.run(args)  # the app draws on the terminal itself
         if getattr(args, "resolve_model", False):  # demo, a folder or a Hub id, as chat says
             args.model = options.model_path(args.model)
+        if getattr(args, "runs_as_ranks", False) and args.hosts is not None:
+            return _as_ranks(command, args, sys.argv[1:] if argv is None else list(argv))
         return run_checked(command.run, args)
     except StdoutError as e:
         discard_stdout()
@@ -95,6 +98,22 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+def _as_ranks(command, args: argparse.Namespace, argv: list[str]) -> int:
+    """`--hosts`: start the ranks, or, in a rank, run the command as one (`ranks.py`)."""
+    if not ranks.in_rank():
+        if getattr(args, "mode", None) == "resident":
+            raise Edge0Error(
+                "--hosts: resident mode holds every expert; ranks share the experts "
+                "in the streamed modes (on-demand, prefetch, prerouter)"
+            )
+        return ranks.launch(ranks.parse_hosts(args.hosts), argv)
+    ranks.enter_rank()
+    if ranks.rank() != 0:
+        config = getattr(command, "engine_config", options.engine_config)(args)  # rank 0's
+        return run_checked(lambda a: ranks.follow(a, config), args)  # rank 0 runs the command
+    return run_checked(command.run, args)
+
+
 def entry() -> int:
     """The `edge0` command: `main` in a process of its own. On Linux every command first
     re-executes itself once with a fast BLAS preloaded (`engine.runtime.blas`: MLX's bundled one is
@@ -103,7 +122,9 @@ def entry() -> int:
     from engine import preload_fast_blas
 
     preload_fast_blas()
-    return main(sys.argv[1:])
+    status = main(sys.argv[1:])
+    ranks.note_status(status)  # a rank 0 that mlx.launch started: for the command that did
+    return status
 
 
 if __name__ == "__main__":

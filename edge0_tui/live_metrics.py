@@ -21,7 +21,7 @@ FIGURE_STEPS = 16
 # The expert heat picture is built at most this often (the chat screen's panels refresh at 6 Hz:
 # screens/chat.py PANEL_REFRESH_HZ), and after every reply's last step.
 HEAT_EVERY_S = 1 / 6
-# Where a routed expert came from (`engine.experts.store.LayerRouted`'s fields).
+# Where a routed expert came from (`engine.experts.counters.LayerRouted`'s fields).
 ROUTED_SOURCES = ("resident", "heads", "lookahead", "missed")
 
 

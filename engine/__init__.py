@@ -66,6 +66,7 @@ _ON_FIRST_USE = {
     "compute_waits": "engine.runtime.compute_activity",
     "largest_waits": "engine.runtime.compute_activity",
     "preload_fast_blas": "engine.runtime.blas",
+    "run_ranks_here": "engine.runtime.ranks",
     "check_adapter_out": "engine.adapters.metadata",
     "check_regular_file": "engine.checkpoint.index",
     "check_shard_count": "engine.checkpoint.index",

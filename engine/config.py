@@ -149,6 +149,10 @@ class EngineConfig:
     lora: bool = True
     # Also run the true router on consumer layers to measure the prediction's recall@K (costs compute).
     shadow_router: bool = False
+    # One rank of several (started by `mlx.launch`): this process reads, caches and computes only
+    # its share of the routed experts, and the ranks sum each MoE layer's outputs
+    # (experts/share.py). Not in resident mode.
+    expert_parallel: bool = False
     # Continue a conversation from the last reply's KV cache when the new prompt extends it.
     reuse_prompt_cache: bool = True
     # Repair NaN / overflow in every decoder layer's output (streaming modes; resident stays stock).

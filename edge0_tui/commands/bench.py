@@ -25,7 +25,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="comma-separated (default: resident,on-demand,prerouter): resident, on-demand, prefetch, prerouter, compute-only (every expert "
         "resident before the replay, no limits: the compute a step cannot go below, for the "
         "overlap-limit table; needs every expert in memory), compute-only:MODE (that mode so: "
-        "what it costs a step with nothing to read)",
+        "what it costs a step with nothing to read), MODE@N (a streamed mode as N ranks on this "
+        "machine, each with its share of the experts; see --hosts)",
+    )
+    parser.add_argument(
+        "--hosts",
+        type=options.count(2),
+        default=None,
+        metavar="N",
+        help="beside each streamed arm, the same mode as N ranks on this machine (MODE@N): "
+        "tok/s against one process, the ranks' sum per layer, each rank's waits and reads",
     )
     options.add_k(parser, help=None)
     parser.add_argument("--rounds", type=options.count(1), default=3)
@@ -106,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
         prompt = read_prompt(args.prompt_file)
     config = BenchConfig(
         model=args.model,
-        arms=[a.strip() for a in args.arms.split(",") if a.strip()],
+        arms=with_ranked_arms([a.strip() for a in args.arms.split(",") if a.strip()], args.hosts),
         k=args.k,
         rounds=args.rounds,
         tokens=args.tokens,
@@ -174,3 +183,11 @@ def write_output(path: Path, text: str, what: str) -> None:
         path.write_text(text)
     except OSError as e:
         raise Edge0Error(f"{path}: cannot write {what} ({e.strerror or e})") from None
+
+
+def with_ranked_arms(arms: list[str], ranks: int | None) -> list[str]:
+    """--hosts N: each streamed arm followed by its N-rank twin."""
+    if ranks is None:
+        return arms
+    streamed = ("on-demand", "prefetch", "prerouter")
+    return [x for arm in arms for x in ([arm, f"{arm}@{ranks}"] if arm in streamed else [arm])]

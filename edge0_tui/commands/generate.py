@@ -54,6 +54,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--no-lora", action="store_true", help="prerouter mode without the LoRA")
     options.add_exact(parser)
     options.add_adapters(parser)
+    options.add_hosts(parser)
     parser.add_argument(
         "--shadow-router",
         action="store_true",
@@ -185,8 +186,19 @@ def summary_line(s: dict) -> str:
         f"blocked {s['median_blocked_ms']:.1f} ms/step, {s['median_loads']:.0f} loads/step, "
         f"{s['median_mib_read']:.1f} MiB/step, cold {s['median_cold_fraction']:.0%} | "
         f"peak MLX {format_bytes(s['peak_mlx_bytes'])}, RSS {format_bytes(s['peak_rss_bytes'])}"
-        f"{_since_start(s)}{prerouter}]"
+        f"{_since_start(s)}{prerouter}{_ranks(s)}]"
     )
+
+
+def _ranks(summary: dict) -> str:
+    """With --hosts: each rank's expert reads and cache."""
+    rows = summary.get("ranks")
+    if not rows:
+        return ""
+    each = ", ".join(
+        f"{r['expert_mib_read']:.1f} MiB read, {r['expert_cache_mib']:.1f} MiB cached" for r in rows
+    )
+    return f" | {len(rows)} ranks: {each}"
 
 
 def _since_start(summary: dict) -> str:

@@ -297,6 +297,18 @@ def add_exact(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--exact", action="store_true", help=EXACT_HELP)
 
 
+def add_hosts(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--hosts",
+        default=None,
+        metavar="N|HOST,HOST|FILE.json",
+        help="run as one rank per host, each reading, caching and computing its share of the "
+        "routed experts (the same tokens as one process): a number of ranks on this machine, "
+        "hosts reached over ssh by mlx.launch, or an mlx.launch hostfile; streamed modes only",
+    )
+    parser.set_defaults(runs_as_ranks=True)  # the whole command runs once per rank (cli.py)
+
+
 def add_adapters(parser: argparse.ArgumentParser, help: str = ADAPTERS_HELP) -> None:
     parser.add_argument(
         "--adapters",
@@ -386,6 +398,8 @@ def engine_config(
         config["lora"] = not given["no_lora"]
     if "shadow_router" in given:
         config["shadow_router"] = given["shadow_router"]
+    if "hosts" in given:
+        config["expert_parallel"] = True
     return EngineConfig(**{**config, **fields})
 
 

@@ -6,7 +6,7 @@ import argparse
 import os
 
 from edge0_tui.commands import options
-from engine import Edge0Error
+from engine import Edge0Error, EngineConfig
 
 NAME = "serve"
 
@@ -89,6 +89,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     options.add_exact(parser)
     options.add_adapters(parser)
+    options.add_hosts(parser)
 
 
 def origin(text: str) -> str:
@@ -124,27 +125,33 @@ def check_api_key(key: str | None) -> None:
         )
 
 
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The engine `serve` runs (and, with --hosts, every rank): the demo as the chat serves it,
+    its small budgets showing the wall."""
+    from edge0_tui.model_start import default_budgets
+
+    default_cache, default_page_cache = default_budgets(args.model == "demo", args.mode)
+    expert_cache = args.expert_cache or default_cache
+    page_cache = default_page_cache if args.page_cache is None else args.page_cache
+    return options.engine_config(
+        args,
+        fetch_adapters=False,  # Hub repos are fetched on the engine thread
+        **options.expert_cache_config(expert_cache),
+        page_cache_bytes=options.page_cache_bytes(page_cache),
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     """The model loads on the engine thread while the server already answers (503 until it is
     ready); SIGINT or SIGTERM stops it."""
     from platformdirs import user_cache_path
 
     from edge0_tui.model_source import check_model
-    from edge0_tui.model_start import default_budgets
     from edge0_tui.server import open_engine_for, serve_model
 
     check_api_key(args.api_key)
     check_model(args.model)  # a one-line error before anything listens
-    # The demo as the chat serves it: its small budgets show the wall.
-    default_cache, default_page_cache = default_budgets(args.model == "demo", args.mode)
-    expert_cache = args.expert_cache or default_cache
-    page_cache = default_page_cache if args.page_cache is None else args.page_cache
-    config = options.engine_config(
-        args,
-        fetch_adapters=False,  # Hub repos are fetched on the engine thread
-        **options.expert_cache_config(expert_cache),
-        page_cache_bytes=options.page_cache_bytes(page_cache),
-    )
+    config = engine_config(args)
     open_engine = open_engine_for(args.model, config, user_cache_path("edge0"))
     serve_model(
         args.model,

@@ -226,10 +226,12 @@ class ExpertPool:
         read a step ahead (prerouter mode: the layers that route by their own router)."""
         self._kept_layers = frozenset(layers)
 
-    def hold(self, layer: int, experts: int) -> mx.array:
-        """Keep every one of `layer`'s `experts` (all resident: the caller read them) in the pool
-        for good, and return their slots as a device array indexed by expert id."""
-        slots = [self._slots[(layer, e)] for e in range(experts)]
+    def hold(self, layer: int, experts: int, held: list[int]) -> mx.array:
+        """Keep `held`, of `layer`'s `experts` (all resident: the caller read them), in the pool
+        for good, and return their slots as a device array indexed by expert id. An expert not
+        held (another rank's) maps to slot 0: that rank's routing never names it."""
+        mine = set(held)
+        slots = [self._slots[(layer, e)] if e in mine else 0 for e in range(experts)]
         self._held[layer] = mx.array(np.array(slots, dtype=np.uint32))
         return self._held[layer]
 

@@ -29,11 +29,10 @@ _DTYPE_NAMES = {mx.bfloat16: "BF16", mx.float16: "F16", mx.float32: "F32"}
 
 
 def seed_from_whole_layer(
-    pool: ExpertPool, layer: int, routed: np.ndarray, whole: dict[str, mx.array]
+    pool: ExpertPool, layer: int, experts: list[int], whole: dict[str, mx.array]
 ) -> int:
-    """Copy `layer`'s experts that `routed` (`[..., tokens, k]` on the host) names from its
-    whole-layer tensors `whole` into the pool, by recent use (`by_recent_use`). Returns how
-    many were copied."""
+    """Copy `experts` of `layer` (most wanted first: `by_recent_use`) from its whole-layer
+    tensors `whole` into the pool. Returns how many were copied."""
     host = {key: _host_view(array) for key, array in whole.items()}
 
     def write(expert: int, views: dict[str, np.ndarray]) -> None:
@@ -41,7 +40,7 @@ def seed_from_whole_layer(
             source, dtype = host[key]
             convert_into(source[expert], dtype, slot)
 
-    return pool.seed(layer, by_recent_use(routed), write)
+    return pool.seed(layer, experts, write)
 
 
 def by_recent_use(routed: np.ndarray) -> list[int]:

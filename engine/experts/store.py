@@ -18,9 +18,9 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from typing import Protocol
 
@@ -32,16 +32,18 @@ from ..config import EngineConfig, format_bytes
 from ..errors import Edge0Error
 from ..host_reads import HostReads
 from ..trace import NO_TRACE, Tracer
+from .counters import LayerRouted, LoadCounters
 from .eviction import ExpertKey
 from .freed_memory import release_freed_memory
 from .heat import ExpertEvent, ExpertHeat, HeatPicture
 from .ledger import ReadsAheadLedger
 from .page_cache_budget import CAN_EVICT_RANGES, PageCacheBudget
 from .pool import ExpertPool, expert_layout
-from .prefill_seed import seed_from_whole_layer
+from .prefill_seed import by_recent_use, seed_from_whole_layer
 from .read_pacing import ReadPacer
 from .reader_core import pin_threads, reader_cores, unpin_all_threads
 from .reads import ExpertReader, ReadResult, to_mlx
+from .share import ExpertShare
 from .slot_bank import SlotBank
 
 
@@ -50,61 +52,6 @@ class NextLayerGuesses(Protocol):
     guess (`.layer`, `.indices` on the device, `.host`, `.likely`) from a layer's input."""
 
     def guess_after(self, layer: int): ...
-
-
-@dataclass
-class LayerRouted:
-    """Where one layer's routed experts came from in a step (or summed over steps), and how well
-    the lookahead guessed them."""
-
-    resident: int = 0  # already in the expert cache
-    heads: int = 0  # read ahead by the prerouter heads' prediction
-    lookahead: int = 0  # read ahead by the lookahead's guess
-    missed: int = 0  # read when the layer needed them (the forward waited)
-    guessed_right: int = 0  # routed experts the lookahead had guessed
-    guessed_of: int = 0  # routed experts of steps in which the lookahead guessed this layer
-
-    def add(self, other: LayerRouted) -> None:
-        for name in self.__dataclass_fields__:
-            setattr(self, name, getattr(self, name) + getattr(other, name))
-
-
-def sum_layer_routed(tables: Iterable[dict]) -> dict[int, LayerRouted]:
-    """Per-layer tables of `LayerRouted` fields (a step's `routed_by_layer`, a summary's; other
-    keys, such as a recall, ignored; layers as ints or, after JSON, text), summed by layer."""
-    totals: dict[int, LayerRouted] = {}
-    for table in tables:
-        for layer, row in table.items():
-            counts = {k: v for k, v in row.items() if k in LayerRouted.__dataclass_fields__}
-            totals.setdefault(int(layer), LayerRouted()).add(LayerRouted(**counts))
-    return dict(sorted(totals.items()))
-
-
-@dataclass
-class LoadCounters:
-    """What the expert store did during one step."""
-
-    loads: int = 0  # experts read from the checkpoint
-    hits: int = 0  # routed experts found resident
-    bytes_read: int = 0
-    cold_bytes: int = 0  # of bytes_read, those not in the page cache before the read
-    read_ms: float = 0.0  # sum of per-read wall times (reads overlap on the reader threads)
-    blocked_ms: float = 0.0  # time the forward waited for expert bytes
-    whole_layer_reads: int = 0
-    whole_layer_bytes: int = 0  # bytes read as whole layers (prefill), outside the cache budget
-    transient_peak_bytes: int = 0  # most whole-layer buffer bytes held at once
-    prefetch_issued: int = 0  # expert reads issued ahead for this step (prerouter)
-    prefetch_in_time: int = 0  # of those, already read when the layer needed them
-    prefetch_late: int = 0  # of those, still being read when the layer needed them (blocked)
-    prefetch_given_up: int = 0  # reads ahead dropped to make room for a layer's misses
-    page_cache_evicted_bytes: int = 0  # expert bytes dropped from the page cache (its budget)
-    lookahead_issued: int = 0  # expert reads issued ahead by the lookahead's guesses
-    lookahead_in_time: int = 0  # of those, already read when the layer needed them
-    lookahead_late: int = 0  # of those, still being read when the layer needed them (blocked)
-    lookahead_dropped: int = 0  # reads ahead the layer did not route to, dropped when it routed
-    heads_not_read: int = 0  # predicted experts not read ahead: the heads name them less
-    # precisely than the lookahead (prefetch mode, the gate in `ledger.py`)
-    layers: dict[int, LayerRouted] = field(default_factory=dict)  # by layer, decode and prefill
 
 
 @dataclass
@@ -189,6 +136,17 @@ class ExpertStore:
         # When a list, every fetch appends (step, layer, experts): the routing trace that the eviction
         # benchmark replays.
         self.trace: list[tuple[int, int, list[int]]] | None = None
+        # With several ranks (`share.py`): the experts this rank reads, caches and computes. The
+        # routing the layers hand the store names only those (`ExpertShare.own_routing`); the
+        # predictions and guesses read ahead are cut to them here.
+        self.share: ExpertShare | None = None
+
+    def _own(self, experts: list[int]) -> list[int]:
+        return experts if self.share is None else self.share.own(experts)
+
+    def _experts_of(self, layer: int) -> list[int]:
+        """Every expert of `layer` this rank holds (all of them in one process)."""
+        return self._own(list(range(self.index.layers[layer].num_experts)))
 
     def set_page_cache_budget(self, budget_bytes: int | None) -> None:
         """Keep at most `budget_bytes` of expert bytes in the OS page cache (None: no budget).
@@ -281,7 +239,7 @@ class ExpertStore:
         banks = {self.pool.bank_layers(layer) for layer in self._moe_layers}
         for members in banks:
             members = sorted(members)
-            need = sum(self.index.layers[n].num_experts if n in layers else top_k for n in members)
+            need = sum(len(self._experts_of(n)) if n in layers else top_k for n in members)
             if need > self.pool.capacity(members[0], top_k):
                 return False
         return True
@@ -304,12 +262,12 @@ class ExpertStore:
     def _hold(self, layers: list[int]) -> None:
         for layer in layers:
             self._read_every_expert(layer)
-            self.pool.hold(layer, self.index.layers[layer].num_experts)
+            self.pool.hold(layer, self.index.layers[layer].num_experts, self._experts_of(layer))
 
     def _read_every_expert(self, layer: int) -> None:
         """Every expert of `layer` into the pool (as far as its budget keeps them), a bankful of
         reads at a time."""
-        experts = list(range(self.index.layers[layer].num_experts))
+        experts = self._experts_of(layer)
         batch = self.bank(layer).capacity
         for start in range(0, len(experts), batch):
             self.fetch(layer, experts[start : start + batch])
@@ -330,7 +288,7 @@ class ExpertStore:
         """Count held layers' routing of step `step` once it is on the host: hits into
         `counters`, uses into the heat picture of the step now under way."""
         for layer, experts in routed:
-            distinct = sorted(set(experts.reshape(-1).tolist()))
+            distinct = self._own(sorted(set(experts.reshape(-1).tolist())))
             counters.hits += len(distinct)
             self._layer_counts_in(counters, layer).resident += len(distinct)
             if self.trace is not None:
@@ -353,6 +311,7 @@ class ExpertStore:
         A held layer needs neither: its every expert stays resident."""
         if self.pool.slot_table(layer) is not None:  # held: every expert is resident
             return
+        experts = self._own(experts)
         step = self.pool.step + 1
         self.ledger.expect(step, layer, "heads", experts)
         read = self.ledger.heads_read(layer)
@@ -368,6 +327,7 @@ class ExpertStore:
         rest below every read the forward waits for. The layer still routes by its own router;
         `routing_known` then drops the wrong reads."""
         step = self.pool.step + next_step
+        experts = self._own(experts)
         self.ledger.expect(step, layer, "lookahead", experts)
         if self.lookahead_reads:
             issued = self._read_ahead(layer, experts, step, "lookahead")
@@ -450,20 +410,22 @@ class ExpertStore:
             if routed is None:
                 self.routed_on_device(layer, indices)
             else:
-                self.routing_known(layer, _distinct(routed))
+                self.routing_known(layer, self._own(_distinct(routed)))
             known = indices if routed is None else routed
             return LayerSlots(self.bank(layer).arrays, device=table[indices]), known
         guess = None
         if routed is None:
             routed, guess = self._read_routing(layer, indices, tokens)
-        distinct = _distinct(routed)
+        # Another rank's experts are neither read nor computed here: their rows of the routing
+        # point at slot 0, and their outputs are zeroed before the ranks' sum (`share.py`).
+        distinct = self._own(_distinct(routed))
         if tokens == 1:
             self.routing_known(layer, distinct)
         if tokens > 1 and self.wants_whole_layer(layer, len(distinct)):
             # The layer's stacked tensors are indexed by expert id: the routing is its own slots.
             whole = self.whole_layer(layer)
             if not self._in_pass:  # a prompt, whose last token comes next through the pool
-                seed_from_whole_layer(self.pool, layer, routed, whole)
+                seed_from_whole_layer(self.pool, layer, self._own(by_recent_use(routed)), whole)
             return LayerSlots(whole, device=indices, host=routed), routed
         if len(distinct) > self.pool.room(layer):
             return LayerSlots(groups=self.bankfuls(layer, distinct)), routed

@@ -179,7 +179,7 @@ class StreamingSwitchGLU(nn.Module):
                 self._host_reads.wait(y, "a prefill group's slots are reused")
                 outputs.append(y)
             done.append(ids)
-        return _in_routing_order(outputs, done, routed)
+        return _in_routing_order(outputs, done, routed, x)
 
     # -- a bank of stacked experts (mirrors mlx-lm's SwitchGLU exactly) ----------------------------
 
@@ -331,14 +331,15 @@ def mixed_glu(
 
 
 def _in_routing_order(
-    outputs: list[mx.array], done: list[np.ndarray], routed: np.ndarray
+    outputs: list[mx.array], done: list[np.ndarray], routed: np.ndarray, x: mx.array
 ) -> mx.array:
     """Per-assignment outputs computed in pieces (`outputs[i]` for the flat assignment ids
-    `done[i]`), back in the routing's order: `[..., k, hidden]`."""
-    size = routed.size
-    position = np.empty(size, dtype=np.uint32)
-    position[np.concatenate(done)] = np.arange(size, dtype=np.uint32)
-    y = mx.concatenate(outputs, axis=0)[mx.array(position)]
+    `done[i]`), back in the routing's order: `[..., k, hidden]`. An assignment not computed
+    (another rank's expert) is a row of zeros."""
+    ids = np.concatenate(done)
+    position = np.full(routed.size, len(ids), dtype=np.uint32)
+    position[ids] = np.arange(len(ids), dtype=np.uint32)
+    y = mx.concatenate([*outputs, mx.zeros((1, x.shape[-1]), x.dtype)], axis=0)[mx.array(position)]
     return y.reshape(*routed.shape, y.shape[-1])
 
 

@@ -23,6 +23,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -30,6 +31,7 @@ from pathlib import Path
 from ..checkpoint.index import checkpoint_shards
 from ..errors import Edge0Error
 from ..experts.page_cache import FileResidency, evict_file
+from ..runtime.ranks import run_ranks_here
 from ..trace import Tracer
 from . import bench_reads_ahead
 from .memory_cgroup import MemoryCgroup
@@ -67,6 +69,8 @@ FIGURES = (
     ("cold MiB read", "read_cold_mib", "{:.1f}"),
     ("read-busy ms", "read_busy_ms", "{:.0f}"),
     ("compute waited ms/step", "compute_waited_ms", "{:.1f}"),
+    ("sum ms/layer", "all_sum_ms", "{:.2f}"),  # ranked arms: one MoE layer's sum over the ranks
+    ("sum ms/token", "all_sum_ms_per_token", "{:.1f}"),
     *bench_reads_ahead.READ_AHEAD_FIGURES,
 )
 
@@ -149,7 +153,7 @@ class ArmRun:
 # -- one arm, in its own process --------------------------------------------------------------------
 
 
-def run_arm(spec: dict) -> dict:
+def run_arm(spec: dict) -> dict | None:
     """Run one arm (in the child process) and return its figures as plain data."""
     from ..config import EngineConfig, GenerationConfig
     from ..runtime.compute_activity import compute_waits
@@ -166,9 +170,13 @@ def run_arm(spec: dict) -> dict:
         read_pace_bps=spec.get("read_pace_bps"),
         page_cache_bytes=spec.get("page_cache_bytes"),
         sync_cost_s=spec.get("sync_cost_s", 0.0),
+        expert_parallel=spec.get("ranks", 1) > 1,
     )
     reads = ReadSpans(whole_trace=spec.get("trace") is not None)
     with Engine(spec["model"], config, tracer=reads) as engine:
+        if engine.share is not None and engine.share.rank != 0:
+            engine.follow()  # rank 0 runs the arm; this rank runs each forward with it
+            return None
         if spec.get("preload_experts"):
             engine.store.load_all()
             reads.spans.clear()
@@ -196,6 +204,9 @@ def run_arm(spec: dict) -> dict:
         expert_bytes = engine.loaded.index.expert_nbytes
         summary["page_cache_share"] = summary["median_page_cache_expert_bytes"] / expert_bytes
         summary["k"] = engine.k
+        if engine.share is not None:
+            summary["all_sum_ms"] = engine.time_layer_sum()
+            summary["all_sum_ms_per_token"] = summary["all_sum_ms"] * len(engine.loaded.blocks)
         disk = None if disk_before is None or disk_after is None else disk_after - disk_before
         summary.update(reads.achieved(disk))
         decode = [s.wall_ms for s in result.steps if s.phase == "decode"]
@@ -276,6 +287,13 @@ def _spawn(
             group.join()
 
     command = [sys.executable, "-m", "engine.measure.bench", json.dumps(spec)]
+    if spec.get("ranks", 1) > 1:
+        with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+            code = run_ranks_here(spec["ranks"], command, out, err, timeout_s)
+            if code == -1:
+                raise subprocess.TimeoutExpired(command, timeout_s)
+            out.seek(0), err.seek(0)
+            return code, out.read(), err.read()
     process = subprocess.run(
         command,
         capture_output=True,
@@ -315,11 +333,15 @@ def _warm(shards: list[Path]) -> None:
 
 
 def run_bench(config: BenchConfig, progress=print, timeout_s: float = 3600) -> dict:
-    unknown = [a for a in config.arms if a not in ARMS and compute_only_mode(a) is None]
+    unknown = [
+        a
+        for a in config.arms
+        if a not in ARMS and compute_only_mode(a) is None and ranked_arm(a) is None
+    ]
     if unknown or not config.arms:
         raise Edge0Error(
-            f"unknown arm(s) {unknown}: choose from {', '.join(ARMS)}, or compute-only:MODE "
-            f"(MODE one of {', '.join(STREAMED_MODES)})"
+            f"unknown arm(s) {unknown}: choose from {', '.join(ARMS)}, compute-only:MODE, or "
+            f"MODE@N (N ranks on this machine; MODE one of {', '.join(STREAMED_MODES)})"
         )
     shards = checkpoint_shards(Path(config.model))
     base = {
@@ -380,6 +402,11 @@ def run_bench(config: BenchConfig, progress=print, timeout_s: float = 3600) -> d
                     expert_cache_auto=False,
                     page_cache_bytes=None,
                 )
+            elif (ranked := ranked_arm(arm)) is not None:
+                spec.update(mode=ranked[0], ranks=ranked[1])
+                if config.cold:
+                    run.evicted_check = _evict_and_check(shards)
+                cgroups = []  # (the report says so: settings_not_taken)
             else:
                 if arm in settings_not_taken(config):
                     spec["page_cache_bytes"] = None  # (the report says so)
@@ -416,6 +443,15 @@ def run_bench(config: BenchConfig, progress=print, timeout_s: float = 3600) -> d
             )
             runs.append(run)
     return build_report(config, sampled, runs)
+
+
+def ranked_arm(arm: str) -> tuple[str, int] | None:
+    """`MODE@N`: a streamed mode run as N ranks on this machine, each with its share of the
+    experts (engine/experts/share.py). Returns (MODE, N); None for any other arm."""
+    mode, _, ranks = arm.partition("@")
+    if mode in STREAMED_MODES and ranks.isdigit() and 2 <= int(ranks) <= 16:
+        return mode, int(ranks)
+    return None
 
 
 def compute_only_mode(arm: str, arms: list[str] = ()) -> str | None:
@@ -494,6 +530,15 @@ def build_report(config: BenchConfig, sampled: dict, runs: list[ArmRun]) -> dict
             data["ratios"][f"blocked_vs_{reference}"] = _ratio(mine, ref, "median_blocked_ms")
             data["ratios"][f"peak_mlx_vs_{reference}"] = _ratio(mine, ref, "peak_mlx_mib")
     for arm, data in arms.items():
+        if (ranked := ranked_arm(arm)) is not None:
+            ok = [r for r in runs if r.arm == arm and r.ok]
+            data["ranks"] = _rank_medians([r.summary.get("ranks", []) for r in ok])
+            one = arms.get(ranked[0], {}).get("figures", {})
+            if one and data["figures"]:
+                data["ratios"]["tok_s_vs_one_process"] = _ratio(
+                    data["figures"], one, "decode_tok_per_s"
+                )
+    for arm, data in arms.items():
         f = data["figures"]
         compute = _compute_only_step(arms, arm)
         if compute is None or arm not in STREAMED_MODES or "median_wall_ms" not in f:
@@ -515,9 +560,21 @@ def build_report(config: BenchConfig, sampled: dict, runs: list[ArmRun]) -> dict
 def settings_not_taken(config: BenchConfig) -> dict[str, list[str]]:
     """Arm -> the run's settings it cannot take and runs without: the resident arm reads every
     expert into memory at load, so a page-cache budget has nothing to bound."""
-    if config.page_cache_bytes is None or "resident" not in config.arms:
-        return {}
-    return {"resident": ["the page-cache budget (every expert is resident)"]}
+    taken: dict[str, list[str]] = {}
+    if config.page_cache_bytes is not None and "resident" in config.arms:
+        taken["resident"] = ["the page-cache budget (every expert is resident)"]
+    limits = [
+        name
+        for name, on in (
+            ("--ram-limit", config.ram_limit_bytes is not None),
+            ("--read-limit", config.throttled),
+        )
+        if on
+    ]
+    for arm in config.arms:
+        if limits and ranked_arm(arm) is not None:
+            taken[arm] = [f"{' and '.join(limits)} (ranks run in no cgroup yet)"]
+    return taken
 
 
 def memory_wall(runs: list[ArmRun]) -> dict:
@@ -590,6 +647,18 @@ def _ratio(mine: dict, ref: dict, key: str) -> float | None:
     return mine[key]["median"] / ref[key]["median"]
 
 
+def _rank_medians(rounds: list[list[dict]]) -> list[dict]:
+    """Each rank's figures (a summary's "ranks"), the median over rounds."""
+    by_rank: dict[int, list[dict]] = {}
+    for ranks in rounds:
+        for row in ranks:
+            by_rank.setdefault(int(row["rank"]), []).append(row)
+    return [
+        {"rank": rank, **{k: statistics.median(r[k] for r in rows) for k in rows[0] if k != "rank"}}
+        for rank, rows in sorted(by_rank.items())
+    ]
+
+
 def _per_step_median(series: list[list[float]]) -> list[float]:
     if not series:
         return []
@@ -602,7 +671,9 @@ if __name__ == "__main__":  # the child process of one arm
 
     fit_mlx_lm_to_the_open_file_limit()
     try:
-        print(json.dumps(run_arm(json.loads(sys.argv[1]))))
+        payload = run_arm(json.loads(sys.argv[1]))
+        if payload is not None:  # (None: a rank other than 0)
+            print(json.dumps(payload))
     except Edge0Error as e:
         print(f"edge0: error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -191,8 +191,38 @@ def markdown(report: dict) -> str:
                 f"| {o['limit_ms']:.1f} | {_x(o['step_vs_limit'])} "
                 f"| {o['blocked_share']:.0%} |"
             )
+    lines += rank_lines(report)
     lines += bench_reads_ahead.markdown_lines(report, _cell)
     return "\n".join(lines) + "\n"
+
+
+def rank_lines(report: dict) -> list[str]:
+    """The ranked arms (`MODE@N`): the ranks' sum per MoE layer and per token (timed alone, in
+    the same run), against one process, and each rank's waits and reads."""
+    ranked = {a: d for a, d in report["arms"].items() if d.get("ranks")}
+    if not ranked:
+        return []
+    lines = [
+        "",
+        "**Ranks** (`MODE@N`: N processes on this machine, each with its share of the experts; "
+        "the sum over the ranks timed alone; each rank's blocked ms/step and MiB read)",
+        "",
+        "| arm | decode tok/s | vs one process | sum ms/layer | sum ms/token | ranks |",
+        "|---|---|---|---|---|---|",
+    ]
+    for arm, data in ranked.items():
+        f = data["figures"]
+        each = "; ".join(
+            f"{r['rank']}: {r['median_blocked_ms']:.1f} ms blocked, {r['expert_mib_read']:.1f} MiB"
+            for r in data["ranks"]
+        )
+        lines.append(
+            f"| {arm} | {_cell(f, 'decode_tok_per_s', '{:.2f}')} "
+            f"| {_x(data['ratios'].get('tok_s_vs_one_process'))} "
+            f"| {_cell(f, 'all_sum_ms', '{:.2f}')} | {_cell(f, 'all_sum_ms_per_token', '{:.1f}')} "
+            f"| {each} |"
+        )
+    return lines
 
 
 def _cell(figures: dict, key: str, fmt: str) -> str:

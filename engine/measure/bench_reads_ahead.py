@@ -10,7 +10,7 @@ by the heads or by the lookahead, or missed (read while the forward waited).
 
 from __future__ import annotations
 
-from ..experts.store import sum_layer_routed
+from ..experts.counters import sum_layer_routed
 
 # (label, summary key, format): added to the bench's per-arm figures.
 READ_AHEAD_FIGURES = (

@@ -374,6 +374,8 @@ class RoutedMoE(nn.Module):
         if isinstance(experts, StreamingSwitchGLU):
             slots, routed = experts.store.layer_slots(self._layer, indices, host)
             y = experts.compute(inputs, routed, slots)
+            if experts.store.share is not None:  # this rank's experts' outputs, then every rank's
+                y = experts.store.share.combined(y, indices)
         else:  # resident experts (training): the routing stays on the device
             y, routed = experts(inputs, indices), indices
         if prediction is not None:

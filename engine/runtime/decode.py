@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
-from ..experts.store import LoadCounters
+from ..experts.counters import LoadCounters
 from ..routing.lookahead import Guess
 from ..routing.state import Predictions, RoutingCounters
 from .metrics import StepMetrics, merged
@@ -194,6 +194,10 @@ class Decoder:
         if self.sampler is not None and self.sampler.constrained:
             return False
         store = self.engine.store
+        if store is not None and store.share is not None:
+            # Ranks must sum in one order: a step built ahead would queue its layers' sums
+            # before the stop that ranks agree on after each token (runtime/follow.py).
+            return False
         return store is None or store.every_layer_held
 
     def build(

@@ -15,6 +15,8 @@ before the next step (between steps of a reply, or before the next reply). Base 
 from __future__ import annotations
 
 import dataclasses
+import random
+import statistics
 import threading
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
@@ -26,9 +28,10 @@ from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_p
 from ..adapters.lora import AppliedLoRA, load_lora
 from ..adapters.profiles import AdapterFiles, KProfile, ProfileSearch, chosen_k, k_profiles
 from ..adapters.quality import kept_quality
-from ..config import HEAD_MODES, EngineConfig, GenerationConfig, format_bytes
+from ..config import HEAD_MODES, MODES, EngineConfig, GenerationConfig, format_bytes
 from ..errors import Edge0Error
 from ..experts.heat import HeatPicture
+from ..experts.share import ExpertShare
 from ..experts.switch_glu import projection_specs
 from ..routing.lookahead import Lookahead, attach_lookahead
 from ..routing.moe_block import set_top_k
@@ -40,6 +43,7 @@ from .compute_activity import follow_compute
 from .decode import Decoder, GeneratedToken, Reply
 from .decode_policy import apply as apply_policy
 from .decode_policy import decode_policy
+from .follow import agree, announce
 from .loader import LoadedModel, load
 from .memory_plan import wire_for_plan
 from .metrics import (
@@ -426,7 +430,74 @@ class Engine:
         the prefill. With `keep_logits`, each token's logits come evaluated. A request this
         model cannot serve raises Edge0Error here, before any token."""
         gen = self._checked_request(prompt_tokens, gen, forced_tokens)
-        return Reply(self._reply(prompt_tokens, gen, should_stop, forced_tokens, keep_logits))
+        announcement = None
+        if self.share is not None:  # every rank runs this reply with this one (runtime/follow.py)
+            gen, announcement, should_stop = self._lead(gen, should_stop)
+            announcement.update(prompt=prompt_tokens, forced=forced_tokens, logits=keep_logits)
+        return Reply(
+            self._reply(prompt_tokens, gen, should_stop, forced_tokens, keep_logits, announcement)
+        )
+
+    @property
+    def share(self) -> ExpertShare | None:
+        """This rank's share of the experts, when the engine is one rank of several."""
+        return self.store.share if self.store is not None else None
+
+    def _lead(self, gen: GenerationConfig, should_stop: Callable[[], bool] | None):
+        """Rank 0's reply: what the other ranks are told (the sampling seed chosen here, so that
+        every rank samples alike), and a stop that they hear at the same step, with the K and
+        mode that step runs."""
+        if gen.constraint is not None:
+            raise Edge0Error("structured output (a grammar) is not available with several ranks")
+        if gen.seed is None:
+            gen = dataclasses.replace(gen, seed=random.randrange(2**63))
+        k, mode = self.pending
+        config = {f.name: getattr(gen, f.name) for f in dataclasses.fields(gen)}
+        config.pop("constraint")
+        config["logit_bias"] = list(gen.logit_bias.items())
+
+        def stop_here() -> bool:
+            stop = should_stop is not None and should_stop()
+            k, mode = self.pending
+            return agree(self.share, stop, k, MODES.index(mode))[0]
+
+        return gen, {"gen": config, "k": k, "mode": mode}, stop_here
+
+    def follow(self, on_reply: Callable[[GenerationResult], None] | None = None) -> None:
+        """A rank other than 0: run each reply that rank 0 announces, switching K and mode where
+        it does, until rank 0's engine closes (runtime/follow.py)."""
+        share = self.share
+        while (message := announce(share, None)) is not None:
+            if message.get("op") == "time_layer_sum":
+                self.time_layer_sum()
+                continue
+            self.request_mode(message["mode"])
+            self.request_k(message["k"])
+            config = message["gen"]
+            gen = GenerationConfig(**{**config, "logit_bias": dict(config["logit_bias"])})
+
+            def stop_here() -> bool:
+                stop, k, mode = agree(share, False, 0, 0)
+                if (k, MODES[mode]) != self.pending:
+                    self.request_mode(MODES[mode])
+                    self.request_k(k)
+                return stop
+
+            prompt, forced = message["prompt"], message["forced"]
+            reply = Reply(self._reply(prompt, gen, stop_here, forced, message["logits"]))
+            for _ in reply:
+                pass
+            if on_reply is not None:
+                on_reply(reply.result)
+
+    def time_layer_sum(self, repeats: int = 50) -> float:
+        """The median ms of one MoE layer's sum over the ranks at decode, timed alone (every rank
+        runs it: rank 0 tells the others)."""
+        if self.share.rank == 0:
+            announce(self.share, {"op": "time_layer_sum"})
+        return self.share.time_sum(
+            (1, self.k, self.loaded.hidden), self.loaded.float_dtype, repeats
+        )
 
     def _reply(
         self,
@@ -435,7 +506,10 @@ class Engine:
         should_stop: Callable[[], bool] | None,
         forced_tokens: list[int] | None,
         keep_logits: bool,
+        announcement: dict | None = None,
     ) -> Generator[GeneratedToken, None, GenerationResult]:
+        if announcement is not None:  # told as the reply starts: a reply never run is never told
+            announce(self.share, announcement)
         # The request's peaks, MLX's and the kernel's RSS high-water mark, start here.
         peak_rss_scope = reset_request_peaks()
         if gen.seed is not None:
@@ -467,6 +541,8 @@ class Engine:
                 peak_rss_scope=peak_rss_scope,
             )
             result.summary["reused_prompt_tokens"] = reused
+            if self.store is not None and self.store.share is not None:
+                result.summary["ranks"] = self.store.share.by_rank(self._rank_figures(result))
         finally:
             # Whatever happened (a read error, a cancel), no per-request state outlives the request.
             self._reset_request_state()
@@ -479,6 +555,18 @@ class Engine:
             self._prompt_cache = (cache, fed, profile)
         result.text = self.reply_text(result.tokens)
         return result
+
+    def _rank_figures(self, result: GenerationResult) -> dict[str, float]:
+        """What this rank read, held and waited for in a reply, to show beside the others'."""
+        decode = [s for s in result.steps if s.phase == "decode"]
+        return {
+            "expert_mib_read": sum(s.mib_read + s.whole_layer_mib for s in result.steps),
+            "decode_expert_mib_read": sum(s.mib_read for s in decode),
+            "loads": sum(s.loads for s in result.steps),
+            "median_blocked_ms": statistics.median(s.blocked_ms for s in decode) if decode else 0.0,
+            "expert_cache_mib": self.store.pool.resident_bytes / 2**20,
+            "decode_tok_per_s": result.summary["decode_tok_per_s"],
+        }
 
     def _checked_request(
         self, prompt_tokens: list[int], gen: GenerationConfig | None, forced: list[int] | None
@@ -538,6 +626,8 @@ class Engine:
             self.routing.reset()
 
     def close(self) -> None:
+        if self.share is not None and self.share.rank == 0:
+            announce(self.share, None)  # the other ranks' `follow` ends
         if self.store is not None:
             self.store.close()
         if self.memory is not None:

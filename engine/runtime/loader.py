@@ -50,6 +50,7 @@ from ..checkpoint.index import (
 from ..config import EngineConfig
 from ..errors import Edge0Error
 from ..experts.freed_memory import return_large_frees_to_os
+from ..experts.share import ExpertShare
 from ..experts.store import ExpertStore
 from ..experts.switch_glu import (
     DensePrefillSwitchGLU,
@@ -312,9 +313,18 @@ def load(model_dir: str | Path, config: EngineConfig, tracer: Tracer = NO_TRACE)
                 specs = projection_specs(site.switch, f"{model_dir} layer {site.layer}")
                 dense = DensePrefillSwitchGLU(site.switch, specs, dense_rows, host_reads)
                 setattr(site.parent, site.attribute, dense)
+    if config.expert_parallel and config.mode == "resident":
+        raise Edge0Error("resident mode holds every expert: ranks share experts in streamed modes")
     if config.mode != "resident":
         # The Engine checks the expert cache for its K (`ExpertStore.set_top_k`).
         store = ExpertStore(index, config, float_dtype, tracer, host_reads)
+        if config.expert_parallel:
+            if not family.routing:
+                raise Edge0Error(
+                    f"{model_dir}: {family.name} routes with its own block here, so its experts "
+                    "cannot be shared between ranks"
+                )
+            store.share = ExpertShare.joined()
         routing = RoutingState(top_k, num_experts, blocks, float_dtype, host_reads, tracer)
         for site in sites:
             specs = projection_specs(site.switch, f"{model_dir} layer {site.layer}")

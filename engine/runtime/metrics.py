@@ -20,8 +20,8 @@ from pathlib import Path
 import mlx.core as mx
 
 from ..config import format_bytes
+from ..experts.counters import LoadCounters, sum_layer_routed
 from ..experts.page_cache import FileResidency
-from ..experts.store import LoadCounters, sum_layer_routed
 
 MIB = 1024 * 1024
 

@@ -1,0 +1,178 @@
+"""Expert parallelism (engine/experts/share.py, edge0_tui/ranks.py): two ranks on this machine,
+each with its share of the routed experts, give one process's greedy tokens, each reading only
+its own experts."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from adapters import profile_k, write_random_profile
+from cli_runner import run_cli
+from ranks_worker import greedy_reply
+from test_server import API_KEY, private_env, start_server, stop_server
+
+from edge0_tui.cli import main
+from engine import Edge0Error, parse_size, run_ranks_here
+from engine.config import EngineConfig, GenerationConfig
+from engine.experts.share import ExpertShare
+from engine.measure.bench import BenchConfig, ranked_arm, run_bench
+from engine.runtime.generation import Engine
+
+TESTS = Path(__file__).resolve().parent
+DEMO = TESTS.parent / "assets" / "demo"
+TOKENS = 8
+EVERY_EXPERT = 1 << 30  # a cache that holds every expert: layers held, routed on the device
+# Prefetch reads its lookahead's guesses ahead even for tiny experts: the guesses are cut to the
+# rank's share too.
+MODES = [
+    {"mode": "on-demand"},
+    {"mode": "prefetch", "prefetch_min_expert_bytes": 0},
+    {"mode": "prerouter", "k": 4},
+]
+
+
+def _one_layer_budget(model_dir: Path) -> int:
+    """One expert more than a layer's routed set: experts are evicted every step."""
+    with Engine(model_dir, EngineConfig(mode="on-demand")) as engine:
+        store = engine.store
+        layer = max(store.index.layers)
+        return (engine.loaded.top_k + 1) * store.resident_expert_nbytes(layer)
+
+
+def _cases(checkpoint_dir) -> list[dict]:
+    models = [(DEMO, parse_size("4M")), (DEMO, EVERY_EXPERT)]
+    for family in ("qwen3_moe", "gpt_oss"):
+        model_dir = checkpoint_dir(family)
+        if not (model_dir / f"prerouter_k{profile_k(family)}.safetensors").exists():
+            write_random_profile(model_dir, profile_k(family))
+        models.append((model_dir, _one_layer_budget(model_dir)))
+    cases = []
+    for model_dir, budget in models:
+        with Engine(model_dir, EngineConfig(mode="on-demand")) as engine:
+            prompt = engine.encode("Tell me about the sea and the lighthouse.", chat=True)
+        for mode in MODES:
+            config = {**mode, "expert_cache_bytes": budget}
+            cases.append({"model": str(model_dir), "config": config, "prompt": prompt})
+    return [{**case, "tokens": TOKENS} for case in cases]
+
+
+def _one_process(case: dict):
+    with Engine(case["model"], EngineConfig(**case["config"])) as engine:
+        result, logits = greedy_reply(engine, case["prompt"], TOKENS)
+        cached = engine.store.pool.resident_bytes / 2**20
+    return result.tokens, logits, sum(s.mib_read + s.whole_layer_mib for s in result.steps), cached
+
+
+def test_two_ranks_give_one_process_tokens_each_reading_its_share(checkpoint_dir, tmp_path):
+    cases = _cases(checkpoint_dir)
+    (tmp_path / "cases.json").write_text(json.dumps(cases))
+    command = [sys.executable, str(TESTS / "ranks_worker.py"), str(tmp_path / "cases.json")]
+    assert run_ranks_here(2, [*command, str(tmp_path / "replies.json")]) == 0
+    replies = json.loads((tmp_path / "replies.json").read_text())
+    assert len(replies) == len(cases) == 12
+    for case, reply in zip(cases, replies):
+        tokens, logits, mib_read, cached = _one_process(case)
+        where = f"{Path(case['model']).name} {case['config']}"
+        assert reply["tokens"] == tokens and reply["logits"] == logits, where  # bit for bit
+        ranks = reply["ranks"]
+        assert [r["rank"] for r in ranks] == [0, 1], where
+        # Each rank reads its own share of what one process reads, and where the cache holds
+        # every expert, holds its own share of them.
+        for r in ranks:
+            assert 0 < r["expert_mib_read"] < mib_read, where
+        assert sum(r["expert_mib_read"] for r in ranks) <= 1.1 * mib_read, where
+        if case["config"]["expert_cache_bytes"] == EVERY_EXPERT:  # each holds half the experts
+            assert sum(r["expert_cache_mib"] for r in ranks) == pytest.approx(cached), where
+
+
+@pytest.mark.parametrize("mode", MODES, ids=lambda m: m["mode"])
+def test_a_rank_reads_and_caches_only_its_own_experts(checkpoint_dir, mode):
+    """In one process, as rank 1 of 2 (the sum over ranks is then this rank's alone): every read,
+    read ahead and cached expert is odd."""
+    model_dir = checkpoint_dir("qwen3_moe")
+    if not (model_dir / "prerouter_k4.safetensors").exists():
+        write_random_profile(model_dir, 4)
+    config = EngineConfig(**mode, expert_cache_bytes=_one_layer_budget(model_dir))
+    with Engine(model_dir, config) as engine:
+        store = engine.store
+        store.share = ExpertShare(1, 2)
+        store.trace = []
+        prompt = engine.encode("Tell me about the sea and the lighthouse.", chat=True)
+        cached = set()  # what the pool held after each token (a request's end forgets reads ahead)
+        for _ in engine.stream(prompt, GenerationConfig(max_tokens=TOKENS, temperature=0.0)):
+            cached |= set(store.pool.resident_mask().nonzero()[1].tolist())
+        read = {e for _, _, experts in store.trace for e in experts}
+    assert read and all(e % 2 == 1 for e in read)
+    assert cached and all(e % 2 == 1 for e in cached)
+
+
+def test_hosts_refusals_are_one_line_before_any_rank_starts(tmp_path):
+    for hosts, says in [
+        ("1", "name 2 to 16 hosts"),
+        ("a,,b", "name 2 to 16 hosts"),
+        (str(tmp_path / "none.json"), "no such hostfile"),
+    ]:
+        result = run_cli("generate", "demo", "--prompt", "hi", "--hosts", hosts)
+        assert result.returncode == 2 and says in result.stderr, result.stderr
+        assert "Traceback" not in result.stderr
+    result = run_cli("generate", "demo", "--prompt", "hi", "--hosts", "2", "--mode", "resident")
+    assert result.returncode == 2 and "resident mode holds every expert" in result.stderr
+
+
+def test_bench_hosts_runs_each_streamed_arm_as_ranks_too(checkpoint_dir, tmp_path, capsys):
+    out = tmp_path / "report.json"
+    args = ["bench", str(checkpoint_dir("qwen3_moe")), "--arms", "resident,on-demand"]
+    args += ["--hosts", "2", "--rounds", "1", "--tokens", "4", "--expert-cache", "60K"]
+    assert main([*args, "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert [r["arm"] for r in report["runs"]] == ["resident", "on-demand", "on-demand@2"]
+    assert all(r["ok"] and r["summary"]["generated_tokens"] == 4 for r in report["runs"])
+    ranked = report["arms"]["on-demand@2"]
+    assert [r["rank"] for r in ranked["ranks"]] == [0, 1]
+    assert all(r["expert_mib_read"] > 0 for r in ranked["ranks"])
+    assert ranked["figures"]["all_sum_ms"]["median"] > 0
+    assert ranked["ratios"]["tok_s_vs_one_process"] > 0
+    assert "**Ranks**" in capsys.readouterr().out
+
+
+def test_ranked_arms_are_streamed_modes_on_two_to_sixteen_ranks():
+    assert ranked_arm("prerouter@2") == ("prerouter", 2)
+    assert ranked_arm("on-demand@16") == ("on-demand", 16)
+    for arm in ("resident@2", "on-demand@1", "on-demand@17", "on-demand@x", "on-demand"):
+        assert ranked_arm(arm) is None
+    with pytest.raises(Edge0Error, match="MODE@N"):
+        run_bench(BenchConfig(Path("unused"), ["resident@2"]), progress=lambda line: None)
+
+
+def test_serve_hosts_answers_with_the_other_rank_following(checkpoint_dir, tmp_path_factory):
+    """Rank 0 serves; rank 1 runs each reply with it (K and mode switched per request): the
+    replies are one process's greedy tokens, and SIGTERM stops every rank cleanly."""
+    model = checkpoint_dir("qwen3_moe")
+    if not (model / "prerouter_k4.safetensors").exists():
+        write_random_profile(model, 4)
+    messages = [{"role": "user", "content": "Tell me about the sea and the lighthouse."}]
+    expected = {}
+    for mode, k in (("on-demand", None), ("prerouter", 4)):
+        with Engine(model, EngineConfig(mode=mode, k=k)) as engine:
+            prompt = engine.encode_chat(messages)
+            tokens = engine.generate(prompt, GenerationConfig(8, 0.0)).tokens
+            expected[mode] = engine.reply_text(tokens)
+    log = tmp_path_factory.mktemp("ranks-serve") / "server.log"
+    env = private_env(tmp_path_factory)
+    server = start_server(model, log, env, "--api-key", API_KEY, "--hosts", "2")
+    try:
+        for mode, k in (("on-demand", None), ("prerouter", 4), ("on-demand", None)):
+            reply = server.client().chat.completions.create(
+                model="m",
+                messages=messages,
+                max_tokens=8,
+                temperature=0,
+                extra_body={"mode": mode, **({"k": k} if k else {})},
+            )
+            assert reply.choices[0].message.content == expected[mode], mode
+    finally:
+        stop_server(server)  # asserts status 0
+    assert log.read_text().count("edge0 rank 1: [") == 3  # rank 1's line per reply
