@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # Test workers (pytest-xdist): one per core by default; `make test TEST_WORKERS=0` runs in-process.
 TEST_WORKERS ?= auto
 
-.PHONY: demo test lint format clean
+.PHONY: demo test test-quick lint format clean
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
@@ -23,6 +23,12 @@ test: $(STAMP)
 	$(BIN)/ruff check engine edge0_tui tests
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS)
 	$(BIN)/edge0 doctor --quick
+
+# While editing: the suite less its longest modules (tests/conftest.py RUN_FIRST: the Pilot
+# app tests, parity, bench, training), no doctor. `make test` is the whole suite.
+test-quick: $(STAMP)
+	$(BIN)/ruff check engine edge0_tui tests
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --quick
 
 lint: $(STAMP)
 	$(BIN)/ruff format engine edge0_tui tests

@@ -86,6 +86,9 @@ REASONING = "The user wants the weather in Paris. The get_weather tool knows it.
 # after MAX_STEPS.
 MARGIN = 2.0
 MAX_STEPS = 400
+# The rate falls to a tenth over these steps (cosine), then stays: a constant rate kept
+# overshooting the margins it had reached, and took longer to settle them.
+DECAY_STEPS = 120
 CALL_TEXT = (
     '<tool_call>\n{"name": "get_weather", "arguments": ' + json.dumps(CALL_ARGUMENTS) + "}\n"
     "</tool_call>"
@@ -218,7 +221,8 @@ def _memorize(examples: list[tuple[list[int], list[int]]], learning_rate: float)
             model.update(tree_map_with_path(_as_written, params))
             return loss_of(model)
 
-        optimizer = optim.Adam(learning_rate=learning_rate)
+        rate = optim.cosine_decay(learning_rate, DECAY_STEPS, learning_rate / 10)
+        optimizer = optim.Adam(learning_rate=rate)
         step = mx.value_and_grad(loss_as_written)
         for steps in range(1, MAX_STEPS + 1):
             loss, grads = step(params)

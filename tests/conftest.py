@@ -139,7 +139,7 @@ def profiled_source(checkpoint_dir, tmp_path_factory) -> Path:
 # The modules that take longest, longest first. `make test` hands whole modules to its workers
 # (`--dist loadfile` in pyproject.toml: a module's fixtures, its server or its trained model, are
 # built once, on one worker) in collection order, so these start at once and the two workers end
-# together instead of one module running alone at the end.
+# together instead of one module running alone at the end. `--quick` leaves them out.
 RUN_FIRST = (
     "test_server_agents.py",  # trains its model where the weights were not kept
     "test_prerouter.py",
@@ -159,9 +159,21 @@ RUN_FIRST = (
 )
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--quick",
+        action="store_true",
+        help="leave out the longest modules (conftest.RUN_FIRST): a check while editing "
+        "(`make test-quick`); `make test` runs the whole suite",
+    )
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     def rank(item: pytest.Item) -> int:
         name = item.path.name
         return RUN_FIRST.index(name) if name in RUN_FIRST else len(RUN_FIRST)
 
+    if config.getoption("--quick"):
+        config.hook.pytest_deselected(items=[i for i in items if i.path.name in RUN_FIRST])
+        items[:] = [i for i in items if i.path.name not in RUN_FIRST]
     items.sort(key=rank)  # stable: each module's tests keep their order

@@ -7,14 +7,20 @@ whole-layer prefill) and however often the pool evicts.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from engine.config import EngineConfig, GenerationConfig
 from engine.runtime.generation import Engine
 from engine.runtime.loader import read_config, routed_top_k
 
-# Past EOS too: some random models end a reply early, and parity compares all 32 tokens.
-GREEDY_32 = GenerationConfig(max_tokens=32, temperature=0.0, ignore_eos=True)
+# Past EOS too: some random models end a reply early, and parity compares every token. Sixteen
+# tokens: under the one-layer budget each decode step evicts and reads again.
+GREEDY = GenerationConfig(max_tokens=16, temperature=0.0, ignore_eos=True)
+# Where nothing is evicted the test counts the decode's hits against its loads: a one-expert
+# model is still reading new experts after sixteen tokens.
+LONGER = replace(GREEDY, max_tokens=32)
 # Three tokens: a two-token prefill chunk routes to at most 2 * top_k = 8 of 16 experts, below the
 # whole-layer threshold (half the experts), so prefill takes the per-expert path.
 SHORT_PROMPT = [11, 400, 97]
@@ -22,13 +28,13 @@ SHORT_PROMPT = [11, 400, 97]
 LONG_PROMPT = [(i * 37 + 5) % 1000 + 3 for i in range(60)]
 
 
-def _generate(model_dir, prompt, **config) -> tuple[list[int], list]:
+def _generate(model_dir, prompt, gen=GREEDY, **config) -> tuple[list[int], list]:
     # Today's kernels: the dense prefill path (a fast BLAS) is bounded in test_prefill_fast.py.
     # Whole-layer prefill wherever it fits, whatever the cache: the path the long prompt checks.
     config = {"whole_layer_prefill": True, **config}
     engine = Engine(model_dir, EngineConfig(prefill_chunk=16, exact_kernels=True, **config))
     try:
-        result = engine.generate(prompt, GREEDY_32)
+        result = engine.generate(prompt, gen)
         return result.tokens, result.steps
     finally:
         engine.close()
@@ -41,7 +47,7 @@ def resident_tokens(checkpoint_dir):
     def get(family: str, prompt_name: str) -> list[int]:
         if (family, prompt_name) not in cache:
             prompt = SHORT_PROMPT if prompt_name == "short" else LONG_PROMPT
-            tokens, _ = _generate(checkpoint_dir(family), prompt, mode="resident")
+            tokens, _ = _generate(checkpoint_dir(family), prompt, LONGER, mode="resident")
             cache[family, prompt_name] = tokens
         return cache[family, prompt_name]
 
@@ -83,10 +89,12 @@ def test_on_demand_matches_resident(checkpoint_dir, resident_tokens, family, pro
     model_dir = checkpoint_dir(family)
     budget = BUDGETS.get(cache, _one_layer_budget)(model_dir)
     prompt = SHORT_PROMPT if prompt_name == "short" else LONG_PROMPT
-    tokens, steps = _generate(model_dir, prompt, mode="on-demand", expert_cache_bytes=budget)
+    gen = LONGER if cache == "all-but-one" else GREEDY
+    tokens, steps = _generate(model_dir, prompt, gen, mode="on-demand", expert_cache_bytes=budget)
 
-    assert len(tokens) == 32
-    assert tokens == resident_tokens(family, prompt_name)
+    assert len(tokens) == gen.max_tokens
+    # (Greedy: a shorter reply is the first tokens of the longer one.)
+    assert tokens == resident_tokens(family, prompt_name)[: len(tokens)]
 
     prefill = [s for s in steps if s.phase == "prefill"]
     decode = [s for s in steps if s.phase == "decode"]
@@ -135,7 +143,7 @@ def test_a_chunk_computed_in_token_blocks_matches_resident(
     chunk = {"prefill_chunk": 256, "exact_kernels": True}
     resident = Engine(model_dir, EngineConfig(mode="resident", **chunk))
     try:
-        want = resident.generate(prompt, GREEDY_32).tokens
+        want = resident.generate(prompt, GREEDY).tokens
     finally:
         resident.close()
     blocks = []
@@ -149,7 +157,7 @@ def test_a_chunk_computed_in_token_blocks_matches_resident(
     monkeypatch.setattr(switch_glu.StreamingSwitchGLU, "_gather_glu_block", counted)
     streamed = Engine(model_dir, EngineConfig(mode="on-demand", **chunk))
     try:
-        got = streamed.generate(prompt, GREEDY_32).tokens
+        got = streamed.generate(prompt, GREEDY).tokens
         k = streamed.k
     finally:
         streamed.close()
@@ -188,7 +196,7 @@ def test_a_prompt_through_the_bank_in_expert_groups_matches_whole_layers(
 def _generate_with(model_dir, prompt, **config) -> tuple[list[int], list]:
     engine = Engine(model_dir, EngineConfig(**config))
     try:
-        result = engine.generate(prompt, GREEDY_32)
+        result = engine.generate(prompt, GREEDY)
         return result.tokens, result.steps
     finally:
         engine.close()

@@ -23,17 +23,35 @@ from engine.runtime.generation import Engine
 GREEDY = GenerationConfig(max_tokens=24, temperature=0.0, ignore_eos=True)
 
 
+@pytest.fixture(scope="module")
+def profiled_originals(checkpoint_dir, tmp_path_factory):
+    """`get(family, ks)`: the tiny checkpoint with random adapters for each K, written once a
+    module (the adapters are seeded: every copy of it is what each test wrote for itself)."""
+    root = tmp_path_factory.mktemp("profiled")
+    made = {}
+
+    def get(family: str, ks: tuple[int, ...]):
+        if (family, ks) not in made:
+            model_dir = root / f"{family}-k{'-'.join(map(str, ks))}"
+            shutil.copytree(checkpoint_dir(family), model_dir)
+            for i, k in enumerate(ks):
+                write_random_profile(model_dir, k, seed=i)
+            made[family, ks] = model_dir
+        return made[family, ks]
+
+    return get
+
+
 @pytest.fixture
-def profiled(checkpoint_dir, tmp_path):
-    """`profiled(family, ks)`: a copy of the tiny checkpoint with random adapters for each K."""
+def profiled(profiled_originals, tmp_path):
+    """`profiled(family, ks)`: a copy of its own (tests change the files) of the tiny checkpoint
+    with random adapters for each K."""
 
     def make(family: str = "qwen3_moe", ks=(4,)):
         model_dir = tmp_path / f"{family}-profiled"
         ks = tuple(profile_k(family, k) for k in ks)
         if not model_dir.exists():
-            shutil.copytree(checkpoint_dir(family), model_dir)
-            for i, k in enumerate(ks):
-                write_random_profile(model_dir, k, seed=i)
+            shutil.copytree(profiled_originals(family, ks), model_dir)
         return model_dir
 
     return make
@@ -63,7 +81,7 @@ def test_head_maths_matches_numpy():
         np.testing.assert_allclose(ours[i], expected, rtol=1e-5, atol=1e-5)
 
 
-def _run_recording(engine: Engine, prompt, steps: int, inject=None):
+def _run_recording(engine: Engine, prompt, steps: int, inject=None, ignore_eos: bool = False):
     """Generate, recording what each step's heads predicted (read with its token) and what each
     step's consumer layers executed. Returns the result and two lists in step order, the
     predictions of step s beside the routing executed at step s + 1."""
@@ -95,7 +113,7 @@ def _run_recording(engine: Engine, prompt, steps: int, inject=None):
     )
     if inject is not None:
         state.heads = inject(state.heads)
-    result = engine.generate(prompt, GenerationConfig(max_tokens=steps))
+    result = engine.generate(prompt, GenerationConfig(max_tokens=steps, ignore_eos=ignore_eos))
     pairs = [(predicted[s], executed[s + 1]) for s in sorted(predicted) if s + 1 in executed]
     return result, [p for p, _ in pairs], [e for _, e in pairs]
 
@@ -104,7 +122,10 @@ def test_prediction_is_the_routing_and_nothing_is_dropped(profiled, family):
     model_dir = profiled(family)
     engine = Engine(model_dir, EngineConfig(mode="prerouter", expert_cache_bytes=60_000))
     try:
-        result, predictions, executed = _run_recording(engine, [5, 9, 13, 17], steps=64)
+        # Past EOS: 32 decode steps whichever token a random model writes.
+        result, predictions, executed = _run_recording(
+            engine, [5, 9, 13, 17], steps=32, ignore_eos=True
+        )
         consumers = sorted({layer for p in predictions for layer in p})
         assert consumers, "no consumer layers"
         assert len(result.tokens) >= 32
