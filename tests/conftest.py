@@ -143,6 +143,7 @@ def profiled_source(checkpoint_dir, tmp_path_factory) -> Path:
 RUN_FIRST = (
     "test_server_agents.py",  # trains its model where the weights were not kept
     "test_prerouter.py",
+    "test_expert_parallel.py",  # two processes a case, one sum per MoE layer
     "test_parity.py",
     "test_bench.py",
     "test_tui_model_picker.py",
