@@ -86,8 +86,10 @@ class ExpertStore:
         # else a chunk's experts go through the bank, a bankful at a time.
         self.whole_layer_prefill = config.whole_layer_prefill is not False
         on_cpu = mx.default_device().type == mx.DeviceType.cpu
-        # (compute cores, reader cores), or None: nothing pinned (see reader_core.py).
-        self._cores = reader_cores() if config.reader_core else None
+        # (compute cores, reader cores), or None: nothing pinned (see reader_core.py). Not for
+        # ranks: each would take the same cores of a machine they share.
+        pin = config.reader_core and not config.expert_parallel
+        self._cores = reader_cores() if pin else None
         self._process_cores = os.sched_getaffinity(0) if self._cores else None
         self.reader = ExpertReader(
             index,
