@@ -173,6 +173,11 @@ def test_serve_hosts_answers_with_the_other_rank_following(checkpoint_dir, tmp_p
                 extra_body={"mode": mode, **({"k": k} if k else {})},
             )
             assert reply.choices[0].message.content == expected[mode], mode
+            assert [r["rank"] for r in reply.model_extra["edge0"]["ranks"]] == [0, 1]
+        metrics = server.metrics()  # each rank's figures of the last reply, labelled
+        for rank in (0, 1):
+            assert metrics[f'edge0_rank_expert_bytes_read{{rank="{rank}"}}'] >= 0  # (all cached)
+            assert metrics[f'edge0_rank_expert_cache_bytes{{rank="{rank}"}}'] > 0
     finally:
         stop_server(server)  # asserts status 0
     assert log.read_text().count("edge0 rank 1: [") == 3  # rank 1's line per reply

@@ -585,6 +585,8 @@ def request_figures(result: GenerationResult, k: int, mode: str) -> dict:
         "peak_rss_bytes": s["peak_rss_bytes"],  # the kernel's high-water mark over the request
         "stopped_by": result.stopped_by,
     }
+    if "ranks" in s:  # --hosts: each rank's reads, cache, waits and speed
+        figures["ranks"] = s["ranks"]
     if s.get("mask_ms"):  # a reply under a grammar: the host time its token masks took
         figures["grammar_mask_ms"] = s["mask_ms"]
     if "prefetch_hit_rate" in s:  # prefetch mode: share of routed experts read ahead

@@ -348,6 +348,11 @@ class EngineWorker:
         return self.service.memory
 
     @property
+    def last_figures(self) -> dict:
+        """The last reply's own figures (`request_figures`)."""
+        return self.service.last_figures
+
+    @property
     def kv_cache_bytes(self) -> int:
         return self.service.kv_cache_bytes
 

@@ -60,6 +60,29 @@ class _Writer:
         return "\n".join(self.lines) + "\n"
 
 
+# With --hosts, each rank's figures from the last reply: (metric, figure, scale, help).
+RANK_METRICS = (
+    (
+        "edge0_rank_expert_bytes_read",
+        "expert_mib_read",
+        MIB,
+        "Expert bytes the rank read for the last reply.",
+    ),
+    (
+        "edge0_rank_expert_cache_bytes",
+        "expert_cache_mib",
+        MIB,
+        "Expert bytes in the rank's cache after the last reply.",
+    ),
+    (
+        "edge0_rank_blocked_ms_per_step",
+        "median_blocked_ms",
+        1,
+        "Milliseconds the rank's decode steps waited for expert bytes (median, last reply).",
+    ),
+)
+
+
 def render(worker: EngineWorker, stats: ServerStats, model_id: str) -> str:
     live = worker.live
     memory = worker.memory
@@ -158,6 +181,10 @@ def render(worker: EngineWorker, stats: ServerStats, model_id: str) -> str:
             share,
             {"source": source},
         )
+    ranks = worker.last_figures.get("ranks", ())  # --hosts: each rank, its last reply
+    for name, key, scale, help in RANK_METRICS:
+        for row in ranks:  # (a family's samples together, as the text format wants)
+            w.metric(name, "gauge", help, row[key] * scale, {"rank": int(row["rank"])})
     for layer, recall in live.lookahead_recall_by_layer.items():
         w.metric(
             "edge0_lookahead_recall",
