@@ -353,9 +353,7 @@ class Decoder:
             draft = speculation.draft(context, max_tokens - given - 1, self.cache)
             if self.engine.pending[1] == "prerouter":  # switched to it during the reply
                 draft = []  # (its heads predict each step from the one before: see `build`)
-            step = self.build(
-                mx.array([context[-1], *draft]), "decode", seen=context, draft=draft
-            )
+            step = self.build(mx.array([context[-1], *draft]), "decode", seen=context, draft=draft)
             values = self.finish(step)
             kept = int(values[0].reshape(-1)[0])
             tokens = values[1].reshape(-1)[: kept + 1].tolist()
