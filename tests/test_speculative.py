@@ -99,6 +99,17 @@ def test_greedy_drafted_tokens_are_the_plain_runs_on_other_families(
         draft = drafted.summary["draft"]
         assert 0 < draft["accepted"] < draft["drafted"]
         assert sum(s.loads for s in drafted.steps[1:]) > 0  # the cache misses
+        sampled = GenerationConfig(
+            max_tokens=12,
+            temperature=0.8,
+            top_p=0.9,
+            top_k=50,
+            seed=3,
+            ignore_eos=True,
+            draft="lookup",
+        )
+        tokens = engine.generate(prompt, sampled).tokens
+        assert len(tokens) == 12 and engine.generate(prompt, sampled).tokens == tokens  # seeded
         engine.request_mode("prefetch")
         assert engine.generate(prompt, _greedy("lookup", **penalised)).tokens == plain.tokens
     with Engine(model, EngineConfig(mode="resident")) as engine:
@@ -193,3 +204,11 @@ def test_the_verifier_penalises_each_position_as_the_sampler_does():
     logits = mx.array([[0.0, 2.0, 1.0], [0.0, 2.0, 1.0]])
     kept, tokens = verify(logits, [0], [1])  # after the draft 1, token 1 is penalised
     assert int(kept) == 1 and np.array(tokens).tolist() == [1, 2]
+
+
+def test_the_verifier_samples_from_the_samplers_filtered_distribution():
+    """top-k 1 leaves one token a position: sampling then keeps exactly the argmax drafts."""
+    verify = Verifier(GenerationConfig(temperature=1.0, top_k=1))
+    logits = mx.array([[0.0, 2.0, 1.0], [0.0, 2.0, 1.0], [3.0, 2.0, 1.0]])
+    kept, tokens = verify(logits, [0], [1, 2])
+    assert int(kept) == 1 and np.array(tokens).tolist()[:2] == [1, 1]
