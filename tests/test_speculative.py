@@ -167,7 +167,9 @@ def test_drafts_are_refused_in_one_line_where_they_cannot_be_exact(checkpoint_di
 def test_lookup_proposes_what_followed_the_latest_earlier_occurrence():
     drafter = LookupDrafter()
     assert drafter.propose([1, 2, 3, 4, 9, 2, 3, 4, 7, 2, 3, 4], 3) == [7, 2, 3]
-    assert drafter.propose([1, 2, 3, 4, 9, 8, 4], 2) == [9, 8]  # a shorter n-gram
+    assert drafter.propose([1, 2, 3, 9, 5, 2, 3, 7, 1, 2, 3], 2) == [9, 5]  # the longest match
+    assert drafter.propose([1, 2, 3, 4, 9, 8, 4], 2) == []  # one token is no match
+    assert LookupDrafter(shortest=1).propose([1, 2, 3, 4, 9, 8, 4], 2) == [9, 8]
     assert drafter.propose([1, 2, 3], 4) == [] and drafter.propose([1, 1], 0) == []
 
 

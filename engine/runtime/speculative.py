@@ -46,9 +46,11 @@ class LookupDrafter:
     """Prompt lookup (n-gram): find the latest earlier place where the context's last `longest`
     tokens (else fewer, down to `shortest`) occurred, and propose the tokens that followed it.
     Free to run, and right where a reply repeats its context: edits, quotes, agents' tool
-    arguments."""
+    arguments. The longest match wins: a short one recurs in many places, most of them wrong,
+    and every drafted position costs the reads of its routed experts. One token alone is no
+    match for the same reason."""
 
-    def __init__(self, longest: int = 3, shortest: int = 1) -> None:
+    def __init__(self, longest: int = 8, shortest: int = 2) -> None:
         self.longest = longest
         self.shortest = shortest
 
