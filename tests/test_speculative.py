@@ -116,15 +116,19 @@ def test_greedy_drafted_tokens_are_the_plain_runs_on_other_families(
         assert engine.generate(prompt, _greedy("lookup", **penalised)).tokens == plain.tokens
 
 
-def test_a_verify_step_reads_only_the_missing_experts_of_its_union(checkpoint_dir):
+def test_a_verify_step_reads_only_the_missing_experts_of_its_union(checkpoint_dir, monkeypatch):
     """With most of a layer in the cache, a forward of a few positions routed to more than half
     of the layer's experts reads what it misses, not the whole layer."""
+    from engine.runtime import speculative
+
     model = checkpoint_dir("qwen3_moe")
     prompt = [5, 9, 13, 17, 21, 5, 9, 13, 17, 21, 5, 9, 13]
     config = EngineConfig(mode="on-demand", expert_cache_bytes=400_000)
     with Engine(model, config) as engine:
         assert engine.memory_plan.whole_layer_prefill and not engine.store.every_layer_held
-        engine.generate(prompt, _greedy(None))  # the cache warms
+        plain = engine.generate(prompt, _greedy(None))  # the cache warms
+        drafter = KnowingDrafter(prompt, plain.tokens)
+        monkeypatch.setattr(speculative, "make_drafter", lambda name: drafter)
         drafted = engine.generate(prompt, _greedy("lookup", draft_max=2))
     verify = _verify_steps(drafted)
     assert verify and max(s.experts_union for s in verify) > 0
