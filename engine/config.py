@@ -249,6 +249,11 @@ class GenerationConfig:
     # The grammar the reply must match (runtime/constraint.py: `compile_grammar` builds one for
     # the engine's tokenizer from a JSON schema, a Lark or a GBNF grammar); None: any text.
     constraint: OutputConstraint | None = None
+    # Speculative decoding (runtime/speculative.py): the drafter ("lookup": prompt lookup), or
+    # None for one token a forward; and the most tokens drafted for one verify step. Greedy
+    # tokens are the plain run's; sampled ones keep its distribution.
+    draft: str | None = None
+    draft_max: int = 8
 
     def __post_init__(self) -> None:
         _check_int("max_tokens", self.max_tokens, 1, "at least 1")
@@ -279,6 +284,9 @@ class GenerationConfig:
                 raise Edge0Error(f"logit_bias={bias!r} for token {token} must be in [-100, 100]")
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, 0, "between 0 and 20", 20)
+        if self.draft not in (None, "lookup"):
+            raise Edge0Error(f"draft={self.draft!r} must be lookup (or none)")
+        _check_int("draft_max", self.draft_max, 1, "between 1 and 64", 64)
 
 
 def _is_real(value: object) -> bool:

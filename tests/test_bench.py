@@ -317,3 +317,34 @@ def test_a_failed_arm_makes_the_exit_status_non_zero(checkpoint_dir, capsys):
     assert code == 1
     assert "| on-demand |" in out
     assert "1 of 2 arm runs failed" in err
+
+
+def test_a_drafting_arm_decodes_greedily_as_the_plain_arm_does(checkpoint_dir):
+    """`MODE+lookup` arms (speculative decoding): every arm then decodes greedily (not a forced
+    replay), and the report says whether every run gave the same tokens."""
+    from engine.measure.bench import _same_tokens, drafted_mode, run_arm
+
+    assert drafted_mode("on-demand+lookup") == "on-demand" and drafted_mode("on-demand") is None
+    assert drafted_mode("prerouter+lookup") is None  # refused: see runtime/speculative.py
+    spec = {
+        "model": str(checkpoint_dir("qwen3_moe")),
+        "mode": "on-demand",
+        "expert_cache_bytes": 60_000,
+        "k": None,
+        "adapter_dirs": [],
+        "data_dir": None,
+        "prompt_tokens": [5, 9, 13, 5, 9, 13, 5, 9],
+        "forced_tokens": [1],
+        "greedy": True,
+        "tokens": 10,
+    }
+    runs = []
+    for draft in (None, "lookup"):
+        payload = run_arm(dict(spec, draft=draft))
+        assert len(payload["tokens"]) == 10
+        runs.append(ArmRun("on-demand", 0, True, payload["summary"], tokens=payload["tokens"]))
+    assert _same_tokens(runs) is True
+    runs[1].tokens = [t + 1 for t in runs[1].tokens]
+    assert _same_tokens(runs) is False
+    with pytest.raises(Edge0Error, match=r"MODE\+lookup"):
+        run_bench(BenchConfig(model=Path(spec["model"]), arms=["prerouter+lookup"]))

@@ -158,6 +158,25 @@ def test_errors_are_one_line(checkpoint_dir, tmp_path, args, message):
     assert "Traceback" not in out.stderr
 
 
+def test_generate_draft_reports_each_verify_step_in_json(checkpoint_dir):
+    """--draft lookup: each step says its positions, drafts, kept drafts and tokens given, and
+    the union of its routed experts against one position at a time; a mode that cannot draft
+    is one line."""
+    model = str(checkpoint_dir("qwen3_moe"))
+    args = ["generate", model, "--prompt", "a b a b a b a b", "--raw", "--max-tokens", "8"]
+    out = run_cli(*args, "--draft", "lookup", "--expert-cache", "100K", "--json")
+    assert out.returncode == 0, out.stderr
+    payload = json.loads(out.stdout)
+    decode = [s for s in payload["steps"] if s["phase"] == "decode"]
+    assert sum(s["given"] for s in decode) + 1 == len(payload["tokens"])
+    for step in decode:
+        assert step["tokens"] == step["drafted"] + 1 and step["accepted"] <= step["drafted"]
+        assert 0 < step["experts_union"] <= step["experts_summed"]
+    out = run_cli("generate", "demo", "--prompt", "x", "--draft", "lookup", "--mode", "prerouter")
+    assert out.returncode == 2 and out.stderr.count("\n") == 1
+    assert "its routing of a position is predicted" in out.stderr
+
+
 def test_failed_start_leaves_no_thread(checkpoint_dir):
     import threading
 
@@ -175,7 +194,11 @@ def test_failed_start_leaves_no_thread(checkpoint_dir):
     "command, says",
     [
         (("generate",), ["checkpoint directory, Hugging Face repo id, or demo"]),
-        (("bench",), ["default: resident,on-demand,prerouter"]),
+        (("bench",), ["default: resident,on-demand,prerouter", "MODE+lookup"]),
+        (
+            ("generate",),
+            ["Greedy output equals the plain run's (exact); sampled output keeps its distribution"],
+        ),
         (
             ("train", "heads"),
             [

@@ -25,7 +25,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="comma-separated (default: resident,on-demand,prerouter): resident, on-demand, prefetch, prerouter, compute-only (every expert "
         "resident before the replay, no limits: the compute a step cannot go below, for the "
         "overlap-limit table; needs every expert in memory), compute-only:MODE (that mode so: "
-        "what it costs a step with nothing to read), MODE@N (a streamed mode as N ranks on this "
+        "what it costs a step with nothing to read), MODE+lookup (resident, on-demand or "
+        "prefetch with speculative decoding: prompt-lookup drafts verified in one forward; "
+        "then every arm decodes greedily instead of replaying sampled tokens, and the report "
+        "says whether all gave the same tokens, as they must), MODE@N (a streamed mode as N ranks on this "
         "machine, each with its share of the experts; see --hosts)",
     )
     parser.add_argument(

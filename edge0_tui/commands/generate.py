@@ -40,6 +40,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--top-k", type=int, default=0)
     options.add_sampling(parser)
     parser.add_argument("--seed", type=int, default=None)
+    add_draft(parser)
     options.add_mode(parser)
     options.add_expert_cache(
         parser,
@@ -70,6 +71,26 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
 
 
+def add_draft(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--draft",
+        choices=("lookup",),
+        default=None,
+        help="speculative decoding: draft tokens and verify them in one forward, which reads "
+        "their routed experts' union once (lookup: the tokens that followed the reply's last "
+        "few tokens earlier in the prompt or reply: edits, quotes, repeated context). Greedy "
+        "output equals the plain run's (exact); sampled output keeps its distribution. Not in "
+        "prerouter mode, nor for models whose KV cache cannot drop tokens (linear attention)",
+    )
+    parser.add_argument(
+        "--draft-max",
+        type=int,
+        default=8,
+        help="the most tokens drafted for one forward (default 8; the length adapts to how "
+        "many are kept)",
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     from engine import NO_TRACE, Engine, Tracer
 
@@ -80,6 +101,8 @@ def run(args: argparse.Namespace) -> int:
         top_p=args.top_p,
         top_k=args.top_k,
         seed=args.seed,
+        draft=args.draft,
+        draft_max=args.draft_max,
         **options.sampling(args),
     )
     tracer = Tracer() if args.trace is not None else NO_TRACE
@@ -179,6 +202,12 @@ def summary_line(s: dict) -> str:
         prerouter = (
             f" | prefetch: {s['median_prefetch_issued']:.0f} reads ahead/step, "
             f"{s['prefetch_hit_rate']:.0%} of routed experts were read ahead"
+        )
+    if draft := s.get("draft"):
+        prerouter += (
+            f" | draft: {draft['accepted']} of {draft['drafted']} kept in {draft['steps']} "
+            f"steps, {draft['experts_union']} experts routed ({draft['experts_summed']} one "
+            "position at a time)"
         )
     return (
         f"[{s['prompt_tokens']} prompt tokens, TTFT {s['ttft_ms']:.0f} ms, "

@@ -423,7 +423,7 @@ class ExpertStore:
         distinct = self._own(_distinct(routed))
         if tokens == 1:
             self.routing_known(layer, distinct)
-        if tokens > 1 and self.wants_whole_layer(layer, len(distinct)):
+        if tokens > 1 and self.wants_whole_layer(layer, distinct):
             # The layer's stacked tensors are indexed by expert id: the routing is its own slots.
             whole = self.whole_layer(layer)
             if not self._in_pass:  # a prompt, whose last token comes next through the pool
@@ -558,19 +558,19 @@ class ExpertStore:
             self._in_pass = False
             self._pass_layer = None
 
-    def wants_whole_layer(self, layer: int, distinct_experts: int) -> bool:
-        """Read the layer whole if its read is already under way or the chunk touches enough of it
-        (in a layer-major pass, always: the pass's other batches use it too)."""
+    def wants_whole_layer(self, layer: int, distinct: list[int]) -> bool:
+        """Read the layer whole if its read is under way (or a layer-major pass runs), or more
+        of it is missing than the fraction: a few positions (verify) read only their misses."""
         if not self.whole_layer_prefill:  # it does not fit the memory plan: through the bank
             return False
         if self.pool.slot_table(layer) is not None:  # held: every expert is in the bank already
             return False
         if layer in self._pending_layers or self._in_pass:
             return True
-        # More experts than the bank holds at once: the whole layer serves the chunk in one read.
-        if distinct_experts > self.pool.room(layer):
+        if len(distinct) > self.pool.room(layer):  # the bank cannot hold them at once: one read
             return True
-        return distinct_experts > self.whole_layer_fraction * self.index.layers[layer].num_experts
+        missing = sum((layer, expert) not in self.pool for expert in distinct)
+        return missing > self.whole_layer_fraction * self.index.layers[layer].num_experts
 
     def whole_layer(self, layer: int) -> dict[str, mx.array]:
         """The layer's stacked expert tensors; starts reading the next MoE layer before returning."""

@@ -6,6 +6,9 @@ same-session runs:
   peak counters and the pool start fresh;
 - the order of the arms rotates every round;
 - one token sequence is sampled once, then every arm replays it teacher-forced: same work;
+  except where an arm drafts (`MODE+lookup`: speculative decoding, runtime/speculative.py):
+  then every arm decodes greedily from the sampled prompt, the same work again, and the report
+  says whether every run gave the same tokens (`greedy_tokens_identical`);
 - all arms get the same expert-cache budget;
 - `--ram-limit` puts each arm's process in a memory cgroup (anonymous memory and page cache
   together): the machine on which the checkpoint does not fit;
@@ -46,6 +49,9 @@ ARMS = ("resident", "on-demand", "prerouter", "prefetch", "compute-only")
 # `compute-only` runs prerouter where the bench has it, else on-demand.
 COMPUTE_ONLY = "compute-only"
 STREAMED_MODES = ("on-demand", "prefetch", "prerouter")
+# `MODE+lookup`: that mode with prompt-lookup drafts verified in one forward each.
+DRAFTED = "+lookup"
+DRAFTED_MODES = ("resident", "on-demand", "prefetch")
 READ_LIMITERS = ("cgroup", "pacing")
 # (label, summary key, format) of the figures reported per arm.
 FIGURES = (
@@ -71,6 +77,8 @@ FIGURES = (
     ("compute waited ms/step", "compute_waited_ms", "{:.1f}"),
     ("sum ms/layer", "all_sum_ms", "{:.2f}"),  # ranked arms: one MoE layer's sum over the ranks
     ("sum ms/token", "all_sum_ms_per_token", "{:.1f}"),
+    ("tokens/step", "tokens_per_step", "{:.2f}"),  # above 1 where an arm drafts
+    ("drafts kept", "draft_kept_share", "{:.2f}"),
     *bench_reads_ahead.READ_AHEAD_FIGURES,
 )
 
@@ -148,6 +156,7 @@ class ArmRun:
     evicted_check: float | None = None  # share of the checkpoint resident after eviction (--cold)
     read_limit_rules: list[str] = field(default_factory=list)  # the throttle, as the kernel read it
     device_read_bytes: int = 0  # what the arm's process read from the throttled disk (load too)
+    tokens: list[int] = field(default_factory=list)  # the greedy tokens (where arms draft)
 
 
 # -- one arm, in its own process --------------------------------------------------------------------
@@ -186,7 +195,11 @@ def run_arm(spec: dict) -> dict | None:
             result = engine.generate(prompt, gen)
             return {"prompt_tokens": prompt, "tokens": result.tokens}
         disk_before = disk_read_bytes()
-        result = engine.generate(spec["prompt_tokens"], forced_tokens=spec["forced_tokens"])
+        if spec.get("greedy"):
+            gen = GenerationConfig(spec["tokens"], ignore_eos=True, draft=spec.get("draft"))
+            result = engine.generate(spec["prompt_tokens"], gen)
+        else:
+            result = engine.generate(spec["prompt_tokens"], forced_tokens=spec["forced_tokens"])
         disk_after = disk_read_bytes()
         summary = dict(result.summary)
         if spec.get("trace") is not None:
@@ -207,10 +220,13 @@ def run_arm(spec: dict) -> dict | None:
         if engine.share is not None:
             summary["all_sum_ms"] = engine.time_layer_sum()
             summary["all_sum_ms_per_token"] = summary["all_sum_ms"] * len(engine.loaded.blocks)
+        if draft := summary.get("draft"):
+            summary["tokens_per_step"] = (summary["generated_tokens"] - 1) / draft["steps"]
+            summary["draft_kept_share"] = draft["accepted"] / draft["drafted"]
         disk = None if disk_before is None or disk_after is None else disk_after - disk_before
         summary.update(reads.achieved(disk))
         decode = [s.wall_ms for s in result.steps if s.phase == "decode"]
-        return {"summary": summary, "step_ms": decode}
+        return {"summary": summary, "step_ms": decode, "tokens": result.tokens}
 
 
 class ReadSpans(Tracer):
@@ -336,13 +352,18 @@ def run_bench(config: BenchConfig, progress=print, timeout_s: float = 3600) -> d
     unknown = [
         a
         for a in config.arms
-        if a not in ARMS and compute_only_mode(a) is None and ranked_arm(a) is None
+        if a not in ARMS
+        and compute_only_mode(a) is None
+        and drafted_mode(a) is None
+        and ranked_arm(a) is None
     ]
     if unknown or not config.arms:
         raise Edge0Error(
-            f"unknown arm(s) {unknown}: choose from {', '.join(ARMS)}, compute-only:MODE, or "
-            f"MODE@N (N ranks on this machine; MODE one of {', '.join(STREAMED_MODES)})"
+            f"unknown arm(s) {unknown}: choose from {', '.join(ARMS)}, compute-only:MODE "
+            f"(MODE one of {', '.join(STREAMED_MODES)}), MODE{DRAFTED} (MODE one of "
+            f"{', '.join(DRAFTED_MODES)}), or MODE@N (N ranks on this machine)"
         )
+    greedy = any(drafted_mode(a) is not None for a in config.arms)
     shards = checkpoint_shards(Path(config.model))
     base = {
         "model": str(config.model),
@@ -370,9 +391,11 @@ def run_bench(config: BenchConfig, progress=print, timeout_s: float = 3600) -> d
             config.read_limit_bps, devices, f"edge0-bench-{os.getpid()}-probe"
         ).remove()
 
-    progress(f"sampling {config.tokens} tokens once (on-demand, T={config.temperature}) ...")
+    # Arms that decode greedily need only the prompt's tokens from it.
+    sampled_tokens = 1 if greedy else config.tokens
+    progress(f"sampling {sampled_tokens} tokens once (on-demand, T={config.temperature}) ...")
     sample_spec = dict(
-        base, mode="on-demand", sample=True, prompt=config.prompt, tokens=config.tokens
+        base, mode="on-demand", sample=True, prompt=config.prompt, tokens=sampled_tokens
     )
     code, out, err = _spawn(sample_spec, [], timeout_s)
     if code != 0:
@@ -389,9 +412,12 @@ def run_bench(config: BenchConfig, progress=print, timeout_s: float = 3600) -> d
             run = ArmRun(arm, r, ok=False)
             spec = dict(
                 base,
-                mode=arm,
+                mode=drafted_mode(arm) or arm,
                 prompt_tokens=sampled["prompt_tokens"],
                 forced_tokens=sampled["tokens"],
+                greedy=greedy,
+                tokens=config.tokens,
+                draft="lookup" if drafted_mode(arm) else None,
             )
             if (streamed := compute_only_mode(arm, config.arms)) is not None:
                 cgroups = []
@@ -433,6 +459,7 @@ def run_bench(config: BenchConfig, progress=print, timeout_s: float = 3600) -> d
             if code == 0:
                 payload = json.loads(out)
                 run.ok, run.summary, run.step_ms = True, payload["summary"], payload["step_ms"]
+                run.tokens = payload["tokens"] if greedy else []
                 note = f"{run.summary['decode_tok_per_s']:.2f} tok/s"
             else:
                 killed = code in (-9, 137)
@@ -452,6 +479,12 @@ def ranked_arm(arm: str) -> tuple[str, int] | None:
     if mode in STREAMED_MODES and ranks.isdigit() and 2 <= int(ranks) <= 16:
         return mode, int(ranks)
     return None
+
+
+def drafted_mode(arm: str) -> str | None:
+    """The mode a drafting arm (`MODE+lookup`) runs; None: `arm` drafts nothing."""
+    mode = arm.removesuffix(DRAFTED)
+    return mode if mode != arm and mode in DRAFTED_MODES else None
 
 
 def compute_only_mode(arm: str, arms: list[str] = ()) -> str | None:
@@ -548,13 +581,20 @@ def build_report(config: BenchConfig, sampled: dict, runs: list[ArmRun]) -> dict
         # As plain JSON data: paths as text, tuples as lists.
         "config": json.loads(json.dumps(asdict(config), default=str)),
         "prompt_tokens": len(sampled["prompt_tokens"]),
-        "tokens": len(sampled["tokens"]),
+        "tokens": config.tokens if _same_tokens(runs) is not None else len(sampled["tokens"]),
         "arms": arms,
         "not_taken": settings_not_taken(config),
         "plan_check": plan_check(runs),
+        "greedy_tokens_identical": _same_tokens(runs),
         "memory_wall": memory_wall(runs),
         "runs": [asdict(r) for r in runs],
     }
+
+
+def _same_tokens(runs: list[ArmRun]) -> bool | None:
+    """Whether every greedy run gave the same tokens (None: the arms replayed forced tokens)."""
+    greedy = [tuple(r.tokens) for r in runs if r.ok and r.tokens]
+    return len(set(greedy)) == 1 if greedy else None
 
 
 def settings_not_taken(config: BenchConfig) -> dict[str, list[str]]:

@@ -20,6 +20,12 @@ Where the next step needs nothing from the host (every layer held: no read, no r
 back; or resident mode), it is built before this step's token is read, as mlx-lm's
 `generate_step` does: the device never waits for the host between steps.
 
+With a drafter (`GenerationConfig.draft`, runtime/speculative.py) each decode step is a verify
+step: its forward runs [last token, drafts] (each MoE layer reads the union of the positions'
+missing experts once), the verifier picks the kept drafts and the next token on the device, the
+step's one host read brings them back with the rest, and the KV cache drops the rejected
+drafts. Such steps are never built ahead: the next one's drafts follow from this one's tokens.
+
 The step in six files: this one, `routing/moe_block.py` (a MoE layer), `routing/state.py` (the
 heads' predictions), `experts/store.py` (where each expert is), `experts/switch_glu.py` (the
 experts' compute) and `sampling.py`. Every other file a step enters is a helper of one of them
@@ -34,12 +40,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import mlx.core as mx
+from mlx_lm.models.cache import trim_prompt_cache
 
 from ..experts.counters import LoadCounters
 from ..routing.lookahead import Guess
 from ..routing.state import Predictions, RoutingCounters
 from .metrics import StepMetrics, merged
 from .sampling import Sampler, TokenLogprobs
+from .speculative import Speculation
 
 if TYPE_CHECKING:
     from .generation import Engine
@@ -78,7 +86,7 @@ class Step:
     tokens: int
     started: float
     pool_step: int = 0
-    logits: mx.array | None = None  # the last position's (one-token forwards)
+    logits: mx.array | None = None  # the last position's (one-token forwards); a verify step's all
     sampled: list[mx.array] = field(default_factory=list)  # the sampler's token (and logprobs)
     repaired: mx.array | None = None  # hidden values the numerical guard repaired
     predictions: Predictions | None = None  # the heads' routing of the next step
@@ -121,8 +129,11 @@ class Decoder:
         sampler: Sampler | None,
         forced: list[int] | None,
         keep_logits: bool = False,
+        speculation: Speculation | None = None,
     ) -> None:
         self.engine = engine
+        # Drafts are verified against sampled tokens (forced ones are known, not sampled).
+        self.speculation = speculation if forced is None and not keep_logits else None
         self.cache = cache
         self.sampler = sampler if forced is None else None  # forced tokens are fed, not sampled
         self.forced = forced
@@ -180,6 +191,10 @@ class Decoder:
                 pass
             elif should_stop is not None and should_stop():
                 self.stopped_by = "cancelled"
+            elif self.speculation is not None:
+                context = [*prompt_tokens, token]
+                yield from self._speculate(context, given, max_tokens, eos, should_stop)
+                return
             else:
                 step = ahead or self.build(mx.array([token]), "decode", self._next_input(given))
                 continue
@@ -193,6 +208,8 @@ class Decoder:
         whose mask for a token needs the token before it)."""
         if self.sampler is not None and self.sampler.constrained:
             return False
+        if self.speculation is not None:
+            return False
         store = self.engine.store
         if store is not None and store.share is not None:
             # Ranks must sum in one order: a step built ahead would queue its layers' sums
@@ -201,12 +218,20 @@ class Decoder:
         return store is None or store.every_layer_held
 
     def build(
-        self, tokens: mx.array, phase: str, next_input: int | None = None, flush: bool = True
+        self,
+        tokens: mx.array,
+        phase: str,
+        next_input: int | None = None,
+        flush: bool = True,
+        seen: list[int] | None = None,
+        draft: list[int] | None = None,
     ) -> Step:
         """Build one forward and queue it on the device. A one-token forward samples its token
         (on the device); `flush` runs the prerouter heads for the next step; `next_input` is the
         next step's input where the host knows it (a prompt's or a forced token; else the
-        sampled one), from which the next step's first MoE layer is guessed."""
+        sampled one), from which the next step's first MoE layer is guessed. With `draft`, a
+        verify step: `tokens` is `seen`'s last token and the drafts, and the verifier picks
+        the kept drafts and the next token from every position's logits."""
         engine = self.engine
         engine.apply_requests()
         routing, store, lookahead = engine.routing, engine.store, engine.lookahead
@@ -221,9 +246,18 @@ class Decoder:
         if guessing and one:
             lookahead.active = True
             self._look_ahead_at_first_layer(tokens)
+        if draft:
+            self._first_guessed = False  # a guess of a one-token step's layer is no use here
         out = engine.model(tokens[None], cache=self.cache)
         step.repaired = engine.guard.take() if engine.guard is not None else None
-        if one:
+        following = None  # the next step's input, on the device
+        if draft is not None:
+            step.logits = out[0]
+            with engine.tracer.span("verify", "step"):
+                kept, picked = self.speculation.verify(step.logits, seen, draft)
+            step.sampled = [kept, picked]
+            following = picked[kept].reshape(1)
+        elif one:
             step.logits = out[:, -1, :]
             if self.sampler is not None:
                 with engine.tracer.span("sample", "step"):
@@ -232,12 +266,14 @@ class Decoder:
             step.wait = [c.state for c in self.cache]  # a prefill chunk: only the cache is kept
         if store is not None:
             step.device_routing = store.device_routing()
-        if flush and routing is not None and routing.heads is not None:
+        if flush and not draft and routing is not None and routing.heads is not None:
+            # (After drafts, the heads would predict from a position that may be rejected.)
             step.predictions = routing.flush()
         if lookahead is not None:
             lookahead.end_step()
             lookahead.active = False
-            following = step.sampled[0] if step.sampled else None
+            if following is None and step.sampled:
+                following = step.sampled[0]
             if following is None and next_input is not None:
                 following = mx.array([next_input])
             if guessing and following is not None:
@@ -304,7 +340,55 @@ class Decoder:
                 reasons,
             )
         )
+        if step.phase == "decode" and store is not None:
+            metrics = self.steps[-1]
+            metrics.experts_union = counters.hits + counters.loads
+            metrics.experts_summed = step.tokens * engine.k * len(engine.loaded.index.layers)
         return [host[f"sampled {i}"] for i in range(len(step.sampled))]
+
+    def _speculate(
+        self,
+        context: list[int],
+        given: int,
+        max_tokens: int,
+        eos: set[int],
+        should_stop: Callable[[], bool] | None,
+    ) -> Iterator[GeneratedToken]:
+        """The reply's decode steps as verify steps, from `context` (the prompt and the `given`
+        tokens so far; the KV cache holds all but its last): each yields the drafts it kept and
+        one token more, until `run`'s ends."""
+        speculation = self.speculation
+        while True:
+            draft = speculation.draft(context, max_tokens - given - 1, self.cache)
+            if self.engine.pending[1] == "prerouter":  # switched to it during the reply
+                draft = []  # (its heads predict each step from the one before: see `build`)
+            step = self.build(mx.array([context[-1], *draft]), "decode", seen=context, draft=draft)
+            values = self.finish(step)
+            kept = int(values[0].reshape(-1)[0])
+            tokens = values[1].reshape(-1)[: kept + 1].tolist()
+            if len(draft) > kept:
+                trim_prompt_cache(self.cache, len(draft) - kept)  # the rejected drafts
+            speculation.length.update(len(draft), kept)
+            metrics = self.steps[-1]
+            metrics.drafted, metrics.accepted, metrics.given = len(draft), kept, len(tokens)
+            for i, token in enumerate(tokens):
+                context.append(token)
+                given += 1
+                yield GeneratedToken(token, metrics)
+                if token in eos:
+                    self.stopped_by = "eos"
+                elif given >= max_tokens:
+                    pass
+                elif should_stop is not None and should_stop():
+                    self.stopped_by = "cancelled"
+                else:
+                    continue
+                # The cache holds every token given but the last: the kept drafts after this
+                # token go.
+                if i < kept:
+                    trim_prompt_cache(self.cache, kept - i)
+                metrics.given = i + 1
+                return
 
     def _look_ahead_at_first_layer(self, tokens: mx.array) -> None:
         """Read ahead the first MoE layer's guessed experts before the forward starts: no layer

@@ -56,6 +56,7 @@ from .metrics import (
 )
 from .numerics import HiddenGuard, guard_layers
 from .sampling import Sampler, TokenLogprobs
+from .speculative import Speculation, check_draftable
 
 
 def expert_format(loaded: LoadedModel) -> str:
@@ -521,7 +522,8 @@ class Engine:
         if self.tracer.samples_compute and self._following_compute is None:
             self._following_compute = follow_compute(self.tracer)  # once: MLX's thread stays
         sampler = Sampler(gen, prompt_tokens)
-        decoder = Decoder(self, cache, sampler, forced_tokens, keep_logits)
+        speculation = Speculation(gen) if gen.draft is not None else None
+        decoder = Decoder(self, cache, sampler, forced_tokens, keep_logits, speculation)
         result = GenerationResult(list(prompt_tokens), [], "", decoder.steps)
         eos = set(self.tokenizer.eos_token_ids)
         if forced_tokens is not None or gen.ignore_eos:
@@ -589,6 +591,7 @@ class Engine:
                 f"top_k={gen.top_k} must be below the vocabulary size of {self.vocab_size} "
                 "(0 turns top-k off)"
             )
+        check_draftable(gen, self.pending[1], make_prompt_cache(self.model))
         outside = [t for t in gen.logit_bias if t >= self.vocab_size]
         if outside:
             raise Edge0Error(

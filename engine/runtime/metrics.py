@@ -95,6 +95,17 @@ class StepMetrics:
     # Host milliseconds spent on the grammar's mask of the token this step sampled (constrained
     # replies only: runtime/constraint.py).
     mask_ms: float = 0.0
+    # Speculative decoding (runtime/speculative.py): tokens drafted into this forward (its
+    # positions are `tokens`: the last token and the drafts), drafts the model kept, and the
+    # tokens the step gave the reply (kept + 1; fewer where the reply ended within them).
+    drafted: int = 0
+    accepted: int = 0
+    given: int = 1
+    # Distinct (layer, expert) pairs the forward routed to (the union over its positions, what
+    # it read or found resident) against the sum over positions of each one's own: their
+    # difference is what one forward over the positions saved against one at a time.
+    experts_union: int = 0
+    experts_summed: int = 0
 
     @classmethod
     def build(
@@ -370,12 +381,13 @@ def summarize(
     decode = [s for s in steps if s.phase == "decode"]
     ttft_ms = sum(s.wall_ms for s in prefill)
     decode_ms = sum(s.wall_ms for s in decode)
+    decoded = sum(s.given for s in decode)  # a verify step gives several tokens
     summary = {
         "prompt_tokens": prompt_tokens,
-        "generated_tokens": len(decode) + (1 if prefill else 0),
+        "generated_tokens": decoded + (1 if prefill else 0),
         "ttft_ms": ttft_ms,
         "prefill_tok_per_s": prompt_tokens / (ttft_ms / 1e3) if ttft_ms else 0.0,
-        "decode_tok_per_s": len(decode) / (decode_ms / 1e3) if decode_ms else 0.0,
+        "decode_tok_per_s": decoded / (decode_ms / 1e3) if decode_ms else 0.0,
         "prefill_mib_read": sum(s.mib_read for s in prefill),
         "prefill_blocked_ms": sum(s.blocked_ms for s in prefill),
         "peak_mlx_bytes": peak_mlx_bytes,
@@ -386,6 +398,15 @@ def summarize(
         "nonfinite_repaired": sum(s.nonfinite_repaired for s in steps),
         "mask_ms": sum(s.mask_ms for s in steps),
     }
+    drafted = sum(s.drafted for s in decode)
+    if drafted:
+        summary["draft"] = {
+            "steps": len(decode),
+            "drafted": drafted,
+            "accepted": sum(s.accepted for s in decode),
+            "experts_union": sum(s.experts_union for s in decode),
+            "experts_summed": sum(s.experts_summed for s in decode),
+        }
     recalls = [s.shadow_recall for s in decode if s.shadow_recall is not None]
     if recalls:
         summary["shadow_recall"] = statistics.mean(recalls)

@@ -29,6 +29,19 @@ class TokenLogprobs:
     top: tuple[tuple[int, float], ...]
 
 
+def logits_processors(gen: GenerationConfig) -> list:
+    """mlx-lm's logits processors of `gen` (logit bias, penalties), each `(tokens, logits)`."""
+    return make_logits_processors(
+        logit_bias=gen.logit_bias or None,
+        repetition_penalty=gen.repetition_penalty if gen.repetition_penalty != 1.0 else None,
+        repetition_context_size=gen.penalty_context,
+        presence_penalty=gen.presence_penalty or None,
+        presence_context_size=gen.penalty_context,
+        frequency_penalty=gen.frequency_penalty or None,
+        frequency_context_size=gen.penalty_context,
+    )
+
+
 class Sampler:
     """Picks each token of one reply; call it with the last position's logits (1, vocab)."""
 
@@ -36,15 +49,7 @@ class Sampler:
         self._sample = make_sampler(
             gen.temperature, top_p=gen.top_p, min_p=gen.min_p, top_k=gen.top_k
         )
-        self._processors = make_logits_processors(
-            logit_bias=gen.logit_bias or None,
-            repetition_penalty=gen.repetition_penalty if gen.repetition_penalty != 1.0 else None,
-            repetition_context_size=gen.penalty_context,
-            presence_penalty=gen.presence_penalty or None,
-            presence_context_size=gen.penalty_context,
-            frequency_penalty=gen.frequency_penalty or None,
-            frequency_context_size=gen.penalty_context,
-        )
+        self._processors = logits_processors(gen)
         # What the penalties look at (only kept when there are penalties), on the device: the
         # next step's graph can take a token the host has not read yet, as mlx-lm's does.
         self._seen = (
