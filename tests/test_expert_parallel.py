@@ -181,3 +181,18 @@ def test_serve_hosts_answers_with_the_other_rank_following(checkpoint_dir, tmp_p
     finally:
         stop_server(server)  # asserts status 0
     assert log.read_text().count("edge0 rank 1: [") == 3  # rank 1's line per reply
+
+
+def test_two_ranks_draft_and_verify_as_one_process_decodes():
+    """Speculative decoding with ranks: each verify step's forward over several positions sums
+    their experts' outputs over the ranks; the tokens are one process's plain greedy ones."""
+    prompt = "I am not a man, sir, and I will not be a man. I am not so, sir."  # (it repeats)
+    args = ["generate", "demo", "--prompt", prompt, "--max-tokens", "24", "--mode", "on-demand"]
+    args += ["--expert-cache", "4M", "--json"]
+    plain = run_cli(*args)
+    drafted = run_cli(*args, "--draft", "lookup", "--hosts", "2")
+    assert plain.returncode == 0 and drafted.returncode == 0, drafted.stderr
+    plain, drafted = json.loads(plain.stdout), json.loads(drafted.stdout)
+    assert drafted["tokens"] == plain["tokens"]
+    assert drafted["summary"]["draft"]["steps"] > 0
+    assert [r["rank"] for r in drafted["summary"]["ranks"]] == [0, 1]

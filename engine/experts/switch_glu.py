@@ -327,7 +327,7 @@ def mixed_glu(
         idx = mx.array(slots[ids].astype(np.uint32))
         outputs.append(sorted_glu(glu, rows, idx, bank).squeeze(-2))
         done.append(ids)
-    return _in_routing_order(outputs, done, routed)
+    return _in_routing_order(outputs, done, routed, x)
 
 
 def _in_routing_order(
