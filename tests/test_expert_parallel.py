@@ -196,3 +196,23 @@ def test_two_ranks_draft_and_verify_as_one_process_decodes():
     assert drafted["tokens"] == plain["tokens"]
     assert drafted["summary"]["draft"]["steps"] > 0
     assert [r["rank"] for r in drafted["summary"]["ranks"]] == [0, 1]
+
+
+def test_a_reply_cut_short_on_rank_0_refuses_the_next_one():
+    """In one process standing as rank 0 of 2 (its sums are its own): a reply its caller stops
+    reading leaves the other ranks inside it, so the engine refuses the next in one line; a rank
+    other than 0 never starts a reply of its own."""
+    with Engine(
+        DEMO, EngineConfig(mode="on-demand", expert_cache_bytes=parse_size("4M"))
+    ) as engine:
+        engine.store.share = ExpertShare(0, 2)
+        prompt = engine.encode("Speak.", chat=True)
+        reply = iter(engine.stream(prompt, GenerationConfig(8, 0.0, ignore_eos=True)))
+        next(reply)
+        reply.close()
+        with pytest.raises(Edge0Error, match="out of step"):
+            engine.stream(prompt, GenerationConfig(8, 0.0))
+        engine.store.share = ExpertShare(1, 2)
+        with pytest.raises(Edge0Error, match="rank 1 runs rank 0's replies"):
+            engine.stream(prompt, GenerationConfig(8, 0.0))
+        engine.store.share = None  # (close announces the end to no one)

@@ -435,9 +435,21 @@ class Engine:
         if self.share is not None:  # every rank runs this reply with this one (runtime/follow.py)
             gen, announcement, should_stop = self._lead(gen, should_stop)
             announcement.update(prompt=prompt_tokens, forced=forced_tokens, logits=keep_logits)
-        return Reply(
-            self._reply(prompt_tokens, gen, should_stop, forced_tokens, keep_logits, announcement)
+        steps = self._reply(
+            prompt_tokens, gen, should_stop, forced_tokens, keep_logits, announcement
         )
+        return Reply(steps if announcement is None else self._in_step(steps))
+
+    # With several ranks: a reply that ends partway on rank 0 (an error, a caller that stops
+    # reading) leaves the others inside it; every later reply is refused (restart the ranks).
+    _out_of_step = False
+
+    def _in_step(self, steps: Generator[GeneratedToken, None, GenerationResult]):
+        try:
+            return (yield from steps)
+        except BaseException:
+            self._out_of_step = True
+            raise
 
     @property
     def share(self) -> ExpertShare | None:
@@ -448,6 +460,13 @@ class Engine:
         """Rank 0's reply: what the other ranks are told (the sampling seed chosen here, so that
         every rank samples alike), and a stop that they hear at the same step, with the K and
         mode that step runs."""
+        if self.share.rank != 0:
+            raise Edge0Error(f"rank {self.share.rank} runs rank 0's replies (Engine.follow)")
+        if self._out_of_step:
+            raise Edge0Error(
+                "a reply failed partway on rank 0 and the other ranks are out of step with it: "
+                "restart the ranks"
+            )
         if gen.constraint is not None:
             raise Edge0Error("structured output (a grammar) is not available with several ranks")
         if gen.seed is None:
