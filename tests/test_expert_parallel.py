@@ -90,23 +90,23 @@ def test_two_ranks_give_one_process_tokens_each_reading_its_share(checkpoint_dir
 
 @pytest.mark.parametrize("mode", MODES, ids=lambda m: m["mode"])
 def test_a_rank_reads_and_caches_only_its_own_experts(checkpoint_dir, mode):
-    """In one process, as rank 1 of 2 (the sum over ranks is then this rank's alone): every read,
-    read ahead and cached expert is odd."""
+    """In one process, as rank 0 of 2 (the sum over ranks is then this rank's alone): every read,
+    read ahead and cached expert is even."""
     model_dir = checkpoint_dir("qwen3_moe")
     if not (model_dir / "prerouter_k4.safetensors").exists():
         write_random_profile(model_dir, 4)
     config = EngineConfig(**mode, expert_cache_bytes=_one_layer_budget(model_dir))
     with Engine(model_dir, config) as engine:
         store = engine.store
-        store.share = ExpertShare(1, 2)
+        store.share = ExpertShare(0, 2)
         store.trace = []
         prompt = engine.encode("Tell me about the sea and the lighthouse.", chat=True)
         cached = set()  # what the pool held after each token (a request's end forgets reads ahead)
         for _ in engine.stream(prompt, GenerationConfig(max_tokens=TOKENS, temperature=0.0)):
             cached |= set(store.pool.resident_mask().nonzero()[1].tolist())
         read = {e for _, _, experts in store.trace for e in experts}
-    assert read and all(e % 2 == 1 for e in read)
-    assert cached and all(e % 2 == 1 for e in cached)
+    assert read and all(e % 2 == 0 for e in read)
+    assert cached and all(e % 2 == 0 for e in cached)
 
 
 def test_hosts_refusals_are_one_line_before_any_rank_starts(tmp_path):
