@@ -5,6 +5,7 @@ its own experts."""
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -34,6 +35,23 @@ MODES = [
 ]
 
 
+@pytest.fixture(scope="module")
+def profiled(checkpoint_dir, tmp_path_factory):
+    """`profiled(family)`: a copy of the family's tiny checkpoint with a random K profile beside
+    it (the session's checkpoints stay without one: other modules count on that)."""
+    made: dict[str, Path] = {}
+
+    def get(family: str) -> Path:
+        if family not in made:
+            model = tmp_path_factory.mktemp("ranks") / family
+            shutil.copytree(checkpoint_dir(family), model)
+            write_random_profile(model, profile_k(family))
+            made[family] = model
+        return made[family]
+
+    return get
+
+
 def _one_layer_budget(model_dir: Path) -> int:
     """One expert more than a layer's routed set: experts are evicted every step."""
     with Engine(model_dir, EngineConfig(mode="on-demand")) as engine:
@@ -42,12 +60,10 @@ def _one_layer_budget(model_dir: Path) -> int:
         return (engine.loaded.top_k + 1) * store.resident_expert_nbytes(layer)
 
 
-def _cases(checkpoint_dir) -> list[dict]:
+def _cases(profiled) -> list[dict]:
     models = [(DEMO, parse_size("4M")), (DEMO, EVERY_EXPERT)]
     for family in ("qwen3_moe", "gpt_oss"):
-        model_dir = checkpoint_dir(family)
-        if not (model_dir / f"prerouter_k{profile_k(family)}.safetensors").exists():
-            write_random_profile(model_dir, profile_k(family))
+        model_dir = profiled(family)
         models.append((model_dir, _one_layer_budget(model_dir)))
     cases = []
     for model_dir, budget in models:
@@ -66,8 +82,8 @@ def _one_process(case: dict):
     return result.tokens, logits, sum(s.mib_read + s.whole_layer_mib for s in result.steps), cached
 
 
-def test_two_ranks_give_one_process_tokens_each_reading_its_share(checkpoint_dir, tmp_path):
-    cases = _cases(checkpoint_dir)
+def test_two_ranks_give_one_process_tokens_each_reading_its_share(profiled, tmp_path):
+    cases = _cases(profiled)
     (tmp_path / "cases.json").write_text(json.dumps(cases))
     command = [sys.executable, str(TESTS / "ranks_worker.py"), str(tmp_path / "cases.json")]
     assert run_ranks_here(2, [*command, str(tmp_path / "replies.json")]) == 0
@@ -89,12 +105,10 @@ def test_two_ranks_give_one_process_tokens_each_reading_its_share(checkpoint_dir
 
 
 @pytest.mark.parametrize("mode", MODES, ids=lambda m: m["mode"])
-def test_a_rank_reads_and_caches_only_its_own_experts(checkpoint_dir, mode):
+def test_a_rank_reads_and_caches_only_its_own_experts(profiled, mode):
     """In one process, as rank 0 of 2 (the sum over ranks is then this rank's alone): every read,
     read ahead and cached expert is even."""
-    model_dir = checkpoint_dir("qwen3_moe")
-    if not (model_dir / "prerouter_k4.safetensors").exists():
-        write_random_profile(model_dir, 4)
+    model_dir = profiled("qwen3_moe")
     config = EngineConfig(**mode, expert_cache_bytes=_one_layer_budget(model_dir))
     with Engine(model_dir, config) as engine:
         store = engine.store
@@ -147,12 +161,10 @@ def test_ranked_arms_are_streamed_modes_on_two_to_sixteen_ranks():
         run_bench(BenchConfig(Path("unused"), ["resident@2"]), progress=lambda line: None)
 
 
-def test_serve_hosts_answers_with_the_other_rank_following(checkpoint_dir, tmp_path_factory):
+def test_serve_hosts_answers_with_the_other_rank_following(profiled, tmp_path_factory):
     """Rank 0 serves; rank 1 runs each reply with it (K and mode switched per request): the
     replies are one process's greedy tokens, and SIGTERM stops every rank cleanly."""
-    model = checkpoint_dir("qwen3_moe")
-    if not (model / "prerouter_k4.safetensors").exists():
-        write_random_profile(model, 4)
+    model = profiled("qwen3_moe")
     messages = [{"role": "user", "content": "Tell me about the sea and the lighthouse."}]
     expected = {}
     for mode, k in (("on-demand", None), ("prerouter", 4)):
