@@ -22,9 +22,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import mlx.core as mx
-import numpy as np
 
 from ..errors import Edge0Error
+from ..host_reads import HostReads
 
 
 @dataclass(frozen=True)
@@ -32,9 +32,11 @@ class ExpertShare:
     rank: int
     size: int
     group: object = field(default=None, compare=False, repr=False)  # mx.distributed.Group
+    # The engine's one counted place for host reads: the ranks' messages are read through it.
+    host_reads: HostReads = field(default_factory=HostReads, compare=False, repr=False)
 
     @classmethod
-    def joined(cls) -> ExpertShare:
+    def joined(cls, host_reads: HostReads) -> ExpertShare:
         """This process's share in the distributed group it was launched in (`mlx.launch`, or
         the MLX_RANK / MLX_HOSTFILE environment of the ring backend)."""
         try:
@@ -43,10 +45,7 @@ class ExpertShare:
             raise Edge0Error(
                 f"cannot join the distributed group ({e}); start the ranks with --hosts"
             ) from None
-        return cls(group.rank(), group.size(), group)
-
-    def owns(self, expert: int) -> bool:
-        return expert % self.size == self.rank
+        return cls(group.rank(), group.size(), group, host_reads)
 
     def own(self, experts: Iterable[int]) -> list[int]:
         """The experts of `experts` this rank owns, in their order."""
@@ -65,7 +64,7 @@ class ExpertShare:
         times = []
         for _ in range(repeats):
             started = time.perf_counter()
-            mx.eval(mx.distributed.all_sum(y, group=self.group))
+            self.host_reads.wait(mx.distributed.all_sum(y, group=self.group), "a timed sum")
             times.append((time.perf_counter() - started) * 1e3)
         return statistics.median(times)
 
@@ -73,5 +72,6 @@ class ExpertShare:
         """`figures` of every rank, by rank: one exchange (at the end of a reply, never per step)."""
         names = sorted(figures)
         mine = mx.array([[figures[name] for name in names]], dtype=mx.float32)
-        every = np.array(mx.distributed.all_gather(mine, group=self.group)).tolist()
+        gathered = mx.distributed.all_gather(mine, group=self.group)
+        every = self.host_reads.read([gathered], "the ranks' figures of a reply")[0].tolist()
         return [{"rank": r, **dict(zip(names, row))} for r, row in enumerate(every)]

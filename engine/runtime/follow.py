@@ -23,7 +23,8 @@ from ..experts.share import ExpertShare
 def _summed(share: ExpertShare, values: np.ndarray) -> np.ndarray:
     """Rank 0's `values` on every rank (the others give zeros of the same shape)."""
     mine = values if share.rank == 0 else np.zeros_like(values)
-    return np.array(mx.distributed.all_sum(mx.array(mine), group=share.group))
+    summed = mx.distributed.all_sum(mx.array(mine), group=share.group)
+    return share.host_reads.read([summed], "rank 0's word to the other ranks")[0]
 
 
 def announce(share: ExpertShare, message: dict | None) -> dict | None:

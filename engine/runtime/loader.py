@@ -324,7 +324,7 @@ def load(model_dir: str | Path, config: EngineConfig, tracer: Tracer = NO_TRACE)
                     f"{model_dir}: {family.name} routes with its own block here, so its experts "
                     "cannot be shared between ranks"
                 )
-            store.share = ExpertShare.joined()
+            store.share = ExpertShare.joined(host_reads)
         routing = RoutingState(top_k, num_experts, blocks, float_dtype, host_reads, tracer)
         for site in sites:
             specs = projection_specs(site.switch, f"{model_dir} layer {site.layer}")
