@@ -19,12 +19,9 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine import Edge0Error, run_ranks_here
+from engine import LOCAL_HOST, MAX_RANKS, RANK_VARIABLE, Edge0Error, run_ranks_here
 
-RANK_VARIABLE = "MLX_RANK"  # set in each rank's environment (engine.runtime.ranks, mlx.launch)
 STATUS_VARIABLE = "EDGE0_RANK0_STATUS"  # where rank 0 leaves its status for mlx.launch's caller
-LOCAL = "127.0.0.1"
-MAX_RANKS = 16
 
 
 def in_rank() -> bool:
@@ -45,7 +42,7 @@ class Hosts:
 
     @property
     def here(self) -> bool:
-        return self.hostfile is None and all(h == LOCAL for h in self.names)
+        return self.hostfile is None and all(h == LOCAL_HOST for h in self.names)
 
 
 def parse_hosts(spec: str) -> Hosts:
@@ -56,7 +53,9 @@ def parse_hosts(spec: str) -> Hosts:
         if not path.is_file():
             raise Edge0Error(f"--hosts {spec}: no such hostfile")
         return Hosts(hostfile=path)
-    names = [LOCAL] * int(spec) if spec.strip().isdigit() else [h.strip() for h in spec.split(",")]
+    names = (
+        [LOCAL_HOST] * int(spec) if spec.strip().isdigit() else [h.strip() for h in spec.split(",")]
+    )
     if not 2 <= len(names) <= MAX_RANKS or not all(names):
         raise Edge0Error(
             f"--hosts {spec!r}: name 2 to {MAX_RANKS} hosts, comma-separated, a number of ranks on "

@@ -271,7 +271,7 @@ def test_a_run_without_a_wall_says_so_and_each_mode_runs_compute_only(
 
 
 def test_compute_only_arms_name_their_mode():
-    from engine.measure.bench import compute_only_mode
+    from engine.measure.bench_arms import compute_only_mode
 
     assert compute_only_mode("compute-only", ["on-demand", "compute-only"]) == "on-demand"
     assert compute_only_mode("compute-only", ["prerouter", "compute-only"]) == "prerouter"
@@ -322,7 +322,8 @@ def test_a_failed_arm_makes_the_exit_status_non_zero(checkpoint_dir, capsys):
 def test_a_drafting_arm_decodes_greedily_as_the_plain_arm_does(checkpoint_dir):
     """`MODE+lookup` arms (speculative decoding): every arm then decodes greedily (not a forced
     replay), and the report says whether every run gave the same tokens."""
-    from engine.measure.bench import _same_tokens, drafted_mode, run_arm
+    from engine.measure.bench import _same_tokens, run_arm
+    from engine.measure.bench_arms import drafted_mode
 
     assert drafted_mode("on-demand+lookup") == "on-demand" and drafted_mode("on-demand") is None
     assert drafted_mode("prerouter+lookup") is None  # refused: see runtime/speculative.py

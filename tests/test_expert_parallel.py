@@ -19,7 +19,8 @@ from edge0_tui.cli import main
 from engine import Edge0Error, parse_size, run_ranks_here
 from engine.config import EngineConfig, GenerationConfig
 from engine.experts.share import ExpertShare
-from engine.measure.bench import BenchConfig, ranked_arm, run_bench
+from engine.measure.bench import BenchConfig, run_bench
+from engine.measure.bench_arms import ranked_arm
 from engine.runtime.generation import Engine
 
 TESTS = Path(__file__).resolve().parent

@@ -104,6 +104,7 @@ def run(args: argparse.Namespace) -> int:
     from edge0_tui.model_start import default_budgets
     from engine import check_checkpoint
     from engine.measure.bench import DEFAULT_PROMPT, BenchConfig, run_bench
+    from engine.measure.bench_arms import with_ranked_twins
     from engine.measure.bench_markdown import markdown, terminal_plot
 
     check_checkpoint(args.model)  # in this process: the arms' processes would each say it again
@@ -118,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
         prompt = read_prompt(args.prompt_file)
     config = BenchConfig(
         model=args.model,
-        arms=with_ranked_arms([a.strip() for a in args.arms.split(",") if a.strip()], args.hosts),
+        arms=with_ranked_twins([a.strip() for a in args.arms.split(",") if a.strip()], args.hosts),
         k=args.k,
         rounds=args.rounds,
         tokens=args.tokens,
@@ -186,11 +187,3 @@ def write_output(path: Path, text: str, what: str) -> None:
         path.write_text(text)
     except OSError as e:
         raise Edge0Error(f"{path}: cannot write {what} ({e.strerror or e})") from None
-
-
-def with_ranked_arms(arms: list[str], ranks: int | None) -> list[str]:
-    """--hosts N: each streamed arm followed by its N-rank twin."""
-    if ranks is None:
-        return arms
-    streamed = ("on-demand", "prefetch", "prerouter")
-    return [x for arm in arms for x in ([arm, f"{arm}@{ranks}"] if arm in streamed else [arm])]

@@ -37,21 +37,18 @@ from ..experts.page_cache import FileResidency, evict_file
 from ..runtime.ranks import run_ranks_here
 from ..trace import Tracer
 from . import bench_reads_ahead
+from .bench_arms import (
+    COMPUTE_ONLY,
+    STREAMED_MODES,
+    check_arms,
+    compute_only_mode,
+    drafted_mode,
+    ranked_arm,
+)
 from .memory_cgroup import MemoryCgroup
 from .read_limit import ReadLimitCgroup, block_device
 
 DEFAULT_PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
-ARMS = ("resident", "on-demand", "prerouter", "prefetch", "compute-only")
-# The compute-only arm streams like the others but has every expert resident before the replay (no
-# RAM or read limit, no eviction: it reads nothing). Its step is the compute a streamed step cannot
-# go below, one term of the overlap limit. `compute-only:MODE` runs that mode so (what the mode
-# costs a step when nothing is read: the heads' work, the lookahead's guesses); plain
-# `compute-only` runs prerouter where the bench has it, else on-demand.
-COMPUTE_ONLY = "compute-only"
-STREAMED_MODES = ("on-demand", "prefetch", "prerouter")
-# `MODE+lookup`: that mode with prompt-lookup drafts verified in one forward each.
-DRAFTED = "+lookup"
-DRAFTED_MODES = ("resident", "on-demand", "prefetch")
 READ_LIMITERS = ("cgroup", "pacing")
 # (label, summary key, format) of the figures reported per arm.
 FIGURES = (
@@ -349,20 +346,7 @@ def _warm(shards: list[Path]) -> None:
 
 
 def run_bench(config: BenchConfig, progress=print, timeout_s: float = 3600) -> dict:
-    unknown = [
-        a
-        for a in config.arms
-        if a not in ARMS
-        and compute_only_mode(a) is None
-        and drafted_mode(a) is None
-        and ranked_arm(a) is None
-    ]
-    if unknown or not config.arms:
-        raise Edge0Error(
-            f"unknown arm(s) {unknown}: choose from {', '.join(ARMS)}, compute-only:MODE "
-            f"(MODE one of {', '.join(STREAMED_MODES)}), MODE{DRAFTED} (MODE one of "
-            f"{', '.join(DRAFTED_MODES)}), or MODE@N (N ranks on this machine)"
-        )
+    check_arms(config.arms)
     greedy = any(drafted_mode(a) is not None for a in config.arms)
     shards = checkpoint_shards(Path(config.model))
     base = {
@@ -470,29 +454,6 @@ def run_bench(config: BenchConfig, progress=print, timeout_s: float = 3600) -> d
             )
             runs.append(run)
     return build_report(config, sampled, runs)
-
-
-def ranked_arm(arm: str) -> tuple[str, int] | None:
-    """`MODE@N`: a streamed mode run as N ranks on this machine, each with its share of the
-    experts (engine/experts/share.py). Returns (MODE, N); None for any other arm."""
-    mode, _, ranks = arm.partition("@")
-    if mode in STREAMED_MODES and ranks.isdigit() and 2 <= int(ranks) <= 16:
-        return mode, int(ranks)
-    return None
-
-
-def drafted_mode(arm: str) -> str | None:
-    """The mode a drafting arm (`MODE+lookup`) runs; None: `arm` drafts nothing."""
-    mode = arm.removesuffix(DRAFTED)
-    return mode if mode != arm and mode in DRAFTED_MODES else None
-
-
-def compute_only_mode(arm: str, arms: list[str] = ()) -> str | None:
-    """The mode a compute-only arm runs (None: `arm` is no compute-only arm)."""
-    if arm == COMPUTE_ONLY:
-        return "prerouter" if "prerouter" in arms else "on-demand"
-    name, _, mode = arm.partition(":")
-    return mode if name == COMPUTE_ONLY and mode in STREAMED_MODES else None
 
 
 def _arm_cgroups(

@@ -20,8 +20,9 @@ import time
 from pathlib import Path
 from typing import IO
 
-RANK_VARIABLE = "MLX_RANK"
-LOCAL = "127.0.0.1"
+RANK_VARIABLE = "MLX_RANK"  # a rank's number, in its environment (as mlx.launch sets it)
+LOCAL_HOST = "127.0.0.1"
+MAX_RANKS = 16  # the most ranks a command or a bench arm is run as
 STOP_GRACE_S = 10  # how long a rank told to stop may take before it is killed
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -30,7 +31,7 @@ def _free_ports(count: int) -> list[int]:
     sockets = [socket.socket() for _ in range(count)]
     try:
         for s in sockets:
-            s.bind((LOCAL, 0))
+            s.bind((LOCAL_HOST, 0))
         return [s.getsockname()[1] for s in sockets]
     finally:
         for s in sockets:
@@ -49,7 +50,7 @@ def run_ranks_here(
     `stdout`: where rank 0's output goes (the others' is dropped then); `stderr`, every rank's."""
     with tempfile.TemporaryDirectory(prefix="edge0-ranks-") as folder:
         hostfile = Path(folder) / "hosts.json"
-        hostfile.write_text(json.dumps([[f"{LOCAL}:{port}"] for port in _free_ports(ranks)]))
+        hostfile.write_text(json.dumps([[f"{LOCAL_HOST}:{port}"] for port in _free_ports(ranks)]))
         processes = []
         for r in range(ranks):
             env = {**os.environ, RANK_VARIABLE: str(r), "MLX_HOSTFILE": str(hostfile)}
