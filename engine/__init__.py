@@ -35,6 +35,7 @@ from .trace import NO_TRACE, Tracer
 
 # name -> the module that defines it, imported when the name is first used.
 _ON_FIRST_USE = {
+    "Batch": "engine.runtime.batch",
     "Engine": "engine.runtime.generation",
     "GenerationResult": "engine.runtime.generation",
     "GeneratedToken": "engine.runtime.decode",

@@ -65,6 +65,20 @@ class GeneratedToken:
     logits: mx.array | None = None  # evaluated, when asked for (`keep_logits`)
 
 
+@dataclass
+class GenerationResult:
+    """A whole reply: its tokens and text, each forward's metrics, and their summary."""
+
+    prompt_tokens: list[int]
+    tokens: list[int]
+    text: str
+    steps: list[StepMetrics]
+    summary: dict = field(default_factory=dict)
+    stopped_by: str = "max_tokens"  # "eos", "max_tokens" or "cancelled"
+    # One per token, when GenerationConfig.logprobs asks for them.
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+
+
 class Reply:
     """A reply being made (`Engine.stream`): iterate it for its tokens as they come; once it is
     done, `result` is the whole `GenerationResult` (None while tokens are still coming, or when
@@ -92,6 +106,7 @@ class Step:
     predictions: Predictions | None = None  # the heads' routing of the next step
     guess: Guess | None = None  # the lookahead's guess of the next step's first MoE layer
     wait: list = field(default_factory=list)  # evaluated in the step's read, not read (a cache)
+    rows_sampled: list[int] = field(default_factory=list)  # a batch step: each row's sampled arrays
     # Held layers' routing, on the device: (layer, indices), read with the token.
     device_routing: list[tuple[int, mx.array]] = field(default_factory=list)
     routing_counters: RoutingCounters | None = None
@@ -283,6 +298,44 @@ class Decoder:
             # Nothing of this step can be read or evicted any more: its accounting ends now,
             # before the next step is built over it.
             step.counters = store.end_step()
+        return step
+
+    def build_rows(self, tokens: mx.array, samplers: list[Sampler]) -> Step:
+        """A batch step (runtime/batch.py): one forward over every row's last token ([B, 1],
+        over the batch's KV caches), each row sampled by its own sampler. Every layer routes by
+        its own router (batches run in the exact modes); the lookahead guesses the union of the
+        rows' experts, the next step's first layer included."""
+        engine = self.engine
+        engine.apply_requests()
+        routing, store, lookahead = engine.routing, engine.store, engine.lookahead
+        step = Step("decode", tokens.size, time.perf_counter())
+        if routing is not None:
+            step.routing_counters = routing.begin_step()
+        if store is not None:
+            store.begin_step()
+            step.pool_step = store.pool.step
+        guessing = lookahead is not None and engine.mode in GUESSING_MODES
+        if guessing:
+            lookahead.active = True
+            self._look_ahead_at_first_layer(tokens)
+        out = engine.model(tokens[:, None], cache=self.cache)
+        step.repaired = engine.guard.take() if engine.guard is not None else None
+        step.logits = out[:, -1, :]
+        with engine.tracer.span("sample", "step"):
+            for row, sampler in enumerate(samplers):
+                sampled = sampler(step.logits[row : row + 1])
+                step.sampled.extend(sampled)
+                step.rows_sampled.append(len(sampled))
+        if store is not None:
+            step.device_routing = store.device_routing()
+        if lookahead is not None:
+            lookahead.end_step()
+            lookahead.active = False
+            if guessing:
+                starts = [sum(step.rows_sampled[:row]) for row in range(len(samplers))]
+                following = mx.concatenate([step.sampled[i].reshape(-1) for i in starts])
+                step.guess = lookahead.guess_first(following)
+        mx.async_eval(step.device_values())
         return step
 
     def finish(self, step: Step) -> list:

@@ -19,7 +19,6 @@ import random
 import statistics
 import threading
 from collections.abc import Callable, Generator
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import mlx.core as mx
@@ -37,10 +36,11 @@ from ..routing.lookahead import Lookahead, attach_lookahead
 from ..routing.moe_block import set_top_k
 from ..routing.prerouter import PrerouterHeads
 from ..trace import NO_TRACE, Tracer
+from .batch import Batch
 from .blas import blas_in_use, prefill_kernels
 from .chat_template import render_chat_template
 from .compute_activity import follow_compute
-from .decode import Decoder, GeneratedToken, Reply
+from .decode import Decoder, GeneratedToken, GenerationResult, Reply
 from .decode_policy import apply as apply_policy
 from .decode_policy import decode_policy
 from .follow import agree, announce
@@ -55,7 +55,7 @@ from .metrics import (
     summarize,
 )
 from .numerics import HiddenGuard, guard_layers
-from .sampling import Sampler, TokenLogprobs
+from .sampling import Sampler
 from .speculative import Speculation, check_draftable
 
 
@@ -71,18 +71,6 @@ def release_thread_streams() -> None:
     left to process exit, those streams abort the process ("terminate called without an active
     exception") about half the time on Linux (MLX 0.32)."""
     mx.clear_streams()
-
-
-@dataclass
-class GenerationResult:
-    prompt_tokens: list[int]
-    tokens: list[int]
-    text: str
-    steps: list[StepMetrics]
-    summary: dict = field(default_factory=dict)
-    stopped_by: str = "max_tokens"  # "eos", "max_tokens" or "cancelled"
-    # One per token, when GenerationConfig.logprobs asks for them.
-    logprobs: list[TokenLogprobs] = field(default_factory=list)
 
 
 class Engine:
@@ -439,6 +427,12 @@ class Engine:
             prompt_tokens, gen, should_stop, forced_tokens, keep_logits, announcement
         )
         return Reply(steps if announcement is None else self._in_step(steps))
+
+    def batch(self, max_batch: int) -> Batch:
+        """Replies that decode together, joining and leaving at any step (runtime/batch.py)."""
+        if self.share is not None:
+            raise Edge0Error("batched replies are not available with several ranks")
+        return Batch(self, max_batch)
 
     # With several ranks: a reply that ends partway on rank 0 (an error, a caller that stops
     # reading) leaves the others inside it; every later reply is refused (restart the ranks).

@@ -1,0 +1,275 @@
+"""Continuous batching: several replies decode together, one forward a step for all of them.
+
+A reply joins the batch after its own prefill, which runs a chunk at a time between the batch's
+decode steps (a long prompt does not stall the replies already decoding). Each decode step is
+one forward over every member's last token, as the rows of a [B, 1] input over mlx-lm's batch KV
+caches (left-padded, `BatchKVCache.merge`): each MoE layer routes every row, and the expert
+store reads the union of the rows' missing experts once. A member keeps its own sampler, stop
+and cancel, and leaves as soon as it ends: its rows are filtered out of the caches.
+
+Exact: a row is computed as a forward of one sequence would be (tests/test_batch.py checks the
+greedy tokens of every member against the same replies run one at a time), in resident,
+on-demand and prefetch, where every layer routes by its own router.
+
+What a batch does not do (each member would need state of its own that one forward does not
+keep apart): prerouter mode (its heads predict a sequence's next step from that sequence's
+last one: per-row predictions are not built), speculative drafts, a sampling seed (one random
+stream serves every row), and reusing a previous turn's KV cache. `Batch.join` refuses the
+first three; the engine's plain `stream` runs such replies.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache
+
+from ..errors import Edge0Error
+from .decode import Decoder, GeneratedToken, GenerationResult
+from .metrics import PEAK_SCOPE_PROCESS, StepMetrics, merged, process_peak_rss_bytes, summarize
+from .sampling import Sampler
+
+if TYPE_CHECKING:
+    from ..config import GenerationConfig
+    from .generation import Engine
+
+BATCHED_MODES = ("resident", "on-demand", "prefetch")  # the modes whose batch steps are exact
+
+
+@dataclass
+class Member:
+    """One reply in a batch: its prompt, sampler and stop, and what it has given so far."""
+
+    prompt: list[int]
+    gen: GenerationConfig
+    should_stop: Callable[[], bool] | None
+    sampler: Sampler
+    eos: set[int]
+    result: GenerationResult
+    started: float = field(default_factory=time.perf_counter)
+    last: int | None = None  # the token the next step feeds (sampled, not yet in the cache)
+    cache: list | None = None  # its own KV cache, from its prefill until it joins the batch's
+    done: bool = False
+
+    @property
+    def given(self) -> int:
+        return len(self.result.tokens)
+
+
+@dataclass
+class BatchTokens:
+    """What one `Batch.step` gave: each member's new token, and the members that ended."""
+
+    tokens: list[tuple[Member, GeneratedToken]] = field(default_factory=list)
+    ended: list[Member] = field(default_factory=list)
+
+
+class Batch:
+    """The replies decoding together on one engine (module docstring). Drive it with `step`
+    until `busy` is false; `join` adds a reply at any step."""
+
+    def __init__(self, engine: Engine, max_batch: int) -> None:
+        if max_batch < 1:
+            raise Edge0Error(f"max_batch={max_batch} must be at least 1")
+        self.engine = engine
+        self.max_batch = max_batch
+        self.members: list[Member] = []  # decoding, in the caches' row order
+        self.joining: list[tuple[Member, Iterator[None]]] = []  # prefilling, first first
+        self._decoder = Decoder(engine, [], None, None)  # the batch's steps, over its caches
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.members or self.joining)
+
+    @property
+    def size(self) -> int:
+        """Replies in the batch, decoding or prefilling."""
+        return len(self.members) + len(self.joining)
+
+    def join(
+        self,
+        prompt_tokens: list[int],
+        gen: GenerationConfig | None = None,
+        should_stop: Callable[[], bool] | None = None,
+    ) -> Member:
+        """Add a reply: its prefill starts at the next `step`. Raises Edge0Error for a request
+        this model cannot serve, or one a batch cannot run (module docstring)."""
+        engine = self.engine
+        if self.size >= self.max_batch:
+            raise Edge0Error(f"the batch is full ({self.max_batch} replies)")
+        gen = engine._checked_request(prompt_tokens, gen, None)
+        if engine.pending[1] not in BATCHED_MODES:
+            raise Edge0Error(
+                f"batched replies run in {', '.join(BATCHED_MODES)} mode, not "
+                f"{engine.pending[1]}: run the reply alone"
+            )
+        if gen.draft is not None:
+            raise Edge0Error("a batched reply takes no --draft: run it alone")
+        if gen.seed is not None:
+            raise Edge0Error("a batched reply takes no seed (one random stream serves every row)")
+        eos = set() if gen.ignore_eos else set(engine.tokenizer.eos_token_ids)
+        member = Member(
+            list(prompt_tokens),
+            gen,
+            should_stop,
+            Sampler(gen, prompt_tokens),
+            eos,
+            GenerationResult(list(prompt_tokens), [], "", []),
+        )
+        self.joining.append((member, self._prefill(member)))
+        return member
+
+    def step(self) -> BatchTokens:
+        """One unit of work: a prefill chunk of the first reply joining (its first token where
+        the chunk was its last), then one decode step of every member already decoding."""
+        out = BatchTokens()
+        if self.joining:
+            member, chunks = self.joining[0]
+            if next(chunks, "done") == "done":
+                self.joining.pop(0)
+                self._after_token(member, out, joined=True)
+        if self.members:
+            self._decode_step(out)
+        return out
+
+    def cancel_all(self) -> None:
+        """End every reply now (their results say "cancelled")."""
+        for member, _ in self.joining:
+            self._end(member, "cancelled")
+        for member in self.members:
+            self._end(member, "cancelled")
+        self.joining.clear()
+        self.members.clear()
+        self._decoder.cache = []
+
+    # -- a member's prefill ------------------------------------------------------------------------
+
+    def _prefill(self, member: Member) -> Iterator[None]:
+        """The member's prompt through its own KV cache, a chunk per `step`, then its first token
+        (from the forward on the prompt's last token). Yields after each chunk; returns once the
+        first token is in `member.last` (or the member was cancelled)."""
+        engine = self.engine
+        cache = make_prompt_cache(engine.model)
+        decoder = Decoder(engine, cache, member.sampler, None)
+        chunk = engine.config.prefill_chunk
+        prompt = member.prompt
+        body = prompt[:-1]
+        for start in range(0, len(body), chunk):
+            if member.should_stop is not None and member.should_stop():
+                member.result.steps = decoder.steps
+                self._end(member, "cancelled")
+                return
+            last_chunk = start + chunk >= len(body)
+            after = prompt[-1] if last_chunk else None
+            tokens = mx.array(body[start : start + chunk])
+            decoder.finish(decoder.build(tokens, "prefill", next_input=after, flush=False))
+            yield
+        step = decoder.build(mx.array(prompt[-1:]), "prefill", flush=False)
+        member.last = member.sampler.finish(decoder.finish(step))
+        member.result.steps = decoder.steps
+        member.cache = cache
+        engine.last_prefill = merged(decoder.steps)
+
+    def _add_rows(self, cache: list) -> None:
+        """A prefilled member's cache becomes the batch caches' last row."""
+        rows = [layer.merge([layer]) for layer in cache]
+        if not self._decoder.cache:
+            self._decoder.cache = rows
+            return
+        for batch_layer, row in zip(self._decoder.cache, rows):
+            batch_layer.extend(row)
+
+    # -- the batch's decode step -------------------------------------------------------------------
+
+    def _decode_step(self, out: BatchTokens) -> None:
+        members = list(self.members)
+        inputs = mx.array([m.last for m in members], dtype=mx.int32)
+        step = self._decoder.build_rows(inputs, [m.sampler for m in members])
+        values = self._decoder.finish(step)
+        metrics = self._decoder.steps[-1]
+        for member, sampled in zip(members, _per_row(values, step.rows_sampled)):
+            member.result.steps.append(metrics)
+            member.last = member.sampler.finish(sampled)
+            self._after_token(member, out)
+        ended = [i for i, m in enumerate(members) if m.done]
+        if ended:
+            self._drop_rows(ended)
+
+    def _after_token(self, member: Member, out: BatchTokens, joined: bool = False) -> None:
+        """Give `member.last` to the reply; end the reply where it stops here, else keep it (a
+        member that just joined starts decoding at the next step)."""
+        if member.done:  # cancelled during its prefill
+            out.ended.append(member)
+            return
+        token = member.last
+        member.result.tokens.append(token)
+        if member.sampler.last is not None:
+            member.result.logprobs.append(member.sampler.last)
+        out.tokens.append((member, GeneratedToken(token, member.result.steps[-1])))
+        if token in member.eos or member.sampler.done:
+            self._end(member, "eos")
+        elif member.given >= member.gen.max_tokens:
+            self._end(member, "max_tokens")
+        elif member.should_stop is not None and member.should_stop():
+            self._end(member, "cancelled")
+        elif joined:
+            self._add_rows(member.cache)
+            member.cache = None
+            self.members.append(member)
+            return
+        member.cache = None
+        if member.done:
+            out.ended.append(member)
+
+    def _end(self, member: Member, why: str) -> None:
+        member.done = True
+        result = member.result
+        result.stopped_by = why
+        # A batch's replies share the process: its peaks are the process's, not a reply's.
+        result.summary = summarize(
+            result.steps,
+            len(member.prompt),
+            mx.get_peak_memory(),
+            process_peak_rss_bytes(),
+            PEAK_SCOPE_PROCESS,
+        )
+        result.text = self.engine.reply_text(result.tokens)
+        if not result.tokens:
+            result.summary["generated_tokens"] = 0
+
+    def _drop_rows(self, ended: list[int]) -> None:
+        keep = [i for i in range(len(self.members)) if i not in ended]
+        self.members = [self.members[i] for i in keep]
+        if not keep:
+            self._decoder.cache = []
+            return
+        rows = mx.array(keep, dtype=mx.int32)
+        for layer in self._decoder.cache:
+            layer.filter(rows)
+
+
+def _per_row(values: list, counts: list[int]) -> Iterator[list]:
+    """The step's sampled values, split back into each row's sampler's."""
+    start = 0
+    for count in counts:
+        yield values[start : start + count]
+        start += count
+
+
+def batch_metrics(steps: list[StepMetrics]) -> dict:
+    """A batch's decode steps in figures: rows a step, the experts its layers used (the union of
+    the rows') and what one row at a time would have used (their sum)."""
+    rows = [s for s in steps if s.phase == "decode"]
+    union = sum(s.experts_union for s in rows)
+    summed = sum(s.experts_summed for s in rows)
+    return {
+        "steps": len(rows),
+        "rows_per_step": sum(s.tokens for s in rows) / len(rows) if rows else 0.0,
+        "experts_union": union,
+        "experts_summed": summed,
+        "reads_saved_fraction": 1 - union / summed if summed else 0.0,
+    }

@@ -1,0 +1,117 @@
+"""Continuous batching (runtime/batch.py): replies that decode together, exactly.
+
+Greedy tokens of every member equal the same reply run alone, in every mode, on the demo and
+three families whose caches batch differently (attention, linear attention's recurrent state,
+sliding windows); members join while others decode and leave when they end; a step reads the
+union of its rows' experts once; each member keeps its own stop and cancel.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from engine.config import EngineConfig, GenerationConfig
+from engine.errors import Edge0Error
+from engine.runtime.batch import batch_metrics
+from engine.runtime.generation import Engine
+
+DEMO = Path(__file__).resolve().parents[1] / "assets" / "demo"
+
+
+def _greedy(max_tokens: int, **extra) -> GenerationConfig:
+    return GenerationConfig(max_tokens=max_tokens, ignore_eos=True, **extra)
+
+
+def _run_batch(engine: Engine, requests: list[tuple[list[int], GenerationConfig]], late: int = 0):
+    """Every request through one batch; the last `late` join once the others have decoded a few
+    steps. Returns the members in request order and every batch step's metrics."""
+    batch = engine.batch(max_batch=len(requests))
+    early = requests[: len(requests) - late]
+    members = [batch.join(p, g) for p, g in early]
+    steps = 0
+    while batch.busy or len(members) < len(requests):
+        if steps == 6 and len(members) < len(requests):
+            members += [batch.join(p, g) for p, g in requests[len(members) :]]
+        batch.step()
+        steps += 1
+    return members, batch._decoder.steps
+
+
+def test_greedy_tokens_of_a_batch_are_each_reply_alone_on_the_demo_in_every_mode():
+    """Resident, on-demand with a cache that misses and prefetch; replies of different lengths, one joining late; a batch
+    step reads the union of its rows' experts, fewer than one row at a time."""
+    texts = ["a b c d a b", "the cat sat on the mat and", "once upon a time there was a"]
+    with Engine(DEMO, EngineConfig(mode="resident")) as engine:
+        prompts = [engine.encode(t) for t in texts]
+        lengths = [10, 6, 8]
+        alone = [engine.generate(p, _greedy(n)).tokens for p, n in zip(prompts, lengths)]
+        requests = [(p, _greedy(n)) for p, n in zip(prompts, lengths)]
+        members, _ = _run_batch(engine, requests, late=1)
+        assert [m.result.tokens for m in members] == alone
+    for mode in ("on-demand", "prefetch"):
+        config = EngineConfig(mode=mode, expert_cache_bytes=4 << 20)
+        with Engine(DEMO, config) as engine:
+            members, steps = _run_batch(engine, requests, late=1)
+            assert [m.result.tokens for m in members] == alone, mode
+            assert all(m.result.stopped_by == "max_tokens" for m in members)
+            figures = batch_metrics(steps)
+            assert figures["rows_per_step"] > 1
+            assert 0 < figures["experts_union"] < figures["experts_summed"], mode
+            assert sum(s.loads for s in steps) > 0  # the cache misses
+            one_read = [
+                s.host_sync_reasons.get("the step's token and what the next one needs")
+                for s in steps
+            ]
+            assert all(r == 1 for r in one_read)  # one read for every row's token
+        engine.request_mode("prerouter")  # (its heads predict one sequence's next step)
+        with pytest.raises(Edge0Error, match="prerouter"):
+            engine.batch(2).join(prompts[0], _greedy(4))
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_next", "gpt_oss"])
+def test_greedy_tokens_of_a_batch_are_each_reply_alone_on_other_families(checkpoint_dir, family):
+    """Attention caches, linear attention's recurrent state (qwen3_next) and sliding windows
+    (gpt_oss) batch and leave alike; on-demand with a cache that misses, then resident."""
+    model = checkpoint_dir(family)
+    prompts = [[5, 9, 13, 17, 21, 5, 9], [7, 3], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]]
+    lengths = [9, 5, 7]
+    requests = [(p, _greedy(n, repetition_penalty=1.2)) for p, n in zip(prompts, lengths)]
+    with Engine(model, EngineConfig(mode="resident")) as engine:
+        alone = [engine.generate(p, g).tokens for p, g in requests]
+        members, _ = _run_batch(engine, requests, late=1)
+        assert [m.result.tokens for m in members] == alone
+    with Engine(model, EngineConfig(mode="on-demand", expert_cache_bytes=120_000)) as engine:
+        members, steps = _run_batch(engine, requests, late=1)
+        assert [m.result.tokens for m in members] == alone
+        assert sum(s.loads for s in steps) > 0
+
+
+def test_each_member_keeps_its_own_stop_and_cancel(checkpoint_dir):
+    """A cancelled member leaves at its next token (or during its prefill) and the others go
+    on to their own ends, with the tokens they have alone; a full batch and a seeded request
+    are refused in one line."""
+    model = checkpoint_dir("qwen3_moe")
+    with Engine(model, EngineConfig(mode="on-demand", expert_cache_bytes=120_000)) as engine:
+        prompts = [[5, 9, 13, 17], [7, 3, 8], [11, 12, 13, 14, 15]]
+        alone = [engine.generate(p, _greedy(8)).tokens for p in prompts]
+        batch = engine.batch(max_batch=3)
+        stop = {"now": False}
+        kept = batch.join(prompts[0], _greedy(8))
+        cancelled = batch.join(prompts[1], _greedy(8), should_stop=lambda: stop["now"])
+        other = batch.join(prompts[2], _greedy(8))
+        with pytest.raises(Edge0Error, match="full"):
+            batch.join(prompts[0], _greedy(8))
+        given = []
+        while batch.busy:
+            out = batch.step()
+            given += [m for m, _ in out.tokens]
+            if given.count(cancelled) == 3:
+                stop["now"] = True
+        assert cancelled.result.stopped_by == "cancelled"
+        assert cancelled.result.tokens == alone[1][:4]  # asked after each token: the 4th
+        assert kept.result.tokens == alone[0] and other.result.tokens == alone[2]
+        assert kept.result.summary["generated_tokens"] == 8
+        with pytest.raises(Edge0Error, match="seed"):
+            engine.batch(2).join(prompts[0], GenerationConfig(seed=1))
