@@ -117,6 +117,9 @@ class EngineConfig:
     reader_core: bool = True
     # Prompt tokens per prefill forward.
     prefill_chunk: int = 512
+    # Replies that may decode together (runtime/batch.py): the memory plan counts this many
+    # sequences' KV caches at the planned context.
+    max_batch: int = 1
     # Today's kernels only (4-bit products everywhere): on-demand token-identical to stock mlx-lm.
     # Otherwise, on the CPU with a fast BLAS, a prefill chunk's routed experts with several rows
     # are dequantized and multiplied in fp32 (GEMM speed; logits within a stated bound,
@@ -203,6 +206,13 @@ class EngineConfig:
             )
         if self.prefill_chunk < 1 or self.reader_threads < 1:
             raise Edge0Error("prefill_chunk and reader_threads must be at least 1")
+        if not 1 <= self.max_batch <= MAX_BATCH:
+            raise Edge0Error(f"max_batch={self.max_batch} must be from 1 to {MAX_BATCH}")
+
+
+# The most replies one batch decodes together: each is a row of every step's forward, and its KV
+# cache a row of the batch's.
+MAX_BATCH = 64
 
 
 class OutputConstraint(Protocol):

@@ -27,7 +27,7 @@ def _greedy(max_tokens: int, **extra) -> GenerationConfig:
 def _run_batch(engine: Engine, requests: list[tuple[list[int], GenerationConfig]], late: int = 0):
     """Every request through one batch; the last `late` join once the others have decoded a few
     steps. Returns the members in request order and every batch step's metrics."""
-    batch = engine.batch(max_batch=len(requests))
+    batch = engine.batch()
     early = requests[: len(requests) - late]
     members = [batch.join(p, g) for p, g in early]
     steps = 0
@@ -43,7 +43,7 @@ def test_greedy_tokens_of_a_batch_are_each_reply_alone_on_the_demo_in_every_mode
     """Resident, on-demand with a cache that misses and prefetch; replies of different lengths, one joining late; a batch
     step reads the union of its rows' experts, fewer than one row at a time."""
     texts = ["a b c d a b", "the cat sat on the mat and", "once upon a time there was a"]
-    with Engine(DEMO, EngineConfig(mode="resident")) as engine:
+    with Engine(DEMO, EngineConfig(mode="resident", max_batch=3)) as engine:
         prompts = [engine.encode(t) for t in texts]
         lengths = [10, 6, 8]
         alone = [engine.generate(p, _greedy(n)).tokens for p, n in zip(prompts, lengths)]
@@ -51,7 +51,7 @@ def test_greedy_tokens_of_a_batch_are_each_reply_alone_on_the_demo_in_every_mode
         members, _ = _run_batch(engine, requests, late=1)
         assert [m.result.tokens for m in members] == alone
     for mode in ("on-demand", "prefetch"):
-        config = EngineConfig(mode=mode, expert_cache_bytes=4 << 20)
+        config = EngineConfig(mode=mode, expert_cache_bytes=4 << 20, max_batch=3)
         with Engine(DEMO, config) as engine:
             members, steps = _run_batch(engine, requests, late=1)
             assert [m.result.tokens for m in members] == alone, mode
@@ -67,7 +67,7 @@ def test_greedy_tokens_of_a_batch_are_each_reply_alone_on_the_demo_in_every_mode
             assert all(r == 1 for r in one_read)  # one read for every row's token
         engine.request_mode("prerouter")  # (its heads predict one sequence's next step)
         with pytest.raises(Edge0Error, match="prerouter"):
-            engine.batch(2).join(prompts[0], _greedy(4))
+            engine.batch().join(prompts[0], _greedy(4))
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_next", "gpt_oss"])
@@ -78,11 +78,13 @@ def test_greedy_tokens_of_a_batch_are_each_reply_alone_on_other_families(checkpo
     prompts = [[5, 9, 13, 17, 21, 5, 9], [7, 3], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]]
     lengths = [9, 5, 7]
     requests = [(p, _greedy(n, repetition_penalty=1.2)) for p, n in zip(prompts, lengths)]
-    with Engine(model, EngineConfig(mode="resident")) as engine:
+    with Engine(model, EngineConfig(mode="resident", max_batch=3)) as engine:
         alone = [engine.generate(p, g).tokens for p, g in requests]
         members, _ = _run_batch(engine, requests, late=1)
         assert [m.result.tokens for m in members] == alone
-    with Engine(model, EngineConfig(mode="on-demand", expert_cache_bytes=120_000)) as engine:
+    with Engine(
+        model, EngineConfig(mode="on-demand", expert_cache_bytes=120_000, max_batch=3)
+    ) as engine:
         members, steps = _run_batch(engine, requests, late=1)
         assert [m.result.tokens for m in members] == alone
         assert sum(s.loads for s in steps) > 0
@@ -93,10 +95,12 @@ def test_each_member_keeps_its_own_stop_and_cancel(checkpoint_dir):
     on to their own ends, with the tokens they have alone; a full batch and a seeded request
     are refused in one line."""
     model = checkpoint_dir("qwen3_moe")
-    with Engine(model, EngineConfig(mode="on-demand", expert_cache_bytes=120_000)) as engine:
+    with Engine(
+        model, EngineConfig(mode="on-demand", expert_cache_bytes=120_000, max_batch=3)
+    ) as engine:
         prompts = [[5, 9, 13, 17], [7, 3, 8], [11, 12, 13, 14, 15]]
         alone = [engine.generate(p, _greedy(8)).tokens for p in prompts]
-        batch = engine.batch(max_batch=3)
+        batch = engine.batch()
         stop = {"now": False}
         kept = batch.join(prompts[0], _greedy(8))
         cancelled = batch.join(prompts[1], _greedy(8), should_stop=lambda: stop["now"])
@@ -114,4 +118,19 @@ def test_each_member_keeps_its_own_stop_and_cancel(checkpoint_dir):
         assert kept.result.tokens == alone[0] and other.result.tokens == alone[2]
         assert kept.result.summary["generated_tokens"] == 8
         with pytest.raises(Edge0Error, match="seed"):
-            engine.batch(2).join(prompts[0], GenerationConfig(seed=1))
+            engine.batch().join(prompts[0], GenerationConfig(seed=1))
+
+
+def test_the_memory_plan_counts_the_batchs_kv_caches(checkpoint_dir):
+    """`max_batch` sequences' KV caches at the planned context, and as many again for the copy
+    mlx-lm makes when a reply joins or leaves; one reply's when nothing batches."""
+    from engine.runtime.header_plan import plan_from_headers
+
+    model = checkpoint_dir("qwen3_moe")
+    one = plan_from_headers(model, EngineConfig(mode="on-demand", context_tokens=256)).plan
+    config = EngineConfig(mode="on-demand", context_tokens=256, max_batch=4)
+    four = plan_from_headers(model, config).plan
+    assert four.kv_cache_bytes == 8 * one.kv_cache_bytes > 0
+    assert "8 x 256 tokens" in " ".join(name for name, _ in four.terms())
+    with pytest.raises(Edge0Error, match="max_batch"):
+        EngineConfig(max_batch=0)

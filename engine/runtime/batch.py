@@ -100,7 +100,10 @@ class Batch:
         this model cannot serve, or one a batch cannot run (module docstring)."""
         engine = self.engine
         if self.size >= self.max_batch:
-            raise Edge0Error(f"the batch is full ({self.max_batch} replies)")
+            raise Edge0Error(
+                f"the batch is full ({self.max_batch} replies: the memory plan counts that many "
+                "KV caches, max_batch)"
+            )
         gen = engine._checked_request(prompt_tokens, gen, None)
         if engine.pending[1] not in BATCHED_MODES:
             raise Edge0Error(

@@ -428,11 +428,12 @@ class Engine:
         )
         return Reply(steps if announcement is None else self._in_step(steps))
 
-    def batch(self, max_batch: int) -> Batch:
-        """Replies that decode together, joining and leaving at any step (runtime/batch.py)."""
+    def batch(self) -> Batch:
+        """Replies that decode together, joining and leaving at any step (runtime/batch.py), at
+        most `EngineConfig.max_batch`: the memory plan counts that many KV caches."""
         if self.share is not None:
             raise Edge0Error("batched replies are not available with several ranks")
-        return Batch(self, max_batch)
+        return Batch(self, self.config.max_batch)
 
     # With several ranks: a reply that ends partway on rank 0 (an error, a caller that stops
     # reading) leaves the others inside it; every later reply is refused (restart the ranks).

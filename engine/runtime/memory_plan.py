@@ -67,6 +67,7 @@ class MemoryPlan:
     held_bytes: int = 0
     # The largest K profile's heads and LoRA once loaded (a K or mode switch may load any).
     adapter_bytes: int = 0
+    kv_sequences: int = 1  # sequences' KV caches at the context counted (`kv_copies`)
 
     @property
     def total_bytes(self) -> int:
@@ -92,7 +93,7 @@ class MemoryPlan:
             ("resident weights", self.resident_bytes),
             (f"expert cache (K={self.k})", self.expert_cache_bytes),
             (prefill, self.prefill_bytes),
-            (f"KV cache ({self.context_tokens:,} tokens)", self.kv_cache_bytes),
+            (self._kv_term(), self.kv_cache_bytes),
             ("working", self.working_bytes),
         ]
         if self.adapter_bytes:
@@ -100,6 +101,11 @@ class MemoryPlan:
         if self.held_bytes:
             terms.append(("training step", self.held_bytes))
         return terms
+
+    def _kv_term(self) -> str:
+        if self.kv_sequences == 1:
+            return f"KV cache ({self.context_tokens:,} tokens)"
+        return f"KV cache ({self.kv_sequences} x {self.context_tokens:,} tokens, a batch)"
 
     def as_dict(self) -> dict:
         """For `--json` reports: every term in bytes, the total and the limit."""
@@ -258,6 +264,14 @@ class PlanInputs:
     context_tokens: int
     prefill_chunk: int
     dense_prefill: bool
+    sequences: int = 1  # replies decoding together (EngineConfig.max_batch)
+
+
+def kv_copies(inputs: PlanInputs) -> int:
+    """Sequences' KV caches at the planned context that can be alive at once: one reply's; a
+    batch's `sequences`, and as many again while a joining or leaving reply makes mlx-lm copy
+    the batch caches into new ones (`extend`, `filter`)."""
+    return 1 if inputs.sequences == 1 else 2 * inputs.sequences
 
 
 def plan_memory(
@@ -284,7 +298,7 @@ def plan_memory(
         resident_bytes=inputs.resident_bytes,
         expert_cache_bytes=expert_cache_bytes,
         prefill_bytes=prefill,
-        kv_cache_bytes=inputs.kv_bytes_per_token * inputs.context_tokens,
+        kv_cache_bytes=inputs.kv_bytes_per_token * inputs.context_tokens * kv_copies(inputs),
         working_bytes=working,
         whole_layer_prefill=whole_layer_prefill,
         context_tokens=inputs.context_tokens,
@@ -293,6 +307,7 @@ def plan_memory(
         limit_source=source,
         held_bytes=held_bytes,
         adapter_bytes=adapter_bytes,
+        kv_sequences=kv_copies(inputs),
     )
 
 
@@ -372,6 +387,7 @@ def plan_load(
         context_tokens=context,
         prefill_chunk=config.prefill_chunk,
         dense_prefill=dense_prefill,
+        sequences=config.max_batch,
     )
 
     def cache_bytes(budget: int, routed: int = k) -> int:
