@@ -19,6 +19,7 @@ from __future__ import annotations
 import importlib
 
 from .config import (
+    BATCHED_MODES,
     EXACT_MODES,
     HEAD_MODES,
     MAX_SEED,
@@ -92,6 +93,7 @@ __all__ = [
     "HEAD_MODES",
     "MAX_SEED",
     "MODES",
+    "BATCHED_MODES",
     "Edge0Error",
     "NO_TRACE",
     "Tracer",

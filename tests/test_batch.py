@@ -134,3 +134,47 @@ def test_the_memory_plan_counts_the_batchs_kv_caches(checkpoint_dir):
     assert "8 x 256 tokens" in " ".join(name for name, _ in four.terms())
     with pytest.raises(Edge0Error, match="max_batch"):
         EngineConfig(max_batch=0)
+
+
+def test_the_service_runs_queued_replies_as_one_batch_and_a_seeded_one_after(checkpoint_dir):
+    """EngineService(max_batch=3) on a real tiny engine: replies submitted together decode in
+    one batch (steps of several rows) with each one's tokens as alone; a seeded reply, which a
+    batch cannot run, waits for the batch to end and then runs alone; none is refused."""
+    import queue
+
+    from edge0_tui.engine_service import EngineOpened, EngineService, ReplyDone, ReplyJob
+
+    class WholeText:
+        stopped = False
+
+        def update(self, text: str) -> str:
+            return ""
+
+        def finish(self, text: str) -> str:
+            return text
+
+    model = checkpoint_dir("qwen3_moe")
+    config = EngineConfig(mode="on-demand", expert_cache_bytes=120_000, max_batch=3)
+    prompts = [[5, 9, 13, 17], [7, 3, 8], [11, 12, 13, 14, 15]]
+    with Engine(model, config) as engine:
+        alone = [engine.generate(p, _greedy(8)).tokens for p in prompts]
+    events: queue.Queue = queue.Queue()
+    service = EngineService(lambda: Engine(model, config), events.put, max_batch=3)
+    service.start()
+    try:
+        assert isinstance(events.get(timeout=60), EngineOpened)
+        answers = [queue.Queue() for _ in range(4)]
+        gens = [_greedy(8)] * 3 + [GenerationConfig(max_tokens=8, ignore_eos=True, seed=5)]
+        for p, gen, answer in zip([*prompts, prompts[0]], gens, answers):
+            service.submit(ReplyJob("", gen, answer.put, WholeText(), prompt_tokens=p))
+        done = [answer.get(timeout=120) for answer in answers]
+    finally:
+        service.shutdown()
+        service.join(30)
+    assert all(isinstance(d, ReplyDone) for d in done), done
+    batched = [d.figures.get("batch") for d in done[:3]]
+    assert all(b is not None and b["rows_per_step"] > 1 for b in batched), batched
+    assert "batch" not in done[3].figures  # the seeded reply ran alone
+    texts = [d.text for d in done[:3]]
+    with Engine(model, config) as engine:
+        assert texts == [engine.reply_text(tokens) for tokens in alone]

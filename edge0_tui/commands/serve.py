@@ -57,6 +57,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="requests that may wait behind the one generating; more get 429 (default 16)",
     )
     parser.add_argument(
+        "--max-batch",
+        type=options.count(1),
+        default=1,
+        metavar="N",
+        help="replies that decode together, one forward a step for all (continuous batching: "
+        "a request joins at the next step and leaves when it ends; the memory plan counts N KV "
+        "caches; a request that finds the batch full waits in the queue). Exact modes only "
+        "(resident, on-demand, prefetch); prerouter, seeded and --draft requests run alone "
+        "(default 1: one at a time)",
+    )
+    parser.add_argument(
         "--cors",
         "--allow-origin",
         dest="allow_origin",
@@ -130,6 +141,10 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     its small budgets showing the wall."""
     from edge0_tui.model_start import default_budgets
 
+    if args.max_batch > 1 and args.hosts is not None:
+        raise Edge0Error(
+            "--max-batch does not run with --hosts yet: the ranks run one reply at a time"
+        )
     default_cache, default_page_cache = default_budgets(args.model == "demo", args.mode)
     expert_cache = args.expert_cache or default_cache
     page_cache = default_page_cache if args.page_cache is None else args.page_cache
@@ -138,6 +153,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         fetch_adapters=False,  # Hub repos are fetched on the engine thread
         **options.expert_cache_config(expert_cache),
         page_cache_bytes=options.page_cache_bytes(page_cache),
+        max_batch=args.max_batch,
     )
 
 
@@ -160,6 +176,7 @@ def run(args: argparse.Namespace) -> int:
         port=args.port,
         api_key=args.api_key,
         queue_limit=args.queue_limit,
+        max_batch=args.max_batch,
         origins=tuple(args.allow_origin),
         # None: the server's defaults (limits.py; not imported here, where every command parses)
         max_connections=args.max_connections,

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from engine import HEAD_MODES, Edge0Error
 
 from ..live_metrics import HISTORY_STEPS, LiveMetrics
+from .batching import BatchRun, batchable, joins_now
 from .jobs import (
     EngineOpened,
     EngineUnavailable,
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
     from engine import (
         Engine,
         GeneratedToken,
+        GenerationConfig,
         GenerationResult,
         HeatPicture,
         KProfile,
@@ -58,6 +60,7 @@ class EngineService:
         memory_refresh_s: float | None = None,
         bugs_end_service: bool = False,
         heat_every_s: float | None = None,
+        max_batch: int = 1,
     ) -> None:
         """`open_engine` runs on the engine thread and returns the loaded Engine (Edge0Error when
         it cannot; ServiceClosed to give up quietly). `queue_limit`: jobs that may wait (None: no
@@ -66,13 +69,15 @@ class EngineService:
         thread and leaves `run` (the app shows it); otherwise only the request it broke fails
         (the server keeps serving). `heat_every_s`: publish the expert heat picture with the
         live figures at most this often while a reply runs, and after its last step (None: never;
-        the server has no view of it)."""
+        the server has no view of it). `max_batch`: above one, replies run together as a batch
+        (batching.py); the engine's config must plan as many KV caches."""
         self._open_engine = open_engine
         self._on_event = on_event
         self.queue_limit = queue_limit
         self._memory_refresh_s = memory_refresh_s
         self._bugs_end_service = bugs_end_service
         self.heat_every_s = heat_every_s
+        self.max_batch = max_batch
         self.state = "loading"  # "loading", "ready", "failed" or "closed"
         self.error: str | None = None
         # The loaded engine; other threads may call only its thread-safe request methods and
@@ -81,7 +86,7 @@ class EngineService:
         self.closed = threading.Event()  # set once the engine is closed and the thread returns
         self._cv = threading.Condition()
         self._queue: deque[ReplyJob | Callable[[], None]] = deque()  # jobs and chores
-        self._running: ReplyJob | None = None
+        self._running: list[ReplyJob] = []  # generating now: one, or a batch's
         self._quit = False
         self._stop_when: Callable[[], bool] = lambda: False
         self._thread: threading.Thread | None = None
@@ -107,7 +112,7 @@ class EngineService:
             if self.state != "ready":
                 raise EngineUnavailable(self.state, self.error)
             waiting = self.queue_depth
-            busy = self._running is not None or waiting
+            busy = bool(self._running) or waiting
             if busy and self.queue_limit is not None and waiting >= self.queue_limit:
                 raise QueueFull(waiting)
             job.service = self
@@ -129,8 +134,9 @@ class EngineService:
             return sum(isinstance(item, ReplyJob) for item in self._queue)
 
     @property
-    def running(self) -> bool:
-        return self._running is not None
+    def running(self) -> int:
+        """Jobs generating now (a batch's, or one)."""
+        return len(self._running)
 
     @property
     def quitting(self) -> bool:
@@ -174,11 +180,11 @@ class EngineService:
         """Stop the running job and drop the waiting ones, which are told EngineUnavailable."""
         with self._cv:
             waiting = [item for item in self._queue if isinstance(item, ReplyJob)]
-            running = self._running
+            running = list(self._running)
             for job in waiting:
                 self._queue.remove(job)
-        if running is not None:
-            running.stop()  # it ends at its next step, and says so itself
+        for job in running:
+            job.stop()  # it ends at its next step, and says so itself
         unavailable = EngineUnavailable("closed", None)
         for job in waiting:
             job.dropped = True
@@ -272,7 +278,7 @@ class EngineService:
                     return
                 item = self._queue.popleft() if self._queue else None
                 if isinstance(item, ReplyJob):
-                    self._running = item
+                    self._running.append(item)
             if item is None:
                 if self._memory_refresh_s and time.monotonic() - last_refresh >= (
                     self._memory_refresh_s
@@ -291,15 +297,45 @@ class EngineService:
         reply = _ReplyRun(self, self.engine, job)
         try:
             if not job.dropped:  # cancelled after it left the queue: nobody waits for it
-                reply.run()
+                self._run(reply)
         except Exception as e:
             if self._bugs_end_service:
                 raise
             traceback.print_exc()  # a bug: this request fails, the service goes on
             job.post(ReplyError(e, "", len(reply.tokens), reply.nonfinite_repaired))
         finally:
-            with self._cv:
-                self._running = None
+            self._finished(job)
+
+    def _run(self, reply: _ReplyRun) -> None:
+        """One job's reply: alone, or as the first of a batch that others join (batching.py)."""
+        if self.max_batch == 1:
+            reply.run()
+            return
+        try:
+            prompt, generation = reply.prepare()
+        except Edge0Error as e:
+            reply.fail(e)
+            return
+        if not batchable(self.engine, reply.job):
+            reply.stream(prompt, generation)
+            return
+        BatchRun(self, reply, prompt, generation).run()
+
+    def _take_joiner(self) -> _ReplyRun | None:
+        """The job at the head of the queue, when it can join the running batch now; None when
+        the head is a chore, another profile's job, or nothing (it waits for the batch to end)."""
+        with self._cv:
+            head = self._queue[0] if self._queue else None
+            if self.quitting or not isinstance(head, ReplyJob) or not joins_now(self, head):
+                return None
+            self._queue.popleft()
+            self._running.append(head)
+        return _ReplyRun(self, self.engine, head)
+
+    def _finished(self, job: ReplyJob) -> None:
+        with self._cv:
+            if job in self._running:
+                self._running.remove(job)
 
     def _fail(self, message: str) -> None:
         with self._cv:
@@ -436,29 +472,26 @@ class _ReplyRun:
 
     def run(self) -> None:
         """Generate and answer; an Edge0Error is the request's answer, anything else a bug."""
-        service, engine, job = self.service, self.engine, self.job
         try:
-            result = self._generate()
-            done = self._done(result)
+            prompt, generation = self.prepare()
         except Edge0Error as e:  # SwitchRefused too
-            text = engine.reply_text(self.tokens) if self.tokens else ""
-            job.post(ReplyError(e, text, len(self.tokens), self.nonfinite_repaired))
+            self.fail(e)
             return
-        finally:
-            service._refresh_memory(engine)
-            # The steps read the high-water mark as each ended; what came after the last is in it.
-            peak_rss = max(service.live.peak_rss_bytes, _process_peak_rss())
-            service.live = replace(
-                service.live,
-                k=engine.k,
-                mode=engine.mode,
-                peak_rss_bytes=peak_rss,
-                expert_heat=self._heat(last=True),
-            )
-        service.last_figures = done.figures
-        job.post(done)
+        self.stream(prompt, generation)
 
-    def _generate(self) -> GenerationResult:
+    def stream(self, prompt: list[int], generation: GenerationConfig) -> None:
+        """The reply to a prepared prompt, alone on the engine."""
+        try:
+            reply = self.engine.stream(prompt, generation, self._should_stop)
+            for token in reply:
+                self._took(token)
+        except Edge0Error as e:
+            self.fail(e)
+            return
+        self.answer(reply.result)
+
+    def prepare(self) -> tuple[list[int], GenerationConfig]:
+        """The job's profile applied, its prompt's tokens and its generation config."""
         engine, job = self.engine, self.job
         self.service._switch_for(engine, job)
         if job.prompt_tokens is not None:
@@ -472,10 +505,35 @@ class _ReplyRun:
         if job.fit_context:
             room = max(1, engine.context_limit - len(prompt))
             generation = replace(generation, max_tokens=min(generation.max_tokens, room))
-        reply = engine.stream(prompt, generation, self._should_stop)
-        for token in reply:
-            self._took(token)
-        return reply.result
+        return prompt, generation
+
+    def answer(self, result: GenerationResult) -> None:
+        """The reply, whole: the job's last event."""
+        try:
+            done = self._done(result)
+        finally:
+            self._ended()
+        self.service.last_figures = done.figures
+        self.job.post(done)
+
+    def fail(self, error: Edge0Error) -> None:
+        """The reply failed: the job's last event names why, with the text given so far."""
+        self._ended()
+        text = self.engine.reply_text(self.tokens) if self.tokens else ""
+        self.job.post(ReplyError(error, text, len(self.tokens), self.nonfinite_repaired))
+
+    def _ended(self) -> None:
+        service, engine = self.service, self.engine
+        service._refresh_memory(engine)
+        # The steps read the high-water mark as each ended; what came after the last is in it.
+        peak_rss = max(service.live.peak_rss_bytes, _process_peak_rss())
+        service.live = replace(
+            service.live,
+            k=engine.k,
+            mode=engine.mode,
+            peak_rss_bytes=peak_rss,
+            expert_heat=self._heat(last=True),
+        )
 
     def _should_stop(self) -> bool:
         return self.job.text.stopped or self.job.stop_asked.is_set() or self.service.quitting
@@ -585,6 +643,8 @@ def request_figures(result: GenerationResult, k: int, mode: str) -> dict:
         "peak_rss_bytes": s["peak_rss_bytes"],  # the kernel's high-water mark over the request
         "stopped_by": result.stopped_by,
     }
+    if "batch" in s:  # decoded in a batch: rows a step, experts used against one at a time
+        figures["batch"] = s["batch"]
     if "ranks" in s:  # --hosts: each rank's reads, cache, waits and speed
         figures["ranks"] = s["ranks"]
     if s.get("mask_ms"):  # a reply under a grammar: the host time its token masks took

@@ -43,6 +43,7 @@ def serve_model(
     port: int = 8080,
     api_key: str | None = None,
     queue_limit: int = 16,
+    max_batch: int = 1,
     **limits,
 ) -> None:
     """`edge0 serve MODEL`: the model answers to its name and to `edge0` (and to any other name
@@ -52,4 +53,4 @@ def serve_model(
     ids = (name,) if name == "edge0" else (name, "edge0")
     given = {name: value for name, value in limits.items() if value is not None}
     settings = ServerSettings(model_ids=ids, api_key=api_key, **given)
-    serve(open_engine, settings, host=host, port=port, queue_limit=queue_limit)
+    serve(open_engine, settings, host, port, queue_limit, max_batch)

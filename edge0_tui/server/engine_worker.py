@@ -199,6 +199,7 @@ class EngineWorker:
         queue_limit: int = 16,
         on_ready: Callable[[EngineWorker], None] | None = None,
         on_failed: Callable[[str], None] | None = None,
+        max_batch: int = 1,
     ) -> None:
         self._on_ready = on_ready
         self._on_failed = on_failed
@@ -215,6 +216,7 @@ class EngineWorker:
             on_event=self._on_event,
             queue_limit=queue_limit,
             memory_refresh_s=IDLE_REFRESH_S,
+            max_batch=max_batch,
         )
 
     def _on_event(self, event: ServiceEvent) -> None:  # the engine thread
@@ -336,7 +338,7 @@ class EngineWorker:
         return self.service.queue_depth
 
     @property
-    def running(self) -> bool:
+    def running(self) -> int:
         return self.service.running
 
     @property

@@ -235,7 +235,12 @@ def render(worker: EngineWorker, stats: ServerStats, model_id: str) -> str:
     w.metric(
         "edge0_queue_limit", "gauge", "Requests that may wait (--queue-limit).", worker.queue_limit
     )
-    w.metric("edge0_requests_running", "gauge", "Requests generating now (0 or 1).", worker.running)
+    w.metric(
+        "edge0_requests_running",
+        "gauge",
+        "Requests generating now (a batch's, or 1).",
+        worker.running,
+    )
     for name, value, help in (
         ("served", stats.served, "Replies finished."),
         ("failed", stats.failed, "Requests the server failed (5xx, or an error mid-stream)."),

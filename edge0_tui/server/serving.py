@@ -51,6 +51,7 @@ def serve(
     host: str = "127.0.0.1",
     port: int = 8080,
     queue_limit: int = 16,
+    max_batch: int = 1,
 ) -> None:
     """Listen, load the model on the engine thread, answer until SIGINT/SIGTERM. Raises
     Edge0Error when the address cannot be used or the model cannot be loaded."""
@@ -79,7 +80,7 @@ def serve(
         if server is not None:
             server.should_exit = True
 
-    worker = EngineWorker(open_engine, queue_limit, on_ready, on_failed)
+    worker = EngineWorker(open_engine, queue_limit, on_ready, on_failed, max_batch)
     app = create_app(worker, settings)
 
     class Server(uvicorn.Server):

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
+from ..config import BATCHED_MODES
 from ..errors import Edge0Error
 from .decode import Decoder, GeneratedToken, GenerationResult
 from .metrics import PEAK_SCOPE_PROCESS, StepMetrics, merged, process_peak_rss_bytes, summarize
@@ -36,9 +37,6 @@ from .sampling import Sampler
 if TYPE_CHECKING:
     from ..config import GenerationConfig
     from .generation import Engine
-
-BATCHED_MODES = ("resident", "on-demand", "prefetch")  # the modes whose batch steps are exact
-
 
 @dataclass
 class Member:
@@ -240,6 +238,7 @@ class Batch:
             process_peak_rss_bytes(),
             PEAK_SCOPE_PROCESS,
         )
+        result.summary["batch"] = batch_metrics(result.steps)
         result.text = self.engine.reply_text(result.tokens)
         if not result.tokens:
             result.summary["generated_tokens"] = 0

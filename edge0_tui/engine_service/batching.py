@@ -1,0 +1,101 @@
+"""Replies served together: the engine thread's continuous batch (the engine's `Batch`).
+
+With `max_batch` above one, the service runs queued replies as one batch. A job joins at the
+batch's next step while the batch has room and the job runs with the batch's profile (its K and
+mode); its prompt's prefill is interleaved with the members' decode steps, a chunk a step; it
+leaves when its reply ends, and each keeps its own text filter, stop and cancel.
+
+A job the batch cannot take waits at the head of the queue until the batch is empty, then runs
+as the batch's first (or alone, where the engine does not batch it: prerouter mode, a seed,
+drafts): jobs start in the order they came, and none is refused for it. Chores (switches,
+reloads) wait the same way. The plan counted `max_batch` KV caches before loading, so a job
+that waits for room never takes memory the plan did not count.
+"""
+
+from __future__ import annotations
+
+import traceback
+from typing import TYPE_CHECKING
+
+from engine import BATCHED_MODES, Edge0Error
+
+from .jobs import ReplyJob
+
+if TYPE_CHECKING:
+    from engine import Batch, Engine
+
+    from .service import EngineService, _ReplyRun
+
+
+def batchable(engine: Engine, job: ReplyJob) -> bool:
+    """Whether the engine can run `job` in a batch once its profile stands."""
+    gen = job.generation
+    return gen.seed is None and gen.draft is None and engine.pending[1] in BATCHED_MODES
+
+
+def joins_now(service: EngineService, job: ReplyJob) -> bool:
+    """Whether `job` can join the running batch now: it asks for no other K or mode."""
+    engine = service.engine
+    k, mode = service._profile_for(engine, job)
+    same = k in (None, engine.k) and mode in (None, engine.mode)
+    return same and batchable(engine, job)
+
+
+class BatchRun:
+    """The batch on the engine thread, from its first job until its last reply ends."""
+
+    def __init__(self, service: EngineService, first: _ReplyRun, prompt, generation) -> None:
+        self.service = service
+        self.engine = service.engine
+        self.batch: Batch = self.engine.batch()
+        self.runs: dict[int, _ReplyRun] = {}  # id(member) -> its job's run
+        self._join(first, prompt, generation)
+
+    def run(self) -> None:
+        """Step until every reply has ended, taking in the jobs that can join at each step."""
+        service, batch = self.service, self.batch
+        while batch.busy:
+            while batch.size < batch.max_batch and (run := service._take_joiner()) is not None:
+                self._take(run)
+            try:
+                out = batch.step()
+            except Edge0Error as e:  # e.g. an expert read failed: every reply says so
+                self._fail_all(e)
+                return
+            except Exception as e:
+                if service._bugs_end_service:
+                    raise
+                traceback.print_exc()  # a bug: these requests fail, the service goes on
+                self._fail_all(Edge0Error(f"the batch stopped: {e}"))
+                return
+            for member, token in out.tokens:
+                self.runs[id(member)]._took(token)
+            for member in out.ended:
+                run = self.runs.pop(id(member))
+                run.answer(member.result)
+                service._finished(run.job)
+
+    def _take(self, run: _ReplyRun) -> None:
+        try:
+            prompt, generation = run.prepare()
+        except Edge0Error as e:
+            run.fail(e)
+            self.service._finished(run.job)
+            return
+        self._join(run, prompt, generation)
+
+    def _join(self, run: _ReplyRun, prompt, generation) -> None:
+        try:
+            member = self.batch.join(prompt, generation, run._should_stop)
+        except Edge0Error as e:
+            run.fail(e)
+            self.service._finished(run.job)
+            return
+        self.runs[id(member)] = run
+
+    def _fail_all(self, error: Edge0Error) -> None:
+        self.batch.cancel_all()
+        for run in self.runs.values():
+            run.fail(error)
+            self.service._finished(run.job)
+        self.runs.clear()
