@@ -178,3 +178,14 @@ def test_the_service_runs_queued_replies_as_one_batch_and_a_seeded_one_after(che
     texts = [d.text for d in done[:3]]
     with Engine(model, config) as engine:
         assert texts == [engine.reply_text(tokens) for tokens in alone]
+
+
+def test_a_reply_past_the_planned_context_is_refused_naming_it(checkpoint_dir):
+    """The plan counts KV caches for `context_tokens`: a longer prompt and reply is refused in
+    one line before any work, not run past the plan."""
+    model = checkpoint_dir("qwen3_moe")
+    with Engine(model, EngineConfig(mode="on-demand", context_tokens=32)) as engine:
+        assert engine.context_limit == 32 < engine.model_context
+        with pytest.raises(Edge0Error, match="context of 32 tokens the memory plan counts"):
+            engine.generate(list(range(5, 30)), _greedy(8))
+        assert len(engine.generate(list(range(5, 20)), _greedy(8)).tokens) == 8

@@ -55,6 +55,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--no-lora", action="store_true", help="prerouter mode without the LoRA")
     options.add_exact(parser)
     options.add_adapters(parser)
+    options.add_context(parser)
     options.add_hosts(parser)
     parser.add_argument(
         "--shadow-router",

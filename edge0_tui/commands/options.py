@@ -297,6 +297,17 @@ def add_exact(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--exact", action="store_true", help=EXACT_HELP)
 
 
+def add_context(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--context",
+        type=count(16),
+        metavar="TOKENS",
+        help="the longest prompt and reply together a request may have; the memory plan counts "
+        "KV caches for it, so a smaller one leaves room for a larger cache or batch (default: the "
+        "model's, at most 8192)",
+    )
+
+
 def add_hosts(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--hosts",
@@ -376,7 +387,8 @@ def engine_config(
     args: argparse.Namespace, fetch_adapters: bool = True, **fields: object
 ) -> EngineConfig:
     """The engine's config from the engine options `args` has (--mode, --k, --expert-cache,
-    --page-cache, --eviction, --exact, --adapters, --no-lora, --shadow-router; one not given, or
+    --page-cache, --eviction, --exact, --adapters, --no-lora, --shadow-router, --context; one
+    not given, or
     None, keeps EngineConfig's default), the data folder from the environment, then `fields`
     over them. `fetch_adapters`: Hub repos that --adapters names are downloaded now; False leaves
     them to the engine's thread (the app and the server, which show progress their own way)."""
@@ -400,6 +412,8 @@ def engine_config(
         config["shadow_router"] = given["shadow_router"]
     if "hosts" in given:
         config["expert_parallel"] = True
+    if "context" in given:
+        config["context_tokens"] = given["context"]
     return EngineConfig(**{**config, **fields})
 
 

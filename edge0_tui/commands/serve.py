@@ -100,6 +100,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     options.add_exact(parser)
     options.add_adapters(parser)
+    options.add_context(parser)
     options.add_hosts(parser)
 
 

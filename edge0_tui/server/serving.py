@@ -12,7 +12,7 @@ import socket
 import threading
 from collections.abc import Callable
 
-from engine import Edge0Error
+from engine import BATCHED_MODES, Edge0Error
 
 from .app import ServerSettings, create_app
 from .engine_worker import EngineWorker
@@ -149,6 +149,11 @@ def startup_lines(settings: ServerSettings, worker: EngineWorker, url: str) -> l
         f"edge0:   {plan.line() if plan is not None else 'memory plan: none (resident)'}",
         f"edge0:   metrics        {url}/metrics, health at {url}/health; {key}",
     ]
+    if worker.service.max_batch > 1:
+        lines.append(
+            f"edge0:   batching       up to {worker.service.max_batch} replies decode together "
+            f"({', '.join(BATCHED_MODES)}); others run one at a time"
+        )
     if settings.origins:
         lines.append(f"edge0:   CORS           web pages at {', '.join(settings.origins)}")
     return lines

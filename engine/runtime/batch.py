@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from ..config import GenerationConfig
     from .generation import Engine
 
+
 @dataclass
 class Member:
     """One reply in a batch: its prompt, sampler and stop, and what it has given so far."""

@@ -111,11 +111,13 @@ class Engine:
         self.memory = MemorySampler(
             self.loaded.index.expert_file_ranges(), self.config.page_cache_sample_share
         )
-        self.context_limit = int(
+        self.model_context = int(
             self.loaded.config.get("max_position_embeddings")
             or self.loaded.config.get("text_config", {}).get("max_position_embeddings")
             or 1 << 31
         )
+        # A reply's prompt and tokens fit the context the memory plan counted KV caches for.
+        self.context_limit = min(self.model_context, self.memory_plan.context_tokens)
         sizes = self.loaded.config.get("text_config", self.loaded.config)
         self.vocab_size = int(sizes.get("vocab_size") or 1 << 31)  # the logits' width
         self.mode = self.config.mode
@@ -595,10 +597,16 @@ class Engine:
         if not prompt_tokens:
             raise Edge0Error("the prompt is empty")
         if len(prompt_tokens) + gen.max_tokens > self.context_limit:
-            raise Edge0Error(
-                f"prompt of {len(prompt_tokens)} tokens plus {gen.max_tokens} new tokens exceeds "
+            where = (
                 f"the model's context of {self.context_limit} (max_position_embeddings in "
                 f"{self.model_dir / 'config.json'})"
+                if self.context_limit == self.model_context
+                else f"the context of {self.context_limit} tokens the memory plan counts "
+                f"(the model's is {self.model_context}; --context sets it)"
+            )
+            raise Edge0Error(
+                f"prompt of {len(prompt_tokens)} tokens plus {gen.max_tokens} new tokens exceeds "
+                f"{where}"
             )
         if gen.top_k >= self.vocab_size:
             raise Edge0Error(
