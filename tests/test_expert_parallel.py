@@ -229,3 +229,61 @@ def test_a_reply_cut_short_on_rank_0_refuses_the_next_one():
         with pytest.raises(Edge0Error, match="rank 1 runs rank 0's replies"):
             engine.stream(prompt, GenerationConfig(8, 0.0))
         engine.store.share = None  # (close announces the end to no one)
+
+
+def _demo_as_rank_0() -> Engine:
+    """The demo in one process standing as rank 0 of 2 (its sums are its own)."""
+    engine = Engine(DEMO, EngineConfig(mode="on-demand", expert_cache_bytes=parse_size("4M")))
+    engine.store.share = ExpertShare(0, 2)
+    return engine
+
+
+def test_a_k_switch_asked_after_the_ranks_agree_waits_for_the_next_agreement(monkeypatch):
+    """The app asks for K on its own thread, mid-reply: a switch asked between rank 0's stop
+    agreement (which told the others the next step's K) and that step's build must not reach rank
+    0 alone; every step runs the K the ranks agreed on before it."""
+    import engine.runtime.generation as generation
+
+    engine = _demo_as_rank_0()
+    agreed: list[int] = []
+
+    def agree_then_ask(share, stop, k, mode):
+        answer = real_agree(share, stop, k, mode)
+        agreed.append(answer[1])
+        if len(agreed) == 3:  # just agreed on the next step: the UI thread switches now
+            engine.request_k(4)
+        return answer
+
+    real_agree = generation.agree
+    monkeypatch.setattr(generation, "agree", agree_then_ask)
+    try:
+        prompt = engine.encode("Speak of the sea.", chat=True)
+        tokens = list(engine.stream(prompt, GenerationConfig(6, 0.0, ignore_eos=True)))
+        # One agreement before the prompt's one chunk, then one after each token but the last.
+        assert [t.step.k for t in tokens] == agreed[: len(tokens)] != [8] * len(tokens)
+        assert engine.k == 4
+    finally:
+        engine.store.share = None  # (close announces the end to no one)
+        engine.close()
+
+
+def test_a_rank_lost_mid_reply_is_one_line_and_later_replies_are_refused(monkeypatch):
+    """A rank that dies makes MLX's sums raise (the ring: "connection to a peer was lost"): the
+    reply fails with an Edge0Error that says what to do, the next reply is refused in one line,
+    and closing the engine does not fail on the lost rank."""
+    import mlx.core as mx
+
+    engine = _demo_as_rank_0()
+    prompt = engine.encode("Speak.", chat=True)
+
+    def lost(*args, **kwargs):
+        raise RuntimeError("[ring] connection to a peer was lost")
+
+    monkeypatch.setattr(mx.distributed, "all_sum", lost)
+    with pytest.raises(Edge0Error, match="restart the ranks") as failed:
+        engine.generate(prompt, GenerationConfig(4, 0.0))
+    assert "connection to a peer was lost" in str(failed.value)
+    assert "\n" not in str(failed.value)
+    with pytest.raises(Edge0Error, match="out of step"):
+        engine.stream(prompt, GenerationConfig(4, 0.0))
+    engine.close()  # its word to the others meets the lost rank too: nothing raised
