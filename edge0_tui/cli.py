@@ -109,7 +109,7 @@ def _as_ranks(command, args: argparse.Namespace, argv: list[str]) -> int:
             )
         hosts = ranks.parse_hosts(args.hosts)
         if command is chat:
-            chat.before_ranks(args)
+            chat.before_ranks(args, hosts)
         return ranks.launch(hosts, argv)
     log = (
         chat.rank_logs(args) / chat.RANK_LOG.format(rank=ranks.rank()) if command is chat else None

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from ranks_worker import CHAT_SIZE, GREEDY, wait_until
 
-from edge0_tui.cli import build_parser
+from edge0_tui.cli import build_parser, main
 from edge0_tui.commands import chat
 from engine import Engine, EngineConfig, parse_size, run_ranks_here
 
@@ -79,3 +79,11 @@ async def test_sigterm_quits_the_app_as_ctrl_q_does_and_says_why(tmp_path, capsy
     assert app.return_code == 1
     assert app.session.closed.wait(30)
     assert capsys.readouterr().err == "edge0: stopped: a rank ended\n"
+
+
+def test_chat_refuses_ranks_on_other_machines_in_one_line(capsys):
+    """mlx.launch, which reaches other machines, pipes every rank's terminal: the app would have
+    none. Refused before any rank starts."""
+    assert main(["chat", "demo", "--hosts", "10.0.0.1,10.0.0.2"]) == 2
+    err = capsys.readouterr().err
+    assert "chat runs its ranks on this machine only" in err and err.count("\n") == 1, err

@@ -18,9 +18,11 @@ from typing import TYPE_CHECKING
 
 from edge0_tui.commands import options
 from edge0_tui.model_start import ModelStart, model_start
+from engine import LOCAL_HOST, Edge0Error
 
 if TYPE_CHECKING:
     from edge0_tui.app import Edge0App
+    from edge0_tui.ranks import Hosts
     from engine import EngineConfig
 
 NAME = "chat"
@@ -30,8 +32,8 @@ RANK_LOG = "chat-rank-{rank}.log"  # where a rank other than 0 writes, in the da
 ENGINE_CLOSE_WAIT_S = 10.0
 
 HOSTS_EPILOG = (
-    "With --hosts, this terminal shows the app (rank 0); the other ranks write their lines to "
-    f"DATA_DIR/logs/{RANK_LOG.format(rank='N')} on their host. A K or mode switch reaches every "
+    "With --hosts (ranks on this machine), this terminal shows the app (rank 0); the other ranks "
+    f"write their lines to DATA_DIR/logs/{RANK_LOG.format(rank='N')}. A K or mode switch reaches every "
     "rank at the same step; what loads the model again (resident mode, another model) is "
     "refused; quitting the app ends every rank, and a rank that ends stops the others."
 )
@@ -109,13 +111,23 @@ def rank_logs(args: argparse.Namespace) -> Path:
     return (_data_dir(args) or user_data_path("edge0")) / "logs"  # (the app's data folder)
 
 
-def before_ranks(args: argparse.Namespace) -> None:
-    """Before any rank starts: the model checked as the app checks it (one line, not an error in
-    each rank), and where the other ranks' lines go, said once."""
+def before_ranks(args: argparse.Namespace, hosts: Hosts) -> None:
+    """Before any rank starts: ranks on this machine only (mlx.launch, which reaches others,
+    pipes every rank's terminal, and the app needs this one), the model checked as the app
+    checks it (one line, not an error in each rank), and where the other ranks' lines go, said
+    once."""
     from edge0_tui.model_source import check_model
 
+    if not hosts.here:
+        raise Edge0Error(
+            f"--hosts {args.hosts}: chat runs its ranks on this machine only (a number, or "
+            f"{LOCAL_HOST} hosts): mlx.launch, which reaches other machines, takes every rank's "
+            "terminal, and the app needs this one; across machines, run `edge0 serve --hosts` "
+            "and chat through it"
+        )
     check_model(args.model)
-    print(f"edge0: the other ranks write to {rank_logs(args) / RANK_LOG}", file=sys.stderr)
+    logs = rank_logs(args) / RANK_LOG.format(rank="N")
+    print(f"edge0: the other ranks write to {logs}", file=sys.stderr)
 
 
 @contextlib.contextmanager
