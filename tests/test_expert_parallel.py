@@ -287,3 +287,13 @@ def test_a_rank_lost_mid_reply_is_one_line_and_later_replies_are_refused(monkeyp
     with pytest.raises(Edge0Error, match="out of step"):
         engine.stream(prompt, GenerationConfig(4, 0.0))
     engine.close()  # its word to the others meets the lost rank too: nothing raised
+
+
+def test_the_other_ranks_are_stopped_once_rank_0_has_ended(monkeypatch):
+    """A rank left waiting for rank 0 (inside a reply it never finished) is stopped once rank 0
+    has ended and the grace has passed, not waited for forever."""
+    import engine.runtime.ranks as ranks
+
+    monkeypatch.setattr(ranks, "STOP_GRACE_S", 0.5)
+    wait_unless_rank_0 = "import os, time; os.environ['MLX_RANK'] == '0' or time.sleep(600)"
+    assert run_ranks_here(2, [sys.executable, "-c", wait_unless_rank_0], timeout_s=60) == 0
