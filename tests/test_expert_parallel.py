@@ -270,10 +270,11 @@ def test_a_k_switch_asked_after_the_ranks_agree_waits_for_the_next_agreement(mon
 def test_a_rank_lost_mid_reply_is_one_line_and_later_replies_are_refused(monkeypatch):
     """A rank that dies makes MLX's sums raise (the ring: "connection to a peer was lost"): the
     reply fails with an Edge0Error that says what to do, the next reply is refused in one line,
-    and closing the engine does not fail on the lost rank."""
+    and closing an engine does not fail on the lost rank (idle, its word to the others meets
+    it)."""
     import mlx.core as mx
 
-    engine = _demo_as_rank_0()
+    engine, idle = _demo_as_rank_0(), _demo_as_rank_0()
     prompt = engine.encode("Speak.", chat=True)
 
     def lost(*args, **kwargs):
@@ -286,7 +287,8 @@ def test_a_rank_lost_mid_reply_is_one_line_and_later_replies_are_refused(monkeyp
     assert "\n" not in str(failed.value)
     with pytest.raises(Edge0Error, match="out of step"):
         engine.stream(prompt, GenerationConfig(4, 0.0))
-    engine.close()  # its word to the others meets the lost rank too: nothing raised
+    engine.close()
+    idle.close()
 
 
 def test_the_other_ranks_are_stopped_once_rank_0_has_ended(monkeypatch):

@@ -661,9 +661,11 @@ class Engine:
             self.routing.reset()
 
     def close(self) -> None:
-        if self.share is not None and self.share.rank == 0:
+        # The other ranks' `follow` ends. Not when out of step: they are inside the reply that
+        # failed, not listening; their launcher stops them once rank 0 has ended.
+        if self.share is not None and self.share.rank == 0 and not self._out_of_step:
             try:
-                announce(self.share, None)  # the other ranks' `follow` ends
+                announce(self.share, None)
             except RuntimeError:
                 pass  # a rank is lost (its launcher stops the others): nobody to tell
         if self.store is not None:
