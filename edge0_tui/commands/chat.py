@@ -132,6 +132,9 @@ def before_ranks(args: argparse.Namespace, hosts: Hosts) -> None:
 
 @contextlib.contextmanager
 def _quits_on_sigterm(app: Edge0App, message: str):
+    """While inside: SIGTERM makes `app` exit (status 1) and say `message` once the terminal is
+    back, as Ctrl+Q would, instead of killing the process with the terminal in the app's modes."""
+
     def quit_app(*_) -> None:
         try:
             loop = asyncio.get_running_loop()  # (a handler runs on the main thread: the app's)
