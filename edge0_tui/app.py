@@ -20,9 +20,9 @@ from textual.screen import Screen
 
 from engine import MODES, Edge0Error, EngineConfig, GenerationConfig
 
-from .chat_controller import mode_unavailable
+from .chat_controller import Outcome, mode_unavailable
 from .chat_store import ChatStore
-from .engine_session import EngineSession
+from .engine_session import EngineSession, ReloadRefusedAsRanks
 from .last_session import LastSession, LastSessionFile
 from .messages import EngineReady
 from .model_source import DEMO
@@ -94,6 +94,22 @@ class Edge0App(App[None]):
         # Another model being opened in place of the running one (`open_model`): the model as
         # named before, and how the new one starts; None when none is.
         self.opening: tuple[str, ModelStart] | None = None
+
+    def on_mount(self) -> None:
+        if self.session.runs_as_ranks:  # the header says so, with each rank's latest share
+            self._show_ranks()
+            self.set_interval(1.0, self._show_ranks)
+
+    def _show_ranks(self) -> None:
+        self.title = f"{self.TITLE} · {self.session.ranks_line()}"
+
+    def on_reload_refused_as_ranks(self, event: ReloadRefusedAsRanks) -> None:
+        """The model stays loaded on every rank: the chat is ready as it was, and the mode that
+        runs is shown and kept (the refused choice was kept as it was made)."""
+        chat, running = self.chat_screen, self.session.metrics.mode
+        self.opening = None
+        chat.show_outcome(chat.controller.refused(event.error, reloading=False))
+        chat.show_outcome(Outcome(mode=running, kept={"mode": running}))
 
     def remember(self, **changes) -> None:
         """Keep what the user chose for this model (sampling, K, mode, budgets) for next time."""
@@ -295,6 +311,9 @@ class Edge0App(App[None]):
             chat.notify(
                 f"cannot open another model now: {chat.controller.state}", severity="warning"
             )
+            return
+        if refusal := self.session.reload_refusal():
+            chat.notify(refusal, title="cannot open another model", severity="warning")
             return
         store = self.preferences.store if self.preferences is not None else None
         picker = ModelPickerScreen(

@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     command = {command.NAME: command for command in COMMANDS}[args.command]
     try:
-        if command is chat:
+        if command is chat and args.hosts is None:
             return chat.run(args)  # the app draws on the terminal itself
         if getattr(args, "resolve_model", False):  # demo, a folder or a Hub id, as chat says
             args.model = options.model_path(args.model)
@@ -99,18 +99,27 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _as_ranks(command, args: argparse.Namespace, argv: list[str]) -> int:
-    """`--hosts`: start the ranks, or, in a rank, run the command as one (`ranks.py`)."""
+    """`--hosts`: start the ranks, or, in a rank, run the command as one (`ranks.py`). The chat
+    app draws on the terminal: the other ranks write to logs (`chat.rank_logs`)."""
     if not ranks.in_rank():
         if getattr(args, "mode", None) == "resident":
             raise Edge0Error(
                 "--hosts: resident mode holds every expert; ranks share the experts "
                 "in the streamed modes (on-demand, prefetch, prerouter)"
             )
-        return ranks.launch(ranks.parse_hosts(args.hosts), argv)
-    ranks.enter_rank()
+        hosts = ranks.parse_hosts(args.hosts)
+        if command is chat:
+            chat.before_ranks(args, hosts)
+        return ranks.launch(hosts, argv)
+    log = (
+        chat.rank_logs(args) / chat.RANK_LOG.format(rank=ranks.rank()) if command is chat else None
+    )
+    ranks.enter_rank(log)
     if ranks.rank() != 0:
         config = getattr(command, "engine_config", options.engine_config)(args)  # rank 0's
         return run_checked(lambda a: ranks.follow(a, config), args)  # rank 0 runs the command
+    if command is chat:
+        return chat.run(args)  # the app draws on the terminal itself
     return run_checked(command.run, args)
 
 

@@ -10,6 +10,9 @@ The UI thread talks to that thread only through this object (method calls down):
   `open_model` opens another model in its place (the chat stays: the screen's controller
   holds it);
 - `metrics` is the frozen snapshot the engine thread replaces after every token, and the UI reads.
+Running as ranks (`edge0 chat --hosts`), the other ranks follow each reply with the K and mode
+the engine agrees with them at each step; what would load the model again (`reload`,
+`open_model`) is refused (`ReloadRefusedAsRanks`): the others hold the model loaded.
 The engine thread answers with the messages in `edge0_tui.messages`, posted, never awaited
 (messages up): workers never touch widgets.
 """
@@ -70,6 +73,15 @@ class ReplyRequest:
     generation: GenerationConfig
 
 
+class ReloadRefusedAsRanks(Message):
+    """`reload` or `open_model` refused while running as ranks. It bubbles past the chat screen
+    to the app, which makes the chat ready again as it was."""
+
+    def __init__(self, error: str) -> None:
+        super().__init__()
+        self.error = error
+
+
 class ShownText:
     """The reply as the terminal may show it while it is written (the service's text filter)."""
 
@@ -123,12 +135,40 @@ class EngineSession:
         # source, and the model, config and fallback to load back should it fail to load.
         self._found: ModelSource | None = None
         self._back: tuple[str, EngineConfig, tuple[EngineConfig, str] | None] | None = None
+        # Running as ranks: each rank's figures of the latest reply (expert reads, cache).
+        self.rank_figures: list[dict] = []
 
     @property
     def engine(self) -> Engine | None:
         """Set by the engine thread once loaded. The UI thread may call only its thread-safe
         methods (request_k, request_mode) and read plain attributes."""
         return self.service.engine
+
+    @property
+    def runs_as_ranks(self) -> bool:
+        """Started with --hosts: this is rank 0, and other ranks follow its replies."""
+        return self.engine_config.expert_parallel
+
+    def ranks_line(self) -> str:
+        """How many ranks run the model and, after a reply, each one's expert reads and cache."""
+        engine = self.engine
+        size = engine.share.size if engine is not None and engine.share is not None else None
+        line = f"{size} ranks" if size else "ranks"
+        each = [
+            f"rank {r['rank']:.0f}: {r['expert_mib_read']:.1f} MiB read, "
+            f"{r['expert_cache_mib']:.1f} MiB cached"
+            for r in self.rank_figures
+        ]
+        return "; ".join([line, *each])
+
+    def reload_refusal(self) -> str | None:
+        """Why the model cannot be loaded again now (None: it can)."""
+        if not self.runs_as_ranks:
+            return None
+        return (
+            "running as ranks (--hosts), the model stays loaded on every rank: resident mode "
+            "and other models need a restart without --hosts"
+        )
 
     @property
     def metrics(self) -> LiveMetrics:
@@ -180,7 +220,10 @@ class EngineSession:
 
     def reload(self, mode: str) -> None:
         """Load the model again in `mode` (resident <-> streaming); answered with EngineReady,
-        or SwitchFailed and the old mode loaded back."""
+        or SwitchFailed and the old mode loaded back. Refused running as ranks."""
+        if refusal := self.reload_refusal():
+            self._post(ReloadRefusedAsRanks(refusal))
+            return
         self.service.reload(lambda: self._open_in(mode))
 
     def open_model(
@@ -193,7 +236,10 @@ class EngineSession:
         the attribute). Answered with EngineReady; or ModelRefused with the one-line reason:
         before anything is closed when `model` cannot be found or is no checkpoint edge0 runs
         (the words `edge0 chat` says it in), else after, with the model before loaded back as it
-        ran (its K and mode) and its EngineReady."""
+        ran (its K and mode) and its EngineReady. Refused running as ranks."""
+        if refusal := self.reload_refusal():
+            self._post(ReloadRefusedAsRanks(refusal))
+            return
         self.service.reload(
             lambda: self._open_instead(model, engine_config, fallback),
             check=lambda: self._find(model),
@@ -235,6 +281,7 @@ class EngineSession:
         if isinstance(event, NewText):
             self._post(ReplyText(event.text))
         elif isinstance(event, ReplyDone):
+            self.rank_figures = event.summary.get("ranks", [])
             text = sanitize(event.text)
             self._post(
                 ReplyFinished(text, event.stopped_by, event.summary, event.nonfinite_repaired)
@@ -273,8 +320,16 @@ class EngineSession:
             )
         # What the engine warns of (stray shards, ignored adapter files or quality table) is
         # said as the server and `generate` say it.
+        ranks = None
+        if engine.share is not None:
+            ranks = (
+                f"running as {engine.share.size} ranks (--hosts): each reads and caches its "
+                "share of the experts; the other ranks follow each reply"
+            )
         notices = [
-            n for n in (fell_back, source.notice, engine.quality_note(), *engine.warnings) if n
+            n
+            for n in (fell_back, source.notice, ranks, engine.quality_note(), *engine.warnings)
+            if n
         ]
         self._opened = (source.name, notices)
         return engine

@@ -3,7 +3,8 @@
 `edge0 generate MODEL --hosts 127.0.0.1,127.0.0.1 ...` starts the same command once per host, as
 ranks of an MLX distributed group (engine/experts/share.py). Rank 0 is the command the user sees:
 its stdout and exit status are the command's. The other ranks print nothing on stdout, and their
-lines on stderr are labelled with their rank.
+lines on stderr are labelled with their rank; where rank 0 draws on the terminal (`edge0 chat`),
+they write those lines to a log file instead.
 
 Processes on this machine (every host 127.0.0.1) are started by the engine's
 `run_ranks_here`, on free ports of the ring backend. Other machines are reached through `mlx.launch` (ssh, and the backend it picks or
@@ -73,13 +74,29 @@ def launch(hosts: Hosts, argv: list[str]) -> int:
     return _launch_with_mlx(hosts, command)
 
 
-def enter_rank() -> None:
+def enter_rank(log: Path | None = None) -> None:
     """In a rank other than 0: nothing on stdout (rank 0 prints the command's output), and each
-    stderr line labelled with the rank."""
+    stderr line labelled with the rank. With `log`, the process's stdout and stderr (MLX's own
+    lines too) go to that file, appended to, instead of the terminal."""
     if rank() == 0:
         return
+    if log is not None:
+        _write_to(log)
     sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (for the process's life)
     sys.stderr = _Labelled(sys.stderr, f"edge0 rank {rank()}: ")
+
+
+def _write_to(log: Path) -> None:
+    """Point this process's stdout and stderr descriptors at `log`."""
+    try:
+        log.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    except OSError as e:
+        raise Edge0Error(f"{log}: cannot write this rank's log ({e.strerror})") from None
+    sys.stderr.flush()
+    for target in (1, 2):
+        os.dup2(fd, target)
+    os.close(fd)
 
 
 class _Labelled:

@@ -229,3 +229,73 @@ def test_a_reply_cut_short_on_rank_0_refuses_the_next_one():
         with pytest.raises(Edge0Error, match="rank 1 runs rank 0's replies"):
             engine.stream(prompt, GenerationConfig(8, 0.0))
         engine.store.share = None  # (close announces the end to no one)
+
+
+def _demo_as_rank_0() -> Engine:
+    """The demo in one process standing as rank 0 of 2 (its sums are its own)."""
+    engine = Engine(DEMO, EngineConfig(mode="on-demand", expert_cache_bytes=parse_size("4M")))
+    engine.store.share = ExpertShare(0, 2)
+    return engine
+
+
+def test_a_k_switch_asked_after_the_ranks_agree_waits_for_the_next_agreement(monkeypatch):
+    """The app asks for K on its own thread, mid-reply: a switch asked between rank 0's stop
+    agreement (which told the others the next step's K) and that step's build must not reach rank
+    0 alone; every step runs the K the ranks agreed on before it."""
+    import engine.runtime.generation as generation
+
+    engine = _demo_as_rank_0()
+    agreed: list[int] = []
+
+    def agree_then_ask(share, stop, k, mode):
+        answer = real_agree(share, stop, k, mode)
+        agreed.append(answer[1])
+        if len(agreed) == 3:  # just agreed on the next step: the UI thread switches now
+            engine.request_k(4)
+        return answer
+
+    real_agree = generation.agree
+    monkeypatch.setattr(generation, "agree", agree_then_ask)
+    try:
+        prompt = engine.encode("Speak of the sea.", chat=True)
+        tokens = list(engine.stream(prompt, GenerationConfig(6, 0.0, ignore_eos=True)))
+        # One agreement before the prompt's one chunk, then one after each token but the last.
+        assert [t.step.k for t in tokens] == agreed[: len(tokens)] != [8] * len(tokens)
+        assert engine.k == 4
+    finally:
+        engine.store.share = None  # (close announces the end to no one)
+        engine.close()
+
+
+def test_a_rank_lost_mid_reply_is_one_line_and_later_replies_are_refused(monkeypatch):
+    """A rank that dies makes MLX's sums raise (the ring: "connection to a peer was lost"): the
+    reply fails with an Edge0Error that says what to do, the next reply is refused in one line,
+    and closing an engine does not fail on the lost rank (idle, its word to the others meets
+    it)."""
+    import mlx.core as mx
+
+    engine, idle = _demo_as_rank_0(), _demo_as_rank_0()
+    prompt = engine.encode("Speak.", chat=True)
+
+    def lost(*args, **kwargs):
+        raise RuntimeError("[ring] connection to a peer was lost")
+
+    monkeypatch.setattr(mx.distributed, "all_sum", lost)
+    with pytest.raises(Edge0Error, match="restart the ranks") as failed:
+        engine.generate(prompt, GenerationConfig(4, 0.0))
+    assert "connection to a peer was lost" in str(failed.value)
+    assert "\n" not in str(failed.value)
+    with pytest.raises(Edge0Error, match="out of step"):
+        engine.stream(prompt, GenerationConfig(4, 0.0))
+    engine.close()
+    idle.close()
+
+
+def test_the_other_ranks_are_stopped_once_rank_0_has_ended(monkeypatch):
+    """A rank left waiting for rank 0 (inside a reply it never finished) is stopped once rank 0
+    has ended and the grace has passed, not waited for forever."""
+    import engine.runtime.ranks as ranks
+
+    monkeypatch.setattr(ranks, "STOP_GRACE_S", 0.5)
+    wait_unless_rank_0 = "import os, time; os.environ['MLX_RANK'] == '0' or time.sleep(600)"
+    assert run_ranks_here(2, [sys.executable, "-c", wait_unless_rank_0], timeout_s=60) == 0

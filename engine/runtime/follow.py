@@ -5,7 +5,9 @@ forwards in the same order. Rank 0 is the command the user runs (generate, the s
 bench); before each reply it sends the request to the others (`announce`), and wherever it asks
 whether to stop (before each prefill chunk, after each token) it sends its answer with the K and
 mode the next step will use (`agree`): a client that disconnects, or a K switched mid-reply,
-reaches every rank at the same step. The other ranks run `Engine.follow`.
+reaches every rank at the same step. The other ranks run `Engine.follow`. Rank 0 runs the K and
+mode it told the others, never a switch asked on another thread since (the app's): that one waits
+for the next agreement.
 
 Messages travel as sums: rank 0 adds its values, every other rank zeros.
 """
@@ -17,6 +19,7 @@ import json
 import mlx.core as mx
 import numpy as np
 
+from ..errors import Edge0Error
 from ..experts.share import ExpertShare
 
 
@@ -43,3 +46,10 @@ def agree(share: ExpertShare, stop: bool, k: int, mode: int) -> tuple[bool, int,
     """Rank 0's answer to "stop here?", and the K and mode (an index) of its next step."""
     stop_, k_, mode_ = _summed(share, np.array([int(stop), k, mode], dtype=np.int64)).tolist()
     return bool(stop_), int(k_), int(mode_)
+
+
+def ranks_lost(error: RuntimeError) -> Edge0Error:
+    """What MLX's distributed layer raised in a reply (a rank ended, the link to it broke), as the
+    reply's error: the ranks are out of step from here."""
+    said = " ".join(str(error).split())
+    return Edge0Error(f"the ranks lost each other mid-reply ({said}): restart the ranks")

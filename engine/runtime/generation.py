@@ -43,7 +43,7 @@ from .compute_activity import follow_compute
 from .decode import Decoder, GeneratedToken, GenerationResult, Reply
 from .decode_policy import apply as apply_policy
 from .decode_policy import decode_policy
-from .follow import agree, announce
+from .follow import agree, announce, ranks_lost
 from .loader import LoadedModel, load
 from .memory_plan import wire_for_plan
 from .metrics import (
@@ -125,6 +125,9 @@ class Engine:
         self.lora: AppliedLoRA | None = None
         self._lock = threading.Lock()
         self._requested: dict[str, object] = {}
+        # With ranks, in a reply: the (K, mode) the ranks last agreed to run (runtime/follow.py).
+        # Rank 0 runs it, not a switch asked since on another thread, which waits its turn.
+        self._agreed: tuple[int, str] | None = None
         self._prompt_cache = None  # (KV cache, tokens it holds, (K, mode)) of the last reply
         self.last_prefill: StepMetrics | None = None  # the latest prompt's forwards as one
         # Whether the tracer samples MLX's compute thread (Linux CPU); None: not tried yet.
@@ -255,6 +258,9 @@ class Engine:
         Raises Edge0Error when the new profile's files cannot be read (the old one stays)."""
         with self._lock:
             requested, self._requested = self._requested, {}
+            if self._agreed is not None:  # asked after the ranks agreed: for the next agreement
+                self._requested = {p: requested.pop(p) for p in ("k", "mode") if p in requested}
+                requested.update(zip(("k", "mode"), self._agreed))
         if "page_cache" in requested:
             self.store.set_page_cache_budget(requested["page_cache"])
         k = requested.get("k", self.k)
@@ -444,6 +450,9 @@ class Engine:
     def _in_step(self, steps: Generator[GeneratedToken, None, GenerationResult]):
         try:
             return (yield from steps)
+        except RuntimeError as e:  # MLX's distributed layer: a rank ended, or the link to it broke
+            self._out_of_step = True
+            raise ranks_lost(e) from None
         except BaseException:
             self._out_of_step = True
             raise
@@ -476,7 +485,9 @@ class Engine:
         def stop_here() -> bool:
             stop = should_stop is not None and should_stop()
             k, mode = self.pending
-            return agree(self.share, stop, k, MODES.index(mode))[0]
+            stop = agree(self.share, stop, k, MODES.index(mode))[0]
+            self._agreed = (k, mode)
+            return stop
 
         return gen, {"gen": config, "k": k, "mode": mode}, stop_here
 
@@ -527,6 +538,7 @@ class Engine:
     ) -> Generator[GeneratedToken, None, GenerationResult]:
         if announcement is not None:  # told as the reply starts: a reply never run is never told
             announce(self.share, announcement)
+            self._agreed = (announcement["k"], announcement["mode"])
         # The request's peaks, MLX's and the kernel's RSS high-water mark, start here.
         peak_rss_scope = reset_request_peaks()
         if gen.seed is not None:
@@ -564,6 +576,7 @@ class Engine:
         finally:
             # Whatever happened (a read error, a cancel), no per-request state outlives the request.
             self._reset_request_state()
+            self._agreed = None  # between replies, a switch applies at once (the next is told)
         if not result.tokens:  # cancelled during the prefill: the cache holds part of it
             result.summary["generated_tokens"] = 0
         elif self.config.reuse_prompt_cache and (self.k, self.mode) == profile:
@@ -651,8 +664,13 @@ class Engine:
             self.routing.reset()
 
     def close(self) -> None:
-        if self.share is not None and self.share.rank == 0:
-            announce(self.share, None)  # the other ranks' `follow` ends
+        # The other ranks' `follow` ends. Not when out of step: they are inside the reply that
+        # failed, not listening; their launcher stops them once rank 0 has ended.
+        if self.share is not None and self.share.rank == 0 and not self._out_of_step:
+            try:
+                announce(self.share, None)
+            except RuntimeError:
+                pass  # a rank is lost (its launcher stops the others): nobody to tell
         if self.store is not None:
             self.store.close()
         if self.memory is not None:

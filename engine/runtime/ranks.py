@@ -62,7 +62,9 @@ def run_ranks_here(
 def _wait_for_all(processes: list[subprocess.Popen], timeout_s: float | None) -> int:
     """Rank 0's status, or that of the rank that failed first; a rank that fails stops the
     others (they would wait for it forever in the next sum). SIGTERM or SIGINT here is passed
-    to rank 0 (a server stops, its engine closing tells the others), then the others follow."""
+    to rank 0 (a server stops, its engine closing tells the others), then the others follow.
+    Once rank 0 has ended, the others are given STOP_GRACE_S to end, then stopped: a rank left
+    inside a reply that rank 0 never finished would wait for it forever."""
     failed: list[int] = []  # statuses of ranks that failed on their own, in order
     stopping = threading.Event()
     asked = threading.Event()
@@ -78,7 +80,7 @@ def _wait_for_all(processes: list[subprocess.Popen], timeout_s: float | None) ->
         w.start()
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     with _signals_set(asked):
-        while not stopping.is_set() and not asked.is_set() and any(w.is_alive() for w in waiters):
+        while not stopping.is_set() and not asked.is_set() and waiters[0].is_alive():
             stopping.wait(0.2)
             if deadline is not None and time.monotonic() > deadline:
                 failed.append(-1)
