@@ -107,6 +107,10 @@ def _as_ranks(command, args: argparse.Namespace, argv: list[str]) -> int:
                 "--hosts: resident mode holds every expert; ranks share the experts "
                 "in the streamed modes (on-demand, prefetch, prerouter)"
             )
+        if getattr(args, "max_batch", 1) > 1:
+            raise Edge0Error(
+                "--max-batch does not run with --hosts: the ranks run one reply at a time"
+            )
         hosts = ranks.parse_hosts(args.hosts)
         if command is chat:
             chat.before_ranks(args, hosts)

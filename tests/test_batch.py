@@ -189,3 +189,11 @@ def test_a_reply_past_the_planned_context_is_refused_naming_it(checkpoint_dir):
         with pytest.raises(Edge0Error, match="context of 32 tokens the memory plan counts"):
             engine.generate(list(range(5, 30)), _greedy(8))
         assert len(engine.generate(list(range(5, 20)), _greedy(8)).tokens) == 8
+
+
+def test_serve_refuses_a_batch_with_ranks_before_any_rank_starts(capsys):
+    from edge0_tui.cli import main
+
+    assert main(["serve", "demo", "--max-batch", "2", "--hosts", "2"]) != 0
+    err = capsys.readouterr().err
+    assert "--max-batch does not run with --hosts" in err and "rank" not in err.split(":")[0]

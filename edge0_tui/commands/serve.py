@@ -142,10 +142,6 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     its small budgets showing the wall."""
     from edge0_tui.model_start import default_budgets
 
-    if args.max_batch > 1 and args.hosts is not None:
-        raise Edge0Error(
-            "--max-batch does not run with --hosts yet: the ranks run one reply at a time"
-        )
     default_cache, default_page_cache = default_budgets(args.model == "demo", args.mode)
     expert_cache = args.expert_cache or default_cache
     page_cache = default_page_cache if args.page_cache is None else args.page_cache
