@@ -19,7 +19,6 @@ from __future__ import annotations
 import importlib
 
 from .config import (
-    BATCHED_MODES,
     EXACT_MODES,
     HEAD_MODES,
     MAX_SEED,
@@ -93,7 +92,6 @@ __all__ = [
     "HEAD_MODES",
     "MAX_SEED",
     "MODES",
-    "BATCHED_MODES",
     "Edge0Error",
     "NO_TRACE",
     "Tracer",

@@ -21,9 +21,6 @@ HEAD_MODES = ("prerouter",)
 # Modes whose tokens are resident mode's (every layer routes with its true router); prerouter is
 # approximate (its consumer layers route by a prediction).
 EXACT_MODES = ("resident", "on-demand", "prefetch")
-# The modes a batch of replies decodes in (runtime/batch.py): the exact ones, whose every layer
-# routes by its own router (the prerouter predicts one sequence's next step from its own).
-BATCHED_MODES = EXACT_MODES
 
 
 def mode_label(mode: str, k: int | None = None) -> str:

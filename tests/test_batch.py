@@ -40,7 +40,8 @@ def _run_batch(engine: Engine, requests: list[tuple[list[int], GenerationConfig]
 
 
 def test_greedy_tokens_of_a_batch_are_each_reply_alone_on_the_demo_in_every_mode():
-    """Resident, on-demand with a cache that misses and prefetch; replies of different lengths, one joining late; a batch
+    """Resident, on-demand with a cache that misses, prefetch and prerouter (each row routed by
+    its own sequence's predictions); replies of different lengths, one joining late; a batch
     step reads the union of its rows' experts, fewer than one row at a time."""
     texts = ["a b c d a b", "the cat sat on the mat and", "once upon a time there was a"]
     with Engine(DEMO, EngineConfig(mode="resident", max_batch=3)) as engine:
@@ -50,9 +51,11 @@ def test_greedy_tokens_of_a_batch_are_each_reply_alone_on_the_demo_in_every_mode
         requests = [(p, _greedy(n)) for p, n in zip(prompts, lengths)]
         members, _ = _run_batch(engine, requests, late=1)
         assert [m.result.tokens for m in members] == alone
-    for mode in ("on-demand", "prefetch"):
+    for mode in ("on-demand", "prefetch", "prerouter"):
         config = EngineConfig(mode=mode, expert_cache_bytes=4 << 20, max_batch=3)
         with Engine(DEMO, config) as engine:
+            if mode == "prerouter":  # approximate: each reply's own tokens under its predictions
+                alone = [engine.generate(p, g).tokens for p, g in requests]
             members, steps = _run_batch(engine, requests, late=1)
             assert [m.result.tokens for m in members] == alone, mode
             assert all(m.result.stopped_by == "max_tokens" for m in members)
@@ -65,9 +68,9 @@ def test_greedy_tokens_of_a_batch_are_each_reply_alone_on_the_demo_in_every_mode
                 for s in steps
             ]
             assert all(r == 1 for r in one_read)  # one read for every row's token
-        engine.request_mode("prerouter")  # (its heads predict one sequence's next step)
-        with pytest.raises(Edge0Error, match="prerouter"):
-            engine.batch().join(prompts[0], _greedy(4))
+            if mode == "prerouter":  # every consumer layer of a step routed by predictions
+                assert all(s.predicted == len(engine.routing.heads.consumers) for s in steps)
+                assert sum(s.dropped for s in steps) == 0
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_next", "gpt_oss"])

@@ -168,7 +168,8 @@ def test_injected_logits_route_exactly(profiled, family):
             for row, i in enumerate(rows):
                 for j in range(6):
                     logits[row, (s + 3 * i + j) % e] = 5.0 - j
-            return mx.array(logits)
+            # A head's logits for each sequence's row (features [owners, rows, in]).
+            return mx.array(logits)[:, None, :] if z.ndim == 3 else mx.array(logits)
 
     try:
         result, predictions, executed = _run_recording(engine, [1, 2, 3], steps=16, inject=Injected)

@@ -5,9 +5,9 @@ batch's next step while the batch has room and the job runs with the batch's pro
 mode); its prompt's prefill is interleaved with the members' decode steps, a chunk a step; it
 leaves when its reply ends, and each keeps its own text filter, stop and cancel.
 
-A job the batch cannot take waits at the head of the queue until the batch is empty, then runs
-as the batch's first (or alone, where the engine does not batch it: prerouter mode, a seed,
-drafts): jobs start in the order they came, and none is refused for it. Chores (switches,
+A job the batch cannot take (another K or mode) waits at the head of the queue until the batch
+is empty, then runs as the next batch's first; a seeded or drafted one runs alone then. Jobs
+start in the order they came, and none is refused for it. Chores (switches,
 reloads) wait the same way. The plan counted `max_batch` KV caches before loading, so a job
 that waits for room never takes memory the plan did not count.
 """
@@ -17,20 +17,21 @@ from __future__ import annotations
 import traceback
 from typing import TYPE_CHECKING
 
-from engine import BATCHED_MODES, Edge0Error
+from engine import Edge0Error
 
 from .jobs import ReplyJob
 
 if TYPE_CHECKING:
-    from engine import Batch, Engine
+    from engine import Batch
 
     from .service import EngineService, _ReplyRun
 
 
-def batchable(engine: Engine, job: ReplyJob) -> bool:
-    """Whether the engine can run `job` in a batch once its profile stands."""
+def batchable(job: ReplyJob) -> bool:
+    """Whether the engine can run `job` in a batch (one random stream serves every row, and a
+    batch verifies no drafts)."""
     gen = job.generation
-    return gen.seed is None and gen.draft is None and engine.pending[1] in BATCHED_MODES
+    return gen.seed is None and gen.draft is None
 
 
 def joins_now(service: EngineService, job: ReplyJob) -> bool:
@@ -38,7 +39,7 @@ def joins_now(service: EngineService, job: ReplyJob) -> bool:
     engine = service.engine
     k, mode = service._profile_for(engine, job)
     same = k in (None, engine.k) and mode in (None, engine.mode)
-    return same and batchable(engine, job)
+    return same and batchable(job)
 
 
 class BatchRun:

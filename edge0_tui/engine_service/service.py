@@ -316,7 +316,7 @@ class EngineService:
         except Edge0Error as e:
             reply.fail(e)
             return
-        if not batchable(self.engine, reply.job):
+        if not batchable(reply.job):
             reply.stream(prompt, generation)
             return
         BatchRun(self, reply, prompt, generation).run()

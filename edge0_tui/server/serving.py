@@ -12,7 +12,7 @@ import socket
 import threading
 from collections.abc import Callable
 
-from engine import BATCHED_MODES, Edge0Error
+from engine import Edge0Error
 
 from .app import ServerSettings, create_app
 from .engine_worker import EngineWorker
@@ -151,8 +151,8 @@ def startup_lines(settings: ServerSettings, worker: EngineWorker, url: str) -> l
     ]
     if worker.service.max_batch > 1:
         lines.append(
-            f"edge0:   batching       up to {worker.service.max_batch} replies decode together "
-            f"({', '.join(BATCHED_MODES)}); others run one at a time"
+            f"edge0:   batching       up to {worker.service.max_batch} replies decode together; "
+            "seeded and drafted ones run alone"
         )
     if settings.origins:
         lines.append(f"edge0:   CORS           web pages at {', '.join(settings.origins)}")

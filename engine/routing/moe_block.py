@@ -356,14 +356,15 @@ class RoutedMoE(nn.Module):
     def _route_and_run(self, x: mx.array) -> mx.array:
         """Route, find the experts' slots, compute, combine: one MoE layer, top to bottom."""
         state, ops, experts = self._state, self._ops, self.routed_experts
-        tokens = x.size // x.shape[-1]
         # 1. Route: by the previous step's prediction (a consumer at decode: the prediction is
         #    the routing; `host` is it on the host where it was read, for the reads ahead), or by
         #    the block's own router.
-        prediction = state.prediction_for(self._layer) if tokens == 1 else None
+        one_position = x.shape[-2] == 1  # a decode step: one position a sequence
+        prediction = state.prediction_for(self._layer) if one_position else None
         if prediction is not None:
             host, predicted, weights = prediction
             indices = predicted.reshape(x.shape[:-1] + (-1,))
+            weights = weights.reshape(indices.shape)
             host = host.reshape(indices.shape) if host is not None else None
         else:
             logits = self.gate_logits(x)
@@ -382,7 +383,7 @@ class RoutedMoE(nn.Module):
             state.consumed(self, x, indices, host)
         # 4. Combine as the family does.
         y = ops.combine(self, x, y, weights)
-        if tokens == 1:
+        if one_position:
             # The next layers' graph is built while this one computes (and reads land). Every
             # layer is submitted, so the store knows that draining the stream computes every
             # layer before the one it is fetching for (`ExpertPool.slot_for_miss`).

@@ -107,14 +107,18 @@ class PrerouterHeads:
 
     def __call__(self, z: mx.array, first: int = 0, end: int | None = None) -> mx.array:
         """Logits `[n, E]` for features `[n, H+2E]`, one row per owner of heads `first:end` (all
-        by default; a slice of the stacked weights is a view, not a copy)."""
+        by default; a slice of the stacked weights is a view, not a copy); `[n, rows, E]` for
+        features `[n, rows, H+2E]`, each owner's head over several sequences' rows."""
         rows = slice(first, end)
+        single = z.ndim == 2
+        z = z[:, None, :] if single else z
         if self._serving is None:
             weights = (self.fc1[rows], self.fc2[rows], self.linear_init[rows])
-            return head_forward(*weights, z[:, None, :])[:, 0, :]
-        fc1_t, fc2_t, linear_init_t = (w[rows] for w in self._serving)
-        z = z[:, None, :]
-        return (z @ linear_init_t + gelu_erf(z @ fc1_t) @ fc2_t)[:, 0, :]
+            out = head_forward(*weights, z)
+        else:
+            fc1_t, fc2_t, linear_init_t = (w[rows] for w in self._serving)
+            out = z @ linear_init_t + gelu_erf(z @ fc1_t) @ fc2_t
+        return out[:, 0, :] if single else out
 
     def prepare_for_serving(self, dtype: mx.Dtype) -> PrerouterHeads:
         """Cast, and keep the weights transposed to `[n, in, out]` in memory: the per-step flush is

@@ -2,7 +2,9 @@
 
 It holds the routing width K, the predictions this step's consumer layers route by, and what the
 owner layers executed (their MoE input at the last position, their routed experts at the last two
-positions) for the heads that make the next step's predictions.
+positions) for the heads that make the next step's predictions. All of it has a row per sequence
+in the forward: one for a reply, a batch's rows for a batch (runtime/batch.py), which keeps each
+member's rows (`RoutingRows`) while another member prefills, and joins or drops them.
 
 The heads run on the device, in the step's own graph: `flush` builds them once the forward is
 built, and the engine reads their predicted experts back with the step's token, in the step's one
@@ -42,15 +44,67 @@ class RoutingCounters:
 
 @dataclass
 class Predictions:
-    """One step's head outputs: the next step's routing of `consumers`, one row each."""
+    """One step's head outputs: the next step's routing of `consumers`, for each sequence."""
 
     consumers: list[int]
-    indices: mx.array  # [n, K], on the device
-    weights: mx.array  # [n, K]
+    indices: mx.array  # [n consumers, rows, K], on the device
+    weights: mx.array  # [n consumers, rows, K]
     host: np.ndarray | None = None  # the indices once read with the step's token
 
     def row(self, layer: int) -> int | None:
         return self.consumers.index(layer) if layer in self.consumers else None
+
+    def joined(self, other: Predictions) -> Predictions:
+        """These sequences' predictions, then `other`'s (both read already)."""
+        return Predictions(
+            self.consumers,
+            mx.concatenate([self.indices, other.indices], axis=1),
+            mx.concatenate([self.weights, other.weights], axis=1),
+            np.concatenate([self.host, other.host], axis=1),
+        )
+
+    def kept(self, rows: list[int]) -> Predictions:
+        index = mx.array(rows, dtype=mx.int32)
+        return Predictions(
+            self.consumers, self.indices[:, index], self.weights[:, index], self.host[:, rows]
+        )
+
+
+@dataclass
+class RoutingRows:
+    """What `RoutingState` holds of some sequences between steps: the predictions their next
+    step routes by, and their owner layers' last inputs and routings (`[rows, ...]` each)."""
+
+    predictions: Predictions | None
+    owner_x: dict[int, mx.array]
+    owner_now: dict[int, mx.array]
+    owner_before: dict[int, mx.array]
+
+    def joined(self, other: RoutingRows) -> RoutingRows:
+        """These sequences, then `other`'s: a batch and a member that joins it."""
+        if not self.owner_x:
+            return other
+        both = self.predictions is not None and other.predictions is not None
+        return RoutingRows(
+            self.predictions.joined(other.predictions) if both else None,
+            _joined(self.owner_x, other.owner_x),
+            _joined(self.owner_now, other.owner_now),
+            _joined(self.owner_before, other.owner_before),
+        )
+
+    def kept(self, rows: list[int]) -> RoutingRows:
+        """Only the sequences at `rows` (a batch whose other members left)."""
+        index = mx.array(rows, dtype=mx.int32)
+        return RoutingRows(
+            self.predictions.kept(rows) if self.predictions is not None else None,
+            {layer: a[index] for layer, a in self.owner_x.items()},
+            {layer: a[index] for layer, a in self.owner_now.items()},
+            {layer: a[index] for layer, a in self.owner_before.items()},
+        )
+
+
+def _joined(a: dict[int, mx.array], b: dict[int, mx.array]) -> dict[int, mx.array]:
+    return {layer: mx.concatenate([a[layer], b[layer]]) for layer in a if layer in b}
 
 
 class RoutingState:
@@ -78,9 +132,25 @@ class RoutingState:
     def reset(self) -> None:
         """Forget all prediction state (a new request, or new heads / K)."""
         self._predictions: Predictions | None = None  # what this step's consumers route by
+        # Each owner layer's MoE input at its sequences' last position, and its routed experts
+        # there and at the position before (minus one where there was none), `[rows, ...]`.
         self._owner_x: dict[int, mx.array] = {}
         self._owner_now: dict[int, mx.array] = {}
-        self._owner_before: dict[int, mx.array | None] = {}
+        self._owner_before: dict[int, mx.array] = {}
+
+    def take_rows(self) -> RoutingRows:
+        """Everything held of the sequences in the forward, which the state then forgets."""
+        rows = RoutingRows(self._predictions, self._owner_x, self._owner_now, self._owner_before)
+        self.reset()
+        return rows
+
+    def put_rows(self, rows: RoutingRows | None) -> None:
+        """Hold `rows` as the sequences of the next forward (None: none held)."""
+        self.reset()
+        if rows is not None:
+            self._predictions = rows.predictions
+            self._owner_x, self._owner_now = rows.owner_x, rows.owner_now
+            self._owner_before = rows.owner_before
 
     def set_heads(self, heads: PrerouterHeads | None, route_by_predictions: bool = True) -> None:
         """Heads whose every owner has a consumer, its next MoE layer (see `keep_owners`). With
@@ -117,12 +187,19 @@ class RoutingState:
             self.counters.prefetch_routed += len(chosen)
         if layer not in self._owners:
             return
-        routed = mx.array(routed) if on_host else routed
-        per_token = routed.reshape(-1, routed.shape[-1]).astype(mx.int32)
-        before = per_token[-2] if per_token.shape[0] >= 2 else self._owner_now.get(layer)
+        # [rows, positions, ...]: a sequence a row (the forward's batch dimension; a family
+        # whose block sees the tokens flattened runs one sequence).
+        rows = x.shape[0] if x.ndim >= 3 else 1
+        routed = (mx.array(routed) if on_host else routed).astype(mx.int32)
+        routed = routed.reshape(rows, -1, routed.shape[-1])
+        now = routed[:, -1]
+        if routed.shape[1] >= 2:
+            before = routed[:, -2]
+        else:
+            before = self._owner_now.get(layer, mx.full(now.shape, -1, mx.int32))
         self._owner_before[layer] = before
-        self._owner_now[layer] = per_token[-1]
-        self._owner_x[layer] = x.reshape(-1, x.shape[-1])[-1]
+        self._owner_now[layer] = now
+        self._owner_x[layer] = x.reshape(rows, -1, x.shape[-1])[:, -1]
 
     def consumed(self, block, x: mx.array, indices: mx.array, routed: np.ndarray | None) -> None:
         """A consumer layer routed by its prediction: `indices` on the device, `routed` the same
@@ -161,7 +238,10 @@ class RoutingState:
         """The predictions' experts, read: kept for the consumers (and their `dropped` check).
         Returns consumer -> experts, the reads the next step needs."""
         predictions.host = host
-        return {layer: host[i].tolist() for i, layer in enumerate(predictions.consumers)}
+        return {
+            layer: list(dict.fromkeys(host[i].reshape(-1).tolist()))  # the rows' union
+            for i, layer in enumerate(predictions.consumers)
+        }
 
     def _staged(self, layer: int) -> frozenset[int] | None:
         """The experts the heads predicted for `layer` this step, as read (None: no prediction,
@@ -170,22 +250,20 @@ class RoutingState:
         row = predictions.row(layer) if predictions is not None else None
         if row is None or predictions.host is None:
             return None
-        return frozenset(predictions.host[row].tolist())
+        return frozenset(predictions.host[row].reshape(-1).tolist())
 
     def _head_graph(self) -> tuple[mx.array, mx.array]:
-        """The (lazy) routing every head predicts for its consumer: indices and weights, one row
-        per owner, the stacked heads run at once."""
+        """The (lazy) routing every head predicts for its consumer: indices and weights
+        `[owners, rows, K]`, the stacked heads run at once over every sequence's row."""
         heads = self.heads
         owners = heads.owners
-        unknown = mx.full((self.k,), -1, mx.int32)  # no token before the request's first
         x = mx.stack([self._owner_x[o] for o in owners]).astype(heads.fc1.dtype)
         now = mx.stack([self._owner_now[o] for o in owners])
-        before = [self._owner_before[o] for o in owners]
-        before = mx.stack([unknown if b is None else b for b in before])
+        before = mx.stack([self._owner_before[o] for o in owners])
         logits = heads(head_features(x, now, before, self.experts), 0, len(owners))
         consumers = [self.blocks[layer] for layer in heads.consumers]
         biases = [c.expert_bias() for c in consumers]
-        bias = mx.stack(biases) if all(b is not None for b in biases) else None
+        bias = mx.stack(biases)[:, None] if all(b is not None for b in biases) else None
         if self.float_dtype is not None:
             logits = logits.astype(self.float_dtype)
         return route(logits, consumers[0].routing_spec, self.k, bias)

@@ -7,29 +7,31 @@ caches (left-padded, `BatchKVCache.merge`): each MoE layer routes every row, and
 store reads the union of the rows' missing experts once. A member keeps its own sampler, stop
 and cancel, and leaves as soon as it ends: its rows are filtered out of the caches.
 
-Exact: a row is computed as a forward of one sequence would be (tests/test_batch.py checks the
-greedy tokens of every member against the same replies run one at a time), in resident,
-on-demand and prefetch, where every layer routes by its own router.
+A row is computed as a forward of one sequence would be: tests/test_batch.py checks the greedy
+tokens of every member against the same replies run one at a time, in every mode. In prerouter
+mode each row routes by its own sequence's predictions (the routing state keeps a row per
+member, `RoutingRows`, set aside while another member prefills), so a batched reply has the
+tokens it has alone, and the reads ahead are the union of the rows' predictions.
 
 What a batch does not do (each member would need state of its own that one forward does not
-keep apart): prerouter mode (its heads predict a sequence's next step from that sequence's
-last one: per-row predictions are not built), speculative drafts, a sampling seed (one random
-stream serves every row), and reusing a previous turn's KV cache. `Batch.join` refuses the
-first three; the engine's plain `stream` runs such replies.
+keep apart): speculative drafts, a sampling seed (one random stream serves every row), reusing a
+previous turn's KV cache, and a K or mode switch while it runs (one applies once it is empty).
+`Batch.join` refuses the first two; the engine's plain `stream` runs such replies.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from ..config import BATCHED_MODES
 from ..errors import Edge0Error
+from ..routing.state import RoutingRows
 from .decode import Decoder, GeneratedToken, GenerationResult
 from .metrics import PEAK_SCOPE_PROCESS, StepMetrics, merged, process_peak_rss_bytes, summarize
 from .sampling import Sampler
@@ -52,6 +54,7 @@ class Member:
     started: float = field(default_factory=time.perf_counter)
     last: int | None = None  # the token the next step feeds (sampled, not yet in the cache)
     cache: list | None = None  # its own KV cache, from its prefill until it joins the batch's
+    rows: RoutingRows | None = None  # its routing state, likewise (prerouter heads)
     done: bool = False
 
     @property
@@ -79,6 +82,8 @@ class Batch:
         self.members: list[Member] = []  # decoding, in the caches' row order
         self.joining: list[tuple[Member, Iterator[None]]] = []  # prefilling, first first
         self._decoder = Decoder(engine, [], None, None)  # the batch's steps, over its caches
+        self._decoder.switches = False
+        self.profile = engine.pending  # (K, mode): every member's
 
     @property
     def busy(self) -> bool:
@@ -98,17 +103,17 @@ class Batch:
         """Add a reply: its prefill starts at the next `step`. Raises Edge0Error for a request
         this model cannot serve, or one a batch cannot run (module docstring)."""
         engine = self.engine
+        if self.busy and engine.pending != self.profile:
+            raise Edge0Error("a K or mode switch is pending: it applies once the batch is empty")
+        if not self.busy:
+            engine.apply_requests()
+            self.profile = (engine.k, engine.mode)
         if self.size >= self.max_batch:
             raise Edge0Error(
                 f"the batch is full ({self.max_batch} replies: the memory plan counts that many "
                 "KV caches, max_batch)"
             )
         gen = engine._checked_request(prompt_tokens, gen, None)
-        if engine.pending[1] not in BATCHED_MODES:
-            raise Edge0Error(
-                f"batched replies run in {', '.join(BATCHED_MODES)} mode, not "
-                f"{engine.pending[1]}: run the reply alone"
-            )
         if gen.draft is not None:
             raise Edge0Error("a batched reply takes no --draft: run it alone")
         if gen.seed is not None:
@@ -147,6 +152,8 @@ class Batch:
         self.joining.clear()
         self.members.clear()
         self._decoder.cache = []
+        if self.engine.routing is not None:
+            self.engine.routing.reset()
 
     # -- a member's prefill ------------------------------------------------------------------------
 
@@ -157,6 +164,7 @@ class Batch:
         engine = self.engine
         cache = make_prompt_cache(engine.model)
         decoder = Decoder(engine, cache, member.sampler, None)
+        decoder.switches = False
         chunk = engine.config.prefill_chunk
         prompt = member.prompt
         body = prompt[:-1]
@@ -168,22 +176,42 @@ class Batch:
             last_chunk = start + chunk >= len(body)
             after = prompt[-1] if last_chunk else None
             tokens = mx.array(body[start : start + chunk])
-            decoder.finish(decoder.build(tokens, "prefill", next_input=after, flush=False))
+            with self._rows_of(member):
+                decoder.finish(decoder.build(tokens, "prefill", after, flush=last_chunk))
             yield
-        step = decoder.build(mx.array(prompt[-1:]), "prefill", flush=False)
-        member.last = member.sampler.finish(decoder.finish(step))
+        with self._rows_of(member):
+            step = decoder.build(mx.array(prompt[-1:]), "prefill")
+            member.last = member.sampler.finish(decoder.finish(step))
         member.result.steps = decoder.steps
         member.cache = cache
         engine.last_prefill = merged(decoder.steps)
 
-    def _add_rows(self, cache: list) -> None:
-        """A prefilled member's cache becomes the batch caches' last row."""
-        rows = [layer.merge([layer]) for layer in cache]
+    @contextmanager
+    def _rows_of(self, member: Member) -> Iterator[None]:
+        """The routing state holds `member`'s rows (its prefill) and the batch's again after."""
+        routing = self.engine.routing
+        if routing is None:
+            yield
+            return
+        batch_rows = routing.take_rows()
+        routing.put_rows(member.rows)
+        try:
+            yield
+        finally:
+            member.rows = routing.take_rows()
+            routing.put_rows(batch_rows)
+
+    def _add_rows(self, member: Member) -> None:
+        """A prefilled member's cache and routing state become the batch's last row."""
+        rows = [layer.merge([layer]) for layer in member.cache]
         if not self._decoder.cache:
             self._decoder.cache = rows
-            return
-        for batch_layer, row in zip(self._decoder.cache, rows):
-            batch_layer.extend(row)
+        else:
+            for batch_layer, row in zip(self._decoder.cache, rows):
+                batch_layer.extend(row)
+        routing = self.engine.routing
+        if routing is not None:
+            routing.put_rows(routing.take_rows().joined(member.rows))
 
     # -- the batch's decode step -------------------------------------------------------------------
 
@@ -219,11 +247,11 @@ class Batch:
         elif member.should_stop is not None and member.should_stop():
             self._end(member, "cancelled")
         elif joined:
-            self._add_rows(member.cache)
-            member.cache = None
+            self._add_rows(member)
+            member.cache = member.rows = None
             self.members.append(member)
             return
-        member.cache = None
+        member.cache = member.rows = None
         if member.done:
             out.ended.append(member)
 
@@ -247,12 +275,17 @@ class Batch:
     def _drop_rows(self, ended: list[int]) -> None:
         keep = [i for i in range(len(self.members)) if i not in ended]
         self.members = [self.members[i] for i in keep]
+        routing = self.engine.routing
         if not keep:
             self._decoder.cache = []
+            if routing is not None:
+                routing.reset()
             return
         rows = mx.array(keep, dtype=mx.int32)
         for layer in self._decoder.cache:
             layer.filter(rows)
+        if routing is not None:
+            routing.put_rows(routing.take_rows().kept(keep))
 
 
 def _per_row(values: list, counts: list[int]) -> Iterator[list]:

@@ -153,6 +153,9 @@ class Decoder:
         self.sampler = sampler if forced is None else None  # forced tokens are fed, not sampled
         self.forced = forced
         self.keep_logits = keep_logits
+        # Requested K and mode switches apply at this decoder's steps (a batch's wait for it
+        # to end: its members' rows share one profile).
+        self.switches = True
         self.steps: list[StepMetrics] = []
         self.stopped_by = "max_tokens"  # "eos", "max_tokens" or "cancelled"
         # The last token was fed to the KV cache (a step was built ahead of its read).
@@ -248,7 +251,8 @@ class Decoder:
         verify step: `tokens` is `seen`'s last token and the drafts, and the verifier picks
         the kept drafts and the next token from every position's logits."""
         engine = self.engine
-        engine.apply_requests()
+        if self.switches:
+            engine.apply_requests()
         routing, store, lookahead = engine.routing, engine.store, engine.lookahead
         one = tokens.size == 1
         step = Step(phase, tokens.size, time.perf_counter())
@@ -302,11 +306,11 @@ class Decoder:
 
     def build_rows(self, tokens: mx.array, samplers: list[Sampler]) -> Step:
         """A batch step (runtime/batch.py): one forward over every row's last token ([B, 1],
-        over the batch's KV caches), each row sampled by its own sampler. Every layer routes by
-        its own router (batches run in the exact modes); the lookahead guesses the union of the
-        rows' experts, the next step's first layer included."""
+        over the batch's KV caches), each row sampled by its own sampler. A consumer layer routes
+        each row by that row's prediction (prerouter), any other by its own router; the heads
+        predict every row's next step, the lookahead guesses the union of the rows' experts (the
+        next step's first layer included). No switch applies (`switches`)."""
         engine = self.engine
-        engine.apply_requests()
         routing, store, lookahead = engine.routing, engine.store, engine.lookahead
         step = Step("decode", tokens.size, time.perf_counter())
         if routing is not None:
@@ -328,6 +332,8 @@ class Decoder:
                 step.rows_sampled.append(len(sampled))
         if store is not None:
             step.device_routing = store.device_routing()
+        if routing is not None and routing.heads is not None:
+            step.predictions = routing.flush()
         if lookahead is not None:
             lookahead.end_step()
             lookahead.active = False
