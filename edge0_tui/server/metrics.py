@@ -134,6 +134,29 @@ def render(worker: EngineWorker, stats: ServerStats, model_id: str) -> str:
         "steps): on Metal each one drains the GPU's queue.",
         live.host_syncs_per_step,
     )
+    step = live.last_step
+    if step is not None and step.phase == "decode":
+        w.metric(
+            "edge0_step_positions",
+            "gauge",
+            "Positions the latest decode step computed: 1, a batch's replies (--max-batch), or "
+            "a drafted step's tokens.",
+            step.tokens,
+        )
+        w.metric(
+            "edge0_step_experts_union",
+            "gauge",
+            "Routed experts the latest decode step used, each once a layer, against "
+            "edge0_step_experts_summed for its positions one at a time: the reads a step of "
+            "several positions saves.",
+            step.experts_union,
+        )
+        w.metric(
+            "edge0_step_experts_summed",
+            "gauge",
+            "Routed experts the latest decode step's positions would use one at a time.",
+            step.experts_summed,
+        )
     w.metric(
         "edge0_read_bytes_per_step",
         "gauge",
