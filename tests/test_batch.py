@@ -144,8 +144,9 @@ def test_the_service_runs_queued_replies_as_one_batch_and_a_seeded_one_after(che
     one batch (steps of several rows) with each one's tokens as alone; a seeded reply, which a
     batch cannot run, waits for the batch to end and then runs alone; none is refused."""
     import queue
+    import threading
 
-    from edge0_tui.engine_service import EngineOpened, EngineService, ReplyDone, ReplyJob
+    from edge0_tui.engine_service import ReplyDone, ReplyJob
 
     class WholeText:
         stopped = False
@@ -161,16 +162,23 @@ def test_the_service_runs_queued_replies_as_one_batch_and_a_seeded_one_after(che
     prompts = [[5, 9, 13, 17], [7, 3, 8], [11, 12, 13, 14, 15]]
     with Engine(model, config) as engine:
         alone = [engine.generate(p, _greedy(8)).tokens for p in prompts]
-    events: queue.Queue = queue.Queue()
-    service = EngineService(lambda: Engine(model, config), events.put, max_batch=3)
-    service.start()
+    from edge0_tui.server.engine_worker import EngineWorker
+    from edge0_tui.server.metrics import ServerStats, render
+
+    opened = threading.Event()
+    worker = EngineWorker(
+        lambda: Engine(model, config), on_ready=lambda w: opened.set(), max_batch=3
+    )
+    service = worker.service
+    worker.start()
     try:
-        assert isinstance(events.get(timeout=60), EngineOpened)
+        assert opened.wait(60)
         answers = [queue.Queue() for _ in range(4)]
         gens = [_greedy(8)] * 3 + [GenerationConfig(max_tokens=8, ignore_eos=True, seed=5)]
         for p, gen, answer in zip([*prompts, prompts[0]], gens, answers):
             service.submit(ReplyJob("", gen, answer.put, WholeText(), prompt_tokens=p))
         done = [answer.get(timeout=120) for answer in answers]
+        shown = render(worker, ServerStats(), "tiny")  # the latest decode step's figures
     finally:
         service.shutdown()
         service.join(30)
@@ -178,6 +186,13 @@ def test_the_service_runs_queued_replies_as_one_batch_and_a_seeded_one_after(che
     batched = [d.figures.get("batch") for d in done[:3]]
     assert all(b is not None and b["rows_per_step"] > 1 for b in batched), batched
     assert "batch" not in done[3].figures  # the seeded reply ran alone
+    gauges = dict(
+        line.rsplit(" ", 1) for line in shown.splitlines() if line.startswith("edge0_step")
+    )
+    assert float(gauges["edge0_step_positions"]) == 1  # the seeded reply's last step
+    assert (
+        0 < float(gauges["edge0_step_experts_union"]) <= float(gauges["edge0_step_experts_summed"])
+    )
     texts = [d.text for d in done[:3]]
     with Engine(model, config) as engine:
         assert texts == [engine.reply_text(tokens) for tokens in alone]

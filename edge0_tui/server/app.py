@@ -271,6 +271,11 @@ class GenerationResponse:
         called += f"; {self.warning}" if self.warning else ""
         asked_model = self.request.asked_model
         kind = self.request.kind
+        if batch := f.get("batch"):  # decoded with other replies: rows a step, reads shared
+            asked += (
+                f", batched {batch['rows_per_step']:.1f} rows a step "
+                f"({batch['reads_saved_fraction']:.0%} of the experts shared)"
+            )
         if asked_model is not None:  # any name is answered by the one model: say which
             kind += f" for model {asked_model!r} (answered by {self.request.model})"
         note(
