@@ -117,7 +117,7 @@ def test_each_member_keeps_its_own_stop_and_cancel(checkpoint_dir):
             if given.count(cancelled) == 3:
                 stop["now"] = True
         assert cancelled.result.stopped_by == "cancelled"
-        assert cancelled.result.tokens == alone[1][:4]  # asked after each token: the 4th
+        assert cancelled.result.tokens == alone[1][:3]  # asked once its caller took the 3rd
         assert kept.result.tokens == alone[0] and other.result.tokens == alone[2]
         assert kept.result.summary["generated_tokens"] == 8
         with pytest.raises(Edge0Error, match="seed"):
@@ -157,6 +157,18 @@ def test_the_service_runs_queued_replies_as_one_batch_and_a_seeded_one_after(che
         def finish(self, text: str) -> str:
             return text
 
+    class StopsAfterThree(WholeText):  # a stop sequence found in the third token's text
+        def __init__(self) -> None:
+            self.seen = 0
+
+        @property
+        def stopped(self) -> bool:
+            return self.seen >= 3
+
+        def update(self, text: str) -> str:
+            self.seen += 1
+            return ""
+
     model = checkpoint_dir("qwen3_moe")
     config = EngineConfig(mode="on-demand", expert_cache_bytes=120_000, max_batch=3)
     prompts = [[5, 9, 13, 17], [7, 3, 8], [11, 12, 13, 14, 15]]
@@ -173,10 +185,13 @@ def test_the_service_runs_queued_replies_as_one_batch_and_a_seeded_one_after(che
     worker.start()
     try:
         assert opened.wait(60)
-        answers = [queue.Queue() for _ in range(4)]
+        answers = [queue.Queue() for _ in range(5)]
         gens = [_greedy(8)] * 3 + [GenerationConfig(max_tokens=8, ignore_eos=True, seed=5)]
-        for p, gen, answer in zip([*prompts, prompts[0]], gens, answers):
-            service.submit(ReplyJob("", gen, answer.put, WholeText(), prompt_tokens=p))
+        texts = [WholeText() for _ in range(4)]
+        for p, gen, answer, text in zip([*prompts, prompts[0]], gens, answers, texts):
+            service.submit(ReplyJob("", gen, answer.put, text, prompt_tokens=p))
+        stopping = ReplyJob("", _greedy(8), answers[4].put, StopsAfterThree(), prompt_tokens=[9])
+        service.submit(stopping)  # it waits behind the seeded one, then batches alone
         done = [answer.get(timeout=120) for answer in answers]
         shown = render(worker, ServerStats(), "tiny")  # the latest decode step's figures
     finally:
@@ -189,7 +204,8 @@ def test_the_service_runs_queued_replies_as_one_batch_and_a_seeded_one_after(che
     gauges = dict(
         line.rsplit(" ", 1) for line in shown.splitlines() if line.startswith("edge0_step")
     )
-    assert float(gauges["edge0_step_positions"]) == 1  # the seeded reply's last step
+    assert float(gauges["edge0_step_positions"]) == 1  # the last reply's last step
+    assert done[4].stopped_at_text and done[4].completion_tokens == 3  # its own stop
     assert (
         0 < float(gauges["edge0_step_experts_union"]) <= float(gauges["edge0_step_experts_summed"])
     )

@@ -131,16 +131,24 @@ class Batch:
         return member
 
     def step(self) -> BatchTokens:
-        """One unit of work: a prefill chunk of the first reply joining (its first token where
-        the chunk was its last), then one decode step of every member already decoding."""
+        """One unit of work: the members asked whether to stop (after their caller has taken the
+        last step's tokens, as a reply alone is asked), one decode step of those decoding, then
+        a prefill chunk of the first reply joining (its first token where the chunk was its
+        last: it decodes from the next step)."""
         out = BatchTokens()
+        stopped = [i for i, m in enumerate(self.members) if m.should_stop and m.should_stop()]
+        for i in stopped:
+            self._end(self.members[i], "cancelled")
+            out.ended.append(self.members[i])
+        if stopped:
+            self._drop_rows(stopped)
+        if self.members:
+            self._decode_step(out)
         if self.joining:
             member, chunks = self.joining[0]
             if next(chunks, "done") == "done":
                 self.joining.pop(0)
                 self._after_token(member, out, joined=True)
-        if self.members:
-            self._decode_step(out)
         return out
 
     def cancel_all(self) -> None:
@@ -244,8 +252,6 @@ class Batch:
             self._end(member, "eos")
         elif member.given >= member.gen.max_tokens:
             self._end(member, "max_tokens")
-        elif member.should_stop is not None and member.should_stop():
-            self._end(member, "cancelled")
         elif joined:
             self._add_rows(member)
             member.cache = member.rows = None
