@@ -255,12 +255,7 @@ class Decoder:
             engine.apply_requests()
         routing, store, lookahead = engine.routing, engine.store, engine.lookahead
         one = tokens.size == 1
-        step = Step(phase, tokens.size, time.perf_counter())
-        if routing is not None:
-            step.routing_counters = routing.begin_step()
-        if store is not None:
-            store.begin_step()
-            step.pool_step = store.pool.step
+        step = self._begin(phase, tokens.size)
         guessing = lookahead is not None and engine.mode in GUESSING_MODES
         if guessing and one:
             lookahead.active = True
@@ -312,12 +307,7 @@ class Decoder:
         next step's first layer included). No switch applies (`switches`)."""
         engine = self.engine
         routing, store, lookahead = engine.routing, engine.store, engine.lookahead
-        step = Step("decode", tokens.size, time.perf_counter())
-        if routing is not None:
-            step.routing_counters = routing.begin_step()
-        if store is not None:
-            store.begin_step()
-            step.pool_step = store.pool.step
+        step = self._begin("decode", tokens.size)
         guessing = lookahead is not None and engine.mode in GUESSING_MODES
         if guessing:
             lookahead.active = True
@@ -342,6 +332,17 @@ class Decoder:
                 following = mx.concatenate([step.sampled[i].reshape(-1) for i in starts])
                 step.guess = lookahead.guess_first(following)
         mx.async_eval(step.device_values())
+        return step
+
+    def _begin(self, phase: str, positions: int) -> Step:
+        """A forward's step: the routing state's and the store's step start with it."""
+        engine = self.engine
+        step = Step(phase, positions, time.perf_counter())
+        if engine.routing is not None:
+            step.routing_counters = engine.routing.begin_step()
+        if engine.store is not None:
+            engine.store.begin_step()
+            step.pool_step = engine.store.pool.step
         return step
 
     def finish(self, step: Step) -> list:
