@@ -1,9 +1,9 @@
 """Speculative decoding (runtime/speculative.py): drafts verified in one forward, exactly.
 
 Greedy tokens with `draft="lookup"` are the plain run's in every exact mode (resident, on-demand
-with a cache that misses, prefetch), on the demo and two families whose KV caches trim; a verify
-step costs the host reads of a plain step (one for its tokens, however many it verifies); and
-the speculative sampling rule keeps the sampler's distribution.
+with a cache that misses, prefetch), on the demo and three families whose KV caches trim (gpt_oss
+with sliding windows); a verify step costs the host reads of a plain step (one for its tokens,
+however many it verifies); and the speculative sampling rule keeps the sampler's distribution.
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ class KnowingDrafter:
         return [t if (given + i) % 3 else t + 1 for i, t in enumerate(draft)]
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "gpt_oss"])
 def test_greedy_drafted_tokens_are_the_plain_runs_on_other_families(
     checkpoint_dir, family, monkeypatch
 ):
