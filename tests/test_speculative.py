@@ -8,6 +8,7 @@ however many it verifies); and the speculative sampling rule keeps the sampler's
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import mlx.core as mx
@@ -218,3 +219,44 @@ def test_the_verifier_samples_from_the_samplers_filtered_distribution():
     logits = mx.array([[0.0, 2.0, 1.0], [0.0, 2.0, 1.0], [3.0, 2.0, 1.0]])
     kept, tokens = verify(logits, [0], [1, 2])
     assert int(kept) == 1 and np.array(tokens).tolist()[:2] == [1, 1]
+
+
+def test_a_request_to_the_server_asks_for_drafts_in_every_api(checkpoint_dir, monkeypatch):
+    """`draft` (and `draft_max`) are a request's own in the chat, completions, Messages and
+    Responses APIs; a drafter that does not exist is refused naming the field; a drafted reply's
+    figures say how many drafts were kept; prerouter mode refuses it naming the field."""
+    from edge0_tui.engine_service.service import request_figures
+    from edge0_tui.server.anthropic_shapes import parse_messages
+    from edge0_tui.server.engine_worker import api_error
+    from edge0_tui.server.openai_shapes import ApiError, parse_chat, parse_completion
+    from edge0_tui.server.responses_api import ResponseStore, parse_responses
+
+    ids = ("tiny", "edge0")
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "draft": "lookup"}
+    asked = [
+        parse_chat({**chat, "draft_max": 3}, ids).generation,
+        parse_completion({"model": "tiny", "prompt": "hi", "draft": "lookup"}, ids).generation,
+        parse_messages({**chat, "max_tokens": 8}, ids).generation,
+        parse_responses(
+            {"model": "tiny", "input": "hi", "draft": "lookup"}, ids, ResponseStore()
+        ).generation,
+    ]
+    assert [(g.draft, g.draft_max) for g in asked] == [("lookup", 3)] + [("lookup", 8)] * 3
+    with pytest.raises(ApiError) as refused:
+        parse_chat({**chat, "draft": "magic"}, ids)
+    assert refused.value.param == "draft"
+
+    from engine.runtime import speculative
+
+    always = type("Always", (), {"propose": lambda self, context, limit: [5] * limit})()
+    monkeypatch.setattr(speculative, "make_drafter", lambda name: always)
+    prompt = [5, 9, 13, 17, 5, 9, 13, 17, 5, 9]
+    with Engine(checkpoint_dir("qwen3_moe"), EngineConfig(mode="on-demand")) as engine:
+        result = engine.generate(
+            prompt, dataclasses.replace(asked[0], ignore_eos=True, max_tokens=8)
+        )
+        assert request_figures(result, engine.k, engine.mode)["draft"]["steps"] > 0
+    with Engine(DEMO, EngineConfig(mode="prerouter")) as engine:
+        with pytest.raises(Edge0Error) as error:
+            engine.generate(prompt, asked[0])
+        assert api_error(error.value, 0).param == "draft"

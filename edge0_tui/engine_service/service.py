@@ -643,6 +643,8 @@ def request_figures(result: GenerationResult, k: int, mode: str) -> dict:
         "peak_rss_bytes": s["peak_rss_bytes"],  # the kernel's high-water mark over the request
         "stopped_by": result.stopped_by,
     }
+    if "draft" in s:  # speculative decoding: drafted, kept, verify steps
+        figures["draft"] = s["draft"]
     if "batch" in s:  # decoded in a batch: rows a step, experts used against one at a time
         figures["batch"] = s["batch"]
     if "ranks" in s:  # --hosts: each rank's reads, cache, waits and speed

@@ -180,13 +180,13 @@ def _tools(body: dict) -> list[dict] | None:
 
 # The Messages API's fields edge0 honours, those that change nothing here (`metadata`: a user id
 # for the provider's abuse checks; `service_tier`: the provider's capacity), and edge0's own
-# per-request profile (`k`, `mode`). Any other field (`mcp_servers`, `container`, a field of a
+# per-request profile (`k`, `mode`) and drafts (`draft`, `draft_max`). Any other field (`mcp_servers`, `container`, a field of a
 # newer API) would change the reply in a way edge0 cannot: refused, naming it, never ignored.
 MESSAGES_FIELDS = frozenset(
     {
         "model", "messages", "max_tokens", "system", "stop_sequences", "stream", "temperature",
         "top_p", "top_k", "tools", "tool_choice", "thinking", "metadata", "service_tier", "k",
-        "mode",
+        "mode", "draft", "draft_max",
     }
 )  # fmt: skip
 
@@ -242,6 +242,8 @@ def parse_messages(
         "tool_choice": choice,
         "k": body.get("k"),  # edge0's per-request profile, checked as the OpenAI API checks it
         "mode": body.get("mode"),
+        "draft": body.get("draft"),  # edge0's speculative decoding, checked likewise
+        "draft_max": body.get("draft_max"),
     }
     if isinstance(thinking, dict):
         chat["enable_thinking"] = thinking.get("type") == "enabled"

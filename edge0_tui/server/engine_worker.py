@@ -45,7 +45,9 @@ from .stop_text import StopText
 from .tool_calls import dialect_of
 
 # The request fields an engine-side check names at the start of its message (`top_k=...`).
-SAMPLING_FIELD = re.compile(r"(top_k|top_p|temperature|seed|max_tokens|logit_bias)=")
+SAMPLING_FIELD = re.compile(r"(top_k|top_p|temperature|seed|max_tokens|logit_bias|draft)=")
+# A prompt and reply longer than the model's context, or than the one the memory plan counts.
+CONTEXT_EXCEEDED = re.compile(r"new tokens exceeds the (model's )?context")
 
 # An absolute path in an engine's message (the model's folder, a file in it): a reply shows its
 # last part only, never where the server keeps its files.
@@ -159,7 +161,7 @@ def template_refusal(error: Edge0Error, kind: str, model_dir: Path | None) -> Ap
     gave it (`messages`, or a completion's `prompt`), said without the server's paths. What
     the request checks can name more closely (a tool, a call's arguments) is refused before."""
     message = without_paths(str(error), model_dir)
-    if "exceeds the model's context" in message:
+    if CONTEXT_EXCEEDED.search(message):
         return ApiError(400, message, code="context_length_exceeded")
     return ApiError(400, message, param="messages" if kind == "chat" else "prompt")
 
@@ -184,7 +186,7 @@ def _answer(error: Exception, generated: int) -> ApiError:
     # The prompt (too long, a template that fails) or a sampling value the engine checks against
     # the model (top_k against the vocabulary): the message begins with the field's name.
     message = str(error)
-    if "exceeds the model's context" in message:
+    if CONTEXT_EXCEEDED.search(message):
         return ApiError(400, message, code="context_length_exceeded")
     field = SAMPLING_FIELD.match(message)
     return ApiError(400, message, param=field.group(1) if field else None)

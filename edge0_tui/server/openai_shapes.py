@@ -243,6 +243,11 @@ def _generation(body: dict, max_tokens_field: tuple[str, ...], chat: bool) -> Ge
     context = _optional(body, "repetition_context_size", _is_int, "an integer")
     if context is not None:
         given["penalty_context"] = context
+    # edge0's speculative decoding, for this request: a drafter ("lookup") and its longest draft.
+    given["draft"] = _optional(body, "draft", lambda v: isinstance(v, str), "a string (lookup)")
+    draft_max = _optional(body, "draft_max", _is_int, "an integer")
+    if draft_max is not None:
+        given["draft_max"] = draft_max
     try:
         return GenerationConfig(
             **{"temperature": 1.0, **given},

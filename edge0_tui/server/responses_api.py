@@ -55,7 +55,7 @@ HONOURED = frozenset(
         "tool_choice", "stream", "store", "previous_response_id",
         # edge0's extras, as the chat endpoint takes them
         "k", "mode", "top_k", "min_p", "repetition_penalty", "seed", "enable_thinking",
-        "chat_template_kwargs",
+        "chat_template_kwargs", "draft", "draft_max",
     }
 )  # fmt: skip
 ACCEPTED = frozenset(
@@ -68,7 +68,7 @@ ACCEPTED = frozenset(
 # Passed on to parse_chat under the same name, checked there.
 CHAT_FIELDS = (
     "model", "stream", "temperature", "top_p", "k", "mode", "top_k", "min_p",
-    "repetition_penalty", "seed", "enable_thinking", "chat_template_kwargs",
+    "repetition_penalty", "seed", "enable_thinking", "chat_template_kwargs", "draft", "draft_max",
 )  # fmt: skip
 ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
 TEXT_PARTS = ("input_text", "output_text")

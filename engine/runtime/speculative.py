@@ -99,20 +99,22 @@ def check_draftable(gen: GenerationConfig, mode: str, cache: list) -> None:
         return
     if mode == "prerouter":
         raise Edge0Error(
-            "--draft does not run in prerouter mode: its routing of a position is predicted "
+            f"draft={gen.draft} does not run in prerouter mode: its routing of a position is predicted "
             "from the position before, which a forward over several drafted positions does not "
             "have yet (use on-demand or prefetch)"
         )
     if not can_trim_prompt_cache(cache):
         kinds = sorted({type(c).__name__ for c in cache if not _trimmable(c)})
         raise Edge0Error(
-            f"--draft needs a KV cache that can drop rejected drafts; this model's "
+            f"draft={gen.draft} needs a KV cache that can drop rejected drafts; this model's "
             f"{', '.join(kinds)} cannot (linear attention keeps a recurrent state)"
         )
     if gen.constraint is not None:
-        raise Edge0Error("--draft does not run with a grammar: each token's mask needs the last")
+        raise Edge0Error(
+            f"draft={gen.draft} does not run with a grammar: each token's mask needs the last"
+        )
     if gen.logprobs is not None:
-        raise Edge0Error("--draft does not report logprobs: ask for one or the other")
+        raise Edge0Error(f"draft={gen.draft} does not report logprobs: ask for one or the other")
 
 
 def _trimmable(cache) -> bool:
