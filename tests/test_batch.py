@@ -8,6 +8,7 @@ union of its rows' experts once; each member keeps its own stop and cancel.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -95,8 +96,8 @@ def test_greedy_tokens_of_a_batch_are_each_reply_alone_on_other_families(checkpo
 
 def test_each_member_keeps_its_own_stop_and_cancel(checkpoint_dir):
     """A cancelled member leaves at its next token (or during its prefill) and the others go
-    on to their own ends, with the tokens they have alone; a full batch and a seeded request
-    are refused in one line."""
+    on to their own ends, with the tokens they have alone; a full batch and a drafted request
+    are refused in one line; a seeded sampled reply is its tokens alone."""
     model = checkpoint_dir("qwen3_moe")
     with Engine(
         model, EngineConfig(mode="on-demand", expert_cache_bytes=120_000, max_batch=3)
@@ -120,8 +121,19 @@ def test_each_member_keeps_its_own_stop_and_cancel(checkpoint_dir):
         assert cancelled.result.tokens == alone[1][:3]  # asked once its caller took the 3rd
         assert kept.result.tokens == alone[0] and other.result.tokens == alone[2]
         assert kept.result.summary["generated_tokens"] == 8
-        with pytest.raises(Edge0Error, match="seed"):
-            engine.batch().join(prompts[0], GenerationConfig(seed=1))
+        with pytest.raises(Edge0Error, match="draft"):
+            engine.batch().join(prompts[0], GenerationConfig(draft="lookup"))
+        # A seeded reply draws from its own key: its sampled tokens in a batch are its alone.
+        sampled = GenerationConfig(
+            max_tokens=8, ignore_eos=True, temperature=0.9, top_p=0.9, seed=7
+        )
+        alone_sampled = engine.generate(prompts[0], sampled).tokens
+        batch = engine.batch()
+        seeded = batch.join(prompts[0], sampled)
+        batch.join(prompts[1], dataclasses.replace(sampled, seed=8))
+        while batch.busy:
+            batch.step()
+        assert seeded.result.tokens == alone_sampled
 
 
 def test_the_memory_plan_counts_the_batchs_kv_caches(checkpoint_dir):
@@ -139,9 +151,9 @@ def test_the_memory_plan_counts_the_batchs_kv_caches(checkpoint_dir):
         EngineConfig(max_batch=0)
 
 
-def test_the_service_runs_queued_replies_as_one_batch_and_a_seeded_one_after(checkpoint_dir):
+def test_the_service_runs_queued_replies_as_one_batch_and_a_drafted_one_after(checkpoint_dir):
     """EngineService(max_batch=3) on a real tiny engine: replies submitted together decode in
-    one batch (steps of several rows) with each one's tokens as alone; a seeded reply, which a
+    one batch (steps of several rows) with each one's tokens as alone; a drafted reply, which a
     batch cannot run, waits for the batch to end and then runs alone; none is refused."""
     import queue
     import threading
@@ -186,7 +198,7 @@ def test_the_service_runs_queued_replies_as_one_batch_and_a_seeded_one_after(che
     try:
         assert opened.wait(60)
         answers = [queue.Queue() for _ in range(5)]
-        gens = [_greedy(8)] * 3 + [GenerationConfig(max_tokens=8, ignore_eos=True, seed=5)]
+        gens = [_greedy(8)] * 3 + [_greedy(8, draft="lookup")]
         texts = [WholeText() for _ in range(4)]
         for p, gen, answer, text in zip([*prompts, prompts[0]], gens, answers, texts):
             service.submit(ReplyJob("", gen, answer.put, text, prompt_tokens=p))
@@ -200,7 +212,7 @@ def test_the_service_runs_queued_replies_as_one_batch_and_a_seeded_one_after(che
     assert all(isinstance(d, ReplyDone) for d in done), done
     batched = [d.figures.get("batch") for d in done[:3]]
     assert all(b is not None and b["rows_per_step"] > 1 for b in batched), batched
-    assert "batch" not in done[3].figures  # the seeded reply ran alone
+    assert "batch" not in done[3].figures  # the drafted reply ran alone
     gauges = dict(
         line.rsplit(" ", 1) for line in shown.splitlines() if line.startswith("edge0_step")
     )

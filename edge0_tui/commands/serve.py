@@ -64,7 +64,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="replies that decode together, one forward a step for all (continuous batching: "
         "a request joins at the next step and leaves when it ends; the memory plan counts N KV "
         "caches; a request that finds the batch full waits in the queue). Every mode; each "
-        "reply's tokens are the ones it has alone. Seeded and drafted requests run alone "
+        "reply's tokens are the ones it has alone. Drafted requests run alone "
         "(default 1: one at a time)",
     )
     parser.add_argument(

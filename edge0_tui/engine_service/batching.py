@@ -6,7 +6,7 @@ mode); its prompt's prefill is interleaved with the members' decode steps, a chu
 leaves when its reply ends, and each keeps its own text filter, stop and cancel.
 
 A job the batch cannot take (another K or mode) waits at the head of the queue until the batch
-is empty, then runs as the next batch's first; a seeded or drafted one runs alone then. Jobs
+is empty, then runs as the next batch's first; a drafted one runs alone then. Jobs
 start in the order they came, and none is refused for it. Chores (switches,
 reloads) wait the same way. The plan counted `max_batch` KV caches before loading, so a job
 that waits for room never takes memory the plan did not count.
@@ -28,10 +28,8 @@ if TYPE_CHECKING:
 
 
 def batchable(job: ReplyJob) -> bool:
-    """Whether the engine can run `job` in a batch (one random stream serves every row, and a
-    batch verifies no drafts)."""
-    gen = job.generation
-    return gen.seed is None and gen.draft is None
+    """Whether the engine can run `job` in a batch: a batch verifies no drafts."""
+    return job.generation.draft is None
 
 
 def joins_now(service: EngineService, job: ReplyJob) -> bool:

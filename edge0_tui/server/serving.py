@@ -152,7 +152,7 @@ def startup_lines(settings: ServerSettings, worker: EngineWorker, url: str) -> l
     if worker.service.max_batch > 1:
         lines.append(
             f"edge0:   batching       up to {worker.service.max_batch} replies decode together; "
-            "seeded and drafted ones run alone"
+            "drafted ones run alone"
         )
     if settings.origins:
         lines.append(f"edge0:   CORS           web pages at {', '.join(settings.origins)}")

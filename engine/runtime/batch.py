@@ -13,10 +13,11 @@ mode each row routes by its own sequence's predictions (the routing state keeps 
 member, `RoutingRows`, set aside while another member prefills), so a batched reply has the
 tokens it has alone, and the reads ahead are the union of the rows' predictions.
 
-What a batch does not do (each member would need state of its own that one forward does not
-keep apart): speculative drafts, a sampling seed (one random stream serves every row), reusing a
-previous turn's KV cache, and a K or mode switch while it runs (one applies once it is empty).
-`Batch.join` refuses the first two; the engine's plain `stream` runs such replies.
+A seeded reply samples from a random key of its own (runtime/sampling.py): the same tokens in a
+batch as alone. What a batch does not do (each member would need state of its own that one
+forward does not keep apart): speculative drafts, reusing a previous turn's KV cache, and a K or
+mode switch while it runs (one applies once it is empty). `Batch.join` refuses drafts; the
+engine's plain `stream` runs such replies.
 """
 
 from __future__ import annotations
@@ -116,8 +117,6 @@ class Batch:
         gen = engine._checked_request(prompt_tokens, gen, None)
         if gen.draft is not None:
             raise Edge0Error("a batched reply takes no --draft: run it alone")
-        if gen.seed is not None:
-            raise Edge0Error("a batched reply takes no seed (one random stream serves every row)")
         eos = set() if gen.ignore_eos else set(engine.tokenizer.eos_token_ids)
         member = Member(
             list(prompt_tokens),

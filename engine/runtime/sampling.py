@@ -7,6 +7,9 @@ Penalties look at the prompt and the reply so far, over the last `penalty_contex
 mlx-lm's generate. Log-probabilities are those of the processed logits, before temperature.
 A reply with a grammar (`GenerationConfig.constraint`, runtime/constraint.py) has every token the
 grammar does not allow next set to -inf first, so processors and sampler only see allowed ones.
+A reply with a seed draws from a random key of its own (split once a token), not MLX's global
+generator: its tokens are the same whether it runs alone or as a row of a batch (runtime/batch.py),
+whose replies sample side by side.
 """
 
 from __future__ import annotations
@@ -15,7 +18,13 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.sample_utils import make_logits_processors, make_sampler
+from mlx_lm.sample_utils import (
+    apply_min_p,
+    apply_top_k,
+    apply_top_p,
+    make_logits_processors,
+    make_sampler,
+)
 
 from ..config import GenerationConfig
 
@@ -42,6 +51,32 @@ def logits_processors(gen: GenerationConfig) -> list:
     )
 
 
+def sampling_filters(gen: GenerationConfig) -> list:
+    """mlx-lm's sampler's filters of `gen`, in its order (top-p, min-p, top-k), each
+    `logprobs -> logprobs`."""
+    filters = []
+    if 0 < gen.top_p < 1.0:
+        filters.append(lambda x: apply_top_p(x, gen.top_p))
+    if gen.min_p != 0.0:
+        filters.append(lambda x: apply_min_p(x, gen.min_p, 1))
+    if gen.top_k > 0:
+        filters.append(lambda x: apply_top_k(x, gen.top_k))
+    return filters
+
+
+def keyed_sampler(gen: GenerationConfig):
+    """mlx-lm's sampler chain (its filters, then a draw at the temperature), drawing with the
+    key it is given: `(logprobs, key) -> token`."""
+    filters = sampling_filters(gen)
+
+    def sample(logprobs: mx.array, key: mx.array) -> mx.array:
+        for keep in filters:
+            logprobs = keep(logprobs)
+        return mx.random.categorical(logprobs * (1 / gen.temperature), key=key)
+
+    return sample
+
+
 class Sampler:
     """Picks each token of one reply; call it with the last position's logits (1, vocab)."""
 
@@ -49,6 +84,10 @@ class Sampler:
         self._sample = make_sampler(
             gen.temperature, top_p=gen.top_p, min_p=gen.min_p, top_k=gen.top_k
         )
+        self._key = None
+        if gen.seed is not None and gen.temperature != 0:
+            self._key = mx.random.key(gen.seed)
+            self._sample = keyed_sampler(gen)
         self._processors = logits_processors(gen)
         # What the penalties look at (only kept when there are penalties), on the device: the
         # next step's graph can take a token the host has not read yet, as mlx-lm's does.
@@ -72,7 +111,11 @@ class Sampler:
             for process in self._processors:
                 logits = process(self._seen, logits)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        token = self._sample(logprobs).reshape(-1)
+        if self._key is not None:
+            self._key, key = mx.random.split(self._key)
+            token = self._sample(logprobs, key).reshape(-1)
+        else:
+            token = self._sample(logprobs).reshape(-1)
         if self._seen is not None:
             self._seen = mx.concatenate([self._seen, token.astype(mx.int32)])[-self._context :]
         if self._top is None:

@@ -27,11 +27,10 @@ from typing import Protocol
 
 import mlx.core as mx
 from mlx_lm.models.cache import can_trim_prompt_cache
-from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
 from ..config import GenerationConfig
 from ..errors import Edge0Error
-from .sampling import logits_processors
+from .sampling import logits_processors, sampling_filters
 
 DRAFTERS = ("lookup",)
 
@@ -141,13 +140,7 @@ class Verifier:
         self.temperature = gen.temperature
         self.processors = logits_processors(gen)
         self.context = gen.penalty_context
-        self.filters = []
-        if 0 < gen.top_p < 1.0:
-            self.filters.append(lambda x: apply_top_p(x, gen.top_p))
-        if gen.min_p != 0.0:
-            self.filters.append(lambda x: apply_min_p(x, gen.min_p, 1))
-        if gen.top_k > 0:
-            self.filters.append(lambda x: apply_top_k(x, gen.top_k))
+        self.filters = sampling_filters(gen)
 
     def __call__(
         self, logits: mx.array, seen: Sequence[int], draft: list[int]

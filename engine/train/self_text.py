@@ -41,7 +41,9 @@ from ..runtime.generation import Engine
 from .run import Log, ProgressLines, training_progress
 from .self_prompts import PROMPT_SET_VERSION, PROMPTS, Prompt, held_out_prompts
 
-FORMAT_VERSION = 1
+# 2: a seeded reply draws from its own random key (runtime/sampling.py), not the global generator:
+# text written before is another text.
+FORMAT_VERSION = 2
 SAMPLES = "samples.jsonl"
 SETTINGS = "settings.json"
 # The shortest reply cap a small budget gives (`_stream`).
