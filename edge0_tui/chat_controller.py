@@ -21,6 +21,7 @@ from .chat_store import ChatHandle, ChatMessage, ChatStore, chat_title
 from .engine_session import ReplyRequest
 from .live_metrics import LiveMetrics
 from .preferences import ModelPreferences
+from .sanitize import error_line
 
 if TYPE_CHECKING:
     from .engine_session import EngineSession
@@ -304,6 +305,14 @@ class ChatController:
         self.state = "no model"
         notice = Notice(error, "error", title="cannot load the model", timeout=30)
         return Outcome(notices=(notice,), loading=False, changed=True)
+
+    def engine_thread_died(self, error: BaseException) -> Outcome:
+        """The engine thread ended on an error that is not an Edge0Error (those arrive as
+        messages): a bug, or a library's error edge0 did not translate. Before the model loaded,
+        that is the news, with the real reason in one line, not "engine stopped"."""
+        if not self.ready:
+            return self.load_failed(error_line(error))
+        return self.engine_stopped(error)
 
     def engine_stopped(self, error: BaseException) -> Outcome:
         """A bug (not an Edge0Error) ended the engine thread after the model loaded."""

@@ -394,6 +394,44 @@ def test_a_failed_load_and_a_stopped_engine_say_why(tmp_path):
     assert control.state == "engine stopped"
 
 
+def test_an_engine_thread_that_dies_says_why_before_and_after_the_model_loaded(tmp_path):
+    """Not an Edge0Error: before the model loaded, the load failed (the reason in one line);
+    after, the engine stopped on a bug."""
+    control = controller(tmp_path, ready=False)
+    outcome = control.engine_thread_died(OSError("config.json:\n  unreadable"))
+    assert control.state == "no model" and outcome.loading is False
+    assert outcome.notices == (
+        Notice("OSError: config.json:", "error", title="cannot load the model", timeout=30),
+    )
+    control = controller(tmp_path)
+    outcome = control.engine_thread_died(RuntimeError("boom"))
+    assert not control.ready and control.state == "engine stopped"
+    assert outcome.notices == (
+        Notice("the engine stopped on a bug: RuntimeError('boom')", "error"),
+    )
+
+
+def test_the_switch_keys_come_first_and_every_other_key_follows_in_its_order():
+    """The chat screen's footer and keys panel order (its `active_bindings`), without a Pilot."""
+    from types import SimpleNamespace
+
+    from edge0_tui.key_order import switch_keys_first
+
+    def active(binding_id):
+        return SimpleNamespace(binding=SimpleNamespace(id=binding_id))
+
+    bindings = {
+        "enter": active("prompt.send"),
+        "q": active("app.quit"),
+        "f5": active("chat.next_mode"),
+        "ctrl+n": active("chat.new"),
+        "f4": active("chat.next_k"),
+    }
+    ordered = switch_keys_first(bindings)
+    assert list(ordered) == ["f4", "f5", "q", "enter", "ctrl+n"]
+    assert all(ordered[key] is bindings[key] for key in bindings)
+
+
 # -- routing width and mode -----------------------------------------------------------------------
 
 

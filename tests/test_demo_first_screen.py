@@ -23,7 +23,8 @@ def test_the_demo_settings_and_prompts_give_longer_replies():
     """Token counts, seeded: the suggested prompts at the demo's settings against the app's
     general settings (what the demo used before)."""
     lengths = {"before": [], "demo": []}
-    with Engine(BUNDLED_DEMO, EngineConfig(mode="on-demand")) as engine:
+    # Resident: the same tokens as on-demand (doctor's check), without reading experts a step.
+    with Engine(BUNDLED_DEMO, EngineConfig(mode="resident")) as engine:
         for name, settings in (("before", DEFAULT_SETTINGS), ("demo", DEMO_SETTINGS)):
             for prompt in DEMO_PROMPTS:
                 tokens = engine.encode_chat([{"role": "user", "content": prompt}])

@@ -11,7 +11,7 @@ import sys
 import mlx.core as mx
 import pytest
 from adapters import write_random_profile
-from cli_runner import REPO, run_cli
+from cli_runner import REPO, run_cli, run_process
 
 import engine.experts.switch_glu as switch_glu
 import engine.measure.doctor_exactness as doctor_exactness
@@ -62,12 +62,14 @@ def budget(tiny):
 
 def test_the_demo_report_is_every_check_ok_or_skipped_with_no_home_path(tmp_path, monkeypatch):
     """`edge0 doctor --quick --json` on a copy of the demo inside the home folder: one JSON
-    object, every check there and ok or skipped with its reason, and the home folder nowhere."""
+    object, every check there and ok or skipped with its reason, and the home folder nowhere.
+    A process of its own, as a user runs it (the entry's fast BLAS and limits): `make test`
+    relies on this run, and runs no doctor of its own after the suite."""
     home = tmp_path / "home-of-someone"
     model = home / "models" / "demo"
     shutil.copytree(REPO / "assets" / "demo", model)
     monkeypatch.setenv("HOME", str(home))
-    done = run_cli("doctor", str(model), "--quick", "--json")
+    done = run_process("doctor", str(model), "--quick", "--json")
     assert done.returncode == 0, done.stdout + done.stderr
     assert str(home) not in done.stdout and "home-of-someone" not in done.stdout
     report = json.loads(done.stdout)

@@ -38,9 +38,18 @@ def write(model_dir, work, config=SMALL, engine_config=None):
         return write_self_text(engine, work, config, HELD, log=lambda line: None)
 
 
-def test_the_text_is_written_through_the_chat_template_split_by_prompt(checkpoint_dir, tmp_path):
+@pytest.fixture(scope="module")
+def small_text(checkpoint_dir, tmp_path_factory):
+    """The tiny model's SMALL text, written once for the tests that only read it (a write is a
+    decode per reply: the cost of this module)."""
+    return write(checkpoint_dir("qwen3_moe"), tmp_path_factory.mktemp("self-text"))
+
+
+def test_the_text_is_written_through_the_chat_template_split_by_prompt(
+    checkpoint_dir, tmp_path, small_text
+):
     model_dir = checkpoint_dir("qwen3_moe")
-    written = write(model_dir, tmp_path / "a")
+    written = small_text
     assert written.templated
     # Bounded: each part exactly its share of the tokens asked for.
     assert len(written.held_out) == HELD and len(written.train) == SMALL.tokens - HELD
@@ -74,9 +83,11 @@ def test_the_text_is_written_through_the_chat_template_split_by_prompt(checkpoin
     assert not np.array_equal(other.train, written.train)
 
 
-def test_a_stopped_write_keeps_its_replies_and_a_rerun_goes_on(checkpoint_dir, tmp_path):
+def test_a_stopped_write_keeps_its_replies_and_a_rerun_goes_on(
+    checkpoint_dir, tmp_path, small_text
+):
     model_dir = checkpoint_dir("qwen3_moe")
-    whole = write(model_dir, tmp_path / "whole")
+    whole = small_text
     replies = len(samples(whole.folder))
     calls = []
 

@@ -25,11 +25,11 @@ from .. import messages
 from ..chat_controller import ChatController, Notice, Outcome
 from ..chat_store import ChatMessage, ChatStore
 from ..engine_session import EngineSession
+from ..key_order import switch_keys_first
 from ..last_session import LastSession
 from ..live_metrics import LiveMetrics
 from ..model_source import DEMO
 from ..preferences import ModelPreferences
-from ..sanitize import error_line
 from ..system_memory import SystemMemory, read_system_memory
 from ..widgets.conversation import AssistantTurn, Conversation
 from ..widgets.first_steps import DEMO_PROMPTS, FirstSteps
@@ -51,18 +51,6 @@ if TYPE_CHECKING:
 
 # How often the panels read the engine's metrics snapshot (4-10 Hz reads as live).
 PANEL_REFRESH_HZ = 6
-# The switch keys, the heat view, the keys panel and Quit, listed before every other key in the
-# footer and the keys panel (F1): at 80 columns the footer has room for little more, and F1 lists
-# what it leaves out.
-SWITCH_BINDING_IDS = (
-    "chat.next_k",
-    "chat.next_mode",
-    "chat.panels",
-    "app.heat",
-    "app.keys",
-    "app.quit",
-    "chat.stop",
-)
 
 
 class ChatScreen(Screen):
@@ -123,15 +111,7 @@ class ChatScreen(Screen):
 
     @property
     def active_bindings(self):
-        # Textual lists the focused widget's keys first (the prompt's Send, New line): the K and
-        # mode keys, the reason to have this app, come before them in the footer and F1 panel.
-        bindings = super().active_bindings
-        first = sorted(
-            (SWITCH_BINDING_IDS.index(active.binding.id), key)
-            for key, active in bindings.items()
-            if active.binding.id in SWITCH_BINDING_IDS
-        )
-        return {**{key: bindings[key] for _, key in first}, **bindings}
+        return switch_keys_first(super().active_bindings)  # the K and mode keys first
 
     def notify(self, message: str, *, markup: bool = False, **options: Any) -> None:
         # Plain text: a path, model name or error it quotes holding `[/x]` would stop the app.
@@ -189,14 +169,9 @@ class ChatScreen(Screen):
     async def on_worker_state_changed(self, event: Worker.StateChanged) -> None:
         if event.worker.name != "engine" or event.state != WorkerState.ERROR:
             return
-        # Not an Edge0Error (those arrive as messages): a bug, or a library's error edge0 did not
-        # translate. Say so in one line, keep the conversation, and end the reply it interrupted.
-        if not self.controller.ready:
-            # The model never loaded: that is the news, with the real reason, not "engine stopped".
-            self.show_outcome(self.controller.load_failed(error_line(event.worker.error)))
-            return
-        self.show_outcome(self.controller.engine_stopped(event.worker.error))
-        if self.reply is not None:
+        loaded = self.controller.ready  # loaded: keep the chat, end the reply it interrupted
+        self.show_outcome(self.controller.engine_thread_died(event.worker.error))
+        if loaded and self.reply is not None:
             await self._end_reply(self.reply.text, "error")
 
     def on_model_progress(self, event: messages.ModelProgress) -> None:
