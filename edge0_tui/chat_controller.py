@@ -425,6 +425,10 @@ class ChatController:
         engine = self.session.engine
         return engine.loaded.index.expert_nbytes if engine is not None else 0
 
+    def reload_refusal(self) -> str | None:
+        """Why the model cannot be loaded again now (running as ranks), None when it can."""
+        return self.session.reload_refusal()
+
     def reload(self, mode: str, writing: bool, agreed: bool = True) -> Outcome:
         """Load the model again in `mode` (resident <-> streaming): nothing is sent until it is
         ready. Not while a reply is written (`writing`), nor when the user did not agree to it
@@ -432,6 +436,9 @@ class ChatController:
         if writing or not agreed:
             notices = (WAIT_FOR_THE_REPLY,) if writing else ()
             return Outcome(mode=self.session.metrics.mode, notices=notices)
+        if refusal := self.reload_refusal():
+            notice = Notice(refusal, "warning", title="cannot load the model again")
+            return Outcome(mode=self.session.metrics.mode, notices=(notice,))
         self.ready = False
         self.state = f"loading the model {mode}…"
         self.session.reload(mode)

@@ -85,7 +85,8 @@ async def chat_scenario(pilot, k: int, result: dict) -> None:
     prompt.text = MESSAGE
     await pilot.press("enter")
     await wait_until(pilot, lambda: prompt.text == "" and chat.reply is None, "the reply")
-    await pilot.pause()
+    # The header takes the ranks' figures of the reply at its next refresh.
+    await wait_until(pilot, lambda: "rank 1: " in app.title, "the header's figures")
     result["title"] = app.title
     chat.show_outcome(control.reload("resident", writing=False))  # as the dialog's "Load"
     await wait_until(pilot, lambda: control.ready, "the chat ready again")

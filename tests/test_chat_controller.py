@@ -73,6 +73,9 @@ class FakeSession:
     def reload(self, mode: str) -> None:
         self.calls.append(("reload", mode))
 
+    def reload_refusal(self) -> str | None:
+        return getattr(self, "refuse_reload", None)
+
     def count_context(self, chat_id: int, messages: list[dict]) -> None:
         self.calls.append(("count_context", chat_id, messages))
 
@@ -677,3 +680,15 @@ def test_idle_panels_are_drawn_once_a_second_and_at_once_when_something_moves():
     assert control.panels_due(idle, writing=True, now=101.2)  # a reply: every tick
     control.pending_k = 8
     assert control.panels_due(idle, writing=False, now=101.3)  # a switch to show pending
+
+
+def test_a_reload_refused_as_ranks_says_why_and_loads_nothing(tmp_path):
+    """Running as ranks the model stays loaded on every rank: resident mode is refused in one
+    notice before any question or reload, and the mode running stays."""
+    session = FakeSession()
+    session.refuse_reload = "running as ranks (--hosts): restart without --hosts"
+    control = controller(tmp_path, session)
+    outcome = control.reload("resident", writing=False)
+    assert ("reload", "resident") not in session.calls
+    assert outcome.mode == "on-demand" and "restart without --hosts" in outcome.notices[0].text
+    assert control.ready

