@@ -22,7 +22,6 @@ engine's plain `stream` runs such replies.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -52,7 +51,6 @@ class Member:
     sampler: Sampler
     eos: set[int]
     result: GenerationResult
-    started: float = field(default_factory=time.perf_counter)
     last: int | None = None  # the token the next step feeds (sampled, not yet in the cache)
     cache: list | None = None  # its own KV cache, from its prefill until it joins the batch's
     rows: RoutingRows | None = None  # its routing state, likewise (prerouter heads)
@@ -114,9 +112,9 @@ class Batch:
                 f"the batch is full ({self.max_batch} replies: the memory plan counts that many "
                 "KV caches, max_batch)"
             )
-        gen = engine._checked_request(prompt_tokens, gen, None)
+        gen = engine.checked_request(prompt_tokens, gen, None)
         if gen.draft is not None:
-            raise Edge0Error("a batched reply takes no --draft: run it alone")
+            raise Edge0Error(f"draft={gen.draft}: a batch verifies no drafts (run the reply alone)")
         eos = set() if gen.ignore_eos else set(engine.tokenizer.eos_token_ids)
         member = Member(
             list(prompt_tokens),

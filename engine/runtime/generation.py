@@ -426,7 +426,7 @@ class Engine:
         after each token; true ends the reply ("cancelled"), with no token at all when it ends
         the prefill. With `keep_logits`, each token's logits come evaluated. A request this
         model cannot serve raises Edge0Error here, before any token."""
-        gen = self._checked_request(prompt_tokens, gen, forced_tokens)
+        gen = self.checked_request(prompt_tokens, gen, forced_tokens)
         announcement = None
         if self.share is not None:  # every rank runs this reply with this one (runtime/follow.py)
             gen, announcement, should_stop = self._lead(gen, should_stop)
@@ -599,7 +599,7 @@ class Engine:
             "decode_tok_per_s": result.summary["decode_tok_per_s"],
         }
 
-    def _checked_request(
+    def checked_request(
         self, prompt_tokens: list[int], gen: GenerationConfig | None, forced: list[int] | None
     ) -> GenerationConfig:
         """The reply's config (as long as `forced` where given), or an Edge0Error naming what
