@@ -83,27 +83,31 @@ def test_the_text_is_written_through_the_chat_template_split_by_prompt(
     assert not np.array_equal(other.train, written.train)
 
 
+def count_replies(monkeypatch, calls: list, stop_at: int | None = None) -> None:
+    """Each reply the writer starts (`Batch.join`) counted in `calls`; a KeyboardInterrupt (a
+    user's Ctrl+C) instead of the one after `stop_at`."""
+    from engine.runtime.batch import Batch
+
+    real = Batch.join
+
+    def join(self, *args, **kwargs):
+        if stop_at is not None and len(calls) == stop_at:
+            raise KeyboardInterrupt
+        calls.append(1)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Batch, "join", join)
+
+
 def test_a_stopped_write_keeps_its_replies_and_a_rerun_goes_on(
-    checkpoint_dir, tmp_path, small_text
+    checkpoint_dir, tmp_path, small_text, monkeypatch
 ):
     model_dir = checkpoint_dir("qwen3_moe")
     whole = small_text
     replies = len(samples(whole.folder))
     calls = []
-
-    def stop_after_five(engine):
-        real = engine.generate
-
-        def generate(*args, **kwargs):
-            if len(calls) == 5:
-                raise KeyboardInterrupt
-            calls.append(1)
-            return real(*args, **kwargs)
-
-        engine.generate = generate
-
+    count_replies(monkeypatch, calls, stop_at=5)  # one reply at a time: five written, then stopped
     with Engine(model_dir) as engine:
-        stop_after_five(engine)
         with pytest.raises(KeyboardInterrupt):
             write_self_text(engine, tmp_path / "stopped", SMALL, HELD, log=lambda line: None)
     (folder,) = (tmp_path / "stopped").glob("self-text-*")
@@ -113,21 +117,49 @@ def test_a_stopped_write_keeps_its_replies_and_a_rerun_goes_on(
     with open(folder / SAMPLES, "a") as f:
         f.write('{"round": 0, "prompt": 3, "tok')  # a write cut short: dropped, written again
     lines = []
+    calls.clear()
+    monkeypatch.undo()  # (the stopping count goes)
+    count_replies(monkeypatch, calls)
     with Engine(model_dir) as engine:
-        calls.clear()
-        real = engine.generate
-        engine.generate = lambda *a, **k: calls.append(1) or real(*a, **k)
         resumed = write_self_text(engine, tmp_path / "stopped", SMALL, HELD, log=lines.append)
     assert len(calls) == replies - 5  # only the replies not written before
     assert f"; {had:,} tokens written before, resuming" in lines[0]
     assert np.array_equal(resumed.train, whole.train)
     assert np.array_equal(resumed.held_out, whole.held_out)
     # Written in full: a rerun writes nothing.
+    calls.clear()
     with Engine(model_dir) as engine:
-        engine.generate = None  # would fail if called
         lines.clear()
         cached = write_self_text(engine, tmp_path / "stopped", SMALL, HELD, log=lines.append)
-    assert np.array_equal(cached.train, whole.train) and "written before" in lines[0]
+    assert calls == [] and np.array_equal(cached.train, whole.train)
+    assert "written before" in lines[0]
+
+
+def test_replies_written_together_are_the_text_written_one_at_a_time(
+    checkpoint_dir, tmp_path, small_text, monkeypatch
+):
+    """Three replies at once in one batch (issue 48 item 2: one read of an expert serves every
+    reply routed to it): each reply samples with its own seed and key, so the text is the one
+    written a reply at a time, though the replies end, and are kept, in another order; a
+    resume after a gap (a reply kept past one that is missing) writes only the missing one."""
+    model_dir = checkpoint_dir("qwen3_moe")
+    together = write(model_dir, tmp_path / "together", engine_config=EngineConfig(max_batch=3))
+    assert np.array_equal(together.held_out, small_text.held_out)
+    assert np.array_equal(together.train, small_text.train)
+    kept = samples(together.folder)
+    by_slot = {(s["round"], s["prompt"]): s["tokens"] for s in kept}
+    alone = {(s["round"], s["prompt"]): s["tokens"] for s in samples(small_text.folder)}
+    assert all(by_slot[slot] == alone[slot] for slot in alone if slot in by_slot)
+    # A gap: the second reply's line removed, the others kept.
+    lines = (together.folder / SAMPLES).read_text().splitlines(keepends=True)
+    second = next(
+        i for i, line in enumerate(lines) if json.loads(line)["prompt"] == kept[1]["prompt"]
+    )
+    (together.folder / SAMPLES).write_text("".join(lines[:second] + lines[second + 1 :]))
+    calls = []
+    count_replies(monkeypatch, calls)
+    resumed = write(model_dir, tmp_path / "together", engine_config=EngineConfig(max_batch=3))
+    assert len(calls) == 1 and np.array_equal(resumed.held_out, small_text.held_out)
 
 
 def test_a_model_without_a_chat_template_continues_the_prompts(checkpoint_dir, tmp_path):

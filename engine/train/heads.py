@@ -455,6 +455,11 @@ def _rates(
     )
 
 
+# Replies the model writes at once for its own text (runtime/batch.py): the plan counts their KV
+# caches, each of a reply's context.
+SELF_TEXT_BATCH = 4
+
+
 def write_own_text(
     model_dir: Path,
     engine_config: EngineConfig,
@@ -480,6 +485,7 @@ def write_own_text(
         context_tokens=reply_tokens + 1024,  # a prompt, its template's text included
         prefill_chunk=EngineConfig.prefill_chunk,
         reuse_prompt_cache=False,
+        max_batch=SELF_TEXT_BATCH,
     )
     with Engine(model_dir, writing) as engine:
         setup = checked_setup(

@@ -20,7 +20,9 @@ flushed as each reply is written, and `settings.json` for people. KEY hashes the
 set's version, the prompts as rendered (template and tokenizer), the seed, the sampling and the
 lengths. A stopped run keeps every reply it finished; a rerun reads them and goes on with the next.
 Each reply samples with a seed of its own (the seed, its round and its prompt), so a resumed text
-is token for token the text of one uninterrupted run.
+is token for token the text of one uninterrupted run, and replies written together in a batch
+(the writing engine's `max_batch`: one read of an expert serves every reply routed to it) are
+the replies written one at a time.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import dataclasses
 import hashlib
 import json
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -264,8 +267,9 @@ class _Stream:
         share = -(-self.budget // len(self.prompts)) - prompt_tokens
         return min(self.reply_tokens, max(MIN_REPLY_TOKENS, share))
 
-    def slot(self) -> tuple[int, int]:
-        round_, i = divmod(self.next, len(self.prompts))
+    def slot(self, n: int | None = None) -> tuple[int, int]:
+        """(round, prompt) of the stream's n-th reply (by default the next one it takes)."""
+        round_, i = divmod(self.next if n is None else n, len(self.prompts))
         return round_, self.prompts[i]
 
 
@@ -290,27 +294,79 @@ def _write(
     log: Log,
     bar: bool,
 ) -> None:
-    """Write the replies each stream lacks, in order, keeping each as it is written."""
+    """Write the replies each stream lacks, as many at once as the engine batches
+    (`EngineConfig.max_batch`: one read of an expert serves every reply routed to it). Each is
+    kept as it ends, and a stream takes them in its order; each reply samples with its own seed,
+    so the text is the one a reply at a time writes."""
     done = had
     lines = ProgressLines(log, "own text", "tokens", config.tokens, had, "the first reply")
     with training_progress(bar) as bars:
         task = bars.add_task("write text", total=config.tokens, completed=had, status="")
         for stream in streams.values():
-            while not stream.done:
-                round_, prompt = stream.slot()
-                room = engine.context_limit - len(rendered[prompt])  # the model's context
-                gen = GenerationConfig(
-                    max_tokens=max(1, min(stream.reply_cap(len(rendered[prompt])), room)),
-                    temperature=config.temperature,
-                    top_p=config.top_p,
-                    seed=reply_seed(config.seed, round_, prompt),
-                )
-                result = engine.generate(rendered[prompt], gen)
-                sample = rendered[prompt] + result.tokens
-                written.append(round_, prompt, sample, result.text)
-                counted = min(len(sample), stream.budget - len(stream.tokens))
-                stream.tokens += sample
-                stream.next += 1
-                done += counted
-                bars.update(task, advance=counted)
-                lines.advance(done)
+            ended: dict[int, list[int]] = {}  # the stream's replies written, not yet taken
+            for _ in _write_stream(engine, rendered, stream, written, config, ended):
+                while stream.next in ended and not stream.done:
+                    sample = ended.pop(stream.next)
+                    counted = min(len(sample), stream.budget - len(stream.tokens))
+                    stream.tokens += sample
+                    stream.next += 1
+                    done += counted
+                    bars.update(task, advance=counted)
+                    lines.advance(done)
+
+
+def _write_stream(
+    engine: Engine,
+    rendered: list[list[int]],
+    stream: _Stream,
+    written: WrittenSamples,
+    config: SelfTextConfig,
+    ended: dict[int, list[int]],
+) -> Iterator[None]:
+    """The stream's replies from its next one on, up to `max_batch` at once in one batch: each
+    that ends (or was written before) goes into `ended` by its place in the stream, and this
+    yields after each step. Replies still being written once the stream has its tokens are
+    dropped unkept."""
+    batch = engine.batch()
+    writing: dict[int, int] = {}  # id(member) -> its place in the stream
+    most: dict[int, int] = {}  # id(member) -> the most tokens its sample can have
+    n = stream.next
+    try:
+        while not stream.done:
+            while batch.size < batch.max_batch and not _enough(stream, ended, most, n):
+                round_, prompt = stream.slot(n)
+                if (round_, prompt) in written.samples:  # kept by a run before (after a gap)
+                    ended[n] = written.samples[(round_, prompt)]
+                else:
+                    room = engine.context_limit - len(rendered[prompt])
+                    gen = GenerationConfig(
+                        max_tokens=max(1, min(stream.reply_cap(len(rendered[prompt])), room)),
+                        temperature=config.temperature,
+                        top_p=config.top_p,
+                        seed=reply_seed(config.seed, round_, prompt),
+                    )
+                    member = batch.join(rendered[prompt], gen)
+                    writing[id(member)] = n
+                    most[id(member)] = len(rendered[prompt]) + gen.max_tokens
+                n += 1
+            if batch.busy:
+                for member in batch.step().ended:
+                    place = writing.pop(id(member))
+                    most.pop(id(member))
+                    round_, prompt = stream.slot(place)
+                    sample = rendered[prompt] + member.result.tokens
+                    written.append(round_, prompt, sample, member.result.text)
+                    ended[place] = sample
+            yield
+    finally:
+        batch.cancel_all()
+
+
+def _enough(stream: _Stream, ended: dict[int, list[int]], most: dict[int, int], n: int) -> bool:
+    """Whether the replies ended and those being written (at their longest, `most`) may already
+    fill the stream's budget: none past them is started (so at most a batch of replies is
+    written past it)."""
+    if n == stream.next:
+        return False  # the stream's next reply is always started
+    expected = len(stream.tokens) + sum(len(s) for s in ended.values()) + sum(most.values())
+    return expected >= stream.budget
