@@ -258,3 +258,27 @@ def test_cli_self_text_tokens_refused_where_it_has_no_meaning(
     assert main([*args, "--self-text-tokens", "500", *extra]) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1
+
+
+def test_asking_for_more_text_takes_the_replies_kept_and_writes_only_the_rest(
+    checkpoint_dir, tmp_path, monkeypatch
+):
+    """`--self-text-tokens` only changes how far the text goes (issue 48 item 2): a text asked
+    longer after a shorter one was written keeps the replies that a reply's cap lets it keep
+    (the same key, the same folder), writes the rest, and is the text a fresh run of that length
+    writes; asked shorter again, it writes nothing."""
+    model_dir = checkpoint_dir("qwen3_moe")
+    short = dataclasses.replace(SMALL, tokens=HELD + 160)
+    first = write(model_dir, tmp_path / "grown", short)
+    calls = []
+    count_replies(monkeypatch, calls)
+    grown = write(model_dir, tmp_path / "grown", SMALL)
+    assert grown.folder == first.folder
+    fresh = write(model_dir, tmp_path / "fresh", SMALL)
+    replies = len(calls) - len(samples(fresh.folder))  # the grown run's own replies
+    assert 0 < replies < len(samples(fresh.folder))  # some were kept
+    assert np.array_equal(grown.train, fresh.train)
+    assert np.array_equal(grown.held_out, fresh.held_out)
+    calls.clear()
+    again = write(model_dir, tmp_path / "grown", short)
+    assert calls == [] and np.array_equal(again.train, first.train)

@@ -15,10 +15,13 @@ Split by prompt: one prompt of each kind is held out, and only the replies to th
 held-out text, so the recall figures are on text from prompts never trained on. Each stream
 (held out, train) goes round its prompts, one reply each a round, until it has its tokens.
 
-The written text is kept in WORK/self-text-KEY/: `samples.jsonl`, one reply a line, appended and
-flushed as each reply is written, and `settings.json` for people. KEY hashes the base, the prompt
-set's version, the prompts as rendered (template and tokenizer), the seed, the sampling and the
-lengths. A stopped run keeps every reply it finished; a rerun reads them and goes on with the next.
+The written text is kept in WORK/self-text-KEY/: `samples.jsonl`, one reply a line (with the most
+tokens it was allowed), appended and flushed as each reply is written, and `settings.json` for
+people. KEY hashes the base, the prompt set's version, the prompts as rendered (template and
+tokenizer), the seed, the sampling and a reply's longest: not how much text is asked for. A
+stopped run keeps every reply it finished; a rerun reads them and goes on with the next, and a
+run asking for more or less text (`--self-text-tokens`) takes the replies it can from those kept
+(`reusable`): only how far the text goes changes.
 Each reply samples with a seed of its own (the seed, its round and its prompt), so a resumed text
 is token for token the text of one uninterrupted run, and replies written together in a batch
 (the writing engine's `max_batch`: one read of an expert serves every reply routed to it) are
@@ -105,12 +108,12 @@ def reply_seed(seed: int, round_: int, prompt: int) -> int:
     return int.from_bytes(digest[:8], "little") % (MAX_SEED + 1)
 
 
-def text_key(
-    fingerprint: str, rendered: list[list[int]], config: SelfTextConfig, held_out_tokens: int
-) -> str:
+def text_key(fingerprint: str, rendered: list[list[int]], config: SelfTextConfig) -> str:
     """A short hash naming a written text: the base, the prompt set, the prompts as rendered and
-    the settings (a changed template or tokenizer renders other tokens: another text)."""
-    settings = json.dumps({**dataclasses.asdict(config), "held": held_out_tokens}, sort_keys=True)
+    the settings (a changed template or tokenizer renders other tokens: another text), not the
+    text's length nor its held-out share (the same replies serve any)."""
+    kept = {k: v for k, v in dataclasses.asdict(config).items() if k != "tokens"}
+    settings = json.dumps(kept, sort_keys=True)
     digest = hashlib.sha256(
         f"v{FORMAT_VERSION}|{fingerprint}|{PROMPT_SET_VERSION}|{settings}|".encode()
     )
@@ -130,6 +133,7 @@ class WrittenSamples:
     def __init__(self, folder: Path, vocab_size: int) -> None:
         self.path = folder / SAMPLES
         self.samples: dict[tuple[int, int], list[int]] = {}
+        self.caps: dict[tuple[int, int], int] = {}  # the most tokens each reply was allowed
         if not self.path.exists():
             return
         good = 0
@@ -138,14 +142,16 @@ class WrittenSamples:
                 sample = _parse(line, vocab_size)
                 if sample is None:
                     break
-                self.samples[sample[0]] = sample[1]
+                self.samples[sample[0]], self.caps[sample[0]] = sample[1], sample[2]
                 good += len(line)
         if good < self.path.stat().st_size:
             with open(self.path, "r+b") as f:
                 f.truncate(good)
 
-    def append(self, round_: int, prompt: int, tokens: list[int], text: str) -> None:
-        line = json.dumps({"round": round_, "prompt": prompt, "tokens": tokens, "text": text})
+    def append(self, round_: int, prompt: int, tokens: list[int], text: str, cap: int) -> None:
+        line = json.dumps(
+            {"round": round_, "prompt": prompt, "tokens": tokens, "text": text, "cap": cap}
+        )
         try:
             with open(self.path, "a", encoding="utf-8") as f:
                 f.write(line + "\n")
@@ -154,21 +160,36 @@ class WrittenSamples:
         except OSError as e:
             raise Edge0Error(f"{self.path}: cannot write the text ({e.strerror or e})") from None
         self.samples[(round_, prompt)] = tokens
+        self.caps[(round_, prompt)] = cap
+
+    def reusable(self, slot: tuple[int, int], prompt_tokens: int, cap: int) -> list[int] | None:
+        """The kept sample of `slot` as a reply allowed `cap` tokens would be, None where it
+        cannot be (not kept, or cut at a smaller cap than `cap`). A reply's tokens do not depend
+        on its cap (its own seed and key), so a longer kept reply cut to `cap` is the one this
+        run would write, and so is one that ended before its cap and before `cap`."""
+        tokens = self.samples.get(slot)
+        if tokens is None:
+            return None
+        reply = len(tokens) - prompt_tokens
+        ended_early = reply < self.caps[slot]
+        if cap <= reply:
+            return tokens[: prompt_tokens + cap]
+        return tokens if ended_early else None
 
 
-def _parse(line: bytes, vocab_size: int) -> tuple[tuple[int, int], list[int]] | None:
+def _parse(line: bytes, vocab_size: int) -> tuple[tuple[int, int], list[int], int] | None:
     if not line.endswith(b"\n"):
         return None
     try:
         sample = json.loads(line)
         slot = (sample["round"], sample["prompt"])
-        tokens = sample["tokens"]
+        tokens, cap = sample["tokens"], sample["cap"]
     except (ValueError, TypeError, KeyError):
         return None
-    ints = all(type(v) is int for v in (*slot, *tokens))
-    if not ints or not tokens or not all(0 <= t < vocab_size for t in tokens):
+    ints = all(type(v) is int for v in (*slot, cap, *tokens))
+    if not ints or not tokens or cap < 1 or not all(0 <= t < vocab_size for t in tokens):
         return None
-    return slot, tokens
+    return slot, tokens, cap
 
 
 # -- writing --------------------------------------------------------------------------------------------
@@ -193,7 +214,7 @@ def write_self_text(
         )
     rendered = [render_prompt(engine, prompt) for prompt in PROMPTS]
     templated = bool(engine.tokenizer.has_chat_template)
-    key = text_key(engine.fingerprint, rendered, config, held_out_tokens)
+    key = text_key(engine.fingerprint, rendered, config)
     folder = work / f"self-text-{key}"
     check_output_folder(folder, "the written text")
     settings = {
@@ -214,10 +235,13 @@ def write_self_text(
 
     held = held_out_prompts()
     train_prompts = [i for i in range(len(PROMPTS)) if i not in held]
+    context = engine.context_limit
     # Each stream's prompts and tokens, with what was written of it before and which reply is next.
     streams = {
-        "held_out": _stream(sorted(held), held_out_tokens, config, written),
-        "train": _stream(train_prompts, config.tokens - held_out_tokens, config, written),
+        "held_out": _stream(sorted(held), held_out_tokens, config, written, rendered, context),
+        "train": _stream(
+            train_prompts, config.tokens - held_out_tokens, config, written, rendered, context
+        ),
     }
     had = sum(min(len(s.tokens), s.budget) for s in streams.values())
     how = "through its chat template" if templated else "as plain text (it has no chat template)"
@@ -267,6 +291,11 @@ class _Stream:
         share = -(-self.budget // len(self.prompts)) - prompt_tokens
         return min(self.reply_tokens, max(MIN_REPLY_TOKENS, share))
 
+    def cap(self, prompt_tokens: int, context: int) -> int:
+        """The most tokens a reply to a prompt of `prompt_tokens` may have here, within the
+        writing engine's `context`."""
+        return max(1, min(self.reply_cap(prompt_tokens), context - prompt_tokens))
+
     def slot(self, n: int | None = None) -> tuple[int, int]:
         """(round, prompt) of the stream's n-th reply (by default the next one it takes)."""
         round_, i = divmod(self.next if n is None else n, len(self.prompts))
@@ -274,11 +303,22 @@ class _Stream:
 
 
 def _stream(
-    prompts: list[int], budget: int, config: SelfTextConfig, written: WrittenSamples
+    prompts: list[int],
+    budget: int,
+    config: SelfTextConfig,
+    written: WrittenSamples,
+    rendered: list[list[int]],
+    context: int,
 ) -> _Stream:
-    """A stream with the written replies it starts with (in its order, up to the first missing)."""
+    """A stream with the written replies it starts with (in its order, up to the first that
+    is missing or cannot be reused)."""
     stream = _Stream(prompts, budget, config.reply_tokens, [], 0)
-    while not stream.done and (sample := written.samples.get(stream.slot())) is not None:
+    while not stream.done:
+        prompt = stream.slot()[1]
+        cap = stream.cap(len(rendered[prompt]), context)
+        sample = written.reusable(stream.slot(), len(rendered[prompt]), cap)
+        if sample is None:
+            break
         stream.tokens += sample
         stream.next += 1
     return stream
@@ -335,12 +375,13 @@ def _write_stream(
         while not stream.done:
             while batch.size < batch.max_batch and not _enough(stream, ended, most, n):
                 round_, prompt = stream.slot(n)
-                if (round_, prompt) in written.samples:  # kept by a run before (after a gap)
-                    ended[n] = written.samples[(round_, prompt)]
+                cap = stream.cap(len(rendered[prompt]), engine.context_limit)
+                kept = written.reusable((round_, prompt), len(rendered[prompt]), cap)
+                if kept is not None:  # kept by a run before (after a gap)
+                    ended[n] = kept
                 else:
-                    room = engine.context_limit - len(rendered[prompt])
                     gen = GenerationConfig(
-                        max_tokens=max(1, min(stream.reply_cap(len(rendered[prompt])), room)),
+                        max_tokens=cap,
                         temperature=config.temperature,
                         top_p=config.top_p,
                         seed=reply_seed(config.seed, round_, prompt),
@@ -355,7 +396,9 @@ def _write_stream(
                     most.pop(id(member))
                     round_, prompt = stream.slot(place)
                     sample = rendered[prompt] + member.result.tokens
-                    written.append(round_, prompt, sample, member.result.text)
+                    written.append(
+                        round_, prompt, sample, member.result.text, member.gen.max_tokens
+                    )
                     ended[place] = sample
             yield
     finally:
