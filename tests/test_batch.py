@@ -243,3 +243,80 @@ def test_serve_refuses_a_batch_with_ranks_before_any_rank_starts(capsys):
     assert main(["serve", "demo", "--max-batch", "2", "--hosts", "2"]) != 0
     err = capsys.readouterr().err
     assert "--max-batch does not run with --hosts" in err and "rank" not in err.split(":")[0]
+
+
+def test_a_batch_that_fails_answers_every_reply_and_the_service_goes_on(
+    checkpoint_dir, monkeypatch
+):
+    """An expert read that fails mid-batch (an Edge0Error from a step): each reply in the batch
+    is answered with the error, none is left waiting, and the next request is served."""
+    import queue
+    import threading
+
+    from edge0_tui.engine_service import ReplyDone, ReplyError, ReplyJob
+    from edge0_tui.server.engine_worker import EngineWorker
+    from engine.runtime.batch import Batch
+
+    class WholeText:
+        stopped = False
+
+        def update(self, text: str) -> str:
+            return ""
+
+        def finish(self, text: str) -> str:
+            return text
+
+    steps = []
+    real = Batch.step
+
+    def failing_step(self):
+        steps.append(1)
+        if len(steps) == 4:
+            raise Edge0Error("model.safetensors: a read failed (test)")
+        return real(self)
+
+    monkeypatch.setattr(Batch, "step", failing_step)
+    model = checkpoint_dir("qwen3_moe")
+    config = EngineConfig(mode="on-demand", expert_cache_bytes=120_000, max_batch=2)
+    opened = threading.Event()
+    worker = EngineWorker(
+        lambda: Engine(model, config), on_ready=lambda w: opened.set(), max_batch=2
+    )
+    worker.start()
+    try:
+        assert opened.wait(60)
+        answers = [queue.Queue() for _ in range(3)]
+        for prompt, answer in zip([[5, 9, 13], [7, 3, 8]], answers):
+            worker.service.submit(
+                ReplyJob("", _greedy(8), answer.put, WholeText(), prompt_tokens=prompt)
+            )
+        failed = [answers[0].get(timeout=60), answers[1].get(timeout=60)]
+        assert all(isinstance(a, ReplyError) and "a read failed" in str(a.error) for a in failed)
+        assert worker.service.running == 0
+        worker.service.submit(
+            ReplyJob("", _greedy(4), answers[2].put, WholeText(), prompt_tokens=[9])
+        )
+        assert isinstance(answers[2].get(timeout=60), ReplyDone)
+        # A bug while a token is handed on (not in a step): the same, each reply answered.
+        from edge0_tui.engine_service import service as service_module
+
+        took = service_module._ReplyRun._took
+        handed = []
+
+        def buggy_took(self, token):
+            handed.append(1)
+            if len(handed) == 3:
+                raise RuntimeError("a bug (test)")
+            return took(self, token)
+
+        monkeypatch.setattr(service_module._ReplyRun, "_took", buggy_took)
+        answers = [queue.Queue() for _ in range(2)]
+        for prompt, answer in zip([[5, 9, 13], [7, 3, 8]], answers):
+            job = ReplyJob("", _greedy(8), answer.put, WholeText(), prompt_tokens=prompt)
+            worker.service.submit(job)
+        failed = [answers[0].get(timeout=60), answers[1].get(timeout=60)]
+        assert all(isinstance(a, ReplyError) and "a bug" in str(a.error) for a in failed), failed
+        assert worker.service.running == 0
+    finally:
+        worker.service.shutdown()
+        worker.service.join(30)

@@ -51,22 +51,25 @@ class BatchRun:
         self._join(first, prompt, generation)
 
     def run(self) -> None:
-        """Step until every reply has ended, taking in the jobs that can join at each step."""
+        """Step until every reply has ended, taking in the jobs that can join at each step. A
+        failure (an expert read that fails, or a bug) ends every reply still in the batch with
+        it, each answered; the service goes on."""
+        try:
+            self._steps()
+        except Edge0Error as e:  # e.g. an expert read failed: every reply says so
+            self._fail_all(e)
+        except Exception as e:
+            if self.service._bugs_end_service:
+                raise
+            traceback.print_exc()  # a bug: these requests fail, the service goes on
+            self._fail_all(Edge0Error(f"the batch stopped: {e}"))
+
+    def _steps(self) -> None:
         service, batch = self.service, self.batch
         while batch.busy:
             while batch.size < batch.max_batch and (run := service._take_joiner()) is not None:
                 self._take(run)
-            try:
-                out = batch.step()
-            except Edge0Error as e:  # e.g. an expert read failed: every reply says so
-                self._fail_all(e)
-                return
-            except Exception as e:
-                if service._bugs_end_service:
-                    raise
-                traceback.print_exc()  # a bug: these requests fail, the service goes on
-                self._fail_all(Edge0Error(f"the batch stopped: {e}"))
-                return
+            out = batch.step()
             for member, token in out.tokens:
                 self.runs[id(member)]._took(token)
             for member in out.ended:
