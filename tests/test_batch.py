@@ -320,3 +320,19 @@ def test_a_batch_that_fails_answers_every_reply_and_the_service_goes_on(
     finally:
         worker.service.shutdown()
         worker.service.join(30)
+
+
+def test_a_model_whose_caches_do_not_batch_runs_its_replies_one_at_a_time(checkpoint_dir):
+    """llama4's chunked attention cache has no batched form in mlx-lm: its batch takes one reply
+    at a time, the same tokens as alone, and a second join waits (refused as full)."""
+    model = checkpoint_dir("llama4")
+    with Engine(model, EngineConfig(mode="on-demand", max_batch=3)) as engine:
+        alone = engine.generate([5, 9, 13], _greedy(6)).tokens
+        batch = engine.batch()
+        assert not batch.rows_merge and batch.max_batch == 1
+        member = batch.join([5, 9, 13], _greedy(6))
+        with pytest.raises(Edge0Error, match="full"):
+            batch.join([7, 3], _greedy(6))
+        while batch.busy:
+            batch.step()
+        assert member.result.tokens == alone

@@ -77,7 +77,10 @@ class Batch:
         if max_batch < 1:
             raise Edge0Error(f"max_batch={max_batch} must be at least 1")
         self.engine = engine
-        self.max_batch = max_batch
+        # mlx-lm batches most KV caches (attention, linear attention, sliding windows); one it
+        # cannot (llama4's chunked attention) decodes its replies one at a time here.
+        self.rows_merge = all(hasattr(c, "merge") for c in make_prompt_cache(engine.model))
+        self.max_batch = max_batch if self.rows_merge else 1
         self.members: list[Member] = []  # decoding, in the caches' row order
         self.joining: list[tuple[Member, Iterator[None]]] = []  # prefilling, first first
         self._decoder = Decoder(engine, [], None, None)  # the batch's steps, over its caches
@@ -208,7 +211,10 @@ class Batch:
 
     def _add_rows(self, member: Member) -> None:
         """A prefilled member's cache and routing state become the batch's last row."""
-        rows = [layer.merge([layer]) for layer in member.cache]
+        if not self.rows_merge:  # the only member: its own cache is the batch's
+            rows = member.cache
+        else:
+            rows = [layer.merge([layer]) for layer in member.cache]
         if not self._decoder.cache:
             self._decoder.cache = rows
         else:

@@ -438,7 +438,8 @@ class Engine:
 
     def batch(self) -> Batch:
         """Replies that decode together, joining and leaving at any step (runtime/batch.py), at
-        most `EngineConfig.max_batch`: the memory plan counts that many KV caches."""
+        most `EngineConfig.max_batch` (the memory plan counts that many KV caches); one at a time
+        where the model's KV caches cannot be batched (`Batch.rows_merge`)."""
         if self.share is not None:
             raise Edge0Error("batched replies are not available with several ranks")
         return Batch(self, self.config.max_batch)
