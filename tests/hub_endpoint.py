@@ -55,6 +55,8 @@ class HubEndpoint:
         self.cuts: dict[tuple[str, str], int] = {}
         self.bytes_sent: Counter[tuple[str, str]] = Counter()
         self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._sending = 0  # file bodies being sent now
         handler = type("Handler", (_Handler,), {"hub": self})
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
         self._server.daemon_threads = True
@@ -92,6 +94,17 @@ class HubEndpoint:
     def count(self, repo_id: str, file: str, n: int) -> None:
         with self._lock:
             self.bytes_sent[(repo_id, file)] += n
+
+    def sending(self, change: int) -> None:
+        with self._idle:
+            self._sending += change
+            self._idle.notify_all()
+
+    def wait_until_idle(self, timeout: float = 30.0) -> None:
+        """Until no file body is being sent: a client that stopped reading leaves its handler
+        writing (and counting) into the socket until the connection is seen closed."""
+        with self._idle:
+            assert self._idle.wait_for(lambda: self._sending == 0, timeout), "a body still sent"
 
 
 def files_of(folder: Path) -> list[Path]:
@@ -202,16 +215,20 @@ class _Handler(BaseHTTPRequestHandler):
         if (cut := self.hub.take_cut(repo_id, name)) is not None:
             length = max(0, min(length, cut - start))
             self.close_connection = True
-        with open(path, "rb") as f:
-            f.seek(start)
-            while length > 0:
-                chunk = f.read(min(length, CHUNK_BYTES))
-                try:
-                    self.wfile.write(chunk)
-                except (BrokenPipeError, ConnectionResetError):
-                    return
-                self.hub.count(repo_id, name, len(chunk))
-                length -= len(chunk)
+        self.hub.sending(+1)
+        try:
+            with open(path, "rb") as f:
+                f.seek(start)
+                while length > 0:
+                    chunk = f.read(min(length, CHUNK_BYTES))
+                    try:
+                        self.wfile.write(chunk)
+                    except (BrokenPipeError, ConnectionResetError):
+                        return
+                    self.hub.count(repo_id, name, len(chunk))
+                    length -= len(chunk)
+        finally:
+            self.hub.sending(-1)
 
     def _send(
         self,
