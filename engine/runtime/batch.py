@@ -173,22 +173,18 @@ class Batch:
         cache = make_prompt_cache(engine.model)
         decoder = Decoder(engine, cache, member.sampler, None)
         decoder.switches = False
-        chunk = engine.config.prefill_chunk
-        prompt = member.prompt
-        body = prompt[:-1]
-        for start in range(0, len(body), chunk):
-            if member.should_stop is not None and member.should_stop():
-                member.result.steps = decoder.steps
-                self._end(member, "cancelled")
-                return
-            last_chunk = start + chunk >= len(body)
-            after = prompt[-1] if last_chunk else None
-            tokens = mx.array(body[start : start + chunk])
+        chunks = decoder.prefill(member.prompt, 0, member.should_stop)
+        while True:
             with self._rows_of(member):
-                decoder.finish(decoder.build(tokens, "prefill", after, flush=last_chunk))
+                if next(chunks, "done") == "done":
+                    break
             yield
+        if decoder.stopped_by == "cancelled":
+            member.result.steps = decoder.steps
+            self._end(member, "cancelled")
+            return
         with self._rows_of(member):
-            step = decoder.build(mx.array(prompt[-1:]), "prefill")
+            step = decoder.build(mx.array(member.prompt[-1:]), "prefill")
             member.last = member.sampler.finish(decoder.finish(step))
         member.result.steps = decoder.steps
         member.cache = cache

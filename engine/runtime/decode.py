@@ -174,18 +174,10 @@ class Decoder:
         """Prefill the prompt past its `reused` tokens, then yield each token until an `eos` token,
         `max_tokens`, or `should_stop` (asked before each prefill chunk and after each token)."""
         engine, forced = self.engine, self.forced
-        chunk = engine.config.prefill_chunk
-        body = prompt_tokens[reused:-1]
-        for start in range(0, len(body), chunk):
-            # A long prompt is many chunks, each a forward: a caller gone meanwhile (a client
-            # that disconnected) frees the engine now, not after the whole prefill.
-            if should_stop is not None and should_stop():
-                self.stopped_by = "cancelled"
-                return
-            last_chunk = start + chunk >= len(body)
-            tokens = mx.array(body[start : start + chunk])
-            after = prompt_tokens[-1] if last_chunk else None
-            self.finish(self.build(tokens, "prefill", next_input=after, flush=last_chunk))
+        for _ in self.prefill(prompt_tokens, reused, should_stop):
+            pass
+        if self.stopped_by == "cancelled":
+            return
         given = 0  # tokens given so far: the step being finished gives token `given`
         step = self.build(mx.array(prompt_tokens[-1:]), "prefill", self._next_input(0))
         while True:
@@ -218,6 +210,25 @@ class Decoder:
                 continue
             self.cache_holds_last = ahead is not None  # it fed this last token already
             return
+
+    def prefill(
+        self, prompt_tokens: list[int], reused: int, should_stop: Callable[[], bool] | None
+    ) -> Iterator[None]:
+        """The prompt past its `reused` tokens, all but its last, a chunk a forward, yielding
+        after each (a batch runs its members' chunks between its steps). `should_stop` is asked
+        before each chunk: a long prompt is many forwards, and a caller gone meanwhile (a client
+        that disconnected) frees the engine now, not after the whole prefill ("cancelled")."""
+        chunk = self.engine.config.prefill_chunk
+        body = prompt_tokens[reused:-1]
+        for start in range(0, len(body), chunk):
+            if should_stop is not None and should_stop():
+                self.stopped_by = "cancelled"
+                return
+            last_chunk = start + chunk >= len(body)
+            tokens = mx.array(body[start : start + chunk])
+            after = prompt_tokens[-1] if last_chunk else None
+            self.finish(self.build(tokens, "prefill", next_input=after, flush=last_chunk))
+            yield
 
     @property
     def pipelined(self) -> bool:
