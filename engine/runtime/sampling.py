@@ -81,13 +81,14 @@ class Sampler:
     """Picks each token of one reply; call it with the last position's logits (1, vocab)."""
 
     def __init__(self, gen: GenerationConfig, prompt_tokens: list[int]) -> None:
-        self._sample = make_sampler(
-            gen.temperature, top_p=gen.top_p, min_p=gen.min_p, top_k=gen.top_k
-        )
         self._key = None
         if gen.seed is not None and gen.temperature != 0:
             self._key = mx.random.key(gen.seed)
             self._sample = keyed_sampler(gen)
+        else:
+            self._sample = make_sampler(
+                gen.temperature, top_p=gen.top_p, min_p=gen.min_p, top_k=gen.top_k
+            )
         self._processors = logits_processors(gen)
         # What the penalties look at (only kept when there are penalties), on the device: the
         # next step's graph can take a token the host has not read yet, as mlx-lm's does.
