@@ -32,14 +32,6 @@ def batchable(job: ReplyJob) -> bool:
     return job.generation.draft is None
 
 
-def joins_now(service: EngineService, job: ReplyJob) -> bool:
-    """Whether `job` can join the running batch now: it asks for no other K or mode."""
-    engine = service.engine
-    k, mode = service._profile_for(engine, job)
-    same = k in (None, engine.k) and mode in (None, engine.mode)
-    return same and batchable(job)
-
-
 class BatchRun:
     """The batch on the engine thread, from its first job until its last reply ends."""
 

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from engine import HEAD_MODES, Edge0Error
 
 from ..live_metrics import HISTORY_STEPS, LiveMetrics
-from .batching import BatchRun, batchable, joins_now
+from .batching import BatchRun, batchable
 from .jobs import (
     EngineOpened,
     EngineUnavailable,
@@ -307,30 +307,35 @@ class EngineService:
             self._finished(job)
 
     def _run(self, reply: _ReplyRun) -> None:
-        """One job's reply: alone, or as the first of a batch that others join (batching.py)."""
-        if self.max_batch == 1:
-            reply.run()
-            return
+        """One job's reply: alone, or as the first of a batch that others join (batching.py).
+        An Edge0Error is the request's answer (SwitchRefused too), anything else a bug."""
         try:
             prompt, generation = reply.prepare()
         except Edge0Error as e:
             reply.fail(e)
             return
-        if not batchable(reply.job):
+        if self.max_batch > 1 and batchable(reply.job):
+            BatchRun(self, reply, prompt, generation).run()
+        else:
             reply.stream(prompt, generation)
-            return
-        BatchRun(self, reply, prompt, generation).run()
 
     def _take_joiner(self) -> _ReplyRun | None:
         """The job at the head of the queue, when it can join the running batch now; None when
         the head is a chore, another profile's job, or nothing (it waits for the batch to end)."""
         with self._cv:
             head = self._queue[0] if self._queue else None
-            if self.quitting or not isinstance(head, ReplyJob) or not joins_now(self, head):
+            if self.quitting or not isinstance(head, ReplyJob) or not self._joins_now(head):
                 return None
             self._queue.popleft()
             self._running.append(head)
         return _ReplyRun(self, self.engine, head)
+
+    def _joins_now(self, job: ReplyJob) -> bool:
+        """Whether `job` can join the running batch now: it asks for no other K or mode."""
+        engine = self.engine
+        k, mode = self._profile_for(engine, job)
+        same = k in (None, engine.k) and mode in (None, engine.mode)
+        return same and batchable(job)
 
     def _finished(self, job: ReplyJob) -> None:
         with self._cv:
@@ -469,15 +474,6 @@ class _ReplyRun:
         previous = service.live
         self.steps: deque[StepMetrics] = deque(previous.recent_steps, maxlen=HISTORY_STEPS)
         self.token_ms: deque[float] = deque(previous.recent_token_ms, maxlen=HISTORY_STEPS)
-
-    def run(self) -> None:
-        """Generate and answer; an Edge0Error is the request's answer, anything else a bug."""
-        try:
-            prompt, generation = self.prepare()
-        except Edge0Error as e:  # SwitchRefused too
-            self.fail(e)
-            return
-        self.stream(prompt, generation)
 
     def stream(self, prompt: list[int], generation: GenerationConfig) -> None:
         """The reply to a prepared prompt, alone on the engine."""
