@@ -20,9 +20,9 @@ from textual.screen import Screen
 
 from engine import MODES, Edge0Error, EngineConfig, GenerationConfig
 
-from .chat_controller import Outcome, mode_unavailable
+from .chat_controller import mode_unavailable
 from .chat_store import ChatStore
-from .engine_session import EngineSession, ReloadRefusedAsRanks
+from .engine_session import EngineSession
 from .last_session import LastSession, LastSessionFile
 from .messages import EngineReady
 from .model_source import DEMO
@@ -102,14 +102,6 @@ class Edge0App(App[None]):
 
     def _show_ranks(self) -> None:
         self.title = f"{self.TITLE} · {self.session.ranks_line()}"
-
-    def on_reload_refused_as_ranks(self, event: ReloadRefusedAsRanks) -> None:
-        """The model stays loaded on every rank: the chat is ready as it was, and the mode that
-        runs is shown and kept (the refused choice was kept as it was made)."""
-        chat, running = self.chat_screen, self.session.metrics.mode
-        self.opening = None
-        chat.show_outcome(chat.controller.refused(event.error, reloading=False))
-        chat.show_outcome(Outcome(mode=running, kept={"mode": running}))
 
     def remember(self, **changes) -> None:
         """Keep what the user chose for this model (sampling, K, mode, budgets) for next time."""

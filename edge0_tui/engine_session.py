@@ -12,7 +12,8 @@ The UI thread talks to that thread only through this object (method calls down):
 - `metrics` is the frozen snapshot the engine thread replaces after every token, and the UI reads.
 Running as ranks (`edge0 chat --hosts`), the other ranks follow each reply with the K and mode
 the engine agrees with them at each step; what would load the model again (`reload`,
-`open_model`) is refused (`ReloadRefusedAsRanks`): the others hold the model loaded.
+`open_model`) is not asked for: `reload_refusal` says why (the others hold the model loaded),
+and the chat controller and the model picker ask it first.
 The engine thread answers with the messages in `edge0_tui.messages`, posted, never awaited
 (messages up): workers never touch widgets.
 """
@@ -71,15 +72,6 @@ Post = Callable[[Message], object]
 class ReplyRequest:
     messages: list[dict]  # the whole conversation, `role`/`content` dicts
     generation: GenerationConfig
-
-
-class ReloadRefusedAsRanks(Message):
-    """`reload` or `open_model` refused while running as ranks. It bubbles past the chat screen
-    to the app, which makes the chat ready again as it was."""
-
-    def __init__(self, error: str) -> None:
-        super().__init__()
-        self.error = error
 
 
 class ShownText:
@@ -220,10 +212,7 @@ class EngineSession:
 
     def reload(self, mode: str) -> None:
         """Load the model again in `mode` (resident <-> streaming); answered with EngineReady,
-        or SwitchFailed and the old mode loaded back. Refused running as ranks."""
-        if refusal := self.reload_refusal():
-            self._post(ReloadRefusedAsRanks(refusal))
-            return
+        or SwitchFailed and the old mode loaded back. Not while `reload_refusal` says why."""
         self.service.reload(lambda: self._open_in(mode))
 
     def open_model(
@@ -236,10 +225,7 @@ class EngineSession:
         the attribute). Answered with EngineReady; or ModelRefused with the one-line reason:
         before anything is closed when `model` cannot be found or is no checkpoint edge0 runs
         (the words `edge0 chat` says it in), else after, with the model before loaded back as it
-        ran (its K and mode) and its EngineReady. Refused running as ranks."""
-        if refusal := self.reload_refusal():
-            self._post(ReloadRefusedAsRanks(refusal))
-            return
+        ran (its K and mode) and its EngineReady. Not while `reload_refusal` says why."""
         self.service.reload(
             lambda: self._open_instead(model, engine_config, fallback),
             check=lambda: self._find(model),
