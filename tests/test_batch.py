@@ -21,6 +21,18 @@ from engine.runtime.generation import Engine
 DEMO = Path(__file__).resolve().parents[1] / "assets" / "demo"
 
 
+class WholeText:
+    """A job's text filter that sends nothing while the reply is written, all of it at its end."""
+
+    stopped = False
+
+    def update(self, text: str) -> str:
+        return ""
+
+    def finish(self, text: str) -> str:
+        return text
+
+
 def _greedy(max_tokens: int, **extra) -> GenerationConfig:
     return GenerationConfig(max_tokens=max_tokens, ignore_eos=True, **extra)
 
@@ -160,15 +172,6 @@ def test_the_service_runs_queued_replies_as_one_batch_and_a_drafted_one_after(ch
 
     from edge0_tui.engine_service import ReplyDone, ReplyJob
 
-    class WholeText:
-        stopped = False
-
-        def update(self, text: str) -> str:
-            return ""
-
-        def finish(self, text: str) -> str:
-            return text
-
     class StopsAfterThree(WholeText):  # a stop sequence found in the third token's text
         def __init__(self) -> None:
             self.seen = 0
@@ -256,15 +259,6 @@ def test_a_batch_that_fails_answers_every_reply_and_the_service_goes_on(
     from edge0_tui.engine_service import ReplyDone, ReplyError, ReplyJob
     from edge0_tui.server.engine_worker import EngineWorker
     from engine.runtime.batch import Batch
-
-    class WholeText:
-        stopped = False
-
-        def update(self, text: str) -> str:
-            return ""
-
-        def finish(self, text: str) -> str:
-            return text
 
     steps = []
     real = Batch.step
